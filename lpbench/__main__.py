@@ -1,0 +1,5 @@
+import sys
+
+from lpbench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,235 @@
+"""lpbench's single entry point: ``lpbench run | report | flops | models | recipes | ...``.
+
+Bad input never ends in a traceback: it prints one line on stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+
+from rich.console import Console
+from rich.table import Table
+
+from lpbench import __version__
+from lpbench.config import RunConfig
+from lpbench.errors import UsageError
+
+console = Console(width=None if sys.stdout.isatty() else 200)
+DEFAULTS = RunConfig()
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2) instead of usage dumps."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _csv(value: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
+# ----------------------------------------------------------------------------- run
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    p.add_argument("--model", default=d.model, help=f"model name from `lpbench models` (default {d.model})")
+    p.add_argument("--precision", type=_csv, default=[d.precision],
+                   help="comma-separated recipes from `lpbench recipes`, run one after another and compared "
+                        f"against the first (default {d.precision})")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help=f"sequence length (default {d.seq_len})")
+    p.add_argument("--mbs", type=int, default=d.mbs, help=f"micro batch size per GPU (default {d.mbs})")
+    p.add_argument("--gbs", type=int, default=d.gbs,
+                   help=f"global batch size; grad accumulation = GBS / (MBS x DP) (default {d.gbs})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                   help=f"first steps excluded from timing (default {d.warmup_steps})")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default 3e-3 for the CPU-sized presets, 3e-4 otherwise)")
+    p.add_argument("--data", default=d.data,
+                   help="mock (learnable random-walk tokens, default), mock-uniform (NeMo's uniform tokens), "
+                        "a text/JSONL/parquet file or folder, or a Megatron .bin/.idx prefix")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"random seed for weights and data (default {d.seed})")
+    p.add_argument("--device", default=d.device, help="auto (GPU if present), cpu, cuda or cuda:N (default auto)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: on for CUDA, off for CPU)")
+    p.add_argument("--emulate", action=argparse.BooleanOptionalAction, default=None,
+                   help="allow exact emulation of formats the GPU lacks (default: on for CPU, off on GPU)")
+    p.add_argument("--flops-formula", default=d.flops_formula,
+                   help=f"model FLOPs formula: megatron, nemo-legacy or mha (default {d.flops_formula})")
+    p.add_argument("--log-interval", type=int, default=d.log_interval, help="print a log line every N steps")
+    p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
+
+
+def configs_from_args(args) -> list[RunConfig]:
+    base = RunConfig(model=args.model, seq_len=args.seq_len, mbs=args.mbs, gbs=args.gbs, steps=args.steps,
+                     warmup_steps=args.warmup_steps, lr=args.lr, data=args.data, seed=args.seed, device=args.device,
+                     compile=args.compile, emulate=args.emulate, flops_formula=args.flops_formula,
+                     log_interval=args.log_interval)
+    return [base.with_(precision=p).validate() for p in args.precision]
+
+
+def cmd_run(args) -> int:
+    from lpbench.bench.store import ResultsStore
+    from lpbench.report.tables import summary_rows, to_rich
+    from lpbench.train.loop import RunResult, train
+
+    configs = configs_from_args(args)  # validate every config before any work starts
+    store = ResultsStore(args.results)
+    group = uuid.uuid4().hex[:12]
+    for cfg in configs:
+        try:
+            result = train(cfg, log=lambda line: print(line, flush=True))
+        except UsageError:
+            raise
+        except Exception as exc:  # one failing recipe must not take the others down
+            result = RunResult(config=cfg, status="error", error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+            console.print(f"[red]lpbench: {cfg.precision} failed: {result.error}[/red]")
+        store.add_run(config=cfg.to_dict(), status=result.status, error=result.error, metrics=result.metrics,
+                      steps=result.steps, env=result.env, run_key=cfg.key(), group_id=group)
+    rows = summary_rows(store.runs("group_id = ?", (group,)))
+    console.print(to_rich(rows, title=f"lpbench run {group} -> {store.path}"))
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+# ----------------------------------------------------------------------------- report
+def cmd_report(args) -> int:
+    from lpbench.bench.store import ResultsStore
+    from lpbench.report.tables import summary_rows, to_csv, to_json, to_markdown
+
+    rows = summary_rows(ResultsStore(args.results, create=False).runs())
+    render = {"md": to_markdown, "csv": to_csv, "json": to_json}[args.format]
+    print(render(rows))
+    return 0
+
+
+# ----------------------------------------------------------------------------- flops
+def cmd_flops(args) -> int:
+    from lpbench.metrics.flops import days_to_train, flops_per_token, tflops_per_gpu
+    from lpbench.models import get_model_config
+
+    model = get_model_config(args.model)
+    if args.seq_len <= 0 or args.num_gpus <= 0 or args.tokens <= 0:
+        raise UsageError("--seq-len, --num-gpus and --tokens must be positive")
+    fpt = flops_per_token(model, args.seq_len, args.formula)
+    out = {"model": model.name, "seq_len": args.seq_len, "formula": args.formula, "flops_per_token": fpt,
+           "flops_per_sample": fpt * args.seq_len}
+    if args.tokens_per_sec_per_gpu is not None:
+        if args.tokens_per_sec_per_gpu <= 0:
+            raise UsageError("--tokens-per-sec-per-gpu must be positive")
+        out.update(tokens_per_sec_per_gpu=args.tokens_per_sec_per_gpu, num_gpus=args.num_gpus,
+                   tflops_per_gpu=tflops_per_gpu(fpt, args.tokens_per_sec_per_gpu), tokens=args.tokens,
+                   days_to_train=days_to_train(args.tokens, args.tokens_per_sec_per_gpu, args.num_gpus))
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    console.print(f"{model.name} at seq {args.seq_len}, formula {args.formula} (forward + backward):")
+    console.print(f"  FLOPs per token : {fpt:.4e}")
+    console.print(f"  FLOPs per sample: {fpt * args.seq_len:.4e}")
+    if "tflops_per_gpu" in out:
+        console.print(f"  {args.tokens_per_sec_per_gpu:,.0f} tokens/s/GPU -> {out['tflops_per_gpu']:,.1f} TFLOP/s/GPU")
+        console.print(f"  {args.tokens:.3g} tokens on {args.num_gpus} GPU(s): {out['days_to_train']:,.2f} days")
+    return 0
+
+
+# ----------------------------------------------------------------------------- models / recipes
+def cmd_models(args) -> int:
+    from lpbench.models import MODELS, build_model, count_parameters
+
+    rows = []
+    for cfg in MODELS.values():
+        params = count_parameters(build_model(cfg, device="meta"))
+        notes = [cfg.norm + "norm", cfg.activation, cfg.positions]
+        notes += [f"rope {cfg.rope_fraction:.0%}"] if cfg.rope_fraction != 1 else []
+        notes += ["qk-norm"] if cfg.qk_norm else []
+        notes += ["tied"] if cfg.tie_embeddings else []
+        notes += [f"MoE {cfg.n_experts}x top-{cfg.top_k}"] if cfg.n_experts else []
+        rows.append({"name": cfg.name, "layers": cfg.n_layers, "hidden": cfg.dim, "ffn": cfg.ffn_dim,
+                     "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "head_dim": cfg.hd, "vocab": cfg.vocab_size,
+                     "max_seq_len": cfg.max_seq_len, "params": params, "notes": ", ".join(notes)})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title="lpbench models (parameters counted on the meta device)")
+    for col in ("name", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "params", "notes"):
+        table.add_column(col)
+    for r in rows:
+        p = r["params"]
+        table.add_row(*(str(r[c]) for c in ("name", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim",
+                                            "vocab")), f"{p / 1e9:.2f} B" if p >= 1e8 else f"{p / 1e6:.1f} M",
+                      r["notes"])
+    console.print(table)
+    return 0
+
+
+def cmd_recipes(args) -> int:
+    from lpbench.precision.recipes import RECIPES
+
+    table = Table(title="lpbench precision recipes")
+    table.add_column("name")
+    table.add_column("description")
+    for r in RECIPES.values():
+        table.add_row(r.name, r.description)
+    console.print(table)
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+def build_parser() -> Parser:
+    parser = Parser(prog="lpbench", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"lpbench {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser, required=True)
+
+    p = sub.add_parser("run", help="train one or more precisions on the same work and compare them")
+    add_run_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("report", help="print the results database as a table")
+    p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
+    p.add_argument("--format", choices=["md", "csv", "json"], default="md", help="output format (default md)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("flops", help="model FLOPs per token/sample, TFLOP/s for a throughput, days to train")
+    p.add_argument("--model", required=True, help="model name from `lpbench models`")
+    p.add_argument("--seq-len", type=int, required=True, help="sequence length")
+    p.add_argument("--formula", default="megatron", help="megatron (default), nemo-legacy or mha")
+    p.add_argument("--tokens-per-sec-per-gpu", type=float, help="measured throughput to convert")
+    p.add_argument("--num-gpus", type=int, default=1, help="GPU count for time-to-train (default 1)")
+    p.add_argument("--tokens", type=float, default=1e12, help="tokens for time-to-train (default 1e12)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_flops)
+
+    p = sub.add_parser("models", help="list the model zoo with parameter counts")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("recipes", help="list the precision recipes")
+    p.set_defaults(func=cmd_recipes)
+
+    from lpbench.data.prepare import add_parser as add_data_parser
+
+    add_data_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv or ["run"])
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"lpbench {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lpbench: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

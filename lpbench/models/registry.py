@@ -1,0 +1,91 @@
+"""Named architectures: every model lpbench knows is one ``ModelConfig`` instance here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from lpbench.errors import UsageError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    n_layers: int
+    dim: int
+    ffn_dim: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    head_dim: int | None = None  # default dim // n_heads
+    norm: str = "rms"  # "rms" | "layer"
+    norm_eps: float = 1e-5
+    activation: str = "swiglu"  # "swiglu" (gated) | "sqrelu" | "gelu"
+    positions: str = "rope"  # "rope" | "learned"
+    rope_theta: float = 500_000.0
+    rope_fraction: float = 1.0  # share of head_dim that is rotated (Nemotron4: 0.5)
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    bias: bool = False
+    n_experts: int = 0  # 0 = dense MLP
+    top_k: int = 1
+    max_seq_len: int = 8192
+    family: str = "llama"
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def gated(self) -> bool:
+        return self.activation == "swiglu"
+
+    @property
+    def experts_per_token(self) -> int:
+        return self.top_k if self.n_experts else 1
+
+
+def _llama(name, L, h, ffn, heads, vocab=128256, kv=8, **kw):
+    return ModelConfig(name, L, h, ffn, heads, kv, vocab, max_seq_len=131072, **kw)
+
+
+MODELS: dict[str, ModelConfig] = {
+    m.name: m
+    for m in (
+        _llama("llama3-8b", 32, 4096, 14336, 32),
+        _llama("llama3-70b", 80, 8192, 28672, 64),
+        _llama("llama3.1-405b", 126, 16384, 53248, 128),
+        _llama("llama3.2-1b", 16, 2048, 8192, 32, tie_embeddings=True),
+        _llama("llama3.2-3b", 28, 3072, 8192, 24, tie_embeddings=True),
+        ModelConfig("qwen3-4b", 36, 2560, 9728, 32, 8, 151936, head_dim=128, norm_eps=1e-6, qk_norm=True,
+                    rope_theta=1e6, tie_embeddings=True, max_seq_len=40960, family="qwen3"),
+        ModelConfig("qwen3-14b", 40, 5120, 17408, 40, 8, 151936, head_dim=128, norm_eps=1e-6, qk_norm=True,
+                    rope_theta=1e6, max_seq_len=40960, family="qwen3"),
+        ModelConfig("nemotron4-15b", 32, 6144, 24576, 48, 8, 256000, norm="layer", activation="sqrelu",
+                    rope_theta=10_000.0, rope_fraction=0.5, max_seq_len=4096, family="nemotron4"),
+        ModelConfig("nemotron4-340b", 96, 18432, 73728, 96, 8, 256000, head_dim=192, norm="layer",
+                    activation="sqrelu", rope_theta=10_000.0, rope_fraction=0.5, max_seq_len=4096,
+                    family="nemotron4"),
+        ModelConfig("mixtral-8x7b", 32, 4096, 14336, 32, 8, 32000, rope_theta=1e6, n_experts=8, top_k=2,
+                    max_seq_len=32768, family="mixtral"),
+        ModelConfig("mixtral-8x22b", 56, 6144, 16384, 48, 8, 32000, rope_theta=1e6, n_experts=8, top_k=2,
+                    max_seq_len=65536, family="mixtral"),
+        ModelConfig("gpt3-175b", 96, 12288, 49152, 96, 96, 51200, norm="layer", activation="gelu",
+                    positions="learned", tie_embeddings=True, bias=True, max_seq_len=2048, family="gpt3"),
+        # CPU-sized llama-family presets for tests and the default run.
+        ModelConfig("tiny", 4, 128, 384, 4, 2, 2048, rope_theta=10_000.0, tie_embeddings=True,
+                    max_seq_len=2048, family="llama"),
+        ModelConfig("small", 8, 512, 1536, 8, 4, 8192, rope_theta=10_000.0, tie_embeddings=True,
+                    max_seq_len=4096, family="llama"),
+    )
+}
+
+
+def get_model_config(name: str) -> ModelConfig:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise UsageError(f"unknown model {name!r}; valid: {', '.join(MODELS)}") from None
+
+
+def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
+    return replace(cfg, **{k: v for k, v in kw.items() if v is not None})

@@ -1,0 +1,68 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lpbench.cli import main
+
+TINY = ["--model", "tiny", "--seq-len", "32", "--mbs", "2", "--gbs", "4", "--steps", "6", "--warmup-steps", "2"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "--model", "gpt5"], "unknown model 'gpt5'; valid: llama3-8b"),
+    (["run", "--precision", "bf16,fp3"], "unknown precision 'fp3'; valid: bf16"),
+    (["run", "--gbs", "10", "--mbs", "4"], "global batch 10 is not divisible by micro batch 4"),
+    (["run", "--steps", "0"], "--steps must be positive"),
+    (["run", "--steps", "5", "--warmup-steps", "5"], "must be less than --steps"),
+    (["run", "--model", "tiny", "--seq-len", "4096"], "exceeds tiny's limit of 2048"),
+    (["run", "--steps", "abc"], "invalid int value"),
+    (["run", "--flops-formula", "magic"], "unknown FLOP formula"),
+    (["flops", "--model", "llama3-8b", "--seq-len", "8192", "--formula", "magic"], "unknown FLOP formula"),
+    (["report", "--results", "/nonexistent/lpbench"], "no results database"),
+])
+def test_bad_input_exits_2_with_one_line(argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main([*argv, *(["--results", str(tmp_path)] if argv[0] == "run" else [])]))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "results.db").exists()  # nothing written for a rejected run
+
+
+def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "lpbench.cli", "run", "--model", "nope", "--results", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "unknown model 'nope'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_flops_json(capsys):
+    assert main(["flops", "--model", "llama3-8b", "--seq-len", "8192", "--formula", "nemo-legacy",
+                 "--tokens-per-sec-per-gpu", "33099", "--num-gpus", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tflops_per_gpu"] == pytest.approx(1917, rel=0.005)
+    assert out["flops_per_sample"] == pytest.approx(out["flops_per_token"] * 8192)
+    assert out["days_to_train"] == pytest.approx(1e12 / (33099 * 8) / 86400)
+
+
+def test_models_lists_every_model(capsys):
+    assert main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert {"llama3-8b", "qwen3-14b", "nemotron4-340b", "mixtral-8x22b", "gpt3-175b", "tiny"} <= set(rows)
+    assert round(rows["llama3.2-1b"]["params"] / 1e9, 2) == 1.24
+
+
+def test_run_then_report(tmp_path, capsys):
+    assert main(["run", *TINY, "--precision", "bf16,fp32", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("train_step_timing in s:") == 12 and "elapsed time per iteration (ms):" in out
+    assert main(["report", "--results", str(tmp_path), "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["precision"] for r in rows] == ["bf16", "fp32"]
+    assert rows[0]["speedup"] == pytest.approx(1.0) and rows[1]["speedup"] > 0
+    assert all(r["status"] == "ok" and r["tokens_per_sec_per_gpu"] > 0 for r in rows)
+    assert main(["report", "--results", str(tmp_path), "--format", "md"]) == 0
+    md = capsys.readouterr().out
+    assert md.startswith("| model | precision |") and md.count("\n| tiny |") == 2
+    assert main(["report", "--results", str(tmp_path), "--format", "csv"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("id,group_id,workload,model,precision")
