@@ -168,13 +168,60 @@ def cmd_models(args) -> int:
 
 
 def cmd_recipes(args) -> int:
+    import dataclasses
+
+    import torch
+
+    from lpbench.precision.policy import native_supported
     from lpbench.precision.recipes import RECIPES
 
-    table = Table(title="lpbench precision recipes")
-    table.add_column("name")
-    table.add_column("description")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    rows = []
     for r in RECIPES.values():
-        table.add_row(r.name, r.description)
+        params = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
+                  if f.name not in ("name", "description") and getattr(r, f.name) != f.default}
+        rows.append({"name": r.name, "path": "native" if native_supported(r, device) else "emulated",
+                     "params": {k: str(v).replace("torch.", "") for k, v in params.items()},
+                     "description": r.description})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title=f"lpbench precision recipes (path on this device: {where})")
+    for col in ("name", "path", "parameters", "description"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(r["name"], r["path"], ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-",
+                      r["description"])
+    console.print(table)
+    return 0
+
+
+def cmd_quant_error(args) -> int:
+    from lpbench.precision import DISTRIBUTIONS, ROLES, quant_error_table
+    from lpbench.precision.recipes import get_recipe
+
+    recipes = args.precision or None
+    for name in recipes or []:
+        get_recipe(name)
+    for role in args.role or []:
+        if role not in ROLES:
+            raise UsageError(f"unknown role {role!r}; valid: {', '.join(ROLES)}")
+    for dist in args.distribution or []:
+        if dist not in DISTRIBUTIONS:
+            raise UsageError(f"unknown distribution {dist!r}; valid: {', '.join(DISTRIBUTIONS)}")
+    if len(args.shape) != 2 or min(args.shape) <= 0:
+        raise UsageError("--shape takes two positive integers, e.g. --shape 512 1024")
+    rows = quant_error_table(recipes, args.role or ROLES, args.distribution or DISTRIBUTIONS,
+                             shape=tuple(args.shape), seed=args.seed)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title=f"quantization error on {args.shape[0]}x{args.shape[1]} tensors (blocks along the last dim)")
+    for col in ("distribution", "recipe", "role", "relative error", "SQNR dB"):
+        table.add_column(col, justify="right" if col in ("relative error", "SQNR dB") else "left")
+    for r in rows:
+        table.add_row(r["distribution"], r["recipe"], r["role"], f"{r['rel_error']:.3e}", f"{r['sqnr_db']:.1f}")
     console.print(table)
     return 0
 
@@ -208,8 +255,20 @@ def build_parser() -> Parser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("recipes", help="list the precision recipes")
+    p = sub.add_parser("recipes", help="list the precision recipes, their parameters and native/emulated here")
+    p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_recipes)
+
+    p = sub.add_parser("quant-error", help="relative error and SQNR of each recipe's quantizer on test tensors")
+    p.add_argument("--precision", type=_csv, help="recipes to compare (default: all)")
+    p.add_argument("--role", type=_csv, help="operand roles: input, weight, grad (default: all)")
+    p.add_argument("--distribution", type=_csv,
+                   help="gaussian, student-t, outlier-channel (default: all)")
+    p.add_argument("--shape", type=int, nargs="+", default=[512, 1024], help="tensor shape (default 512 1024)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_quant_error)
+
 
     from lpbench.data.prepare import add_parser as add_data_parser
 

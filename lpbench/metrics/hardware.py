@@ -43,9 +43,9 @@ def detect_gpu(device_name: str | None) -> GPUPeaks | None:
     return None
 
 
-def peak_tflops(gpu: GPUPeaks | None, gemm_class: str) -> float | None:
+def peak_tflops(gpu: GPUPeaks | None, gemm_class: str | None) -> float | None:
     """Peak for a GEMM class ('bf16', 'fp8', 'fp4'); None where the GPU has no such unit."""
-    if gpu is None:
+    if gpu is None or gemm_class is None:
         return None
     return getattr(gpu, gemm_class, None)
 

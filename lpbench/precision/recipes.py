@@ -1,7 +1,9 @@
 """Precision recipes as data.
 
 A recipe is a frozen dataclass instance; adding a recipe means adding an instance to
-``RECIPES``, never editing branches across the tree.
+``RECIPES``, never editing branches across the tree. Every ingredient (scale rule, block
+size, E5M2 gradients, 2-D weight blocks, random Hadamard transform, stochastic rounding,
+BF16 first/last layers) is a field, so ablations are ``dataclasses.replace(recipe, ...)``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from lpbench.errors import UsageError
+from lpbench.precision.formats import FORMATS
+from lpbench.precision.quantize import QSpec
+
+SCALINGS = ("tensor", "delayed", "row", "block", "mx", "nvfp4")
+ROLES = ("input", "weight", "grad")
+GEMMS = ("fprop", "dgrad", "wgrad")
 
 
 @dataclass(frozen=True)
@@ -18,6 +26,79 @@ class Recipe:
     name: str
     description: str
     compute_dtype: torch.dtype = torch.bfloat16  # autocast dtype of everything not quantized
+    scaling: str | None = None  # None: no quantized GEMM; else one of SCALINGS
+    fwd_format: str = "e4m3"  # inputs and weights
+    grad_format: str = "e4m3"  # output gradients ("e5m2": the hybrid FP8 recipe)
+    block: int | None = None  # block length along the reduction dim (block, mx, nvfp4)
+    weight_block_2d: bool = False  # weights in block × block tiles, so W and Wᵀ quantize alike
+    pow2_scales: bool = False  # FP32 scales rounded down to a power of two
+    mx_scale_rounding: str = "rceil"  # "rceil" | "floor" (OCP MX v1.0)
+    amax_history_len: int = 1024  # delayed scaling
+    margin: int = 0  # delayed scaling: scale = FP8_MAX / amax / 2**margin
+    wgrad_bf16: bool = False  # weight-gradient GEMM in the compute dtype
+    rht_wgrad: bool = False  # 16×16 random Hadamard transform on both wgrad operands
+    stochastic_grads: bool = False  # stochastic rounding of output gradients
+    first_bf16_layers: int = 0  # transformer blocks kept in BF16 at the start ...
+    last_bf16_layers: int = 0  # ... and at the end
+    native_capability: tuple[int, int] | None = None  # compute capability with native GEMMs
+
+    def __post_init__(self):
+        if self.scaling is not None and self.scaling not in SCALINGS:
+            raise ValueError(f"{self.name}: unknown scaling {self.scaling!r}; valid: {', '.join(SCALINGS)}")
+        for fmt in (self.fwd_format, self.grad_format):
+            if fmt not in FORMATS:
+                raise ValueError(f"{self.name}: unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
+        if self.scaling in ("block", "mx", "nvfp4") and not self.block:
+            raise ValueError(f"{self.name}: {self.scaling} scaling needs a block size")
+        if self.mx_scale_rounding not in ("rceil", "floor"):
+            raise ValueError(f"{self.name}: mx_scale_rounding must be 'rceil' or 'floor'")
+        if self.scaling == "block" and not self.pow2_scales:
+            # Emulation folds block scales into BF16 operands, exact only for powers of two.
+            raise ValueError(f"{self.name}: blockwise scaling needs pow2_scales=True")
+
+    @property
+    def quantized(self) -> bool:
+        return self.scaling is not None
+
+    @property
+    def gemm_class(self) -> str | None:
+        """Which peak its GEMMs run at when native: 'bf16', 'fp8', 'fp4' (None for FP32)."""
+        if not self.quantized:
+            return None if self.compute_dtype == torch.float32 else "bf16"
+        return "fp4" if self.fwd_format == "e2m1" else "fp8"
+
+    @property
+    def dim_multiple(self) -> int:
+        """What a linear's in and out features must divide by (the block, or 16 for FP8 GEMMs)."""
+        return self.block or 16
+
+    def operand(self, role: str, gemm: str) -> QSpec | None:
+        """How operand ``role`` of GEMM ``gemm`` is quantized along that GEMM's reduction dim.
+
+        fprop Y = X·Wᵀ (input, weight), dgrad dX = dY·W (grad, weight),
+        wgrad dW = dYᵀ·X (grad, input). None: that GEMM runs in the compute dtype.
+        """
+        if role not in ROLES or gemm not in GEMMS:
+            raise ValueError(f"role must be one of {ROLES} and gemm one of {GEMMS}, got {role!r}, {gemm!r}")
+        if not self.quantized or (gemm == "wgrad" and self.wgrad_bf16):
+            return None
+        kind = "tensor" if self.scaling == "delayed" else self.scaling
+        if kind == "tensor":
+            block = (None, None)
+        elif kind == "row":
+            block = (1, None)
+        elif role == "weight" and self.weight_block_2d:
+            block = (self.block, self.block)
+        else:
+            block = (1, self.block)
+        return QSpec(
+            kind,
+            FORMATS[self.grad_format if role == "grad" else self.fwd_format],
+            block,
+            pow2=self.pow2_scales,
+            mx_rounding=self.mx_scale_rounding,
+            stochastic=self.stochastic_grads and role == "grad",
+        )
 
 
 RECIPES: dict[str, Recipe] = {
@@ -25,6 +106,48 @@ RECIPES: dict[str, Recipe] = {
     for r in (
         Recipe("bf16", "BF16 GEMMs, FP32 master weights and optimizer state (baseline)"),
         Recipe("fp32", "FP32 everywhere (reference)", compute_dtype=torch.float32),
+        Recipe(
+            "fp8-tensorwise",
+            "FP8 current scaling, one FP32 scale per tensor; E4M3 fwd, E5M2 grads (NeMo cs, TE Float8CurrentScaling)",
+            scaling="tensor", grad_format="e5m2", native_capability=(8, 9),
+        ),
+        Recipe(
+            "fp8-delayed",
+            "FP8 delayed scaling from a 1024-step amax history; E4M3 fwd, E5M2 grads (NeMo ds, TE DelayedScaling)",
+            scaling="delayed", grad_format="e5m2", native_capability=(8, 9),
+        ),
+        Recipe(
+            "fp8-rowwise",
+            "FP8 E4M3, one power-of-two FP32 scale per row along the reduction dim (torchao rowwise)",
+            scaling="row", pow2_scales=True, native_capability=(9, 0),
+        ),
+        Recipe(
+            "fp8-rowwise-gw-hp",
+            "fp8-rowwise with the weight-gradient GEMM in BF16 (torchao rowwise_with_gw_hp)",
+            scaling="row", pow2_scales=True, wgrad_bf16=True, native_capability=(9, 0),
+        ),
+        Recipe(
+            "fp8-blockwise",
+            "FP8 E4M3, 1x128 activation/grad and 128x128 weight blocks, power-of-two scales (DeepSeek-V3, TE Float8BlockScaling)",
+            scaling="block", block=128, weight_block_2d=True, pow2_scales=True, native_capability=(9, 0),
+        ),
+        Recipe(
+            "mxfp8",
+            "MXFP8: E4M3 in 1x32 blocks along the reduction dim, E8M0 scales, RCEIL (OCP MX, TE MXFP8BlockScaling)",
+            scaling="mx", block=32, native_capability=(10, 0),
+        ),
+        Recipe(
+            "mxfp4",
+            "MXFP4: E2M1 in 1x32 blocks along the reduction dim, E8M0 scales, RCEIL (OCP MX)",
+            scaling="mx", block=32, fwd_format="e2m1", grad_format="e2m1", native_capability=(10, 0),
+        ),
+        Recipe(
+            "nvfp4",
+            "NVFP4: E2M1 in 1x16 blocks (16x16 for weights), E4M3 block + FP32 global scales, RHT on wgrad, "
+            "stochastic rounding of grads, last 4 layers BF16 (TE NVFP4BlockScaling)",
+            scaling="nvfp4", block=16, fwd_format="e2m1", grad_format="e2m1", weight_block_2d=True,
+            rht_wgrad=True, stochastic_grads=True, last_bf16_layers=4, native_capability=(10, 0),
+        ),
     )
 }
 
@@ -37,5 +160,11 @@ def get_recipe(name: str) -> Recipe:
 
 
 def apply_recipe(model: torch.nn.Module, recipe: Recipe, *, device: torch.device, emulate: bool) -> dict:
-    """BF16/FP32 recipes quantize nothing; low-precision recipes arrive with the precision package."""
-    return {"path": "native", "quantized": [], "skipped": []}
+    """Swap the model's transformer-block linears for the recipe's quantized ones.
+
+    Returns what was done: ``{"path": "native"|"emulated", "quantized": [...], "skipped": [...]}``.
+    See :func:`lpbench.precision.policy.apply_recipe`.
+    """
+    from lpbench.precision.policy import apply_recipe as apply
+
+    return apply(model, recipe, device=device, emulate=emulate)

@@ -1,0 +1,90 @@
+"""Which modules get which precision, and whether the GEMMs run natively or emulated.
+
+Hand-written and small on purpose: the whole policy is "quantize the linears inside the
+transformer blocks". Embeddings, lm_head, norms, attention BMMs and routers stay in the
+compute dtype; the recipe's first/last N blocks stay BF16; a linear whose in or out
+features do not divide the recipe's block is left BF16 with a warning naming it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from lpbench.errors import UsageError
+from lpbench.precision.linear import NATIVE_SCALINGS, QuantizedLinear
+from lpbench.precision.recipes import Recipe, get_recipe
+
+
+def native_supported(recipe: Recipe, device: torch.device | str) -> bool:
+    """True when ``device`` runs the recipe's GEMMs natively (lpbench has the kernel and the GPU the format)."""
+    device = torch.device(device)
+    if not recipe.quantized:
+        return True
+    if device.type != "cuda" or recipe.native_capability is None or recipe.scaling not in NATIVE_SCALINGS:
+        return False
+    return torch.cuda.get_device_capability(device) >= recipe.native_capability
+
+
+def _why_not_native(recipe: Recipe, device: torch.device) -> str:
+    if device.type != "cuda":
+        return f"{device.type} has no low-precision GEMMs"
+    if recipe.scaling not in NATIVE_SCALINGS:
+        return f"lpbench has no native kernel for {recipe.scaling} scaling yet"
+    major, minor = recipe.native_capability
+    return f"it needs compute capability {major}.{minor}, this GPU has {torch.cuda.get_device_capability(device)}"
+
+
+def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device | str, emulate: bool) -> dict:
+    """Swap every ``nn.Linear`` inside ``model.layers[i]`` (routers excepted) for a QuantizedLinear.
+
+    ``emulate`` allows exact emulation where the device cannot run the recipe natively;
+    without it such a recipe raises UsageError. Returns ``{"path": "native"|"emulated",
+    "quantized": [names], "skipped": [names left BF16 because their dims do not divide]}``.
+    """
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    device = torch.device(device)
+    native = native_supported(recipe, device)
+    result = {"path": "native" if native else "emulated", "quantized": [], "skipped": []}
+    if not recipe.quantized:
+        return result
+    if not native and not emulate:
+        raise UsageError(
+            f"precision {recipe.name} cannot run natively on {device}: {_why_not_native(recipe, device)}; "
+            "pass --emulate to run it with exact emulation (slower, same numerics)"
+        )
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError("apply_recipe needs the transformer blocks in model.layers (an nn.ModuleList)")
+    n, m = len(layers), recipe.dim_multiple
+    for i, layer in enumerate(layers):
+        if i < recipe.first_bf16_layers or i >= n - recipe.last_bf16_layers:
+            continue
+        for name, mod in list(layer.named_modules()):
+            if not isinstance(mod, nn.Linear) or "router" in name:
+                continue
+            full = f"layers.{i}.{name}".rstrip(".")
+            if mod.in_features % m or mod.out_features % m:
+                result["skipped"].append(full)
+                continue
+            q = QuantizedLinear.from_linear(mod, recipe, native=native)
+            if name:
+                parent, _, child = name.rpartition(".")
+                setattr(layer.get_submodule(parent), child, q)
+            else:  # the block itself is a linear
+                layers[i] = q
+            result["quantized"].append(full)
+    if result["skipped"]:
+        warnings.warn(
+            f"{recipe.name}: left in BF16 because in/out features do not divide {m}: {', '.join(result['skipped'])}",
+            stacklevel=2,
+        )
+    if not result["quantized"]:
+        warnings.warn(
+            f"{recipe.name}: no linear was quantized (model has {n} blocks; recipe keeps the first "
+            f"{recipe.first_bf16_layers} and last {recipe.last_bf16_layers} in BF16)",
+            stacklevel=2,
+        )
+    return result

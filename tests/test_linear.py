@@ -1,0 +1,177 @@
+"""The quantized Linear: GEMM emulation, per-GEMM operand quantization, autograd, delayed scaling."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lpbench.precision import RECIPES
+from lpbench.precision.linear import QuantizedLinear, qgemm
+from lpbench.precision.quantize import QSpec, apply_rht, quantize, quantize_fp8, quantize_mx, quantize_nvfp4
+from lpbench.precision.formats import E4M3, E5M2
+
+QUANTIZED = [n for n, r in RECIPES.items() if r.quantized]
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def deq(t, recipe, role, gemm):
+    return quantize(t, recipe.operand(role, gemm)).dequantize().double()
+
+
+def close(a, b, rtol=1e-5):
+    """Equal up to FP32 accumulation order (relative to the output's scale)."""
+    return (a.double() - b.double()).abs().max().item() <= rtol * b.double().abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "qa,qb",
+    [
+        (lambda a: quantize_fp8(a, E5M2), lambda b: quantize_fp8(b, E4M3)),
+        (lambda a: quantize_fp8(a, E4M3, (1, None), pow2=True), lambda b: quantize_fp8(b, E4M3, (1, None))),
+        (lambda a: quantize_fp8(a, E4M3, (1, 128), pow2=True), lambda b: quantize_fp8(b, E4M3, (128, 128), pow2=True)),
+        (lambda a: quantize_mx(a), lambda b: quantize_mx(b)),
+        (lambda a: quantize_nvfp4(a), lambda b: quantize_nvfp4(b, block=(16, 16))),
+    ],
+    ids=["tensor", "row", "block", "mx", "nvfp4"],
+)
+def test_emulated_gemm_equals_gemm_of_dequantized(qa, qb):
+    a, b = qa(randn(64, 256, seed=1)), qb(randn(128, 256, seed=2, scale=0.02))
+    out = qgemm(a, b)
+    assert out.dtype == torch.float32 and out.shape == (64, 128)
+    assert close(out, a.dequantize().double() @ b.dequantize().double().t())
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_forward_is_the_gemm_of_quantized_operands(name):
+    r = RECIPES[name]
+    lin = nn.Linear(256, 128)
+    x = randn(2, 16, 256)
+    y = QuantizedLinear.from_linear(lin, r)(x)
+    ref = deq(x.reshape(32, 256), r, "input", "fprop") @ deq(lin.weight.detach(), r, "weight", "fprop").t()
+    assert y.shape == (2, 16, 128) and y.dtype == torch.float32
+    assert close(y.reshape(32, 128) - lin.bias.detach(), ref)
+
+
+@pytest.mark.parametrize("name", ["fp8-tensorwise", "fp8-rowwise", "fp8-blockwise", "mxfp8", "nvfp4"])
+def test_backward_quantizes_each_gemm_along_its_own_reduction_dim(name):
+    r = dataclasses.replace(RECIPES[name], stochastic_grads=False)  # deterministic, to compare exactly
+    lin = nn.Linear(256, 128)
+    with torch.no_grad():  # magnitudes vary along both dims, so row and column blocks differ
+        lin.weight.copy_(randn(128, 256, seed=2) * torch.logspace(-3, 0, 256) * torch.logspace(0, -2, 128)[:, None])
+    w = lin.weight.detach()
+    x = randn(128, 256, seed=3).requires_grad_()  # 128 tokens: wgrad blocks divide without padding
+    dy = randn(128, 128, seed=4, scale=1e-3)
+    QuantizedLinear.from_linear(lin, r)(x).backward(dy)
+    wgrad_layout = (lambda t: apply_rht(t.t())) if r.rht_wgrad else (lambda t: t.t())
+    dx = deq(dy, r, "grad", "dgrad") @ deq(w.t(), r, "weight", "dgrad").t()
+    dw = deq(wgrad_layout(dy), r, "grad", "wgrad") @ deq(wgrad_layout(x.detach()), r, "input", "wgrad").t()
+    assert close(x.grad, dx) and close(lin.weight.grad, dw)
+    assert torch.equal(lin.bias.grad, dy.sum(0))
+    if r.scaling == "mx":  # the column-wise W copy is not the transposed row-wise copy
+        wrong = deq(dy, r, "grad", "dgrad") @ deq(w, r, "weight", "fprop")
+        assert not close(x.grad, wrong, rtol=1e-7)
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_gradients_close_to_bf16(name):
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 128)
+    x = randn(3, 40, 256).requires_grad_()  # 120 tokens: the wgrad token dim gets padded
+    dy = randn(3, 40, 128, seed=5)
+    (F.linear(x, lin.weight, lin.bias) * dy).sum().backward()
+    ref_dx, ref_dw = x.grad.clone(), lin.weight.grad.clone()
+    x.grad = None
+    lin.zero_grad()
+    (QuantizedLinear.from_linear(lin, RECIPES[name])(x) * dy).sum().backward()
+    bound = 0.97 if "fp4" in name else 0.998
+    cos = lambda a, b: F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()  # noqa: E731
+    assert cos(x.grad, ref_dx) > bound and cos(lin.weight.grad, ref_dw) > bound
+    assert not torch.equal(x.grad, ref_dx)
+
+
+def test_wgrad_in_bf16_for_gw_hp():
+    lin = nn.Linear(64, 32)
+    x = randn(16, 64).requires_grad_()
+    dy = randn(16, 32, seed=1)
+    QuantizedLinear.from_linear(lin, RECIPES["fp8-rowwise-gw-hp"])(x).backward(dy)
+    assert torch.equal(lin.weight.grad, dy.t() @ x.detach())  # FP32 compute dtype: unquantized
+    lin.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = QuantizedLinear.from_linear(lin, RECIPES["fp8-rowwise-gw-hp"])(x)
+    y.backward(dy.bfloat16())
+    ref = dy.bfloat16().float().t() @ x.detach().bfloat16().float()
+    assert torch.equal(lin.weight.grad, ref)
+
+
+@pytest.mark.parametrize("name", ["fp8-tensorwise", "mxfp8", "nvfp4"])
+def test_autocast_dtypes(name):
+    lin = nn.Linear(64, 32)
+    x = randn(4, 64).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = QuantizedLinear.from_linear(lin, RECIPES[name])(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32
+    assert lin.bias.grad.dtype == torch.float32
+    assert QuantizedLinear.from_linear(lin, RECIPES[name])(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_is_an_nn_linear_with_the_same_state_dict():
+    lin = nn.Linear(64, 32)
+    q = QuantizedLinear.from_linear(lin, RECIPES["mxfp8"])
+    assert isinstance(q, nn.Linear) and q.weight is lin.weight and q.bias is lin.bias
+    assert list(q.state_dict()) == list(lin.state_dict())
+    assert "recipe=mxfp8, path=emulated" in repr(q)
+    with pytest.raises(ValueError):
+        QuantizedLinear(64, 32, recipe=RECIPES["bf16"])
+
+
+def test_delayed_scaling_histories_are_buffers_and_used():
+    r = RECIPES["fp8-delayed"]
+    lin = nn.Linear(64, 32, bias=False)
+    q = QuantizedLinear.from_linear(lin, r)
+    assert {"amax_history_input", "amax_history_weight", "amax_history_grad"} <= set(q.state_dict())
+    assert q.amax_history_input.shape == (1024,)
+    x = randn(8, 64).requires_grad_()
+    dy = randn(8, 32, seed=1)
+    q(x).backward(dy)
+    assert q.amax_history_input[0] == x.abs().max() and q.amax_history_weight[0] == lin.weight.abs().max()
+    assert q.amax_history_grad[0] == dy.abs().max()
+    # the next step scales X by FP8_MAX / max(history), not by the current amax
+    q.amax_history_input[7] = 1000.0
+    y = q(x)
+    enc = torch.tensor(448.0) / 1000.0
+    xq = quantize_fp8(x.detach(), E4M3, encode_scale=enc).dequantize().double()
+    wq = quantize_fp8(lin.weight.detach(), E4M3, encode_scale=448.0 / q.amax_history_weight.max()).dequantize().double()
+    assert close(y, xq @ wq.t())
+    assert not close(y, quantize_fp8(x.detach()).dequantize().double() @ wq.t(), rtol=1e-7)
+    assert q.amax_history_input[0] == x.abs().max() and q.amax_history_input[8] == 1000.0
+
+
+def test_odd_token_counts_and_empty_input():
+    for name in QUANTIZED:
+        q = QuantizedLinear.from_linear(nn.Linear(128, 128), RECIPES[name])
+        x = randn(5, 128).requires_grad_()
+        q(x).sum().backward()
+        assert x.grad.shape == (5, 128) and torch.isfinite(q.weight.grad).all()
+        empty = torch.zeros(0, 128, requires_grad=True)
+        assert q(empty).shape == (0, 128)
+
+
+def test_nan_input_propagates():
+    q = QuantizedLinear.from_linear(nn.Linear(64, 32), RECIPES["mxfp8"])
+    x = randn(4, 64)
+    x[1, 3] = math.nan
+    y = q(x)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2, 3]]).all()
+
+
+def test_qspec_dispatch_rejects_unknown_scaling():
+    with pytest.raises(ValueError, match="scaling"):
+        quantize(torch.ones(4, 4), QSpec("int8", E4M3))
