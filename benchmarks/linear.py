@@ -46,6 +46,8 @@ def build(recipe: str, backend: str, k: int, n: int) -> nn.Module:
     if backend == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+        torch._dynamo.reset()  # a fresh compile per shape/recipe: they would share (and exhaust) one cache
+
         model = convert_to_float8_training(nn.Sequential(lin),
                                            config=Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe]))
         return torch.compile(model)

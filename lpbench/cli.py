@@ -19,6 +19,7 @@ from lpbench.errors import UsageError
 
 console = Console(width=None if sys.stdout.isatty() else 200)
 DEFAULTS = RunConfig()
+DEFAULT_PRECISIONS = ["bf16", "fp8-tensorwise", "mxfp8", "nvfp4"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -39,18 +40,30 @@ def _csv(value: str) -> list[str]:
 def add_run_args(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     p.add_argument("--model", default=d.model, help=f"model name from `lpbench models` (default {d.model})")
-    p.add_argument("--precision", type=_csv, default=[d.precision],
+    p.add_argument("--precision", type=_csv, default=None,
                    help="comma-separated recipes from `lpbench recipes`, run one after another and compared "
-                        f"against the first (default {d.precision})")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help=f"sequence length (default {d.seq_len})")
-    p.add_argument("--mbs", type=int, default=d.mbs, help=f"micro batch size per GPU (default {d.mbs})")
-    p.add_argument("--gbs", type=int, default=d.gbs,
-                   help=f"global batch size; grad accumulation = GBS / (MBS x DP) (default {d.gbs})")
+                        f"against the first (default {','.join(DEFAULT_PRECISIONS)}, emulating what the device "
+                        "lacks)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"sequence length (default: the recommended config with --gpu, else {d.seq_len})")
+    p.add_argument("--mbs", type=int, default=None,
+                   help=f"micro batch size per GPU (default: the recommended config with --gpu, else {d.mbs})")
+    p.add_argument("--gbs", type=int, default=None,
+                   help="global batch size; grad accumulation = GBS / (MBS x DP) "
+                        f"(default: the recommended config with --gpu, else {d.gbs})")
+    p.add_argument("--gpu", default=None,
+                   help="take --seq-len/--mbs/--gbs/--tp defaults from lpbench's recommended config for this GPU "
+                        "type (h100, h200, b200, gb200, cpu); explicit flags override")
+    p.add_argument("--num-gpus", type=int, default=None,
+                   help="GPU count of the recommended config to use with --gpu (default: the smallest listed)")
     p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
                    help=f"first steps excluded from timing (default {d.warmup_steps})")
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default 3e-3 for the CPU-sized presets, 3e-4 otherwise)")
+    p.add_argument("--backend", default=d.backend,
+                   help="lpbench (default) or torchao: run fp8-tensorwise/-rowwise/-rowwise-gw-hp through torchao's "
+                        "convert_to_float8_training on the same linears (needs lpbench[torchao] and a GPU)")
     p.add_argument("--data", default=d.data,
                    help="mock (learnable random-walk tokens, default), mock-uniform (NeMo's uniform tokens), "
                         "a text/JSONL/parquet file or folder, or a Megatron .bin/.idx prefix")
@@ -63,25 +76,53 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flops-formula", default=d.flops_formula,
                    help=f"model FLOPs formula: megatron, nemo-legacy or mha (default {d.flops_formula})")
     p.add_argument("--log-interval", type=int, default=d.log_interval, help="print a log line every N steps")
+    p.add_argument("--tp", "-tp", type=int, default=None,
+                   help=f"tensor-parallel size (default: the recommended config's with --gpu, else {d.tp})")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel size; DP = world size / TP, so only a check (default: derived)")
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
+                   help="shard the data-parallel dimension with FSDP2 (per-block groups, BF16 all-gather on "
+                        "CUDA, FP32 gradient reduce-scatter) instead of DDP (default off)")
+    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=d.sequence_parallel,
+                   help="with --tp > 1, split norms and residuals along the sequence (default on)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="start N processes (one per GPU) on this machine through torchrun; not needed when "
+                        "lpbench is started by torchrun or srun")
     p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
 
 
-def configs_from_args(args) -> list[RunConfig]:
+def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
+    """Validated configs, one per precision, for ``world_size`` ranks (default: this launch's)."""
+    from lpbench.bench.recommended import fill_run_args
+    from lpbench.parallel.launch import planned_world
+
+    fill_run_args(args)  # --gpu/--num-gpus defaults; flags left unset get RunConfig's defaults
     base = RunConfig(model=args.model, seq_len=args.seq_len, mbs=args.mbs, gbs=args.gbs, steps=args.steps,
-                     warmup_steps=args.warmup_steps, lr=args.lr, data=args.data, seed=args.seed, device=args.device,
+                     warmup_steps=args.warmup_steps, lr=args.lr, data=args.data, backend=args.backend, seed=args.seed, device=args.device,
                      compile=args.compile, emulate=args.emulate, flops_formula=args.flops_formula,
-                     log_interval=args.log_interval)
-    return [base.with_(precision=p).validate() for p in args.precision]
+                     log_interval=args.log_interval, tp=DEFAULTS.tp if args.tp is None else args.tp,
+                     fsdp=bool(args.fsdp),
+                     sequence_parallel=args.sequence_parallel)
+    base = base.with_world(world_size or planned_world(args.nproc_per_node), dp=args.dp)
+    if args.precision is None:  # the default comparison runs anywhere: emulate what the device lacks
+        base = base.with_(emulate=True if args.emulate is None else args.emulate)
+    return [base.with_(precision=p).validate() for p in args.precision or DEFAULT_PRECISIONS]
 
 
 def cmd_run(args) -> int:
     from lpbench.bench.store import ResultsStore
     from lpbench.report.tables import summary_rows, to_rich
+    from lpbench.parallel.env import detect_world, shutdown
+    from lpbench.parallel.launch import needs_relaunch, relaunch
     from lpbench.train.loop import RunResult, train
 
     configs = configs_from_args(args)  # validate every config before any work starts
-    store = ResultsStore(args.results)
+    if needs_relaunch(args.nproc_per_node):
+        return relaunch(args.nproc_per_node)
+    is_main = detect_world().is_main  # only rank 0 writes the database and prints the table
+    store = ResultsStore(args.results) if is_main else None
     group = uuid.uuid4().hex[:12]
+    statuses = []
     for cfg in configs:
         try:
             result = train(cfg, log=lambda line: print(line, flush=True))
@@ -90,8 +131,14 @@ def cmd_run(args) -> int:
         except Exception as exc:  # one failing recipe must not take the others down
             result = RunResult(config=cfg, status="error", error=f"{type(exc).__name__}: {exc}".splitlines()[0])
             console.print(f"[red]lpbench: {cfg.precision} failed: {result.error}[/red]")
-        store.add_run(config=cfg.to_dict(), status=result.status, error=result.error, metrics=result.metrics,
-                      steps=result.steps, env=result.env, run_key=cfg.key(), group_id=group)
+        statuses.append(result.status)
+        if store is not None:
+            store.add_run(config=cfg.to_dict(), status=result.status, error=result.error, metrics=result.metrics,
+                          steps=result.steps, env=result.env, run_key=cfg.key(), group_id=group, backend=cfg.backend,
+                          num_gpus=cfg.world_size)
+    shutdown()
+    if store is None:
+        return 0 if all(s == "ok" for s in statuses) else 1
     rows = summary_rows(store.runs("group_id = ?", (group,)))
     console.print(to_rich(rows, title=f"lpbench run {group} -> {store.path}"))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
@@ -99,13 +146,9 @@ def cmd_run(args) -> int:
 
 # ----------------------------------------------------------------------------- report
 def cmd_report(args) -> int:
-    from lpbench.bench.store import ResultsStore
-    from lpbench.report.tables import summary_rows, to_csv, to_json, to_markdown
+    from lpbench.report.build import run_report
 
-    rows = summary_rows(ResultsStore(args.results, create=False).runs())
-    render = {"md": to_markdown, "csv": to_csv, "json": to_json}[args.format]
-    print(render(rows))
-    return 0
+    return run_report(args)
 
 
 # ----------------------------------------------------------------------------- flops
@@ -236,9 +279,19 @@ def build_parser() -> Parser:
     add_run_args(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("report", help="print the results database as a table")
+    from lpbench.bench.sweep import add_parser as add_sweep_parser
+
+    add_sweep_parser(sub)
+
+    p = sub.add_parser("report", help="tables (NeMo style), plots and an HTML page from the results database")
     p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
-    p.add_argument("--format", choices=["md", "csv", "json"], default="md", help="output format (default md)")
+    p.add_argument("--format", choices=["md", "csv", "json"], default="md",
+                   help="stdout format: md (one table per workload + time to train 1T tokens), or csv/json "
+                        "(one flat row per run) (default md)")
+    p.add_argument("--html", metavar="FILE", help="also write one self-contained HTML page (tables + plots)")
+    p.add_argument("--plots", metavar="DIR", help="also write the PNG plots into DIR")
+    p.add_argument("--group", action="append", metavar="ID",
+                   help="only runs of this sweep id or `lpbench run` group id (repeatable, or comma-separated)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("flops", help="model FLOPs per token/sample, TFLOP/s for a throughput, days to train")
@@ -269,6 +322,9 @@ def build_parser() -> Parser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_quant_error)
 
+    from lpbench.parallel.slurm import add_parser as add_slurm_parser
+
+    add_slurm_parser(sub)
 
     from lpbench.data.prepare import add_parser as add_data_parser
 

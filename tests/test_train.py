@@ -11,12 +11,12 @@ TINY = RunConfig(model="tiny", seq_len=64, mbs=4, gbs=4, steps=10, warmup_steps=
 
 
 def test_tiny_run_lowers_its_loss():
-    result = loop.train(TINY.with_(seq_len=256, mbs=8, gbs=8, steps=30, precision="bf16"), log=lambda line: None)
+    result = loop.train(TINY.with_(seq_len=256, mbs=8, gbs=8, steps=60, precision="bf16"), log=lambda line: None)
     losses = [s["loss"] for s in result.steps]
-    assert result.status == "ok" and len(losses) == 30
+    assert result.status == "ok" and len(losses) == 60
     assert losses[-1] < losses[0] - 1.0
     m = result.metrics
-    assert m["timed_steps"] == 28 and m["tokens_per_sec_per_gpu"] > 0
+    assert m["timed_steps"] == 58 and m["tokens_per_sec_per_gpu"] > 0
     assert m["tokens_per_sec_per_gpu"] == pytest.approx(8 * 256 / m["step_time_s"])
     assert m["mfu_bf16"] is None  # no peak on a CPU
 
@@ -66,3 +66,15 @@ def test_unknown_device_and_missing_cuda_are_usage_errors():
     if not torch.cuda.is_available():
         with pytest.raises(UsageError, match="no CUDA device"):
             loop.resolve_device("cuda")
+
+
+def test_a_config_for_more_ranks_than_the_job_is_a_usage_error():
+    from lpbench.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"config is for 2 ranks \(dp 1 x tp 2\) but this job has 1"):
+        loop.train(TINY.with_(tp=2), log=lambda line: None)
+
+
+def test_grad_accumulation_follows_nemo_semantics():
+    cfg = RunConfig(mbs=2, gbs=32, tp=2).with_world(8)
+    assert (cfg.dp, cfg.grad_accum, cfg.world_size) == (4, 4, 8)

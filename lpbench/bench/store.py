@@ -3,6 +3,11 @@
 A run and its steps are written in one transaction, so a run killed half-way leaves no
 half row. Summary metrics are columns (for queries and reports); the full config,
 environment and metrics are kept as JSON beside them.
+
+Sweep runs carry a ``sweep_id``; ``UNIQUE(sweep_id, run_key)`` makes "record this run of
+this sweep" idempotent: a second insert (a resumed sweep, or the sweep parent writing the
+row of a child that died) is skipped, never duplicated. Rows without a sweep id (plain
+``lpbench run``) are not constrained.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from pathlib import Path
 
 from lpbench.errors import UsageError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: runs.sweep_id + UNIQUE(sweep_id, run_key)
 DB_NAME = "results.db"
 
 # Summary columns copied from a run's metrics (or config) for querying.
@@ -29,6 +34,7 @@ CREATE TABLE IF NOT EXISTS runs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     run_key TEXT NOT NULL,
     group_id TEXT,
+    sweep_id TEXT,
     created_at TEXT NOT NULL,
     status TEXT NOT NULL,
     error TEXT,
@@ -41,7 +47,6 @@ CREATE TABLE IF NOT EXISTS runs (
     env_json TEXT NOT NULL,
     metrics_json TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS runs_key ON runs(run_key);
 CREATE TABLE IF NOT EXISTS steps (
     run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
     step INTEGER NOT NULL,
@@ -53,6 +58,12 @@ CREATE TABLE IF NOT EXISTS steps (
     peak_mem_gb REAL,
     PRIMARY KEY (run_id, step)
 );
+"""
+
+# Indexes come after the migration: a version-1 table has no sweep_id column yet.
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS runs_key ON runs(run_key);
+CREATE UNIQUE INDEX IF NOT EXISTS runs_sweep_key ON runs(sweep_id, run_key);
 """
 
 STEP_COLUMNS = ("step", "loss", "step_time_s", "lr", "grad_norm", "tokens_per_sec_per_gpu", "peak_mem_gb")
@@ -80,10 +91,18 @@ class ResultsStore:
                     if stmt.strip():
                         self.conn.execute(stmt)
                 self.conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                version = int(self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+                if version == 1:  # written by lpbench before sweeps: add the column, keep every row
+                    self.conn.execute("ALTER TABLE runs ADD COLUMN sweep_id TEXT")
+                    self.conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+                    version = SCHEMA_VERSION
+                if version == SCHEMA_VERSION:
+                    for stmt in _INDEXES.split(";"):
+                        if stmt.strip():
+                            self.conn.execute(stmt)
         except sqlite3.DatabaseError as exc:
             raise UsageError(f"{self.path} is not a readable lpbench results database ({exc})") from None
-        version = self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
-        if int(version) != SCHEMA_VERSION:
+        if version != SCHEMA_VERSION:
             raise UsageError(f"{self.path} has schema version {version}; this lpbench reads {SCHEMA_VERSION}")
 
     def transaction(self):
@@ -91,15 +110,23 @@ class ResultsStore:
 
     def add_run(self, *, config: dict, status: str, error: str | None, metrics: dict, steps: list[dict],
                 env: dict, run_key: str, group_id: str | None = None, workload: str = "pretrain",
-                backend: str = "lpbench", num_gpus: int = 1) -> int:
-        """Insert a finished run and its steps atomically; returns the run id."""
+                backend: str = "lpbench", num_gpus: int = 1, sweep_id: str | None = None) -> int | None:
+        """Insert a finished run and its steps atomically; returns the run id.
+
+        With a ``sweep_id``, a run already recorded for (sweep_id, run_key) is left as it is
+        and None is returned: recording a sweep's run twice is a no-op, not a duplicate.
+        """
         cols = {c: config.get(c) for c in CONFIG_COLUMNS}
         cols.update({c: _finite_or_none(metrics.get(c)) for c in METRIC_COLUMNS})
-        row = dict(run_key=run_key, group_id=group_id, created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                   status=status, error=error, workload=workload, backend=backend, num_gpus=num_gpus,
-                   gpu=env.get("gpu"), **cols, config_json=json.dumps(config, sort_keys=True),
+        row = dict(run_key=run_key, group_id=group_id, sweep_id=sweep_id,
+                   created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), status=status, error=error, workload=workload,
+                   backend=backend, num_gpus=num_gpus, gpu=env.get("gpu"), **cols,
+                   config_json=json.dumps(config, sort_keys=True),
                    env_json=json.dumps(env, sort_keys=True), metrics_json=json.dumps(metrics, sort_keys=True))
         with self.transaction():
+            if sweep_id is not None and self.conn.execute(
+                    "SELECT 1 FROM runs WHERE sweep_id=? AND run_key=?", (sweep_id, run_key)).fetchone():
+                return None  # BEGIN IMMEDIATE holds the write lock: nobody can insert between check and insert
             cur = self.conn.execute(
                 f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", tuple(row.values()))
             run_id = cur.lastrowid
@@ -117,6 +144,16 @@ class ResultsStore:
                 d[key] = json.loads(d.pop(f"{key}_json"))
             out.append(d)
         return out
+
+    def sweep_run(self, sweep_id: str, run_key: str) -> dict | None:
+        """The recorded run of ``run_key`` in sweep ``sweep_id``, or None."""
+        found = self.runs("sweep_id = ? AND run_key = ?", (sweep_id, run_key))
+        return found[0] if found else None
+
+    def finished_keys(self, sweep_id: str) -> set[str]:
+        """Run keys of ``sweep_id`` that have a row (any terminal status)."""
+        rows = self.conn.execute("SELECT run_key FROM runs WHERE sweep_id = ?", (sweep_id,)).fetchall()
+        return {r[0] for r in rows}
 
     def steps(self, run_id: int) -> list[dict]:
         rows = self.conn.execute(f"SELECT {', '.join(STEP_COLUMNS)} FROM steps WHERE run_id=? ORDER BY step",

@@ -4,11 +4,21 @@ Llama 3 / Qwen3 / Nemotron4 / GPT3 / Mixtral differ only in data (``ModelConfig`
 kind, MLP activation, RoPE fraction or learned positions, QK-norm, tied embeddings, MoE.
 Linear layers are plain ``nn.Linear`` with fused QKV and gate+up projections, so a precision
 recipe can swap them for quantized ones without touching this file.
+
+Document masking (packed SFT): ``Decoder.forward(..., doc_ids=...)`` confines attention to each
+document (a run of equal ids along the sequence) and restarts RoPE / learned positions at each
+run's first token, as NeMo's packed sequences do. Backends (``DOC_MASK_BACKEND``): ``"flex"``
+(``torch.nn.attention.flex_attention`` with a block mask; compiled on CUDA, the fast path that
+skips masked blocks) and ``"sdpa"`` (SDPA with a boolean [B, 1, S, S] mask; O(S²) memory, works on
+every device and torch >= 2.10); ``"auto"`` picks flex on CUDA and SDPA elsewhere, because flex
+on CPU has no backward (torch 2.10-2.13) and runs unfused outside torch.compile.
+Without ``doc_ids`` attention is plain causal SDPA, as before.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -23,21 +33,39 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=cfg.norm_eps)
 
 
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                           high_freq_factor: float, original_max_pos: int) -> torch.Tensor:
+    """Llama 3.1 RoPE scaling (HF rope_type "llama3"): long wavelengths slowed by ``factor``,
+    short ones kept, a smooth blend in between."""
+    low_wavelen, high_wavelen = original_max_pos / low_freq_factor, original_max_pos / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_pos / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
 def rope_tables(cfg: ModelConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [seq_len, rot_dim] in FP32 (HF "rotate_half" layout)."""
     rot = int(cfg.hd * cfg.rope_fraction)
     inv_freq = cfg.rope_theta ** (-torch.arange(0, rot, 2, device=device, dtype=torch.float32) / rot)
+    if cfg.rope_scaling is not None:
+        inv_freq = llama3_scaled_inv_freq(inv_freq, *cfg.rope_scaling)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.shape[-1]`` dims of x [B, S, H, D]; the rest pass through."""
+    """Rotate the first ``cos.shape[-1]`` dims of x [B, S, H, D]; the rest pass through.
+
+    Tables are [S, rot] (positions 0..S-1) or [B, S, rot] (per-token positions).
+    """
     rot = cos.shape[-1]
     xr, xp = x[..., :rot], x[..., rot:]
     x1, x2 = xr.float().chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
     rotated = (xr.float() * c + torch.cat([-x2, x1], dim=-1) * s).to(x.dtype)
     return torch.cat([rotated, xp], dim=-1) if xp.shape[-1] else rotated
 
@@ -51,7 +79,8 @@ class Attention(nn.Module):
         self.q_norm = make_norm(cfg, cfg.hd) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, cfg.hd) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask=None) -> torch.Tensor:
+        """``mask``: None (causal), a bool [B, 1, S, S] SDPA mask or a flex BlockMask (see ``document_mask``)."""
         B, S, _ = x.shape
         q, k, v = self.qkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q, k, v = q.view(B, S, -1, self.hd), k.view(B, S, -1, self.hd), v.view(B, S, -1, self.hd)
@@ -59,10 +88,19 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, enable_gqa=self.n_kv != self.n_heads,
-        )
+        gqa = self.n_kv != self.n_heads
+        if mask is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=True, enable_gqa=gqa,
+            )
+        elif isinstance(mask, torch.Tensor):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=gqa,
+            )
+        else:
+            out = _flex_attention(q.transpose(1, 2), k.to(q.dtype).transpose(1, 2),
+                                  v.to(q.dtype).transpose(1, 2), mask, gqa)
         return self.o(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -120,8 +158,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg, cfg.dim)
         self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope, mask=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -150,21 +188,90 @@ class Decoder(nn.Module):
                 s = out_std if name.endswith(("attn.o.weight", "down.weight")) else std
                 p.normal_(0.0, s, generator=gen)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, S, V], or the mean cross-entropy (FP32) when labels are given (-100 ignored)."""
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, V], or the mean cross-entropy (FP32) when labels are given (-100 ignored).
+
+        ``doc_ids`` [B, S] (packed sequences): attention stays inside each run of equal ids and
+        positions restart at each run (see the module doc); None: one causal sequence.
+        """
         S = input_ids.shape[1]
         h = self.tok_embeddings(input_ids)
-        rope = None
+        rope = mask = positions = None
+        if doc_ids is not None:
+            if doc_ids.shape != input_ids.shape:
+                raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must have input_ids' shape {tuple(input_ids.shape)}")
+            runs, positions = document_runs(doc_ids)
+            mask = document_mask(runs)
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(S, device=input_ids.device))
+            h = h + self.pos_embeddings(torch.arange(S, device=input_ids.device) if positions is None else positions)
         else:
             rope = rope_tables(self.cfg, S, input_ids.device)
+            if positions is not None:
+                rope = (rope[0][positions], rope[1][positions])
         for layer in self.layers:
-            h = layer(h, rope)
+            h = layer(h, rope) if mask is None else layer(h, rope, mask)
         logits = self.lm_head(self.norm(h))
         if labels is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+DOC_MASK_BACKEND = "auto"  # "auto" (flex on CUDA, else sdpa) | "flex" | "sdpa"
+_compiled_flex = _compiled_block_mask = None
+
+
+def document_runs(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run index and position within the run of each token of ``doc_ids`` [B, S] (int64 each).
+
+    A run is a maximal stretch of equal consecutive ids, so two samples that happen to share an
+    id but are not adjacent are still separate documents.
+    """
+    B, S = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    idx = torch.arange(S, device=doc_ids.device).expand(B, S)
+    run_start = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return starts.long().cumsum(dim=1), idx - run_start
+
+
+def document_mask(runs: torch.Tensor, backend: str | None = None):
+    """Causal attention confined to each run: a flex ``BlockMask`` or a bool SDPA mask [B, 1, S, S]."""
+    global _compiled_block_mask
+    backend = backend or DOC_MASK_BACKEND
+    if backend == "auto":
+        backend = "flex" if runs.is_cuda else "sdpa"
+    B, S = runs.shape
+    if backend == "sdpa":
+        causal = torch.ones(S, S, dtype=torch.bool, device=runs.device).tril()
+        return ((runs[:, :, None] == runs[:, None, :]) & causal)[:, None]
+    if backend != "flex":
+        raise ValueError(f"unknown document-mask backend {backend!r}; valid: auto, flex, sdpa")
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (runs[b, q_idx] == runs[b, kv_idx]) & (q_idx >= kv_idx)
+
+    if runs.is_cuda and not torch.compiler.is_compiling():  # fused: no [B, S, S] mask in memory
+        if _compiled_block_mask is None:
+            _compiled_block_mask = torch.compile(create_block_mask)
+        return _compiled_block_mask(same_document_causal, B, None, S, S, device=runs.device)
+    return create_block_mask(same_document_causal, B, None, S, S, device=runs.device)
+
+
+def _flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
+    """flex_attention on [B, H, S, D]: compiled once on CUDA (fused kernel), traced by an outer
+    torch.compile, eager elsewhere (an unfused reference that materialises the scores)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.is_cuda and not torch.compiler.is_compiling():
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -23,6 +23,9 @@ class ModelConfig:
     positions: str = "rope"  # "rope" | "learned"
     rope_theta: float = 500_000.0
     rope_fraction: float = 1.0  # share of head_dim that is rotated (Nemotron4: 0.5)
+    # Llama 3.1 "llama3" RoPE frequency scaling, as HF's rope_type "llama3":
+    # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); None: plain RoPE.
+    rope_scaling: tuple[float, float, float, int] | None = None
     qk_norm: bool = False
     tie_embeddings: bool = False
     bias: bool = False
@@ -72,7 +75,7 @@ MODELS: dict[str, ModelConfig] = {
         ModelConfig("gpt3-175b", 96, 12288, 49152, 96, 96, 51200, norm="layer", activation="gelu",
                     positions="learned", tie_embeddings=True, bias=True, max_seq_len=2048, family="gpt3"),
         # CPU-sized llama-family presets for tests and the default run.
-        ModelConfig("tiny", 4, 128, 384, 4, 2, 2048, rope_theta=10_000.0, tie_embeddings=True,
+        ModelConfig("tiny", 8, 128, 384, 4, 2, 2048, rope_theta=10_000.0, tie_embeddings=True,
                     max_seq_len=2048, family="llama"),
         ModelConfig("small", 8, 512, 1536, 8, 4, 8192, rope_theta=10_000.0, tie_embeddings=True,
                     max_seq_len=4096, family="llama"),

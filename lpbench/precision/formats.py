@@ -77,10 +77,13 @@ def round_to_format(
     neighbour over the gap, so the result is unbiased and always one of the two neighbours
     (values beyond max still saturate).
     """
+    if fmt.dtype is not None and not stochastic:
+        return encode(x, fmt).float()
     x = x.float()
     a = x.abs().clamp(max=fmt.max)  # saturate; NaN stays NaN
     _, e = torch.frexp(a)  # a = m * 2**e with m in [0.5, 1)
-    ulp = pow2((e - 1).clamp(min=fmt.emin) - fmt.mbits)
+    # ulp = 2**k with k >= emin - mbits >= -16: a normal FP32 power of two, built from its bits.
+    ulp = ((((e - 1).clamp(min=fmt.emin) - fmt.mbits) + 127) << 23).view(torch.float32)
     v = a / ulp  # exact: ulp is a power of two
     if stochastic:
         lo = v.floor()
@@ -99,6 +102,10 @@ def encode(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Saturating cast to ``fmt``: a float8 tensor, or uint8 E2M1 codes (sign in bit 3)."""
+    if fmt.dtype is not None and not stochastic:
+        # torch's FP32 -> float8 cast rounds to nearest even on finite values; saturating first
+        # makes it exact for every input (the tests check it against the definition).
+        return x.float().clamp(-fmt.max, fmt.max).to(fmt.dtype)
     r = round_to_format(x, fmt, stochastic=stochastic, generator=generator)
     if fmt.dtype is not None:
         return r.to(fmt.dtype)  # exact: r is representable

@@ -37,15 +37,56 @@ def _why_not_native(recipe: Recipe, device: torch.device) -> str:
     return f"it needs compute capability {major}.{minor}, this GPU has {torch.cuda.get_device_capability(device)}"
 
 
-def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device | str, emulate: bool) -> dict:
+BACKENDS = ("lpbench", "torchao")
+TORCHAO_RECIPES = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
+
+
+def _candidate_linears(model: nn.Module, recipe: Recipe):
+    """(full name, module, dims divide) of every linear the recipe may quantize, in order."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError("apply_recipe needs the transformer blocks in model.layers (an nn.ModuleList)")
+    n, m = len(layers), recipe.dim_multiple
+    for i, layer in enumerate(layers):
+        if i < recipe.first_bf16_layers or i >= n - recipe.last_bf16_layers:
+            continue
+        for name, mod in layer.named_modules():
+            if isinstance(mod, nn.Linear) and "router" not in name:
+                yield f"layers.{i}.{name}".rstrip("."), mod, not (mod.in_features % m or mod.out_features % m)
+
+
+def _apply_torchao(model: nn.Module, recipe: Recipe, device: torch.device) -> dict:
+    """torchao's Float8Linear on the same linears lpbench would quantize (the peer, side by side)."""
+    if recipe.name not in TORCHAO_RECIPES:
+        raise UsageError(f"--backend torchao runs {', '.join(TORCHAO_RECIPES)}; {recipe.name} is lpbench-only")
+    if not native_supported(recipe, device):
+        raise UsageError(f"--backend torchao needs a GPU with native {recipe.name} GEMMs; {device} has none")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise UsageError("--backend torchao needs torchao: pip install 'lpbench[torchao]'") from None
+    chosen = {id(mod): name for name, mod, ok in _candidate_linears(model, recipe) if ok}
+    skipped = [name for name, _, ok in _candidate_linears(model, recipe) if not ok]
+    config = Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe.name])
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: id(mod) in chosen)
+    return {"path": "native", "quantized": list(chosen.values()), "skipped": skipped}
+
+
+def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device | str, emulate: bool,
+                 backend: str = "lpbench") -> dict:
     """Swap every ``nn.Linear`` inside ``model.layers[i]`` (routers excepted) for a QuantizedLinear.
 
     ``emulate`` allows exact emulation where the device cannot run the recipe natively;
-    without it such a recipe raises UsageError. Returns ``{"path": "native"|"emulated",
+    without it such a recipe raises UsageError. ``backend="torchao"`` converts the same
+    linears with torchao's Float8Linear instead. Returns ``{"path": "native"|"emulated",
     "quantized": [names], "skipped": [names left BF16 because their dims do not divide]}``.
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     device = torch.device(device)
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend == "torchao" and recipe.quantized:
+        return _apply_torchao(model, recipe, device)
     native = native_supported(recipe, device)
     result = {"path": "native" if native else "emulated", "quantized": [], "skipped": []}
     if not recipe.quantized:
@@ -55,27 +96,14 @@ def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device
             f"precision {recipe.name} cannot run natively on {device}: {_why_not_native(recipe, device)}; "
             "pass --emulate to run it with exact emulation (slower, same numerics)"
         )
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError("apply_recipe needs the transformer blocks in model.layers (an nn.ModuleList)")
-    n, m = len(layers), recipe.dim_multiple
-    for i, layer in enumerate(layers):
-        if i < recipe.first_bf16_layers or i >= n - recipe.last_bf16_layers:
+    for full, mod, divides in list(_candidate_linears(model, recipe)):
+        if not divides:
+            result["skipped"].append(full)
             continue
-        for name, mod in list(layer.named_modules()):
-            if not isinstance(mod, nn.Linear) or "router" in name:
-                continue
-            full = f"layers.{i}.{name}".rstrip(".")
-            if mod.in_features % m or mod.out_features % m:
-                result["skipped"].append(full)
-                continue
-            q = QuantizedLinear.from_linear(mod, recipe, native=native)
-            if name:
-                parent, _, child = name.rpartition(".")
-                setattr(layer.get_submodule(parent), child, q)
-            else:  # the block itself is a linear
-                layers[i] = q
-            result["quantized"].append(full)
+        parent, _, child = full.rpartition(".")
+        setattr(model.get_submodule(parent), child, QuantizedLinear.from_linear(mod, recipe, native=native))
+        result["quantized"].append(full)
+    m, n = recipe.dim_multiple, len(model.layers)
     if result["skipped"]:
         warnings.warn(
             f"{recipe.name}: left in BF16 because in/out features do not divide {m}: {', '.join(result['skipped'])}",

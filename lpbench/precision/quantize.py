@@ -102,13 +102,19 @@ def _floor_pow2(s: torch.Tensor) -> torch.Tensor:
     return pow2(e - 1)
 
 
+def _div(numerator: float, t: torch.Tensor) -> torch.Tensor:
+    """numerator / t, correctly rounded: torch evaluates ``scalar / tensor`` as
+    ``tensor.reciprocal() * scalar`` (two roundings), which is not the definition."""
+    return torch.full_like(t, numerator, dtype=torch.float32) / t
+
+
 def _poison(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return scale.masked_fill(~torch.isfinite(amax), float("nan"))
 
 
 def fp8_encode_scale(amax: torch.Tensor, fmt: FloatFormat, *, pow2: bool = False) -> torch.Tensor:
     """``fmt.max / amax`` in FP32 (1 where amax is 0; capped at the FP32 max for tiny amax)."""
-    s = torch.where(amax > 0, fmt.max / amax, torch.ones_like(amax)).clamp(max=FP32_MAX)
+    s = torch.where(amax > 0, _div(fmt.max, amax), torch.ones_like(amax)).clamp(max=FP32_MAX)
     return _floor_pow2(s) if pow2 else s
 
 
@@ -134,7 +140,7 @@ def quantize_fp8(
     amax = _block_amax(x, blk)
     enc = fp8_encode_scale(amax, fmt, pow2=pow2) if encode_scale is None else encode_scale.float().expand_as(amax)
     codes = encode(x * _expand(enc, blk), fmt, stochastic=stochastic, generator=generator)
-    return QTensor(codes, _poison(1.0 / enc, amax), blk, fmt)
+    return QTensor(codes, _poison(_div(1.0, enc), amax), blk, fmt)
 
 
 def delayed_encode_scale(
@@ -211,11 +217,11 @@ def quantize_nvfp4(
     blk = _resolve(x, block)
     amax = x.abs().amax()
     top = E4M3.max * E2M1.max
-    g_enc = torch.where(amax > 0, top / amax, torch.ones_like(amax)).clamp(max=FP32_MAX)
+    g_enc = torch.where(amax > 0, _div(top, amax), torch.ones_like(amax)).clamp(max=FP32_MAX)
     g_dec = torch.where(amax > 0, amax / top, torch.ones_like(amax))
     block_amax = _block_amax(x, blk)
     scale = encode(block_amax * (g_enc * torch.tensor(1 / E2M1.max)), E4M3)
-    enc = (1.0 / (scale.float() * g_dec)).clamp(max=FP32_MAX)
+    enc = _div(1.0, scale.float() * g_dec).clamp(max=FP32_MAX)
     codes = encode(x * _expand(enc, blk), E2M1, stochastic=stochastic, generator=generator)
     return QTensor(codes, scale, blk, E2M1, global_scale=_poison(g_dec, amax))
 

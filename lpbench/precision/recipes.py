@@ -159,7 +159,8 @@ def get_recipe(name: str) -> Recipe:
         raise UsageError(f"unknown precision {name!r}; valid: {', '.join(RECIPES)}") from None
 
 
-def apply_recipe(model: torch.nn.Module, recipe: Recipe, *, device: torch.device, emulate: bool) -> dict:
+def apply_recipe(model: torch.nn.Module, recipe: Recipe, *, device: torch.device, emulate: bool,
+                 backend: str = "lpbench") -> dict:
     """Swap the model's transformer-block linears for the recipe's quantized ones.
 
     Returns what was done: ``{"path": "native"|"emulated", "quantized": [...], "skipped": [...]}``.
@@ -167,4 +168,4 @@ def apply_recipe(model: torch.nn.Module, recipe: Recipe, *, device: torch.device
     """
     from lpbench.precision.policy import apply_recipe as apply
 
-    return apply(model, recipe, device=device, emulate=emulate)
+    return apply(model, recipe, device=device, emulate=emulate, backend=backend)

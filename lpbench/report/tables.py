@@ -1,18 +1,30 @@
-"""Summary tables from result rows: one row per run, speedup against the first run of its group.
+"""Summary tables from result rows.
 
-A group is one comparison: the same invocation (``group_id``), workload, model, sequence
-length, batch sizes and GPU count. Renders to a rich table, markdown, CSV or JSON.
+``summary_rows`` flattens stored runs into one row per run with its speedup and final-loss
+delta against the BF16 run of its comparison group: the same invocation or sweep
+(``group_id``), workload, model, sequence length, batch sizes, GPU count and type, backend
+and parallel layout. A group without an ok BF16 run is compared with its first ok run, and
+the row says which (``baseline``). ``to_rich`` / ``to_markdown`` / ``to_csv`` / ``to_json``
+render those rows flat.
+
+``workload_tables`` and ``time_to_train_tables`` build the report's tables in the style of
+NeMo's performance summary (one table per workload, the config cells written once per
+comparison group, failures spelled out as "OOM") and of the Nemotron4 recipe's time-to-train
+table; ``TextTable.to_markdown`` / ``to_html`` render them.
 """
 
 from __future__ import annotations
 
 import csv
+import html
 import io
 import json
+import math
+from dataclasses import dataclass, field
 
 from rich.table import Table
 
-COLUMNS = [  # (key, header, format)
+COLUMNS = [  # (key, header, format) of the flat table (lpbench run, sweep, --format md of old)
     ("model", "model", "{}"),
     ("precision", "precision", "{}"),
     ("path", "path", "{}"),
@@ -27,40 +39,103 @@ COLUMNS = [  # (key, header, format)
     ("speedup", "speedup", "{:.2f}x"),
     ("status", "status", "{}"),
 ]
+LAYOUT_KEYS = ("tp", "pp", "cp", "vp", "ep", "dp", "fsdp", "sequence_parallel")  # parallel layout, when in config
+BASELINE = "bf16"
+TIME_TO_TRAIN_GPUS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+TIME_TO_TRAIN_TOKENS = 1e12
+WORKLOAD_TITLES = {"pretrain": "Pre-training", "sft": "Fine-tuning (SFT)", "lora": "Fine-tuning (LoRA)"}
+PRECISION_NAMES = {"bf16": "BF16", "fp32": "FP32", "fp8-tensorwise": "FP8 (per-tensor)", "fp8-delayed": "FP8 (delayed)",
+                   "fp8-rowwise": "FP8 (rowwise)", "fp8-rowwise-gw-hp": "FP8 (rowwise, BF16 wgrad)",
+                   "fp8-blockwise": "FP8 (blockwise)", "mxfp8": "MXFP8", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
 
 
-def _group_key(r: dict) -> tuple:
+def precision_name(name: str | None) -> str:
+    return PRECISION_NAMES.get(name or "", name or "?")
+
+
+def system_name(gpu: str | None) -> str:
+    """Short GPU name for tables ('H100 SXM'), 'CPU' when the run had no GPU."""
+    if not gpu:
+        return "CPU"
+    from lpbench.metrics.hardware import detect_gpu
+
+    known = detect_gpu(gpu)
+    return known.name if known else gpu.replace("NVIDIA ", "")
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _layout(r: dict) -> dict:
+    cfg = r.get("config") or {}
+    return {k: cfg[k] for k in LAYOUT_KEYS if k in cfg}
+
+
+def group_key(r: dict) -> tuple:
+    """What must match for two runs to be compared: the same work on the same machine."""
     return (r.get("group_id"), r.get("workload"), r.get("model"), r.get("seq_len"), r.get("mbs"), r.get("gbs"),
-            r.get("num_gpus"))
+            r.get("num_gpus"), r.get("gpu"), r.get("backend"), json.dumps(_layout(r), sort_keys=True))
+
+
+def _baselines(runs: list[dict]) -> dict[tuple, dict]:
+    """Per group: its first ok BF16 run, else its first ok run."""
+    out: dict[tuple, dict] = {}
+    for r in runs:
+        if r.get("status") != "ok" or not r.get("tokens_per_sec_per_gpu"):
+            continue
+        key = group_key(r)
+        current = out.get(key)
+        if current is None or (r.get("precision") == BASELINE and current.get("precision") != BASELINE):
+            out[key] = r
+    return out
+
+
+def _int(v):
+    return int(v) if _finite(v) else v
 
 
 def summary_rows(runs: list[dict]) -> list[dict]:
-    """Flatten stored runs into table rows with speedup vs the first ok run of each group."""
-    baselines: dict[tuple, float] = {}
+    """Flatten stored runs into table rows with speedup and loss delta vs the group's baseline."""
+    baselines = _baselines(runs)
     rows = []
     for r in runs:
         tps = r.get("tokens_per_sec_per_gpu")
-        key = _group_key(r)
-        if r["status"] == "ok" and tps and key not in baselines:
-            baselines[key] = tps
+        key = group_key(r)
         base = baselines.get(key)
-        status = r["status"] if not r.get("error") else f"{r['status']}: {r['error']}"
+        base_tps = base.get("tokens_per_sec_per_gpu") if base else None
+        loss, base_loss = r.get("final_loss"), base.get("final_loss") if base else None
+        cfg, metrics = r.get("config") or {}, r.get("metrics") or {}
+        mbs, gbs, seq = _int(r.get("mbs")), _int(r.get("gbs")), _int(r.get("seq_len"))
         rows.append({
             "id": r.get("id"), "group_id": r.get("group_id"), "workload": r.get("workload"),
-            "model": r["model"], "precision": r["precision"], "backend": r.get("backend"), "path": r.get("path"),
-            "batch": f"{int(r['gbs'])}/{int(r['mbs'])}/{int(r['seq_len'])}", "num_gpus": r.get("num_gpus"),
+            "model": r.get("model"), "precision": r.get("precision"), "backend": r.get("backend"),
+            "path": r.get("path"), "batch": f"{gbs}/{mbs}/{seq}", "num_gpus": r.get("num_gpus"),
             "gpu": r.get("gpu") or "cpu",
             "step_time_ms": r["step_time_s"] * 1e3 if r.get("step_time_s") else None,
             "tokens_per_sec_per_gpu": tps, "tflops_per_gpu": r.get("tflops_per_gpu"),
             "mfu_bf16": r.get("mfu_bf16"), "mfu_precision": r.get("mfu_precision"),
-            "peak_mem_gb": r.get("peak_mem_allocated_gb"), "final_loss": r.get("final_loss"),
-            "speedup": tps / base if tps and base else None, "status": status,
+            "peak_mem_gb": r.get("peak_mem_allocated_gb"), "final_loss": loss,
+            "speedup": tps / base_tps if r.get("status") == "ok" and tps and base_tps else None,
+            "status": r.get("status"), "error": r.get("error"),
+            "baseline": base.get("precision") if base else None,
+            "loss_delta": loss - base_loss if r.get("status") == "ok" and _finite(loss) and _finite(base_loss)
+            else None,
+            "sweep_id": r.get("sweep_id"), "run_key": r.get("run_key"), "created_at": r.get("created_at"),
+            "system": system_name(r.get("gpu")), "seq_len": seq, "mbs": mbs, "gbs": gbs,
+            "grad_accum": cfg.get("gbs", 0) // max(1, cfg.get("mbs", 1) * cfg.get("dp", 1)) if cfg else None,
+            **{k: v for k, v in _layout(r).items()},
+            "peak_mem_reserved_gb": r.get("peak_mem_reserved_gb"), "device_mem_used_gb": r.get("device_mem_used_gb"),
+            "memory_kind": metrics.get("memory_kind"), "diverged_step": metrics.get("diverged_step"),
+            "steps": cfg.get("steps"), "flops_formula": metrics.get("flops_formula") or cfg.get("flops_formula"),
         })
     return rows
 
 
 def _cell(row: dict, key: str, fmt: str) -> str:
     v = row.get(key)
+    if key == "status" and v != "ok" and row.get("error"):
+        return f"{v}: {row['error']}"
     return "n/a" if v is None else fmt.format(v)
 
 
@@ -74,19 +149,215 @@ def to_rich(rows: list[dict], title: str | None = None) -> Table:
 
 
 def to_markdown(rows: list[dict]) -> str:
+    """The flat table (one row per run) as markdown."""
     lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(_cell(r, k, f).replace("|", "\\|") for k, _, f in COLUMNS) + " |" for r in rows]
     return "\n".join(lines)
 
 
 def to_csv(rows: list[dict]) -> str:
     buf = io.StringIO()
     if rows:
-        writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        names = list(dict.fromkeys(k for r in rows for k in r))
+        writer = csv.DictWriter(buf, fieldnames=names, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
     return buf.getvalue()
 
 
 def to_json(rows: list[dict]) -> str:
-    return json.dumps(rows, indent=2)
+    """Strict JSON: non-finite numbers become null."""
+    clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()} for r in rows]
+    return json.dumps(clean, indent=2, allow_nan=False, default=str)
+
+
+# ----------------------------------------------------------------------------- report tables
+@dataclass
+class TextTable:
+    """A rendered table: cells are final strings; ``notes`` go under it."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    right: set[int] = field(default_factory=set)  # right-aligned (numeric) columns
+    caption: str | None = None  # one line above the table
+    notes: list[str] = field(default_factory=list)
+    group_starts: set[int] = field(default_factory=set)  # row indexes that open a comparison group
+
+    def to_markdown(self, level: int = 2) -> str:
+        esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+        out = [f"{'#' * level} {self.title}", ""]
+        if self.caption:
+            out += [f"> {self.caption}", ""]
+        out.append("| " + " | ".join(esc(c) for c in self.columns) + " |")
+        out.append("|" + "|".join("---:" if i in self.right else "---" for i in range(len(self.columns))) + "|")
+        out += ["| " + " | ".join(esc(c) for c in row) + " |" for row in self.rows]
+        if self.notes:
+            out += [""] + [f"- {n}" for n in self.notes]
+        return "\n".join(out)
+
+    def to_html(self, level: int = 2) -> str:
+        e = html.escape
+        out = [f"<h{level}>{e(self.title)}</h{level}>"]
+        if self.caption:
+            out.append(f'<p class="caption">{e(self.caption)}</p>')
+        out.append('<div class="scroll"><table><thead><tr>')
+        out += [f'<th class="{"num" if i in self.right else ""}">{e(c)}</th>' for i, c in enumerate(self.columns)]
+        out.append("</tr></thead><tbody>")
+        for n, row in enumerate(self.rows):
+            cls = ' class="group"' if n in self.group_starts and n else ""
+            cells = "".join(f'<td class="{"num" if i in self.right else ""}">{e(c)}</td>' for i, c in enumerate(row))
+            out.append(f"<tr{cls}>{cells}</tr>")
+        out.append("</tbody></table></div>")
+        if self.notes:
+            out.append('<ul class="notes">' + "".join(f"<li>{e(n)}</li>" for n in self.notes) + "</ul>")
+        return "\n".join(out)
+
+
+def _num(v, kind: str = "") -> str:
+    """Numbers as the seeds print them: 33,099 tokens/s; 1,917 TFLOP/s; small CPU values with 3 digits."""
+    if not _finite(v):
+        return "n/a"
+    if kind == "pct":
+        return f"{v:.1%}"
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    if abs(v) >= 1:
+        return f"{v:.1f}" if kind != "gb" else f"{v:.2f}"
+    return f"{v:.3g}" if kind != "gb" else f"{v:.2f}"
+
+
+def _status_cell(row: dict) -> str:
+    s = row["status"]
+    if s == "oom":
+        return "OOM"
+    if s == "diverged":
+        return f"diverged (step {row['diverged_step']})" if row.get("diverged_step") else "diverged"
+    return s
+
+
+def _group_order(rows: list[dict]) -> list[list[dict]]:
+    """Rows in comparison groups (first-seen order); the baseline precision first within each."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(_row_group(r), []).append(r)
+    out = []
+    for members in groups.values():
+        members.sort(key=lambda r: (r["precision"] != BASELINE, r["precision"] != r.get("baseline")))
+        out.append(members)
+    return out
+
+
+def _row_group(r: dict) -> tuple:
+    return (r.get("group_id"), r.get("workload"), r.get("model"), r.get("seq_len"), r.get("mbs"), r.get("gbs"),
+            r.get("num_gpus"), r.get("gpu"), r.get("backend"),
+            tuple((k, r.get(k)) for k in LAYOUT_KEYS if k in r))
+
+
+def workload_tables(rows: list[dict]) -> list[TextTable]:
+    """One NeMo-style table per workload: config cells once per comparison group."""
+    tables = []
+    workloads = list(dict.fromkeys(r.get("workload") or "pretrain" for r in rows))
+    for wl in workloads:
+        mine = [r for r in rows if (r.get("workload") or "pretrain") == wl]
+        layout = [k for k in ("tp", "pp", "cp", "vp", "ep", "dp") if any(k in r for r in mine)]
+        show_fsdp = any(r.get("fsdp") for r in mine)
+        config_cols = ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length", *[k.upper() for k in layout],
+                       *(["FSDP"] if show_fsdp else []), "GA"]
+        metric_cols = ["Precision", "Backend", "Path", "Tokens / sec / GPU", "Model TFLOP / sec / GPU", "MFU",
+                       "Speedup over BF16", "Peak mem (GB)", "Final loss", "Δ loss vs BF16"]
+        columns = config_cols + metric_cols
+        first_num = {"#-GPUs", "GBS", "MBS", "Seq Length", "GA", "FSDP", *[k.upper() for k in layout],
+                     "Tokens / sec / GPU", "Model TFLOP / sec / GPU", "MFU", "Speedup over BF16", "Peak mem (GB)",
+                     "Final loss", "Δ loss vs BF16"}
+        table = TextTable(title=WORKLOAD_TITLES.get(wl, wl), columns=columns,
+                          rows=[], right={i for i, c in enumerate(columns) if c in first_num})
+        mem_kinds = set()
+        for members in _group_order(mine):
+            table.group_starts.add(len(table.rows))
+            for i, r in enumerate(members):
+                if i == 0:
+                    cfg_cells = [r["model"], r["system"], str(r.get("num_gpus") or 1), str(r["gbs"]), str(r["mbs"]),
+                                 str(r["seq_len"]), *[str(_int(r.get(k, ""))) for k in layout],
+                                 *(["yes" if r.get("fsdp") else "no"] if show_fsdp else []),
+                                 str(r.get("grad_accum") or "")]
+                else:
+                    cfg_cells = [""] * len(config_cols)
+                mem_kinds.add(r.get("memory_kind"))
+                if r["status"] == "ok":
+                    base = r.get("baseline")
+                    speed = "n/a" if r.get("speedup") is None else f"{r['speedup']:.2f}×"
+                    if base and base != BASELINE and r.get("speedup") is not None:  # no BF16 run in the group
+                        speed += " (baseline)" if r["precision"] == base else f" (vs {precision_name(base)})"
+                    delta = r.get("loss_delta")
+                    metric = [_num(r.get("tokens_per_sec_per_gpu")), _num(r.get("tflops_per_gpu")),
+                              _num(r.get("mfu_bf16"), "pct"), speed, _num(r.get("peak_mem_gb"), "gb"),
+                              _num(r.get("final_loss")) if not _finite(r.get("final_loss"))
+                              else f"{r['final_loss']:.4f}",
+                              "n/a" if delta is None else ("0" if r["precision"] == base else f"{delta:+.4f}")]
+                else:
+                    note = len(table.notes) + 1
+                    table.notes.append(f"[{note}] {r['model']} {precision_name(r['precision'])} "
+                                       f"(GBS {r['gbs']}, MBS {r['mbs']}, seq {r['seq_len']}): {r['status']}"
+                                       + (f": {r['error']}" if r.get("error") else ""))
+                    metric = [f"{_status_cell(r)} [{note}]", "–", "–", "–", _num(r.get("peak_mem_gb"), "gb"),
+                              "–", "–"]
+                table.rows.append(cfg_cells + [precision_name(r["precision"]), r.get("backend") or "lpbench",
+                                               r.get("path") or "–", *metric])
+        mem = ("Peak mem: allocator peak per GPU" if "cuda" in mem_kinds else "") + \
+              (("; " if "cuda" in mem_kinds else "Peak mem: ") + "host resident set size on CPU"
+               if "host-rss" in mem_kinds else "")
+        table.caption = ("Speedup and Δ loss (final loss minus the baseline's) are against the BF16 run of the same "
+                         "group (same invocation or sweep, model, batch, GPUs and layout). MFU against the GPU's "
+                         "dense BF16 peak; n/a on CPU. " + (mem + "." if mem else ""))
+        tables.append(table)
+    return tables
+
+
+def time_to_train(tokens_per_sec_per_gpu: float, num_gpus: int, tokens: float = TIME_TO_TRAIN_TOKENS) -> float:
+    """Days to train ``tokens`` at a per-GPU rate on ``num_gpus`` GPUs: N / (tokens/s/GPU x GPUs) / 86400."""
+    return tokens / (tokens_per_sec_per_gpu * num_gpus) / 86400.0
+
+
+def time_to_train_tables(rows: list[dict], gpu_counts=TIME_TO_TRAIN_GPUS,
+                         tokens: float = TIME_TO_TRAIN_TOKENS) -> list[TextTable]:
+    """Per workload: days to train 1T tokens at 8..2048 GPUs, one row per model/system/precision.
+
+    Each row takes the best tokens/s/GPU measured for that model, system, backend and precision
+    and assumes it holds at every scale (the Nemotron4 recipe's table measures each scale).
+    """
+    tables = []
+    ok = [r for r in rows if r["status"] == "ok" and _finite(r.get("tokens_per_sec_per_gpu"))]
+    for wl in dict.fromkeys(r.get("workload") or "pretrain" for r in ok):
+        best: dict[tuple, dict] = {}
+        for r in ok:
+            if (r.get("workload") or "pretrain") != wl:
+                continue
+            key = (r["model"], r["system"], r.get("backend"), r["precision"])
+            if key not in best or r["tokens_per_sec_per_gpu"] > best[key]["tokens_per_sec_per_gpu"]:
+                best[key] = r
+        columns = ["Model", "System", "Precision", "Measured with", "Tokens / sec / GPU",
+                   *[f"{n} GPUs" for n in gpu_counts]]
+        table = TextTable(title=f"Time to train {tokens / 1e12:g}T tokens (days), {WORKLOAD_TITLES.get(wl, wl)}",
+                          columns=columns, rows=[], right=set(range(4, len(columns))),
+                          caption=f"days = {tokens:.0e} / (tokens/s/GPU x GPUs) / 86400, assuming the measured "
+                                  "tokens/s/GPU holds at every GPU count (linear scaling; the Nemotron4 recipe "
+                                  "measures each scale).")
+        order = sorted(best.values(), key=lambda r: (r["model"], r["system"], r["precision"] != BASELINE))
+        last = None
+        for r in order:
+            days = [time_to_train(r["tokens_per_sec_per_gpu"], n, tokens) for n in gpu_counts]
+            same = last == (r["model"], r["system"])
+            table.rows.append(["" if same else r["model"], "" if same else r["system"], precision_name(r["precision"]),
+                               f"GBS {r['gbs']}, MBS {r['mbs']}, seq {r['seq_len']}, {r.get('num_gpus') or 1} GPU"
+                               + ("s" if (r.get("num_gpus") or 1) > 1 else ""),
+                               _num(r["tokens_per_sec_per_gpu"]), *[_days(d) for d in days]])
+            if not same:
+                table.group_starts.add(len(table.rows) - 1)
+            last = (r["model"], r["system"])
+        tables.append(table)
+    return tables
+
+
+def _days(d: float) -> str:
+    return f"{d:,.0f}" if d >= 1000 else f"{d:.2f}"  # the recipe's table: 117.44, 0.96

@@ -1,15 +1,17 @@
 """Fused FP8 tensorwise quantization for CUDA (Triton), bit-exact with ``quantize_fp8``.
 
 Hand-written because the GEMMs of an FP8 linear need each operand twice (row-major for one
-GEMM, transposed for another) and the bandwidth floor is one read for the amax plus one
-read that writes both copies; generic compiled code spends about three times that. Two
-kernels per tensor:
+GEMM, transposed for another) and the scale must match the reference bit for bit; the
+bandwidth floor is one read for the amax plus one read that writes both copies. Kernels:
 
 * ``absmax``: per-tensor max |x| (persistent grid, one atomic per program);
-* ``cast_transpose``: encode scale = FP8_MAX / amax computed in-kernel (or taken from a
-  delayed-scaling amax history), x × scale saturated and rounded to nearest even into the
-  FP8 codes and their transpose, in one pass over x; optionally records the tile amaxes
-  (delayed scaling: the history update needs no extra pass over x).
+* ``cast_transpose``: encode scale = FP8_MAX / amax computed in-kernel with IEEE division
+  (or taken from a delayed-scaling amax history), x × scale saturated and rounded to
+  nearest even into FP8 codes in one pass over x; for delayed scaling the same pass records
+  the amax, so the history update needs no extra read of x. The transposed copy is the
+  transpose of those codes (1 byte read + 1 written per element). Writing it from the same
+  pass (``tl.trans`` of the FP8 tile, or a store through transposed addresses) left wrong
+  bytes with Triton 3.6 on an H100 (benchmarks/RESULTS.md), so it is not done there.
 
 Both are registered as torch custom ops, so torch.compile keeps them as opaque nodes
 instead of breaking the graph.
@@ -38,16 +40,16 @@ def _absmax_kernel(x_ptr, out_ptr, n, per_prog, BLOCK: tl.constexpr):
 
 @triton.jit
 def _encode_scale(amax, FP8_MAX: tl.constexpr):
-    s = tl.where(amax > 0, FP8_MAX / amax, 1.0)
+    # IEEE division (div_rn): Triton's "/" on FP32 is approximate, the reference is exact.
+    s = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax), 1.0)
     return tl.minimum(s, 3.4028234663852886e38)
 
 
 @triton.jit
-def _cast_transpose_kernel(x_ptr, amax_ptr, hist_ptr, amax_out_ptr, q_ptr, qt_ptr, dec_ptr,
+def _cast_kernel(x_ptr, amax_ptr, hist_ptr, amax_out_ptr, q_ptr, dec_ptr,
                            M, N, stride_xm, HIST_LEN,
                            FP8_MAX: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           DELAYED: tl.constexpr, RECORD_AMAX: tl.constexpr, WRITE_Q: tl.constexpr,
-                           WRITE_T: tl.constexpr):
+                           DELAYED: tl.constexpr, RECORD_AMAX: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if DELAYED:  # scale from max(history); while it is all zeros, the given amax stands in
@@ -58,19 +60,15 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, hist_ptr, amax_out_ptr, q_ptr, qt_pt
         ref = tl.load(amax_ptr)
     scale = _encode_scale(ref, FP8_MAX)
     if (pid_m == 0) & (pid_n == 0):
-        tl.store(dec_ptr, 1.0 / scale)
+        tl.store(dec_ptr, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale))
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     if RECORD_AMAX:
         tl.atomic_max(amax_out_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-    y = x * scale
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(OUT)
-    if WRITE_Q:
-        tl.store(q_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=mask)
-    if WRITE_T:
-        tl.store(qt_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(y), mask=tl.trans(mask))
+    y = tl.minimum(tl.maximum(x * scale, -FP8_MAX), FP8_MAX).to(OUT)
+    tl.store(q_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=mask)
 
 
 @triton.jit
@@ -125,18 +123,17 @@ def cast_transpose(x: torch.Tensor, amax: torch.Tensor, history: torch.Tensor | 
     fp8_max, out = _FP8[fp8_dtype]
     if history is not None and history.numel() > 1024:
         raise ValueError("amax histories longer than 1024 are not supported by the fused kernel")
-    q = torch.empty((M, N) if write_q else (0,), device=x.device, dtype=fp8_dtype)
-    qt = torch.empty((N, M) if write_t else (0,), device=x.device, dtype=fp8_dtype)
+    q = torch.empty((M, N), device=x.device, dtype=fp8_dtype)
     dec = torch.empty((), device=x.device, dtype=torch.float32)
     amax_out = torch.zeros((), device=x.device, dtype=torch.float32)
     bm, bn = 64, 128
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
     delayed = history is not None
-    _cast_transpose_kernel[grid](x, amax, history if delayed else amax, amax_out, q, qt, dec,
-                                 M, N, x.stride(0), history.numel() if delayed else 0,
-                                 FP8_MAX=fp8_max, OUT=out, BM=bm, BN=bn, DELAYED=delayed, RECORD_AMAX=delayed,
-                                 WRITE_Q=write_q, WRITE_T=write_t, num_warps=8)
-    return q, qt, dec, amax_out
+    _cast_kernel[grid](x, amax, history if delayed else amax, amax_out, q, dec,
+                       M, N, x.stride(0), history.numel() if delayed else 0,
+                       FP8_MAX=fp8_max, OUT=out, BM=bm, BN=bn, DELAYED=delayed, RECORD_AMAX=delayed, num_warps=8)
+    qt = q.t().contiguous() if write_t else q.new_empty((0,))
+    return (q if write_q else q.new_empty((0,))), qt, dec, amax_out
 
 
 @cast_transpose.register_fake

@@ -1,0 +1,187 @@
+"""Recommended run configs: lpbench's counterpart of NeMo's ``recommended_model_configs``.
+
+``lpbench/configs/recommended_model_configs.csv`` has one row per (task, model, system,
+dtype, GPU count) with NeMo's columns ``task,model,size,system,dtype,num_gpus,seq_len,tp,
+pp,cp,ep,vp,mbs,gbs`` plus ``fsdp`` and ``source`` (where the row comes from; README's
+"Recommended configs" explains each source). ``lookup`` finds the row for a model on a
+GPU type and count; ``run_defaults`` turns it into RunConfig keyword arguments, keeping only
+the fields this RunConfig has (parallel sizes lpbench does not implement yet stay in the
+row, for the user to read).
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from importlib import resources
+
+from lpbench.errors import UsageError
+
+CSV_NAME = "recommended_model_configs.csv"
+INT_FIELDS = ("num_gpus", "seq_len", "tp", "pp", "cp", "ep", "vp", "mbs", "gbs", "fsdp")
+# Row fields a RunConfig may take (passed on only where RunConfig has a field of that name).
+RUN_FIELDS = ("seq_len", "mbs", "gbs", "tp", "pp", "cp", "ep", "vp", "fsdp")
+SOURCES = {
+    "nemo-25.04": "NeMo 25.04 performance summary (FP8 current scaling)",
+    "nemo-25.04-fixed": "NeMo 25.04 performance summary; the published row has its GBS/MBS cells shifted, "
+                        "GBS recomputed as GA x DP x MBS",
+    "nemo-25.07-nvfp4-bench": "NeMo 25.07 recommended config, as used for every precision by the 8xB200 NVFP4 "
+                              "benchmark",
+    "nemotron4-recipe": "Nemotron4 benchmark recipe (BF16/FP8, 16-2048 H100)",
+    "lpbench-h100-reused": "lpbench's choice: the H100 config reused on H200 (no published H200 config)",
+    "lpbench": "lpbench's choice, not from a published table (unmeasured)",
+}
+
+
+@dataclass(frozen=True)
+class Recommended:
+    task: str
+    model: str  # family as NeMo spells it ("llama3"); ``name`` is the lpbench zoo name
+    size: str
+    system: str
+    dtype: str
+    num_gpus: int
+    seq_len: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    vp: int
+    mbs: int
+    gbs: int
+    fsdp: int
+    source: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-{self.size}" if self.size else self.model
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size as NeMo derives it: GPUs / (TP x PP x CP)."""
+        return max(1, self.num_gpus // (self.tp * self.pp * self.cp))
+
+    @property
+    def grad_accum(self) -> int:
+        return max(1, self.gbs // (self.mbs * self.dp))
+
+    def describe(self) -> str:
+        return (f"{self.name} {self.task} on {self.num_gpus}x {self.system} ({self.dtype} row, "
+                f"{self.source}): seq_len {self.seq_len}, MBS {self.mbs}, GBS {self.gbs}, TP {self.tp}, PP {self.pp}, "
+                f"CP {self.cp}, EP {self.ep}, VP {self.vp}, FSDP {self.fsdp}, DP {self.dp}, GA {self.grad_accum}")
+
+
+@lru_cache(maxsize=1)
+def load() -> tuple[Recommended, ...]:
+    text = resources.files("lpbench").joinpath("configs", CSV_NAME).read_text()
+    rows = []
+    for line_no, raw in enumerate(csv.DictReader(text.splitlines()), start=2):
+        try:
+            row = {k: (int(v) if k in INT_FIELDS else v.strip()) for k, v in raw.items()}
+            rows.append(Recommended(**row))
+        except (TypeError, ValueError) as exc:  # a broken shipped file is a bug, say where
+            raise RuntimeError(f"{CSV_NAME} line {line_no}: {exc}") from None
+    return tuple(rows)
+
+
+def dtype_class(precision: str | None) -> str:
+    """The table's dtype column for a precision recipe: bf16, fp8 or fp4."""
+    if precision is None or precision in ("bf16", "fp32"):
+        return "bf16"
+    return "fp4" if precision.endswith("fp4") else "fp8"
+
+
+def lookup(model: str, gpu: str, num_gpus: int | None = None, task: str = "pretrain",
+           precision: str | None = None) -> Recommended:
+    """The recommended row for ``model`` on ``num_gpus`` GPUs of type ``gpu``.
+
+    The dtype column is matched to ``precision`` (bf16 / fp8 / fp4 class), falling back to the
+    fp8 row and then the bf16 row of the same config: precisions compared in one run share
+    one config. ``num_gpus=None`` takes the smallest GPU count the table has.
+    """
+    system = gpu.strip().lower()
+    rows = [r for r in load() if r.task == task]
+    systems = sorted({r.system for r in rows})
+    if system not in systems:
+        raise UsageError(f"no recommended configs for GPU {gpu!r}; known: {', '.join(systems)}")
+    on_system = [r for r in rows if r.system == system]
+    mine = [r for r in on_system if r.name == model]
+    if not mine:
+        names = sorted({r.name for r in on_system})
+        raise UsageError(f"no recommended {task} config for {model} on {system}; models with one: {', '.join(names)}")
+    counts = sorted({r.num_gpus for r in mine})
+    if num_gpus is None:
+        num_gpus = counts[0]
+    matches = [r for r in mine if r.num_gpus == num_gpus]
+    if not matches:
+        raise UsageError(f"no recommended {task} config for {model} on {num_gpus}x {system}; "
+                         f"GPU counts with one: {', '.join(map(str, counts))}")
+    wanted = dtype_class(precision)
+    for dtype in dict.fromkeys((wanted, "fp8", "bf16")):
+        for r in matches:
+            if r.dtype == dtype:
+                return r
+    return matches[0]
+
+
+def run_defaults(rec: Recommended, config_cls=None) -> dict:
+    """RunConfig keyword arguments from a recommended row: only fields ``config_cls`` has."""
+    if config_cls is None:
+        from lpbench.config import RunConfig as config_cls
+    out = {}
+    for f in fields(config_cls):
+        if f.name in RUN_FIELDS:
+            value = getattr(rec, f.name)
+            out[f.name] = bool(value) if isinstance(f.default, bool) else value  # e.g. fsdp: 0/1 -> flag
+    return out
+
+
+def _planned_world(args) -> int | None:
+    """The world size this ``lpbench run`` will have, where lpbench knows how to launch."""
+    try:
+        from lpbench.parallel.launch import planned_world
+    except ImportError:
+        return None
+    return planned_world(getattr(args, "nproc_per_node", None))
+
+
+def fill_run_args(args) -> Recommended | None:
+    """``lpbench run --gpu G [--num-gpus N]``: fill the run flags the user left unset (None).
+
+    Explicit flags win. Flags still unset afterwards get RunConfig's defaults. Returns the
+    row used, or None without ``--gpu``.
+    """
+    from lpbench.config import RunConfig
+
+    rec = None
+    gpu, num_gpus = getattr(args, "gpu", None), getattr(args, "num_gpus", None)
+    if num_gpus is not None and num_gpus <= 0:
+        raise UsageError(f"--num-gpus must be positive, got {num_gpus}")
+    if gpu is None and num_gpus is not None:
+        raise UsageError("--num-gpus selects a recommended config and needs --gpu (e.g. --gpu h100 --num-gpus 8)")
+    if gpu is not None:
+        precisions = getattr(args, "precision", None) or [None]
+        rec = lookup(args.model, gpu, num_gpus, task=getattr(args, "task", None) or "pretrain",
+                     precision=precisions[0])
+        filled = []
+        for key, value in run_defaults(rec, RunConfig).items():
+            if hasattr(args, key) and getattr(args, key) is None:
+                setattr(args, key, value)
+                filled.append(key)
+        world = _planned_world(args)
+        if world is not None and "tp" in filled and world % rec.tp:
+            raise UsageError(f"the recommended config for {rec.name} on {rec.num_gpus}x {rec.system} uses TP {rec.tp}, "
+                             f"but this launch has {world} process(es): start {rec.num_gpus} "
+                             f"(--nproc-per-node {rec.num_gpus}, torchrun or srun) or pass --tp")
+        note = ""
+        if world is not None and world < rec.num_gpus:
+            note = (f"; this launch has {world} process(es), so each accumulates more of the global batch "
+                    f"(--nproc-per-node {rec.num_gpus} to run it as listed)")
+        print(f"lpbench: recommended config: {rec.describe()}{note}", file=sys.stderr)
+    defaults = RunConfig()
+    for key in RUN_FIELDS:
+        if hasattr(args, key) and getattr(args, key) is None and hasattr(defaults, key):
+            setattr(args, key, getattr(defaults, key))
+    return rec

@@ -1,0 +1,365 @@
+"""Hugging Face interop: Llama / Qwen3 checkpoints (``config.json`` + ``*.safetensors``) in and out.
+
+Local folders only (no hub access). The architecture comes from ``config.json``
+(``LlamaForCausalLM`` or ``Qwen3ForCausalLM``); weights from ``model.safetensors`` or the shards
+listed in ``model.safetensors.index.json``. Tensor names, HF → lpbench (``i`` = layer)::
+
+    model.embed_tokens.weight                        tok_embeddings.weight
+    model.layers.i.input_layernorm.weight            layers.i.attn_norm.weight
+    model.layers.i.self_attn.{q,k,v}_proj.{weight,bias}  layers.i.attn.qkv.*   rows [q; k; v]
+    model.layers.i.self_attn.o_proj.{weight,bias}    layers.i.attn.o.*
+    model.layers.i.self_attn.{q,k}_norm.weight       layers.i.attn.{q,k}_norm.weight   (Qwen3)
+    model.layers.i.post_attention_layernorm.weight   layers.i.mlp_norm.weight
+    model.layers.i.mlp.{gate,up}_proj.{weight,bias}  layers.i.mlp.gate_up.*  rows [gate; up]
+    model.layers.i.mlp.down_proj.{weight,bias}       layers.i.mlp.down.*
+    model.norm.weight                                norm.weight
+    lm_head.weight                                   lm_head.weight   (absent when tied)
+
+Both use the "rotate_half" RoPE layout, so q/k rows need no permutation (unlike Meta's original
+checkpoints). Every problem with the input (missing or corrupt file, unsupported architecture or
+RoPE type, missing tensor, wrong shape) raises :class:`lpbench.errors.UsageError` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from lpbench.errors import UsageError
+from lpbench.models.decoder import Decoder
+from lpbench.models.registry import ModelConfig
+
+PathLike = str | os.PathLike
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+# transformers' class defaults for keys a config.json may omit
+_DEFAULTS = {
+    "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "max_position_embeddings": 2048, "head_dim": None},
+    "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "max_position_embeddings": 32768, "head_dim": 128},
+}
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_FILE = "model.safetensors"
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
+
+
+# --------------------------------------------------------------------------- config
+
+def read_hf_config(path: PathLike) -> dict:
+    """The JSON object of ``path/config.json`` (or of ``path`` itself when it is a file)."""
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p
+    if not f.is_file():
+        raise UsageError(f"{f}: no such file (a Hugging Face checkpoint folder holds config.json)")
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{f}: not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{f}: not a JSON object")
+    return cfg
+
+
+def _arch(hf: dict, where: str) -> str:
+    archs = hf.get("architectures") or []
+    for a in archs:
+        if a in ARCHITECTURES:
+            return ARCHITECTURES[a]
+    if not archs and hf.get("model_type") in ARCHITECTURES.values():
+        return hf["model_type"]
+    got = ", ".join(archs) or f"model_type {hf.get('model_type')!r}"
+    raise UsageError(f"{where}: unsupported architecture {got}; lpbench reads {', '.join(ARCHITECTURES)}")
+
+
+def _rope(hf: dict, family: str, where: str) -> tuple[float, tuple | None]:
+    """(rope_theta, llama3 scaling tuple or None) from transformers 5 ``rope_parameters`` or the
+    older top-level ``rope_theta`` + ``rope_scaling``."""
+    params = hf.get("rope_parameters")
+    if params is not None and (not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values())):
+        raise UsageError(f"{where}: per-layer-type rope_parameters are not supported")
+    params = dict(params or {})
+    legacy = hf.get("rope_scaling") or {}
+    if not isinstance(legacy, dict):
+        raise UsageError(f"{where}: rope_scaling must be an object, got {legacy!r}")
+    merged = {**legacy, **params}
+    theta = float(merged.get("rope_theta", hf.get("rope_theta", _DEFAULTS[family]["rope_theta"])))
+    if float(merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise UsageError(f"{where}: partial_rotary_factor != 1 is not supported for {family}")
+    kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if kind == "default":
+        return theta, None
+    if kind == "llama3":
+        try:
+            scaling = (float(merged["factor"]), float(merged["low_freq_factor"]),
+                       float(merged["high_freq_factor"]), int(merged["original_max_position_embeddings"]))
+        except KeyError as exc:
+            raise UsageError(f"{where}: llama3 rope scaling lacks {exc.args[0]!r}") from None
+        if scaling[1] == scaling[2]:
+            raise UsageError(f"{where}: llama3 rope scaling needs low_freq_factor != high_freq_factor")
+        return theta, scaling
+    raise UsageError(f"{where}: unsupported RoPE type {kind!r}; lpbench supports 'default' and 'llama3'")
+
+
+def config_from_hf(path_or_config: PathLike | dict, name: str | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of a Llama / Qwen3 ``config.json`` (a folder, the file, or its dict)."""
+    if isinstance(path_or_config, dict):
+        hf, where = path_or_config, "config.json"
+    else:
+        hf, where = read_hf_config(path_or_config), str(path_or_config)
+    family = _arch(hf, where)
+    defaults = _DEFAULTS[family]
+
+    def need(key):
+        v = hf.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise UsageError(f"{where}: {key} must be a positive integer, got {v!r}")
+        return v
+
+    dim, ffn, layers = need("hidden_size"), need("intermediate_size"), need("num_hidden_layers")
+    heads, vocab = need("num_attention_heads"), need("vocab_size")
+    kv = hf.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise UsageError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    head_dim = hf.get("head_dim", defaults["head_dim"]) or dim // heads
+    if family == "llama" and head_dim * heads == dim:
+        head_dim = None  # the default (dim // heads), as in the zoo
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UsageError(f"{where}: hidden_act {act!r} is not supported (lpbench's gated MLP is SwiGLU)")
+    attn_bias = bool(hf.get("attention_bias", False))
+    mlp_bias = bool(hf.get("mlp_bias", False)) if family == "llama" else False
+    if attn_bias != mlp_bias:
+        raise UsageError(f"{where}: attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported "
+                         f"(lpbench has one bias flag for every linear)")
+    if family == "qwen3":
+        if hf.get("use_sliding_window"):
+            raise UsageError(f"{where}: use_sliding_window=true is not supported")
+        types = set(hf.get("layer_types") or ["full_attention"])
+        if types != {"full_attention"}:
+            raise UsageError(f"{where}: layer_types {sorted(types)} are not supported (full attention only)")
+    theta, scaling = _rope(hf, family, where)
+    return ModelConfig(
+        name or f"hf:{Path(str(path_or_config)).name if not isinstance(path_or_config, dict) else family}",
+        layers, dim, ffn, heads, kv, vocab,
+        head_dim=head_dim,
+        norm_eps=float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qk_norm=family == "qwen3",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bias=attn_bias,
+        max_seq_len=int(hf.get("max_position_embeddings", defaults["max_position_embeddings"])),
+        family=family,
+    )
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """A ``config.json`` for ``cfg`` (Qwen3 when it has QK-norm, else Llama)."""
+    problems = [what for what, bad in (
+        ("LayerNorm", cfg.norm != "rms"), (f"{cfg.activation} MLP", cfg.activation != "swiglu"),
+        ("learned positions", cfg.positions != "rope"), ("partial RoPE", cfg.rope_fraction != 1.0),
+        ("MoE", bool(cfg.n_experts)), ("biases with QK-norm (Qwen3 MLPs have none)", cfg.qk_norm and cfg.bias),
+    ) if bad]
+    if problems:
+        raise UsageError(f"{cfg.name}: cannot export as a Llama/Qwen3 checkpoint: {', '.join(problems)}")
+    qwen = cfg.qk_norm
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    legacy_scaling = None
+    if cfg.rope_scaling is not None:
+        f, lo, hi, orig = cfg.rope_scaling
+        legacy_scaling = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo, "high_freq_factor": hi,
+                          "original_max_position_embeddings": orig}
+        rope = {**legacy_scaling, "rope_theta": cfg.rope_theta}
+    out = {
+        "architectures": ["Qwen3ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen3" if qwen else "llama",
+        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.hd,
+        "vocab_size": cfg.vocab_size, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.bias, "attention_dropout": 0.0,
+        "rope_parameters": rope,  # transformers >= 5
+        "rope_theta": cfg.rope_theta, "rope_scaling": legacy_scaling,  # transformers 4
+        "dtype": str(dtype).removeprefix("torch."), "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if qwen:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
+                   layer_types=["full_attention"] * cfg.n_layers)
+    else:
+        out.update(mlp_bias=cfg.bias, pretraining_tp=1)
+    return out
+
+
+# --------------------------------------------------------------------------- tensor names
+
+def hf_weight_map(cfg: ModelConfig) -> dict[str, tuple[str, int | None, int | None]]:
+    """HF tensor name → (lpbench parameter name, first row, end row); rows None: the whole tensor."""
+    m: dict[str, tuple[str, int | None, int | None]] = {
+        "model.embed_tokens.weight": ("tok_embeddings.weight", None, None),
+        "model.norm.weight": ("norm.weight", None, None),
+    }
+    if not cfg.tie_embeddings:
+        m["lm_head.weight"] = ("lm_head.weight", None, None)
+    q, kv, ffn = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd, cfg.ffn_dim
+    for i in range(cfg.n_layers):
+        hf, lp = f"model.layers.{i}.", f"layers.{i}."
+        m[hf + "input_layernorm.weight"] = (lp + "attn_norm.weight", None, None)
+        m[hf + "post_attention_layernorm.weight"] = (lp + "mlp_norm.weight", None, None)
+        if cfg.qk_norm:
+            m[hf + "self_attn.q_norm.weight"] = (lp + "attn.q_norm.weight", None, None)
+            m[hf + "self_attn.k_norm.weight"] = (lp + "attn.k_norm.weight", None, None)
+        for s in ("weight", "bias") if cfg.bias else ("weight",):
+            m[f"{hf}self_attn.q_proj.{s}"] = (f"{lp}attn.qkv.{s}", 0, q)
+            m[f"{hf}self_attn.k_proj.{s}"] = (f"{lp}attn.qkv.{s}", q, q + kv)
+            m[f"{hf}self_attn.v_proj.{s}"] = (f"{lp}attn.qkv.{s}", q + kv, q + 2 * kv)
+            m[f"{hf}self_attn.o_proj.{s}"] = (f"{lp}attn.o.{s}", None, None)
+            m[f"{hf}mlp.gate_proj.{s}"] = (f"{lp}mlp.gate_up.{s}", 0, ffn)
+            m[f"{hf}mlp.up_proj.{s}"] = (f"{lp}mlp.gate_up.{s}", ffn, 2 * ffn)
+            m[f"{hf}mlp.down_proj.{s}"] = (f"{lp}mlp.down.{s}", None, None)
+    return m
+
+
+def safetensors_files(path: PathLike) -> list[Path]:
+    """The weight files of a checkpoint folder: the index's shards, model.safetensors, or *.safetensors."""
+    d = Path(path)
+    if not d.is_dir():
+        raise UsageError(f"{d}: not a checkpoint folder (config.json + *.safetensors)")
+    index = d / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise UsageError(f"{index}: not a safetensors index (no weight_map): {exc}") from None
+        missing = [n for n in names if not (d / n).is_file()]
+        if missing:
+            raise UsageError(f"{index}: lists missing shard(s) {', '.join(missing)}")
+        return [d / n for n in names]
+    if (d / SAFETENSORS_FILE).is_file():
+        return [d / SAFETENSORS_FILE]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        extra = " (PyTorch .bin checkpoints are not read: re-save with safe_serialization)" \
+            if any(d.glob("*.bin")) else ""
+        raise UsageError(f"{d}: no *.safetensors weights{extra}")
+    return files
+
+
+# --------------------------------------------------------------------------- load
+
+@torch.no_grad()
+def load_hf_weights(model: Decoder, path: PathLike) -> Decoder:
+    """Fill ``model``'s parameters from the safetensors files of checkpoint folder ``path``.
+
+    Each HF tensor is copied into its rows of the lpbench parameter (cast to the parameter's
+    dtype and device); every expected tensor must be present with its exact shape.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    cfg = model.cfg
+    wmap = hf_weight_map(cfg)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    covered = {lp for lp, _, _ in wmap.values()}
+    expected_params = {n for n in params if not (cfg.tie_embeddings and n == "lm_head.weight")}
+    if covered != expected_params:  # the model is not a plain Decoder (LoRA wrappers, MoE ...)
+        raise UsageError(f"{cfg.name}: cannot load HF weights into this model: parameters "
+                         f"{sorted(expected_params ^ covered)[:4]} do not match a Llama/Qwen3 layout")
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for f in safetensors_files(path):
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                for key in fh.keys():
+                    if key not in wmap:
+                        if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and cfg.tie_embeddings):
+                            continue
+                        unexpected.append(key)
+                        continue
+                    lp, lo, hi = wmap[key]
+                    dst = params[lp] if lo is None else params[lp][lo:hi]
+                    t = fh.get_tensor(key)
+                    if tuple(t.shape) != tuple(dst.shape):
+                        raise UsageError(f"{f.name}: tensor {key} has shape {tuple(t.shape)}, expected "
+                                         f"{tuple(dst.shape)} from config.json")
+                    if key in loaded:
+                        raise UsageError(f"{f.name}: tensor {key} appears in more than one file")
+                    dst.copy_(t)
+                    loaded.add(key)
+        except UsageError:
+            raise
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise UsageError(f"{f}: not a readable safetensors file: {exc}") from None
+    if unexpected:
+        raise UsageError(f"{path}: unexpected tensor(s) {', '.join(unexpected[:4])}"
+                         f"{' ...' if len(unexpected) > 4 else ''} for a {cfg.family} model")
+    missing = [k for k in wmap if k not in loaded]
+    if missing:
+        raise UsageError(f"{path}: missing tensor(s) {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    return model
+
+
+def load_hf_checkpoint(path: PathLike, device: torch.device | str = "cpu",
+                       dtype: torch.dtype = torch.float32) -> Decoder:
+    """A :class:`Decoder` with the architecture and weights of HF checkpoint folder ``path``.
+
+    Parameters are held in ``dtype`` (FP32 master weights by default, as for training) on
+    ``device``; nothing is randomly initialised (the model is built on the meta device first).
+    """
+    cfg = config_from_hf(path)
+    with torch.device("meta"):
+        model = Decoder(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    if cfg.tie_embeddings:  # to_empty gives each module its own tensor: tie again
+        model.lm_head.weight = model.tok_embeddings.weight
+    return load_hf_weights(model, path)
+
+
+# --------------------------------------------------------------------------- export
+
+def hf_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """HF-named CPU tensors of ``model`` (fused weights split), in ``dtype`` (None: as stored)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, ModelConfig):
+        raise UsageError("export needs an lpbench Decoder (model.cfg)")
+    hf_config_dict(cfg)  # raises for architectures HF Llama/Qwen3 cannot hold
+    params = dict(model.named_parameters(remove_duplicate=False))
+    wmap = hf_weight_map(cfg)
+    expected = {lp for lp, _, _ in wmap.values()} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    if set(params) != expected:
+        extra = sorted(set(params) - expected)
+        hint = " (merge LoRA adapters first: lpbench.train.lora.merge_lora)" if any("lora_" in n for n in extra) else ""
+        raise UsageError(f"{cfg.name}: parameters {extra[:4] or sorted(expected - set(params))[:4]} have no "
+                         f"Hugging Face name{hint}")
+    out = {}
+    for key, (lp, lo, hi) in wmap.items():
+        t = params[lp].detach()
+        if hasattr(t, "full_tensor"):  # DTensor (FSDP2 / TP): gather
+            t = t.full_tensor()
+        t = t if lo is None else t[lo:hi]
+        out[key] = t.to(device="cpu", dtype=dtype or t.dtype).contiguous().clone()
+    return out
+
+
+def export_hf_checkpoint(model: torch.nn.Module, path: PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Write ``path/config.json`` and ``path/model.safetensors`` that transformers loads as
+    ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``. ``dtype``: the stored dtype (None: the parameters')."""
+    from safetensors.torch import save_file
+
+    tensors = hf_state_dict(model, dtype)
+    stored = next(iter(tensors.values())).dtype
+    cfg = getattr(model, "_orig_mod", model).cfg
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{SAFETENSORS_FILE}.tmp{os.getpid()}"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / SAFETENSORS_FILE)
+    index = out / SAFETENSORS_INDEX
+    if index.exists():  # a stale index would point transformers at old shards
+        index.unlink()
+    tmp = out / f".config.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(hf_config_dict(cfg, stored), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out / "config.json")
+    return out

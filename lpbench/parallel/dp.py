@@ -1,0 +1,76 @@
+"""Data parallelism: DDP or FSDP2 over the ``dp`` mesh, gradient-sync control, global grad-norm clipping."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None) -> nn.Module:
+    """FSDP2: one ``fully_shard`` group per transformer block and one for the root (embeddings, head).
+
+    Parameters are all-gathered in ``param_dtype`` (the recipe's compute dtype on CUDA) and
+    gradients reduce-scattered in FP32; the sharded master weights stay FP32.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """DDP over ``mesh``: full replicas, gradients all-reduced once per step.
+
+    With tensor-parallel (DTensor) parameters torch's ``DistributedDataParallel`` does not apply;
+    FSDP2's ``replicate`` (the same semantics, one group per block) does.
+    """
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        for block in model.layers:
+            replicate(block, mesh=mesh)
+        return replicate(model, mesh=mesh)
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh.get_group(),
+               find_unused_parameters=model.cfg.n_experts > 0)  # an MoE expert may get no token on a rank
+
+
+@contextmanager
+def grad_sync(model: nn.Module, enabled: bool):
+    """Reduce gradients across data-parallel ranks in this forward/backward only if ``enabled``.
+
+    Non-final micro-batches of gradient accumulation run with ``enabled=False`` (DDP ``no_sync``,
+    FSDP2 ``set_requires_gradient_sync``), so each step communicates gradients once.
+    """
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        yield
+    else:
+        with model.no_sync() if isinstance(model, DDP) and not enabled else nullcontext():
+            yield
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters on several device meshes (and none).
+
+    Plain, DTensor-on-the-TP-mesh and FSDP-sharded gradients are normed per mesh (DTensor
+    reduces each over its shards) and combined; returns the global 2-norm, the same on all ranks.
+    """
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in groups.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    if not norms:
+        return torch.zeros(())
+    total = torch.stack(norms).square().sum().sqrt() if len(norms) > 1 else norms[0]
+    for group in groups.values():  # one call per mesh: foreach ops cannot mix plain and DTensor
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total

@@ -1,0 +1,46 @@
+"""``lpbench run --nproc-per-node N``: re-launch the same command line through torchrun.
+
+Inside a launch (our own torchrun, an external torchrun, or srun) the flag is ignored and the
+world comes from the environment (:mod:`lpbench.parallel.env`). Launched processes get NVLink
+multicast switched off (NCCL NVLS, symmetric-memory and NVSHMEM multicast) unless the user set
+those variables.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from lpbench.errors import UsageError
+from lpbench.parallel.env import NO_MULTICAST_ENV, detect_world
+
+
+def launch_env(base: dict | None = None) -> dict:
+    """``base`` (default: this process's environment) plus the multicast switches it lacks."""
+    env = dict(os.environ if base is None else base)
+    for key, value in NO_MULTICAST_ENV.items():
+        env.setdefault(key, value)
+    return env
+
+
+def planned_world(nproc_per_node: int | None) -> int:
+    """World size of this run: the launch's, else ``nproc_per_node`` (to be launched), else 1."""
+    if nproc_per_node is not None and nproc_per_node <= 0:
+        raise UsageError(f"--nproc-per-node must be positive, got {nproc_per_node}")
+    world = detect_world()
+    return world.size if world.launcher != "none" else nproc_per_node or 1
+
+
+def needs_relaunch(nproc_per_node: int | None) -> bool:
+    return (nproc_per_node or 1) > 1 and detect_world().launcher == "none"
+
+
+def relaunch(nproc_per_node: int, argv: list[str] | None = None) -> int:
+    """Run ``lpbench <argv>`` (default: this command line) as ``nproc_per_node`` torchrun workers."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not any(a.startswith("--nproc-per-node") for a in argv):
+        raise UsageError("--nproc-per-node re-launches the lpbench command line; from Python, start torchrun yourself")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
+           "-m", "lpbench", *argv]
+    return subprocess.run(cmd, env=launch_env()).returncode

@@ -1,0 +1,313 @@
+"""Report figures (matplotlib, Agg backend): each function returns PNG bytes, or None without data.
+
+* ``throughput_vs_seq``: tokens/s/GPU and model TFLOP/s/GPU against sequence length, one line
+  per precision, one row of panels per model / system / GPU count / workload.
+* ``speedup_bars``: speedup over BF16 per comparison group; failed runs marked in place.
+* ``loss_curves``: the loss per step of every precision of a group, overlaid.
+* ``memory_bars``: peak memory per precision and group.
+
+Colours are fixed per precision across all figures (BF16 is always the dark grey).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+from lpbench.report.tables import BASELINE, precision_name
+
+COLOURS = {"bf16": "#3b3b3b", "fp32": "#9e9e9e", "fp8-tensorwise": "#1f77b4", "fp8-delayed": "#17becf",
+           "fp8-rowwise": "#2ca02c", "fp8-rowwise-gw-hp": "#8fbc5a", "fp8-blockwise": "#9467bd",
+           "mxfp8": "#ff7f0e", "mxfp4": "#e377c2", "nvfp4": "#d62728"}
+_EXTRA = ["#8c564b", "#bcbd22", "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a"]
+MAX_PANELS = 12
+FAIL_LABELS = {"oom": "OOM", "diverged": "diverged", "timeout": "timeout", "error": "error"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"figure.dpi": 110, "savefig.dpi": 110, "axes.grid": True, "grid.alpha": 0.3,
+                         "axes.spines.top": False, "axes.spines.right": False, "font.size": 9,
+                         "axes.titlesize": 10, "legend.fontsize": 8, "legend.frameon": False})
+    return plt
+
+
+def colour(precision: str, order: list[str]) -> str:
+    if precision in COLOURS:
+        return COLOURS[precision]
+    unknown = [p for p in order if p not in COLOURS]
+    return _EXTRA[unknown.index(precision) % len(_EXTRA)] if precision in unknown else _EXTRA[0]
+
+
+def _png(fig) -> bytes:
+    plt = _plt()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _precisions(rows) -> list[str]:
+    """Precisions in display order: BF16 first, then as first seen."""
+    seen = list(dict.fromkeys(r["precision"] for r in rows))
+    return sorted(seen, key=lambda p: (p != BASELINE, seen.index(p)))
+
+
+def _group_rows(rows: list[dict]) -> list[tuple[tuple, list[dict]]]:
+    from lpbench.report.tables import _row_group
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(_row_group(r), []).append(r)
+    return list(groups.items())
+
+
+def _devices(n: int, system: str) -> str:
+    unit = "process" if system == "CPU" else "GPU"
+    return f"{n} {unit}" + ("" if n == 1 else ("es" if unit == "process" else "s"))
+
+
+_LABEL_PARTS = [  # (how a comparison group is named, piece by piece)
+    ("workload", lambda r: r.get("workload") or "pretrain"),
+    ("model", lambda r: r["model"]),
+    ("system", lambda r: r["system"]),
+    ("gpus", lambda r: _devices(r.get("num_gpus") or 1, r["system"])),
+    ("seq", lambda r: f"seq {r['seq_len']}"),
+    ("batch", lambda r: f"GBS {r['gbs']} MBS {r['mbs']}"),
+    ("layout", lambda r: " ".join(f"{k.upper()}{r[k]}" for k in ("tp", "pp", "cp", "ep") if r.get(k, 1) != 1)),
+    ("group", lambda r: r.get("group_id") or ""),
+]
+
+
+def group_labels(groups: list[list[dict]]) -> tuple[list[str], str]:
+    """A short label per group (only what differs between groups) and the common part."""
+    firsts = [g[0] for g in groups]
+    varying, common = [], []
+    for name, fn in _LABEL_PARTS:
+        values = [fn(r) for r in firsts]
+        if len(set(values)) > 1:
+            varying.append(fn)
+        elif values[0] and name != "group":
+            common.append(values[0])
+    labels = []
+    for i, r in enumerate(firsts):
+        parts = [fn(r) for fn in varying if fn(r)]
+        if varying and varying[-1] is _LABEL_PARTS[-1][1] and len(parts) > 1:
+            parts = parts[:-1] + [f"run {r.get('group_id')}"]
+        labels.append(", ".join(parts) or ("" if len(firsts) == 1 else f"group {i + 1}"))
+    return labels, " · ".join(common)
+
+
+def _legend_handles(precisions, order, kind: str = "line"):
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    if kind == "bar":
+        return [Patch(color=colour(p, order), label=precision_name(p)) for p in precisions]
+    return [Line2D([0], [0], color=colour(p, order), marker="o", lw=2, label=precision_name(p)) for p in precisions]
+
+
+def throughput_vs_seq(rows: list[dict]) -> bytes | None:
+    ok = [r for r in rows if r["status"] == "ok" and _finite(r.get("tokens_per_sec_per_gpu"))]
+    if not ok:
+        return None
+    plt = _plt()
+    order = _precisions(ok)
+    panels: dict[tuple, list[dict]] = {}
+    for r in ok:
+        panels.setdefault((r.get("workload"), r["model"], r["system"], r.get("num_gpus") or 1, r.get("backend")),
+                          []).append(r)
+    keys = list(panels)[:MAX_PANELS]
+    fig, axes = plt.subplots(len(keys), 2, figsize=(10, 3.2 * len(keys)), squeeze=False)
+    for row_axes, key in zip(axes, keys):
+        members = panels[key]
+        seqs = sorted({r["seq_len"] for r in members})
+        for ax, metric, ylabel in ((row_axes[0], "tokens_per_sec_per_gpu", "tokens / s / GPU"),
+                                   (row_axes[1], "tflops_per_gpu", "model TFLOP / s / GPU")):
+            for p in _precisions(members):
+                best: dict[int, float] = {}
+                for r in members:
+                    if r["precision"] == p and _finite(r.get(metric)):
+                        best[r["seq_len"]] = max(best.get(r["seq_len"], 0.0), r[metric])
+                xs = sorted(best)
+                emulated = any(r["precision"] == p and r.get("path") == "emulated" for r in members)
+                ax.plot(xs, [best[x] for x in xs], marker="o", lw=2, color=colour(p, order),
+                        ls="--" if emulated else "-", label=precision_name(p) + (" (emulated)" if emulated else ""))
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(seqs)
+            ax.set_xticklabels([str(s) for s in seqs])
+            ax.minorticks_off()
+            if len(seqs) == 1:
+                ax.set_xlim(seqs[0] / 1.5, seqs[0] * 1.5)
+            ax.set_ylim(bottom=0)
+            ax.set_xlabel("sequence length (tokens)")
+            ax.set_ylabel(ylabel)
+            wl, model, system, n, backend = key
+            ax.set_title(f"{model} · {system} · {_devices(n, system)} · {wl or 'pretrain'}")
+        row_axes[0].legend(loc="best")
+    extra = f" (first {MAX_PANELS} of {len(panels)})" if len(panels) > MAX_PANELS else ""
+    fig.suptitle("Throughput vs sequence length (best batch config per point)" + extra, fontweight="bold")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def speedup_bars(rows: list[dict]) -> bytes | None:
+    groups = [members for _, members in _group_rows(rows)
+              if any(r.get("speedup") is not None for r in members) and len(members) > 1]
+    if not groups:
+        return None
+    plt = _plt()
+    groups = groups[:MAX_PANELS * 2]
+    order = _precisions([r for g in groups for r in g])
+    labels, common = group_labels(groups)
+    width = 0.8 / max(1, len(order))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 + len(groups) * len(order) * 0.55), 4.2))
+    top = max([r["speedup"] for g in groups for r in g if r.get("speedup")] + [1.0])
+    any_emulated = False
+    for gi, members in enumerate(groups):
+        present = _precisions(members)
+        for pi, p in enumerate(present):
+            x = gi + (pi - (len(present) - 1) / 2) * width
+            r = next(m for m in members if m["precision"] == p)
+            if r.get("speedup") is not None:
+                emulated = r.get("path") == "emulated"
+                any_emulated = any_emulated or emulated
+                ax.bar(x, r["speedup"], width * 0.9, color=colour(p, order), hatch="///" if emulated else None,
+                       edgecolor="white" if emulated else None, linewidth=0)
+                ax.text(x, r["speedup"] + top * 0.01, f"{r['speedup']:.2f}×", ha="center", va="bottom", fontsize=7)
+            else:
+                ax.text(x, top * 0.02, f"{precision_name(p)}: {FAIL_LABELS.get(r['status'], r['status'])}",
+                        ha="center", va="bottom", rotation=90, fontsize=8, color="#b00020")
+    ax.axhline(1.0, color="#3b3b3b", lw=1, ls="--")
+    ax.grid(axis="x", visible=False)
+    ax.set_xlim(-0.5, len(groups) - 0.5)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(labels, rotation=20 if len(groups) > 3 else 0, ha="right" if len(groups) > 3 else "center")
+    ax.set_ylim(0, top * 1.15)
+    ax.set_ylabel("speedup over BF16 (tokens/s/GPU ratio)")
+    handles = _legend_handles(order, order, "bar")
+    if any_emulated:
+        from matplotlib.patches import Patch
+
+        handles.append(Patch(facecolor="#bbbbbb", hatch="///", edgecolor="white", label="emulated GEMMs\n"
+                             "(no native unit here:\nspeed not representative)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title("Speedup over BF16" + (f" — {common}" if common else ""), fontweight="bold")
+    if any(g[0].get("baseline") not in (None, BASELINE) for g in groups):
+        ax.text(0, -0.2, "groups without a BF16 run are compared with their first run", transform=ax.transAxes,
+                fontsize=7, color="#555")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def loss_curves(rows: list[dict], steps_by_run: dict[int, list[dict]]) -> bytes | None:
+    groups = [members for _, members in _group_rows(rows)
+              if any(len(steps_by_run.get(r["id"], [])) for r in members)]
+    if not groups:
+        return None
+    plt = _plt()
+    shown = groups[:MAX_PANELS]
+    order = _precisions([r for g in shown for r in g])
+    labels, common = group_labels(shown)
+    cols = min(3, len(shown))
+    nrows = math.ceil(len(shown) / cols)
+    width = 4.6 if len(shown) > 1 else 8.0
+    fig, axes = plt.subplots(nrows, cols, figsize=(width * cols, 3.4 * nrows if len(shown) > 1 else 4.2),
+                             squeeze=False)
+    for ax, members, label in zip(axes.flat, shown, labels):
+        failures = 0
+        for r in sorted(members, key=lambda m: order.index(m["precision"])):
+            steps = steps_by_run.get(r["id"], [])
+            pts = [(s["step"], s["loss"]) for s in steps if _finite(s.get("loss"))]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, lw=1.6, color=colour(r["precision"], order), marker="o" if len(xs) <= 20 else None,
+                    ms=3)
+            if r["status"] != "ok":  # where it stopped, and why
+                what = FAIL_LABELS.get(r["status"], r["status"])
+                if r["status"] == "diverged" and r.get("diverged_step"):
+                    what += f" at step {r['diverged_step']}"
+                ax.plot(xs[-1], ys[-1], marker="x", ms=9, mew=2, color="#b00020")
+                ax.annotate(f"{precision_name(r['precision'])} {what}", (xs[-1], ys[-1]), textcoords="offset points",
+                            xytext=(8, 10 + 12 * failures), ha="left", fontsize=7, color="#b00020",
+                            arrowprops={"arrowstyle": "-", "color": "#b00020", "lw": 0.6},
+                            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85})
+                failures += 1
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        if label:
+            ax.set_title(label, fontsize=9)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.margins(x=0.12)
+    for ax in list(axes.flat)[len(shown):]:
+        ax.set_visible(False)
+    extra = f" (first {MAX_PANELS} of {len(groups)} groups)" if len(groups) > MAX_PANELS else ""
+    fig.suptitle("Training loss per step" + (f" — {common}" if common else "") + extra, fontweight="bold")
+    fig.tight_layout(rect=(0, 0.06 if nrows == 1 else 0.03, 1, 1))
+    fig.legend(handles=_legend_handles(order, order), loc="lower center", ncol=min(len(order), 6),
+               bbox_to_anchor=(0.5, 0.0))
+    return _png(fig)
+
+
+def memory_bars(rows: list[dict]) -> bytes | None:
+    groups = [members for _, members in _group_rows(rows) if any(_finite(r.get("peak_mem_gb")) for r in members)]
+    if not groups:
+        return None
+    plt = _plt()
+    groups = groups[:MAX_PANELS * 2]
+    order = _precisions([r for g in groups for r in g])
+    labels, common = group_labels(groups)
+    width = 0.8 / max(1, len(order))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 + len(groups) * len(order) * 0.55), 4.2))
+    top = max(r["peak_mem_gb"] for g in groups for r in g if _finite(r.get("peak_mem_gb")))
+    any_failed = False
+    for gi, members in enumerate(groups):
+        present = _precisions(members)
+        for pi, p in enumerate(present):
+            x = gi + (pi - (len(present) - 1) / 2) * width
+            r = next(m for m in members if m["precision"] == p)
+            failed = r["status"] != "ok"
+            any_failed = any_failed or failed
+            what = FAIL_LABELS.get(r["status"], r["status"])
+            if _finite(r.get("peak_mem_gb")):
+                ax.bar(x, r["peak_mem_gb"], width * 0.9, color=colour(p, order), alpha=0.45 if failed else 1.0,
+                       hatch="//" if failed else None, edgecolor="white" if failed else None, linewidth=0)
+                ax.text(x, r["peak_mem_gb"] + top * 0.01, f"{r['peak_mem_gb']:.2f}" + (f"\n{what}" if failed else ""),
+                        ha="center", va="bottom", fontsize=7, color="#b00020" if failed else "black")
+            elif failed:
+                ax.text(x, top * 0.02, f"{precision_name(p)}: {what}", ha="center", va="bottom", rotation=90,
+                        fontsize=8, color="#b00020")
+    kinds = {r.get("memory_kind") for g in groups for r in g}
+    ax.set_xlim(-0.5, len(groups) - 0.5)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(labels, rotation=20 if len(groups) > 3 else 0, ha="right" if len(groups) > 3 else "center")
+    ax.set_ylim(0, top * 1.2)
+    ax.set_ylabel("peak memory per GPU (GB)" if kinds <= {"cuda", None} else
+                  "peak memory (GB; host RSS on CPU)")
+    ax.grid(axis="x", visible=False)
+    handles = _legend_handles(order, order, "bar")
+    if any_failed:
+        from matplotlib.patches import Patch
+
+        handles.append(Patch(facecolor="#bbbbbb", alpha=0.45, hatch="//", edgecolor="white",
+                             label="run did not finish ok\n(peak when it stopped)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title("Peak memory" + (f" — {common}" if common else ""), fontweight="bold")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def all_plots(rows: list[dict], steps_by_run: dict[int, list[dict]]) -> dict[str, bytes]:
+    """Every figure with data, by file name."""
+    figures = {"throughput_vs_seq.png": throughput_vs_seq(rows), "speedup.png": speedup_bars(rows),
+               "loss_curves.png": loss_curves(rows, steps_by_run), "peak_memory.png": memory_bars(rows)}
+    return {name: png for name, png in figures.items() if png}

@@ -1,0 +1,183 @@
+"""LoRA: frozen base linears plus trainable low-rank adapters, and merging them back.
+
+``apply_lora`` wraps the chosen linears of ``model.layers`` in :class:`LoRALinear`::
+
+    y = base(x) + (alpha / r) · (x · Aᵀ) · Bᵀ      A [r, in] Kaiming-uniform, B [out, r] zeros
+
+so the adapted model starts equal to the base model, and freezes every other parameter
+(embeddings, norms, lm_head, the base weights). As NeMo does for Megatron's fused linears, the
+fused ``attn.qkv`` and ``mlp.gate_up`` get one adapter each (A shared by q, k and v). Adapter
+parameters live in ``adapter_dtype`` (FP32 master weights by default, like every trained
+parameter in lpbench); their GEMMs run in the autocast dtype (BF16), never quantized.
+
+**Quantized bases.** ``LoRALinear`` only calls ``base(x)``; it never touches ``base.weight`` in the
+forward pass. So the base may be an ``nn.Linear`` or any subclass, e.g. the recipe's
+``QuantizedLinear``: apply the recipe before or after ``apply_lora`` (``apply_recipe`` swaps the
+``nn.Linear`` it finds at ``*.base``; adapters are plain parameters, not linears, so they stay
+BF16). With the base frozen, autograd asks the quantized linear for the data gradient only (no
+weight-gradient GEMM). A base that stores its frozen weight already quantized (codes + scales,
+quantized once) fits the same slot; for merging it implements ``merge_lora_delta(delta)``
+(dequantize, add, requantize or become a plain linear), which ``merge_lora`` calls instead of
+``base.weight.add_(delta)``.
+
+**Targets** (``--lora-targets``): ``qkv``, ``o``, ``mlp`` (= ``gate_up``/``up`` and ``down``),
+or ``gate_up``, ``up``, ``down`` alone; MoE experts' MLPs are matched too, routers never.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lpbench.errors import UsageError
+
+TARGETS: dict[str, tuple[str, ...]] = {
+    "qkv": ("qkv",), "o": ("o",), "mlp": ("gate_up", "up", "down"),
+    "gate_up": ("gate_up",), "up": ("up",), "down": ("down",),
+}
+
+
+def expand_targets(targets) -> tuple[str, ...]:
+    """Module names for ``targets`` (a list, or a comma-separated string such as ``"qkv,o,mlp"``)."""
+    if isinstance(targets, str):
+        targets = [t for t in targets.replace(" ", "").split(",") if t]
+    names: list[str] = []
+    for t in targets:
+        if t not in TARGETS:
+            raise UsageError(f"unknown LoRA target {t!r}; valid: {', '.join(TARGETS)}")
+        names += [n for n in TARGETS[t] if n not in names]
+    if not names:
+        raise UsageError("LoRA needs at least one target")
+    return tuple(names)
+
+
+class LoRALinear(nn.Module):
+    """``base(x) + scaling · (x Aᵀ) Bᵀ`` with a frozen ``base`` (any module with in/out_features)."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, adapter_dtype: torch.dtype = torch.float32,
+                 generator: torch.Generator | None = None):
+        super().__init__()
+        if rank < 1:
+            raise UsageError(f"LoRA rank must be >= 1, got {rank}")
+        self.base = base
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.rank, self.alpha, self.scaling = int(rank), float(alpha), float(alpha) / rank
+        device = next(base.parameters()).device
+        self.lora_a = nn.Parameter(torch.empty(rank, self.in_features, device=device, dtype=adapter_dtype))
+        self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, device=device, dtype=adapter_dtype))
+        if device.type != "meta":
+            with torch.no_grad():  # nn.Linear's default init (as PEFT), on a seeded generator
+                nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5), generator=generator)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's contribution ``scaling · (x Aᵀ) Bᵀ``."""
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.lora_a.dtype)
+        return F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        return y + self.delta(x).to(y.dtype)
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """``scaling · B A`` [out, in] in FP32."""
+        return (self.lora_b.float() @ self.lora_a.float()) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha:g}, adapters={self.lora_a.dtype}"
+
+
+def _is_linear(mod: nn.Module) -> bool:
+    w = getattr(mod, "weight", None)
+    return isinstance(mod, nn.Linear) or (hasattr(mod, "in_features") and isinstance(w, torch.Tensor) and w.ndim == 2)
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=("qkv", "o", "mlp"), *,
+               adapter_dtype: torch.dtype = torch.float32, base_dtype: torch.dtype | None = None,
+               seed: int = 0) -> dict:
+    """Wrap ``targets`` of every block in ``model.layers`` with LoRA adapters; freeze the rest.
+
+    ``alpha`` defaults to ``rank`` (scaling 1). ``base_dtype`` (e.g. ``torch.bfloat16``) casts the
+    frozen linear weights inside ``model.layers`` once (they need no FP32 master copy; compute
+    must then run under autocast). Returns ``{"adapted": [names], "trainable": n, "frozen": n}``.
+    """
+    names = set(expand_targets(targets))
+    if rank < 1:
+        raise UsageError(f"--lora-rank must be >= 1, got {rank}")
+    alpha = float(rank if alpha is None else alpha)
+    if alpha <= 0:
+        raise UsageError(f"--lora-alpha must be > 0, got {alpha}")
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError("apply_lora needs the transformer blocks in model.layers (an nn.ModuleList)")
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise UsageError("the model already has LoRA adapters")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if base_dtype is not None:
+        for layer in layers:
+            for mod in layer.modules():
+                if _is_linear(mod):
+                    mod.to(base_dtype)
+    first = next(model.parameters())
+    gen = torch.Generator(device=first.device) if first.device.type != "meta" else None
+    if gen is not None:
+        gen.manual_seed(seed)
+    adapted = []
+    for i, layer in enumerate(layers):
+        for name, mod in list(layer.named_modules()):
+            leaf = name.rpartition(".")[2]
+            if leaf not in names or "router" in name or not _is_linear(mod):
+                continue
+            wrapper = LoRALinear(mod, rank, alpha, adapter_dtype, gen)
+            parent, _, child = name.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, child, wrapper)
+            adapted.append(f"layers.{i}.{name}")
+    if not adapted:
+        raise UsageError(f"no linear named {', '.join(sorted(names))} in model.layers to adapt")
+    trainable = lora_parameters(model)
+    for p in trainable:
+        p.requires_grad_(True)
+    n_train = sum(p.numel() for p in trainable)
+    return {"adapted": adapted, "trainable": n_train,
+            "frozen": sum(p.numel() for p in model.parameters()) - n_train,
+            "rank": rank, "alpha": alpha, "targets": sorted(names)}
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapter parameters (A then B of each adapted linear, in module order)."""
+    return [p for _, m in lora_modules(model) for p in (m.lora_a, m.lora_b)]
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the adapters, by their full names (``layers.0.attn.qkv.lora_a`` ...)."""
+    return {f"{n}.{k}": getattr(m, k).detach() for n, m in lora_modules(model) for k in ("lora_a", "lora_b")}
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (``W += scaling · B A``) and unwrap the base.
+
+    The model is changed in place and returned; its outputs are unchanged up to rounding in the
+    base weight's dtype. ``requires_grad`` flags are left as they are (the base stays frozen).
+    """
+    for name, mod in lora_modules(model):
+        base, delta = mod.base, mod.delta_weight()
+        if hasattr(base, "merge_lora_delta"):  # a base that stores its weight quantized
+            base = base.merge_lora_delta(delta) or base
+        else:
+            w = base.weight
+            if hasattr(w, "full_tensor") or w.is_meta:
+                raise UsageError(f"{name}: cannot merge into a sharded or meta weight; gather it first")
+            w.copy_((w.float() + delta.to(w.device)).to(w.dtype))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, base)
+    return model

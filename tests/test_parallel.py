@@ -1,0 +1,223 @@
+"""DDP / FSDP2 / TP / FSDP x TP on CPU (gloo): each layout trains exactly like one process.
+
+Workers are spawned once per world size (a module fixture) and run every scenario; each
+scenario is compared with a single-process run on the same global batch, in FP32.
+"""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import lpbench.train.loop as loop
+from lpbench.config import RunConfig
+from lpbench.models.registry import MODELS, ModelConfig
+
+BASE = RunConfig(model="tiny", seq_len=32, mbs=8, gbs=8, steps=2, warmup_steps=1, precision="fp32", device="cpu")
+ARCHS = {  # tiny members of the other families: QK-norm + GQA, GPT (bias, learned positions, tied), MoE
+    m.name: m for m in (
+        ModelConfig("test-qwen", 2, 64, 128, 4, 2, 512, head_dim=32, qk_norm=True, max_seq_len=256),
+        ModelConfig("test-gpt", 2, 64, 256, 4, 4, 512, norm="layer", activation="gelu", positions="learned",
+                    tie_embeddings=True, bias=True, max_seq_len=256),
+        ModelConfig("test-moe", 2, 64, 128, 4, 2, 512, n_experts=4, top_k=2, max_seq_len=256),
+    )
+}
+SCENARIOS = {
+    2: {"ddp": dict(mbs=4), "ddp-ga": dict(mbs=2), "fsdp": dict(mbs=4, fsdp=True), "fsdp-ga": dict(mbs=2, fsdp=True),
+        "tp": dict(tp=2), "tp-no-sp": dict(tp=2, sequence_parallel=False, mbs=4),
+        **{f"tp-{name}": dict(tp=2, model=name) for name in ARCHS}},
+    4: {"fsdp-tp": dict(mbs=2, tp=2, fsdp=True), "ddp-tp": dict(mbs=4, tp=2)},
+}
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    MODELS.update(ARCHS)
+    results = {}
+    for name, kw in SCENARIOS[world].items():
+        lines = []
+        r = loop.train(BASE.with_(**kw).with_world(world), log=lines.append)
+        results[name] = {"loss": [s["loss"] for s in r.steps], "grad_norm": [s["grad_norm"] for s in r.steps],
+                         "metrics": r.metrics, "status": r.status, "log_lines": len(lines)}
+    results["amax_group_size"] = _amax_group_size_of_a_sharded_linear(world)
+    if world == 2:
+        results["refused"] = _tp_refuses_linears_that_are_not_tp_aware()
+        results["hook"] = _quantized_linear_hook_check()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    torch.distributed.destroy_process_group()
+
+
+def _amax_group_size_of_a_sharded_linear(world: int) -> int | None:
+    """FSDP (world 2) or FSDP x TP (world 4), outside forward: parameters are FSDP-sharded DTensors."""
+    from lpbench.models import build_model
+    from lpbench.parallel.plan import parallelize
+    from lpbench.parallel.tp import amax_group
+
+    model = build_model(MODELS["tiny"], device="cpu")
+    parallelize(model, BASE.with_(fsdp=True, tp=world // 2).with_world(world), torch.device("cpu"), torch.float32,
+                use_compile=False)
+    group = amax_group(model.layers[0].attn.qkv)
+    return None if group is None else torch.distributed.get_world_size(group)
+
+
+def _tp_refuses_linears_that_are_not_tp_aware() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lpbench.errors import UsageError
+    from lpbench.models import build_model
+    from lpbench.parallel.tp import apply_tp
+
+    class OwnGemmLinear(torch.nn.Linear):
+        pass
+
+    model = build_model(MODELS["tiny"], device="cpu")
+    qkv = model.layers[0].attn.qkv
+    model.layers[0].attn.qkv = OwnGemmLinear(qkv.in_features, qkv.out_features, bias=False)
+    try:
+        apply_tp(model, init_device_mesh("cpu", (2,)))
+    except UsageError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def _quantized_linear_hook_check() -> dict:
+    """A per-tensor fake-quantized linear pair (colwise -> rowwise) under TP=2 vs unsharded."""
+    import copy
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lpbench.parallel.tp import amax_group, local_linear
+
+    class FakeQuantLinear(nn.Linear):  # weight rounded to a grid of amax/3: depends on the whole tensor's amax
+        reduce_amax = True
+        tp_aware = True
+
+        def forward(self, x):
+            def fn(x, w, b):
+                amax, group = w.detach().abs().amax(), amax_group(self)
+                if group is not None and self.reduce_amax:
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+                s = amax / 3
+                return F.linear(x, w + (torch.round(w / s) * s - w).detach(), b)
+            return local_linear(self, x, fn)
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(FakeQuantLinear(8, 16), nn.ReLU(), FakeQuantLinear(16, 8))
+    x = torch.randn(4, 8)
+    out = {}
+    for reduce_amax in (True, False):
+        FakeQuantLinear.reduce_amax = reduce_amax
+        tp = parallelize_module(copy.deepcopy(ref), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)),
+                                {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yr, yt = ref(xr), tp(xt)
+        yr.square().sum().backward()
+        yt.square().sum().backward()
+        same = torch.allclose(yr, yt, atol=1e-6) and torch.allclose(xr.grad, xt.grad, atol=1e-5) and all(
+            torch.allclose(a.grad, b.grad.full_tensor(), atol=1e-5) for a, b in zip(ref.parameters(), tp.parameters()))
+        out["reduced" if reduce_amax else "local"] = same
+        ref.zero_grad()
+    out["groups"] = [amax_group(m) is not None for m in (tp[0], tp[2], ref[0])]
+    return out
+
+
+def _spawn(world: int, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"world{world}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(world, port, str(out)), nprocs=world, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return _spawn(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return _spawn(4, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single-process runs: one micro-batch holding the whole global batch."""
+    with pytest.MonkeyPatch.context() as mpatch:
+        for name, m in ARCHS.items():
+            mpatch.setitem(MODELS, name, m)
+        return {name: loop.train(BASE.with_(model=name), log=lambda line: None) for name in ["tiny", *ARCHS]}
+
+
+def _assert_same_training(run: dict, ref) -> None:
+    assert run["status"] == "ok"
+    assert run["loss"] == pytest.approx([s["loss"] for s in ref.steps], rel=1e-5)
+    assert run["grad_norm"] == pytest.approx([s["grad_norm"] for s in ref.steps], rel=1e-4)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS[2]))
+def test_two_ranks_train_like_one_process(name, world2, reference):
+    model = SCENARIOS[2][name].get("model", "tiny")
+    _assert_same_training(world2[0][name], reference[model])
+    assert world2[1][name]["loss"] == world2[0][name]["loss"]  # every rank reports the global loss
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS[4]))
+def test_fsdp_and_ddp_times_tp_on_a_2d_mesh(name, world4, reference):
+    _assert_same_training(world4[0][name], reference["tiny"])
+    m = world4[0][name]["metrics"]
+    assert (m["world_size"], m["dp"], m["tp"], m["fsdp"]) == (4, 2, 2, 2 if "fsdp" in name else 1)
+
+
+def test_only_rank_0_logs_and_metrics_are_per_gpu(world2):
+    for name in SCENARIOS[2]:
+        assert world2[0][name]["log_lines"] > 0 and world2[1][name]["log_lines"] == 0
+    m = world2[0]["fsdp"]["metrics"]
+    assert (m["world_size"], m["dp"], m["tp"], m["fsdp"], m["num_gpus"]) == (2, 2, 1, 2, 2)
+    assert m["tokens_per_sec_per_gpu"] == pytest.approx(8 * 32 / m["step_time_s"] / 2)
+    assert world2[0]["tp"]["metrics"]["sequence_parallel"] is True
+    # peak memory is the maximum over ranks: every rank reports the same
+    peaks = [w["fsdp"]["metrics"]["peak_mem_allocated_gb"] for w in world2]
+    assert peaks[0] == peaks[1] > 0
+
+
+def test_tp_refuses_a_linear_subclass_that_is_not_tp_aware(world2):
+    assert "OwnGemmLinear (layers.0.attn.qkv) does not support tensor parallelism yet" in world2[0]["refused"]
+
+
+def test_quantized_linear_hook_reduces_amax_over_the_tp_group(world2):
+    hook = world2[0]["hook"]
+    assert hook["reduced"] is True  # amax all-reduced over amax_group: TP=2 equals the unsharded layer
+    assert hook["local"] is False  # per-shard amax differs: the check can fail
+    assert hook["groups"] == [True, True, False]  # TP linears get a group, an unsharded one none
+
+
+def test_amax_group_is_the_tp_group_also_for_fsdp_sharded_weights(world2, world4):
+    assert world2[0]["amax_group_size"] is None  # FSDP alone: weights are whole in forward, no reduction
+    assert world4[0]["amax_group_size"] == 2  # FSDP x TP: the TP group, not the DP or world group
+
+
+def test_clip_grad_norm_matches_torch_on_plain_parameters():
+    from lpbench.parallel.dp import clip_grad_norm_
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+    layer(torch.randn(3, 4) * 10).square().sum().backward()
+    grads = [p.grad.clone() for p in layer.parameters()]
+    ours = clip_grad_norm_(list(layer.parameters()), 1.0)
+    ours_clipped = [p.grad.clone() for p in layer.parameters()]
+    for p, g in zip(layer.parameters(), grads):
+        p.grad = g
+    theirs = torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
+    assert float(ours) == pytest.approx(float(theirs)) and float(theirs) > 1.0
+    assert all(torch.allclose(a, p.grad) for a, p in zip(ours_clipped, layer.parameters()))

@@ -1,0 +1,195 @@
+"""lpbench report: NeMo-style tables, speedup/loss delta vs BF16, time to train, plots, HTML page."""
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from lpbench.bench.store import ResultsStore
+from lpbench.cli import main
+from lpbench.report import plots
+from lpbench.report.build import report_markdown, select_runs
+from lpbench.report.html import render_page
+from lpbench.report.tables import summary_rows, time_to_train_tables
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def _run(store, precision, tps, *, status="ok", error=None, group="g1", workload="pretrain", seq=8192, loss=2.0,
+         mem=60.0, gpu="NVIDIA H100 80GB HBM3", steps=5, path="native", sweep_id=None, extra_metrics=None):
+    config = {"model": "llama3-8b", "precision": precision, "seq_len": seq, "mbs": 1, "gbs": 128, "dp": 8, "tp": 1,
+              "steps": steps}
+    metrics = {"tokens_per_sec_per_gpu": tps, "tflops_per_gpu": tps * 5.8e-2 if tps else None, "path": path,
+               "final_loss": loss, "peak_mem_allocated_gb": mem, "mfu_bf16": tps / 17000 if tps else None,
+               "memory_kind": "cuda", **(extra_metrics or {})}
+    end = 3.0 if loss is None else loss
+    curve = [{"step": s, "loss": 10.0 - s * (10.0 - end) / steps + (0.02 if precision != "bf16" else 0)}
+             for s in range(1, steps + 1)]
+    if status == "diverged":
+        curve[-1]["loss"] = float("nan")
+    return store.add_run(config=config, status=status, error=error, metrics=metrics, steps=curve,
+                         env={"gpu": gpu}, run_key=f"{group}-{precision}-{seq}-{workload}", group_id=group,
+                         workload=workload, num_gpus=8, sweep_id=sweep_id)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = ResultsStore(tmp_path)
+    # group 1: fp8 recorded before bf16 (the baseline is BF16 anyway), NVFP4 out of memory
+    _run(s, "fp8-tensorwise", 13812, loss=2.01)
+    _run(s, "bf16", 10000, loss=2.00)
+    _run(s, "mxfp8", 13000, loss=2.02, path="emulated")
+    _run(s, "nvfp4", None, status="oom", error="CUDA out of memory. Tried to allocate 2.00 GiB", mem=79.5, loss=None)
+    # another sequence length of the same sweep
+    _run(s, "bf16", 9000, seq=4096, loss=2.1)
+    _run(s, "fp8-tensorwise", 12600, seq=4096, loss=2.12)
+    # group 2 (another invocation): no BF16 run, a diverged run; SFT workload
+    _run(s, "fp8-delayed", 8000, group="g2", workload="sft", loss=1.5)
+    _run(s, "mxfp8", None, group="g2", workload="sft", status="diverged", error="loss became nan at step 5",
+         loss=None, extra_metrics={"diverged_step": 5})
+    return s
+
+
+def test_speedup_and_loss_delta_are_against_bf16_of_the_group(store):
+    rows = {(r["group_id"], r["precision"], r["seq_len"]): r for r in summary_rows(store.runs())}
+    fp8 = rows[("g1", "fp8-tensorwise", 8192)]
+    assert fp8["baseline"] == "bf16" and fp8["speedup"] == pytest.approx(1.3812)
+    assert fp8["loss_delta"] == pytest.approx(0.01)
+    assert rows[("g1", "bf16", 8192)]["speedup"] == pytest.approx(1.0)
+    assert rows[("g1", "fp8-tensorwise", 4096)]["speedup"] == pytest.approx(1.4)  # its own seq's BF16
+    assert rows[("g1", "nvfp4", 8192)]["speedup"] is None and rows[("g1", "nvfp4", 8192)]["status"] == "oom"
+    # no BF16 in group 2: compared with its first ok run, and the row says so
+    assert rows[("g2", "fp8-delayed", 8192)]["baseline"] == "fp8-delayed"
+    assert rows[("g2", "mxfp8", 8192)]["speedup"] is None
+
+
+def test_markdown_has_one_nemo_style_table_per_workload(store):
+    md = report_markdown(summary_rows(store.runs()))
+    assert md.index("## Pre-training") < md.index("## Fine-tuning (SFT)")
+    pre = md[md.index("## Pre-training"):md.index("## Fine-tuning (SFT)")]
+    lines = [ln for ln in pre.splitlines() if ln.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[:6] == ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length"]
+    for col in ("Precision", "Backend", "Path", "Tokens / sec / GPU", "Model TFLOP / sec / GPU", "MFU",
+                "Speedup over BF16", "Peak mem (GB)", "Δ loss vs BF16"):
+        assert col in header
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[1:]]
+    col = header.index
+    assert cells[0][col("Model")] == "llama3-8b" and cells[0][col("System")] == "H100 SXM"
+    assert cells[0][col("Precision")] == "BF16"  # the baseline leads its group
+    assert cells[1][col("Model")] == "" and cells[1][col("Precision")] == "FP8 (per-tensor)"  # config cells once
+    assert cells[1][col("Tokens / sec / GPU")] == "13,812" and cells[1][col("Speedup over BF16")] == "1.38×"
+    assert cells[1][col("Δ loss vs BF16")] == "+0.0100" and cells[1][col("GA")] == ""
+    assert cells[0][col("GA")] == "16"  # 128 / (1 x 8)
+    assert cells[2][col("Path")] == "emulated"
+    nvfp4 = next(c for c in cells if c[col("Precision")] == "NVFP4")
+    assert nvfp4[col("Tokens / sec / GPU")] == "OOM [1]" and nvfp4[col("Speedup over BF16")] == "–"
+    assert "[1] llama3-8b NVFP4 (GBS 128, MBS 1, seq 8192): oom: CUDA out of memory" in pre
+    sft = md[md.index("## Fine-tuning (SFT)"):]
+    assert "diverged (step 5) [1]" in sft and "1.00× (baseline)" in sft  # no BF16 here: says what it is against
+
+
+def test_time_to_train_follows_the_nemotron4_formula(store):
+    (pre, sft) = time_to_train_tables(summary_rows(store.runs()))
+    assert pre.columns[-9:] == [f"{n} GPUs" for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048)]
+    bf16 = next(r for r in pre.rows if r[2] == "BF16")
+    assert bf16[4] == "10,000"  # the best BF16 rate (seq 8192 beats 4096)
+    assert float(bf16[5].replace(",", "")) == pytest.approx(1e12 / (10000 * 8) / 86400, abs=0.01)
+    assert float(bf16[-1]) == pytest.approx(1e12 / (10000 * 2048) / 86400, abs=0.01)
+    assert all(r[2] != "NVFP4" for r in pre.rows)  # failed runs have no rate
+    # the recipe's own example: 389,371 tokens/s on 64 GPUs is 29.7 days
+    from lpbench.report.tables import time_to_train
+    assert time_to_train(389371 / 64, 64) == pytest.approx(29.7, abs=0.05)
+
+
+def test_csv_and_json_keep_one_flat_row_per_run(store, capsys, tmp_path):
+    assert main(["report", "--results", str(tmp_path), "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 8 and {"speedup", "loss_delta", "baseline", "status", "error", "backend"} <= set(rows[0])
+    assert main(["report", "--results", str(tmp_path), "--format", "csv", "--group", "g2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("id,group_id,workload,model,precision") and len(out) == 3
+
+
+def test_group_filter(store):
+    runs = store.runs()
+    assert {r["group_id"] for r in select_runs(runs, ["g2"])} == {"g2"}
+    assert len(select_runs(runs, ["g1,g2"])) == 8
+    with pytest.raises(Exception, match="no runs in group nope; recent groups: g2, g1"):
+        select_runs(runs, ["nope"])
+
+
+def _png_pixels(png: bytes) -> np.ndarray:
+    import io
+
+    import matplotlib.image as mpimg
+
+    return mpimg.imread(io.BytesIO(png), format="png")
+
+
+def _not_blank(pixels: np.ndarray) -> bool:
+    rgb = pixels[..., :3].reshape(-1, 3)
+    non_white = (rgb < 0.9).any(axis=1).mean()
+    return non_white > 0.02 and rgb.std() > 0.05
+
+
+def test_plots_are_pngs_with_content(store):
+    runs = store.runs()
+    rows = summary_rows(runs)
+    figures = plots.all_plots(rows, {r["id"]: store.steps(r["id"]) for r in runs})
+    assert set(figures) == {"throughput_vs_seq.png", "speedup.png", "loss_curves.png", "peak_memory.png"}
+    for name, png in figures.items():
+        assert png[:8] == b"\x89PNG\r\n\x1a\n", name
+        pixels = _png_pixels(png)
+        assert pixels.shape[0] > 200 and pixels.shape[1] > 400 and _not_blank(pixels), name
+    assert plots.all_plots([], {}) == {}
+
+
+def test_plot_labels_name_only_what_differs_between_groups(store):
+    rows = [r for r in summary_rows(store.runs()) if r["group_id"] == "g1"]
+    groups = [m for _, m in plots._group_rows(rows)]
+    labels, common = plots.group_labels(groups)
+    assert labels == ["seq 8192", "seq 4096"] and "llama3-8b" in common and "H100 SXM" in common
+
+
+def _write_report(tmp_path, capsys):
+    page = tmp_path / "out" / "report.html"
+    assert main(["report", "--results", str(tmp_path), "--html", str(page), "--plots", str(tmp_path / "png")]) == 0
+    capsys.readouterr()
+    return page
+
+
+def test_html_page_is_self_contained_with_embedded_plots(store, tmp_path, capsys):
+    page = _write_report(tmp_path, capsys)
+    text = page.read_text()
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
+    assert len(images) == 4 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in images)
+    assert not re.search(r'(src|href)="(https?:)?//', text)  # nothing fetched from the network
+    assert "<h2>Pre-training</h2>" in text and "OOM [1]" in text and "13,812" in text
+    assert sorted(p.name for p in (tmp_path / "png").iterdir()) == ["loss_curves.png", "peak_memory.png",
+                                                                   "speedup.png", "throughput_vs_seq.png"]
+    assert render_page([], {}).count("No runs recorded") == 1
+
+
+@pytest.mark.skipif(not shutil.which(CHROMIUM),
+                    reason=f"{CHROMIUM} missing (Debian: apt-get update && apt-get install -y chromium)")
+def test_html_report_renders_in_headless_chromium(store, tmp_path, capsys):
+    page = _write_report(tmp_path, capsys)
+    shot = tmp_path / "shot.png"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'chromium-profile'}", "--hide-scrollbars", "--window-size=1400,2400",
+           f"--screenshot={shot}", page.as_uri()]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and shot.exists(), out.stderr[-2000:]
+    pixels = _png_pixels(shot.read_bytes())
+    assert pixels.shape[:2] == (2400, 1400)
+    assert _not_blank(pixels)
+    # the embedded plots rendered: many saturated (coloured) pixels, which text and tables do not have
+    rgb = pixels[..., :3]
+    saturation = rgb.max(axis=-1) - rgb.min(axis=-1)
+    assert (saturation > 0.3).mean() > 0.005
