@@ -89,14 +89,7 @@ def _records(path: Path) -> Iterator[tuple[str, dict]]:
                     raise UsageError(f"{path}:{lineno}: not a JSON object")
                 yield f"{path}:{lineno}", rec
     elif fmt == "parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ModuleNotFoundError:
-            raise UsageError("reading parquet needs pyarrow: pip install 'lpbench[data]'") from None
-        try:
-            pf = pq.ParquetFile(path)
-        except Exception as exc:  # pyarrow raises several types for a bad file
-            raise UsageError(f"{path}: not a readable parquet file: {exc}") from None
+        pf = sources.open_parquet(path)
         row = 0
         for batch in pf.iter_batches(batch_size=1024):
             for rec in batch.to_pylist():

@@ -130,17 +130,22 @@ def read_jsonl(path: PathLike, text_key: str = "text") -> Iterator[str]:
                 yield text
 
 
-def read_parquet(path: PathLike, text_key: str = "text",
-                 batch_size: int = 1024) -> Iterator[str]:
-    """The non-null strings of column ``text_key``, read in record batches."""
+def open_parquet(path: PathLike):
+    """A ``pyarrow.parquet.ParquetFile``, or a UsageError naming the file or the missing extra."""
     try:
         import pyarrow.parquet as pq
     except ModuleNotFoundError:
         raise UsageError("reading parquet needs pyarrow: pip install 'lpbench[data]'") from None
     try:
-        pf = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for a bad file
         raise UsageError(f"{path}: not a readable parquet file: {exc}") from None
+
+
+def read_parquet(path: PathLike, text_key: str = "text",
+                 batch_size: int = 1024) -> Iterator[str]:
+    """The non-null strings of column ``text_key``, read in record batches."""
+    pf = open_parquet(path)
     names = pf.schema_arrow.names
     if text_key not in names:
         raise UsageError(f"{path}: no column {text_key!r} (columns: {', '.join(names)}; "

@@ -159,17 +159,21 @@ def throughput_vs_seq(rows: list[dict]) -> bytes | None:
     return _png(fig)
 
 
+def _bar_canvas(groups: list[list[dict]]):
+    """Shared layout of the grouped bar charts: one cluster per group, one bar per precision."""
+    groups = groups[:MAX_PANELS * 2]
+    order = _precisions([r for g in groups for r in g])
+    labels, common = group_labels(groups)
+    fig, ax = _plt().subplots(figsize=(max(6.0, 1.1 + len(groups) * len(order) * 0.55), 4.2))
+    return groups, order, labels, common, 0.8 / max(1, len(order)), fig, ax
+
+
 def speedup_bars(rows: list[dict]) -> bytes | None:
     groups = [members for _, members in _group_rows(rows)
               if any(r.get("speedup") is not None for r in members) and len(members) > 1]
     if not groups:
         return None
-    plt = _plt()
-    groups = groups[:MAX_PANELS * 2]
-    order = _precisions([r for g in groups for r in g])
-    labels, common = group_labels(groups)
-    width = 0.8 / max(1, len(order))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 + len(groups) * len(order) * 0.55), 4.2))
+    groups, order, labels, common, width, fig, ax = _bar_canvas(groups)
     top = max([r["speedup"] for g in groups for r in g if r.get("speedup")] + [1.0])
     any_emulated = False
     for gi, members in enumerate(groups):
@@ -262,12 +266,7 @@ def memory_bars(rows: list[dict]) -> bytes | None:
     groups = [members for _, members in _group_rows(rows) if any(_finite(r.get("peak_mem_gb")) for r in members)]
     if not groups:
         return None
-    plt = _plt()
-    groups = groups[:MAX_PANELS * 2]
-    order = _precisions([r for g in groups for r in g])
-    labels, common = group_labels(groups)
-    width = 0.8 / max(1, len(order))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 + len(groups) * len(order) * 0.55), 4.2))
+    groups, order, labels, common, width, fig, ax = _bar_canvas(groups)
     top = max(r["peak_mem_gb"] for g in groups for r in g if _finite(r.get("peak_mem_gb")))
     any_failed = False
     for gi, members in enumerate(groups):
