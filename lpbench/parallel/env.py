@@ -75,8 +75,13 @@ def init_distributed(device_type: str) -> World:
 
 
 def shutdown() -> None:
-    """Leave the process group (end of ``lpbench run``)."""
+    """Leave the process group (end of ``lpbench run``).
+
+    All ranks meet first: a rank that tore its connections down while a peer was still in its
+    last collective made that peer abort (seen with gloo under load).
+    """
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
