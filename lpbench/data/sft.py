@@ -36,7 +36,6 @@ Batches are dicts of int64 tensors ``input_ids``, ``labels``, ``doc_ids``, ``pos
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -77,17 +76,10 @@ def _records(path: Path) -> Iterator[tuple[str, dict]]:
     """(location, record) for each record of a JSONL or parquet file."""
     fmt = sources.detect_format(path)
     if fmt == "jsonl":
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise UsageError(f"{path}:{lineno}: not a JSON object per line: {exc.msg}") from None
-                if not isinstance(rec, dict):
-                    raise UsageError(f"{path}:{lineno}: not a JSON object")
-                yield f"{path}:{lineno}", rec
+        for lineno, rec in sources.jsonl_records(path):
+            if not isinstance(rec, dict):
+                raise UsageError(f"{path}:{lineno}: not a JSON object")
+            yield f"{path}:{lineno}", rec
     elif fmt == "parquet":
         pf = sources.open_parquet(path)
         row = 0

@@ -105,29 +105,34 @@ def read_text(path: PathLike, text_unit: str = "paragraph") -> Iterator[str]:
             yield "".join(block).rstrip("\n")
 
 
-def read_jsonl(path: PathLike, text_key: str = "text") -> Iterator[str]:
-    """The ``text_key`` string of each JSON object, one object per line."""
+def jsonl_records(path: PathLike) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON value) of each non-blank line; a UsageError names a bad line."""
     with open(path, encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as exc:
                 hint = " (a JSON array? use one object per line)" if lineno == 1 and \
                     line.lstrip().startswith("[") else ""
-                raise UsageError(f"{path}:{lineno}: not a JSON object per line{hint}: {exc.msg}")
-            if not isinstance(record, dict) or text_key not in record:
-                raise UsageError(f"{path}:{lineno}: no {text_key!r} field "
-                                 f"(choose the field with --text-key)")
-            text = record[text_key]
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise UsageError(f"{path}:{lineno}: field {text_key!r} is "
-                                 f"{type(text).__name__}, not a string")
-            if text:
-                yield text
+                raise UsageError(f"{path}:{lineno}: not a JSON object per line{hint}: {exc.msg}") from None
+
+
+def read_jsonl(path: PathLike, text_key: str = "text") -> Iterator[str]:
+    """The ``text_key`` string of each JSON object, one object per line."""
+    for lineno, record in jsonl_records(path):
+        if not isinstance(record, dict) or text_key not in record:
+            raise UsageError(f"{path}:{lineno}: no {text_key!r} field "
+                             f"(choose the field with --text-key)")
+        text = record[text_key]
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise UsageError(f"{path}:{lineno}: field {text_key!r} is "
+                             f"{type(text).__name__}, not a string")
+        if text:
+            yield text
 
 
 def open_parquet(path: PathLike):
