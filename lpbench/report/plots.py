@@ -168,6 +168,22 @@ def _bar_canvas(groups: list[list[dict]]):
     return groups, order, labels, common, 0.8 / max(1, len(order)), fig, ax
 
 
+def _bar_slots(groups: list[list[dict]], width: float):
+    """(x position, precision, row) of every bar: each group's precisions centred on its tick."""
+    for gi, members in enumerate(groups):
+        present = _precisions(members)
+        for pi, p in enumerate(present):
+            yield gi + (pi - (len(present) - 1) / 2) * width, p, next(m for m in members if m["precision"] == p)
+
+
+def _group_axis(ax, labels: list[str]) -> None:
+    """One tick per group, labels slanted once there are more than three."""
+    n = len(labels)
+    ax.set_xlim(-0.5, n - 0.5)
+    ax.set_xticks(range(n))
+    ax.set_xticklabels(labels, rotation=20 if n > 3 else 0, ha="right" if n > 3 else "center")
+
+
 def speedup_bars(rows: list[dict]) -> bytes | None:
     groups = [members for _, members in _group_rows(rows)
               if any(r.get("speedup") is not None for r in members) and len(members) > 1]
@@ -176,25 +192,19 @@ def speedup_bars(rows: list[dict]) -> bytes | None:
     groups, order, labels, common, width, fig, ax = _bar_canvas(groups)
     top = max([r["speedup"] for g in groups for r in g if r.get("speedup")] + [1.0])
     any_emulated = False
-    for gi, members in enumerate(groups):
-        present = _precisions(members)
-        for pi, p in enumerate(present):
-            x = gi + (pi - (len(present) - 1) / 2) * width
-            r = next(m for m in members if m["precision"] == p)
-            if r.get("speedup") is not None:
-                emulated = r.get("path") == "emulated"
-                any_emulated = any_emulated or emulated
-                ax.bar(x, r["speedup"], width * 0.9, color=colour(p, order), hatch="///" if emulated else None,
-                       edgecolor="white" if emulated else None, linewidth=0)
-                ax.text(x, r["speedup"] + top * 0.01, f"{r['speedup']:.2f}×", ha="center", va="bottom", fontsize=7)
-            else:
-                ax.text(x, top * 0.02, f"{precision_name(p)}: {FAIL_LABELS.get(r['status'], r['status'])}",
-                        ha="center", va="bottom", rotation=90, fontsize=8, color="#b00020")
+    for x, p, r in _bar_slots(groups, width):
+        if r.get("speedup") is not None:
+            emulated = r.get("path") == "emulated"
+            any_emulated = any_emulated or emulated
+            ax.bar(x, r["speedup"], width * 0.9, color=colour(p, order), hatch="///" if emulated else None,
+                   edgecolor="white" if emulated else None, linewidth=0)
+            ax.text(x, r["speedup"] + top * 0.01, f"{r['speedup']:.2f}×", ha="center", va="bottom", fontsize=7)
+        else:
+            ax.text(x, top * 0.02, f"{precision_name(p)}: {FAIL_LABELS.get(r['status'], r['status'])}",
+                    ha="center", va="bottom", rotation=90, fontsize=8, color="#b00020")
     ax.axhline(1.0, color="#3b3b3b", lw=1, ls="--")
     ax.grid(axis="x", visible=False)
-    ax.set_xlim(-0.5, len(groups) - 0.5)
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels(labels, rotation=20 if len(groups) > 3 else 0, ha="right" if len(groups) > 3 else "center")
+    _group_axis(ax, labels)
     ax.set_ylim(0, top * 1.15)
     ax.set_ylabel("speedup over BF16 (tokens/s/GPU ratio)")
     handles = _legend_handles(order, order, "bar")
@@ -269,26 +279,20 @@ def memory_bars(rows: list[dict]) -> bytes | None:
     groups, order, labels, common, width, fig, ax = _bar_canvas(groups)
     top = max(r["peak_mem_gb"] for g in groups for r in g if _finite(r.get("peak_mem_gb")))
     any_failed = False
-    for gi, members in enumerate(groups):
-        present = _precisions(members)
-        for pi, p in enumerate(present):
-            x = gi + (pi - (len(present) - 1) / 2) * width
-            r = next(m for m in members if m["precision"] == p)
-            failed = r["status"] != "ok"
-            any_failed = any_failed or failed
-            what = FAIL_LABELS.get(r["status"], r["status"])
-            if _finite(r.get("peak_mem_gb")):
-                ax.bar(x, r["peak_mem_gb"], width * 0.9, color=colour(p, order), alpha=0.45 if failed else 1.0,
-                       hatch="//" if failed else None, edgecolor="white" if failed else None, linewidth=0)
-                ax.text(x, r["peak_mem_gb"] + top * 0.01, f"{r['peak_mem_gb']:.2f}" + (f"\n{what}" if failed else ""),
-                        ha="center", va="bottom", fontsize=7, color="#b00020" if failed else "black")
-            elif failed:
-                ax.text(x, top * 0.02, f"{precision_name(p)}: {what}", ha="center", va="bottom", rotation=90,
-                        fontsize=8, color="#b00020")
+    for x, p, r in _bar_slots(groups, width):
+        failed = r["status"] != "ok"
+        any_failed = any_failed or failed
+        what = FAIL_LABELS.get(r["status"], r["status"])
+        if _finite(r.get("peak_mem_gb")):
+            ax.bar(x, r["peak_mem_gb"], width * 0.9, color=colour(p, order), alpha=0.45 if failed else 1.0,
+                   hatch="//" if failed else None, edgecolor="white" if failed else None, linewidth=0)
+            ax.text(x, r["peak_mem_gb"] + top * 0.01, f"{r['peak_mem_gb']:.2f}" + (f"\n{what}" if failed else ""),
+                    ha="center", va="bottom", fontsize=7, color="#b00020" if failed else "black")
+        elif failed:
+            ax.text(x, top * 0.02, f"{precision_name(p)}: {what}", ha="center", va="bottom", rotation=90,
+                    fontsize=8, color="#b00020")
     kinds = {r.get("memory_kind") for g in groups for r in g}
-    ax.set_xlim(-0.5, len(groups) - 0.5)
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels(labels, rotation=20 if len(groups) > 3 else 0, ha="right" if len(groups) > 3 else "center")
+    _group_axis(ax, labels)
     ax.set_ylim(0, top * 1.2)
     ax.set_ylabel("peak memory per GPU (GB)" if kinds <= {"cuda", None} else
                   "peak memory (GB; host RSS on CPU)")
