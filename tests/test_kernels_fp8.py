@@ -23,7 +23,7 @@ def test_cast_transpose_matches_reference(shape, dtype, fmt):
     x = (torch.randn(shape, device="cuda") * torch.logspace(-3, 3, shape[1], device="cuda")).to(dtype)
     amax = k.absmax(x)
     assert amax.item() == x.float().abs().max().item()
-    q, qt, dec, _ = k.cast_transpose(x, amax, None, fmt.dtype, True, True)
+    q, qt, dec, _ = k.cast_transpose(x, amax, None, fmt.dtype, True)
     ref = quantize_fp8(x.cpu(), fmt)  # the CPU reference: IEEE arithmetic throughout
     assert torch.equal(q.cpu().view(torch.uint8), ref.codes.view(torch.uint8))
     assert torch.equal(qt.cpu().view(torch.uint8), ref.codes.t().contiguous().view(torch.uint8))
@@ -35,7 +35,7 @@ def test_delayed_scale_and_history_match_reference():
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) * 3
     history = torch.rand(1024, device="cuda") * 5
     ref_history = history.clone()
-    q, qt, dec, amax = k.cast_transpose(x, torch.zeros((), device="cuda"), history, E4M3.dtype, True, False)
+    q, qt, dec, amax = k.cast_transpose(x, torch.zeros((), device="cuda"), history, E4M3.dtype, False)
     enc = delayed_encode_scale(ref_history.cpu(), x.cpu().float().abs().max(), E4M3)
     ref = quantize_fp8(x.cpu(), E4M3, encode_scale=enc)
     assert torch.equal(q.cpu().view(torch.uint8), ref.codes.view(torch.uint8)) and dec.item() == ref.scale.item()
@@ -48,7 +48,7 @@ def test_delayed_scale_and_history_match_reference():
 def test_empty_history_uses_the_given_amax():
     k = _kernels()
     x = torch.randn(128, 128, device="cuda")
-    q, _, dec, _ = k.cast_transpose(x, k.absmax(x), torch.zeros(16, device="cuda"), E4M3.dtype, True, False)
+    q, _, dec, _ = k.cast_transpose(x, k.absmax(x), torch.zeros(16, device="cuda"), E4M3.dtype, False)
     assert dec.item() == quantize_fp8(x.cpu(), E4M3).scale.item()
 
 

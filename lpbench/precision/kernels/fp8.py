@@ -110,13 +110,14 @@ def _(x):
 
 @torch.library.custom_op("lpbench::cast_transpose", mutates_args=())
 def cast_transpose(x: torch.Tensor, amax: torch.Tensor, history: torch.Tensor | None, fp8_dtype: torch.dtype,
-                   write_q: bool, write_t: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   write_t: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x quantized tensorwise: (codes [M, N], transposed codes [N, M], FP32 decode scale, amax of x).
 
     Encode scale = FP8_MAX / amax (current scaling), or FP8_MAX / max(history) with a
     delayed-scaling history (then ``amax`` is used only while the history is all zeros, and
     the returned amax of x, measured in the same pass, is what the history records next).
-    Outputs not asked for come back empty; the returned amax is zero unless a history is given.
+    The transposed codes come back empty unless ``write_t``; the returned amax is zero unless a
+    history is given.
     """
     _check(x, fp8_dtype)
     M, N = x.shape
@@ -133,13 +134,13 @@ def cast_transpose(x: torch.Tensor, amax: torch.Tensor, history: torch.Tensor | 
                        M, N, x.stride(0), history.numel() if delayed else 0,
                        FP8_MAX=fp8_max, OUT=out, BM=bm, BN=bn, DELAYED=delayed, RECORD_AMAX=delayed, num_warps=8)
     qt = q.t().contiguous() if write_t else q.new_empty((0,))
-    return (q if write_q else q.new_empty((0,))), qt, dec, amax_out
+    return q, qt, dec, amax_out
 
 
 @cast_transpose.register_fake
-def _(x, amax, history, fp8_dtype, write_q, write_t):
+def _(x, amax, history, fp8_dtype, write_t):
     M, N = x.shape
-    return (x.new_empty((M, N) if write_q else (0,), dtype=fp8_dtype),
+    return (x.new_empty((M, N), dtype=fp8_dtype),
             x.new_empty((N, M) if write_t else (0,), dtype=fp8_dtype), x.new_empty((), dtype=torch.float32),
             x.new_empty((), dtype=torch.float32))
 

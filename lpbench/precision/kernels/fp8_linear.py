@@ -24,7 +24,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and tokens % 16 == 0 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
-def _quantize(mod, role: str, t: torch.Tensor, write_q: bool, write_t: bool, primed: bool):
+def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, primed: bool):
     """(codes, transposed codes, decode scale) of ``t`` for ``role`` under mod's recipe.
 
     Delayed scaling reads no amax of ``t`` once ``primed`` (its history holds a record); the
@@ -33,11 +33,11 @@ def _quantize(mod, role: str, t: torch.Tensor, write_q: bool, write_t: bool, pri
     recipe = mod.recipe
     dtype = FORMATS[recipe.grad_format if role == "grad" else recipe.fwd_format].dtype
     if recipe.scaling != "delayed":
-        q, qt, dec, _ = cast_transpose(t, absmax(t), None, dtype, write_q, write_t)
+        q, qt, dec, _ = cast_transpose(t, absmax(t), None, dtype, write_t)
         return q, qt, dec
     history = getattr(mod, f"amax_history_{role}")
     first = torch.zeros((), device=t.device) if primed else absmax(t)
-    q, qt, dec, amax = cast_transpose(t, first, history, dtype, write_q, write_t)
+    q, qt, dec, amax = cast_transpose(t, first, history, dtype, write_t)
     update_amax_history(history, amax)
     return q, qt, dec
 
@@ -47,8 +47,8 @@ class Fp8TensorwiseLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, mod, primed: bool):
         x2 = x.reshape(-1, x.shape[-1])
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        xq, xt, x_dec = _quantize(mod, "input", x2, True, need_dw, primed)
-        wq, wt, w_dec = _quantize(mod, "weight", weight, True, need_dx, primed)
+        xq, xt, x_dec = _quantize(mod, "input", x2, need_dw, primed)
+        wq, wt, w_dec = _quantize(mod, "weight", weight, need_dx, primed)
         y = torch._scaled_mm(xq, wq.t(), scale_a=x_dec, scale_b=w_dec, out_dtype=x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
@@ -61,7 +61,7 @@ class Fp8TensorwiseLinearFn(torch.autograd.Function):
         xt, wt, x_dec, w_dec = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gq, gt, g_dec = _quantize(ctx.mod, "grad", dy2.contiguous(), need_dx, need_dw, ctx.primed)
+        gq, gt, g_dec = _quantize(ctx.mod, "grad", dy2.contiguous(), need_dw, ctx.primed)
         dx = dw = db = None
         if need_dx:
             dx = torch._scaled_mm(gq, wt.t(), scale_a=g_dec, scale_b=w_dec, out_dtype=dy.dtype).reshape(ctx.x_shape)
