@@ -98,7 +98,8 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
 
     fill_run_args(args)  # --gpu/--num-gpus defaults; flags left unset get RunConfig's defaults
     base = RunConfig(model=args.model, seq_len=args.seq_len, mbs=args.mbs, gbs=args.gbs, steps=args.steps,
-                     warmup_steps=args.warmup_steps, lr=args.lr, data=args.data, backend=args.backend, seed=args.seed, device=args.device,
+                     warmup_steps=args.warmup_steps, lr=args.lr, data=args.data, backend=args.backend,
+                     seed=args.seed, device=args.device,
                      compile=args.compile, emulate=args.emulate, flops_formula=args.flops_formula,
                      log_interval=args.log_interval, tp=DEFAULTS.tp if args.tp is None else args.tp,
                      fsdp=bool(args.fsdp),

@@ -53,7 +53,8 @@ class Fp8TensorwiseLinearFn(torch.autograd.Function):
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(xt, wt, x_dec, w_dec)
-        ctx.mod, ctx.primed, ctx.x_shape, ctx.w_dtype, ctx.has_bias = mod, primed, x.shape, weight.dtype, bias is not None
+        ctx.mod, ctx.primed, ctx.x_shape = mod, primed, x.shape
+        ctx.w_dtype, ctx.has_bias = weight.dtype, bias is not None
         return y.reshape(*x.shape[:-1], -1)
 
     @staticmethod
