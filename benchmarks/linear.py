@@ -15,6 +15,7 @@ import json
 import statistics
 
 import torch
+import torch._inductor.config
 from torch import nn
 
 from lpbench.precision.linear import QuantizedLinear
@@ -39,7 +40,26 @@ def time_ms(fn, warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def build(recipe: str, backend: str, k: int, n: int) -> nn.Module:
+def kernel_table(fn, reps: int = 5, top: int = 8) -> str:
+    """The ``top`` CUDA kernels of ``fn`` by device time per call (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            totals[ev.name] = totals.get(ev.name, 0.0) + ev.device_time / 1e3 / reps
+    rows = sorted(totals.items(), key=lambda kv: -kv[1])
+    lines = [f"      {ms:7.3f} ms  {name[:90]}" for name, ms in rows[:top]]
+    return "\n".join(lines + [f"      {sum(totals.values()):7.3f} ms  total kernel time"])
+
+
+def build(recipe: str, backend: str, k: int, n: int, compile_lpbench: bool = False) -> nn.Module:
     lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     if recipe == "bf16":
         return lin
@@ -52,7 +72,11 @@ def build(recipe: str, backend: str, k: int, n: int) -> nn.Module:
                                            config=Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe]))
         return torch.compile(model)
     r = get_recipe(recipe)
-    return QuantizedLinear.from_linear(lin, r, native=native_supported(r, "cuda"))
+    module = QuantizedLinear.from_linear(lin, r, native=native_supported(r, "cuda"))
+    if compile_lpbench:
+        torch._dynamo.reset()
+        module = torch.compile(module)
+    return module
 
 
 def fwd_bwd(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
@@ -88,7 +112,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--compile", action="store_true", help="torch.compile lpbench's quantized linears too")
+    ap.add_argument("--profile", action="store_true", help="print each variant's top CUDA kernels")
     args = ap.parse_args()
+    torch._dynamo.config.recompile_limit = 64  # one compiled module per (shape, recipe, backend)
+    torch._inductor.config.emulate_precision_casts = True  # as lpbench run compiles
     recipes, backends = args.recipes.split(","), args.backends.split(",")
     print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | tokens {args.tokens}")
     rows = []
@@ -102,7 +130,8 @@ def main() -> None:
                 if recipe == "bf16" or (backend == "torchao" and recipe not in TORCHAO_RECIPES):
                     continue
                 try:
-                    variants.append((recipe, backend, fwd_bwd(build(recipe, backend, k, n), x, g)))
+                    variants.append((recipe, backend,
+                                     fwd_bwd(build(recipe, backend, k, n, args.compile), x, g)))
                 except Exception as exc:  # report and go on: one backend missing must not hide the rest
                     print(f"{name} {recipe} {backend}: skipped ({type(exc).__name__}: {exc})")
         rows.append({"shape": name, "k": k, "n": n, "recipe": "bf16", "backend": "lpbench", "ms": base, "speedup": 1.0})
@@ -114,6 +143,8 @@ def main() -> None:
                 continue
             rows.append({"shape": name, "k": k, "n": n, "recipe": recipe, "backend": backend, "ms": ms,
                          "speedup": base / ms})
+            if args.profile:
+                print(f"{name} {recipe} {backend}: {ms:.3f} ms\n{kernel_table(fn)}", flush=True)
         del x, g
         torch.cuda.empty_cache()
     print(f"\n{'shape':8} {'KxN':>12} {'recipe':18} {'backend':8} {'ms':>8} {'vs bf16':>8}")

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lpbench import __version__
-from lpbench.config import RunConfig
+from lpbench.config import LORA_BASE_STORAGES, WORKLOADS, RunConfig
 from lpbench.errors import UsageError
 
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -39,7 +39,9 @@ def _csv(value: str) -> list[str]:
 # ----------------------------------------------------------------------------- run
 def add_run_args(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
-    p.add_argument("--model", default=d.model, help=f"model name from `lpbench models` (default {d.model})")
+    p.add_argument("--model", default=None,
+                   help=f"model name from `lpbench models` (default {d.model}; with --hf-checkpoint: hf:<folder>, "
+                        "or a zoo model of the checkpoint's shape to label the run)")
     p.add_argument("--precision", type=_csv, default=None,
                    help="comma-separated recipes from `lpbench recipes`, run one after another and compared "
                         f"against the first (default {','.join(DEFAULT_PRECISIONS)}, emulating what the device "
@@ -66,7 +68,23 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                         "convert_to_float8_training on the same linears (needs lpbench[torchao] and a GPU)")
     p.add_argument("--data", default=d.data,
                    help="mock (learnable random-walk tokens, default), mock-uniform (NeMo's uniform tokens), "
-                        "a text/JSONL/parquet file or folder, or a Megatron .bin/.idx prefix")
+                        "a text/JSONL/parquet file or folder, or a Megatron .bin/.idx prefix; for sft/lora: mock "
+                        "(prompt/response samples) or a JSONL/parquet file or folder of them")
+    p.add_argument("--workload", choices=WORKLOADS, default=d.workload,
+                   help="pretrain (default); sft: packed prompt/response samples, loss on responses, attention per "
+                        "sample; lora: sft with a frozen base and trained low-rank adapters")
+    p.add_argument("--hf-checkpoint", metavar="PATH", default=None,
+                   help="start from a local Hugging Face Llama/Qwen3 folder (config.json + *.safetensors): its "
+                        "architecture and weights instead of a randomly initialised --model")
+    p.add_argument("--lora-rank", type=int, default=d.lora_rank, help=f"LoRA adapter rank (default {d.lora_rank})")
+    p.add_argument("--lora-alpha", type=float, default=d.lora_alpha,
+                   help=f"LoRA alpha; adapters are scaled by alpha / rank (default {d.lora_alpha:g})")
+    p.add_argument("--lora-targets", default=d.lora_targets,
+                   help=f"linears of every block that get adapters: qkv, o, mlp (or gate_up, up, down) "
+                        f"(default {d.lora_targets})")
+    p.add_argument("--lora-base-storage", choices=LORA_BASE_STORAGES, default=d.lora_base_storage,
+                   help="frozen base weights in BF16, quantized by the recipe every step (default), or quantized "
+                        "once in the recipe's format with the BF16 copy freed (less memory, same numerics)")
     p.add_argument("--seed", type=int, default=d.seed, help=f"random seed for weights and data (default {d.seed})")
     p.add_argument("--device", default=d.device, help="auto (GPU if present), cpu, cuda or cuda:N (default auto)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -83,31 +101,58 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
                    help="shard the data-parallel dimension with FSDP2 (per-block groups, BF16 all-gather on "
                         "CUDA, FP32 gradient reduce-scatter) instead of DDP (default off)")
+    p.add_argument("--fsdp-fp8-all-gather", action="store_true",
+                   help="with --fsdp and fp8-tensorwise/-delayed: all-gather the quantized linears' weights as "
+                        "FP8 codes (1 byte/element) under one scale for the whole weight, used as gathered")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=d.sequence_parallel,
                    help="with --tp > 1, split norms and residuals along the sequence (default on)")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="start N processes (one per GPU) on this machine through torchrun; not needed when "
                         "lpbench is started by torchrun or srun")
     p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
+    p.add_argument("--save-every", type=int, default=d.save_every, metavar="K",
+                   help="write a checkpoint every K steps (not at the end unless K divides --steps) as "
+                        "--save-dir/step-K; needs --save-dir and one --precision (default 0: never)")
+    p.add_argument("--save-dir", metavar="DIR", default=None,
+                   help="folder for --save-every's checkpoints (model, optimizer, LR schedule, data position, "
+                        "RNG; written atomically, an existing step-K is replaced)")
+    p.add_argument("--load", metavar="PATH", default=None,
+                   help="resume from a checkpoint: DIR/step-K, or DIR for its latest step-K; continues at step "
+                        "K+1 up to --steps, reproducing the uninterrupted run's losses; model, precision, shapes, "
+                        "parallel layout, data and seed must match the checkpoint's")
+    p.add_argument("--profile-steps", metavar="A:B", default=None,
+                   help="profile steps A..B (inclusive; pick them after warm-up) with torch.profiler: a Chrome "
+                        "trace in RESULTS/profiles/<run key>/ and a GEMM / quantize / attention / comm / other "
+                        "time table; profiled steps are left out of the timing")
 
 
 def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     """Validated configs, one per precision, for ``world_size`` ranks (default: this launch's)."""
     from lpbench.bench.recommended import fill_run_args
     from lpbench.parallel.launch import planned_world
+    from lpbench.train.workload import hf_label
 
+    if args.model is None:
+        args.model = hf_label(args.hf_checkpoint) if args.hf_checkpoint else DEFAULTS.model
     fill_run_args(args)  # --gpu/--num-gpus defaults; flags left unset get RunConfig's defaults
     base = RunConfig(model=args.model, seq_len=args.seq_len, mbs=args.mbs, gbs=args.gbs, steps=args.steps,
                      warmup_steps=args.warmup_steps, lr=args.lr, data=args.data, backend=args.backend,
+                     workload=args.workload, hf_checkpoint=args.hf_checkpoint, lora_rank=args.lora_rank,
+                     lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
+                     lora_base_storage=args.lora_base_storage,
                      seed=args.seed, device=args.device,
                      compile=args.compile, emulate=args.emulate, flops_formula=args.flops_formula,
                      log_interval=args.log_interval, tp=DEFAULTS.tp if args.tp is None else args.tp,
-                     fsdp=bool(args.fsdp),
-                     sequence_parallel=args.sequence_parallel)
+                     fsdp=bool(args.fsdp), fsdp_fp8_all_gather=args.fsdp_fp8_all_gather,
+                     sequence_parallel=args.sequence_parallel, save_every=args.save_every, save_dir=args.save_dir,
+                     load=args.load, profile_steps=args.profile_steps)
     base = base.with_world(world_size or planned_world(args.nproc_per_node), dp=args.dp)
     if args.precision is None:  # the default comparison runs anywhere: emulate what the device lacks
         base = base.with_(emulate=True if args.emulate is None else args.emulate)
-    return [base.with_(precision=p).validate() for p in args.precision or DEFAULT_PRECISIONS]
+    precisions = args.precision or DEFAULT_PRECISIONS
+    if len(precisions) > 1 and (args.save_dir or args.load):
+        raise UsageError(f"--save-dir and --load take a single --precision, not {','.join(precisions)}")
+    return [base.with_(precision=p).validate() for p in precisions]
 
 
 def cmd_run(args) -> int:
@@ -126,7 +171,7 @@ def cmd_run(args) -> int:
     statuses = []
     for cfg in configs:
         try:
-            result = train(cfg, log=lambda line: print(line, flush=True))
+            result = train(cfg, log=lambda line: print(line, flush=True), results_dir=args.results)
         except UsageError:
             raise
         except Exception as exc:  # one failing recipe must not take the others down
@@ -136,7 +181,7 @@ def cmd_run(args) -> int:
         if store is not None:
             store.add_run(config=cfg.to_dict(), status=result.status, error=result.error, metrics=result.metrics,
                           steps=result.steps, env=result.env, run_key=cfg.key(), group_id=group, backend=cfg.backend,
-                          num_gpus=cfg.world_size)
+                          num_gpus=cfg.world_size, workload=cfg.workload)
     shutdown()
     if store is None:
         return 0 if all(s == "ok" for s in statuses) else 1
@@ -284,6 +329,10 @@ def build_parser() -> Parser:
 
     add_sweep_parser(sub)
 
+    from lpbench.bench.converge import add_parser as add_converge_parser
+
+    add_converge_parser(sub)
+
     p = sub.add_parser("report", help="tables (NeMo style), plots and an HTML page from the results database")
     p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
     p.add_argument("--format", choices=["md", "csv", "json"], default="md",
@@ -336,7 +385,11 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args = parser.parse_args(argv or ["run"])
+    try:
+        args = parser.parse_args(argv or ["run"])
+    except UsageError as exc:  # sub-parsers that raise on bad arguments (lpbench data ...)
+        print(f"{exc} (see --help)", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except UsageError as exc:

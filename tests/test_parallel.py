@@ -1,7 +1,9 @@
 """DDP / FSDP2 / TP / FSDP x TP on CPU (gloo): each layout trains exactly like one process.
 
 Workers are spawned once per world size (a module fixture) and run every scenario; each
-scenario is compared with a single-process run on the same global batch, in FP32.
+scenario is compared with a single-process run on the same global batch, in FP32. The
+distributed runs build their model on the meta device and initialise it after sharding, so
+equal losses also show that meta init gives the single-process weights.
 """
 
 import json
@@ -44,26 +46,24 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         r = loop.train(BASE.with_(**kw).with_world(world), log=lines.append)
         results[name] = {"loss": [s["loss"] for s in r.steps], "grad_norm": [s["grad_norm"] for s in r.steps],
                          "metrics": r.metrics, "status": r.status, "log_lines": len(lines)}
-    results["amax_group_size"] = _amax_group_size_of_a_sharded_linear(world)
+    results["tp_group_size"] = _tp_group_size_of_a_sharded_linear(world)
     if world == 2:
         results["refused"] = _tp_refuses_linears_that_are_not_tp_aware()
-        results["hook"] = _quantized_linear_hook_check()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
 
 
-def _amax_group_size_of_a_sharded_linear(world: int) -> int | None:
-    """FSDP (world 2) or FSDP x TP (world 4), outside forward: parameters are FSDP-sharded DTensors."""
+def _tp_group_size_of_a_sharded_linear(world: int) -> int | None:
+    """FSDP (world 2) or FSDP x TP (world 4): the group a split linear's ``tp_shard`` names."""
     from lpbench.models import build_model
     from lpbench.parallel.plan import parallelize
-    from lpbench.parallel.tp import amax_group
 
     model = build_model(MODELS["tiny"], device="cpu")
     parallelize(model, BASE.with_(fsdp=True, tp=world // 2).with_world(world), torch.device("cpu"), torch.float32,
                 use_compile=False)
-    group = amax_group(model.layers[0].attn.qkv)
-    return None if group is None else torch.distributed.get_world_size(group)
+    split = getattr(model.layers[0].attn.qkv, "tp_shard", None)
+    return None if split is None else torch.distributed.get_world_size(split.group)
 
 
 def _tp_refuses_linears_that_are_not_tp_aware() -> str:
@@ -84,51 +84,6 @@ def _tp_refuses_linears_that_are_not_tp_aware() -> str:
     except UsageError as exc:
         return str(exc)
     return "accepted"
-
-
-def _quantized_linear_hook_check() -> dict:
-    """A per-tensor fake-quantized linear pair (colwise -> rowwise) under TP=2 vs unsharded."""
-    import copy
-
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from lpbench.parallel.tp import amax_group, local_linear
-
-    class FakeQuantLinear(nn.Linear):  # weight rounded to a grid of amax/3: depends on the whole tensor's amax
-        reduce_amax = True
-        tp_aware = True
-
-        def forward(self, x):
-            def fn(x, w, b):
-                amax, group = w.detach().abs().amax(), amax_group(self)
-                if group is not None and self.reduce_amax:
-                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-                s = amax / 3
-                return F.linear(x, w + (torch.round(w / s) * s - w).detach(), b)
-            return local_linear(self, x, fn)
-
-    torch.manual_seed(0)
-    ref = nn.Sequential(FakeQuantLinear(8, 16), nn.ReLU(), FakeQuantLinear(16, 8))
-    x = torch.randn(4, 8)
-    out = {}
-    for reduce_amax in (True, False):
-        FakeQuantLinear.reduce_amax = reduce_amax
-        tp = parallelize_module(copy.deepcopy(ref), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)),
-                                {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
-        yr, yt = ref(xr), tp(xt)
-        yr.square().sum().backward()
-        yt.square().sum().backward()
-        same = torch.allclose(yr, yt, atol=1e-6) and torch.allclose(xr.grad, xt.grad, atol=1e-5) and all(
-            torch.allclose(a.grad, b.grad.full_tensor(), atol=1e-5) for a, b in zip(ref.parameters(), tp.parameters()))
-        out["reduced" if reduce_amax else "local"] = same
-        ref.zero_grad()
-    out["groups"] = [amax_group(m) is not None for m in (tp[0], tp[2], ref[0])]
-    return out
 
 
 def _spawn(world: int, tmp_path_factory) -> list[dict]:
@@ -195,16 +150,9 @@ def test_tp_refuses_a_linear_subclass_that_is_not_tp_aware(world2):
     assert "OwnGemmLinear (layers.0.attn.qkv) does not support tensor parallelism yet" in world2[0]["refused"]
 
 
-def test_quantized_linear_hook_reduces_amax_over_the_tp_group(world2):
-    hook = world2[0]["hook"]
-    assert hook["reduced"] is True  # amax all-reduced over amax_group: TP=2 equals the unsharded layer
-    assert hook["local"] is False  # per-shard amax differs: the check can fail
-    assert hook["groups"] == [True, True, False]  # TP linears get a group, an unsharded one none
-
-
-def test_amax_group_is_the_tp_group_also_for_fsdp_sharded_weights(world2, world4):
-    assert world2[0]["amax_group_size"] is None  # FSDP alone: weights are whole in forward, no reduction
-    assert world4[0]["amax_group_size"] == 2  # FSDP x TP: the TP group, not the DP or world group
+def test_split_linears_name_the_tp_group_also_under_fsdp(world2, world4):
+    assert world2[0]["tp_group_size"] is None  # FSDP alone: no linear is split
+    assert world4[0]["tp_group_size"] == 2  # FSDP x TP: the TP group, not the DP or world group
 
 
 def test_clip_grad_norm_matches_torch_on_plain_parameters():

@@ -193,3 +193,15 @@ def test_html_report_renders_in_headless_chromium(store, tmp_path, capsys):
     rgb = pixels[..., :3]
     saturation = rgb.max(axis=-1) - rgb.min(axis=-1)
     assert (saturation > 0.3).mean() > 0.005
+
+
+def test_torchao_rows_are_compared_with_lpbench_bf16_of_the_same_sweep(tmp_path):
+    s = ResultsStore(tmp_path)
+    _run(s, "bf16", 10000)
+    config = {"model": "llama3-8b", "precision": "fp8-tensorwise", "seq_len": 8192, "mbs": 1, "gbs": 128, "dp": 8,
+              "tp": 1, "steps": 5, "backend": "torchao"}
+    s.add_run(config=config, status="ok", error=None, metrics={"tokens_per_sec_per_gpu": 11000.0, "final_loss": 2.0},
+              steps=[], env={"gpu": "NVIDIA H100 80GB HBM3"}, run_key="g1-torchao", group_id="g1",
+              workload="pretrain", num_gpus=8, backend="torchao")
+    torchao = next(r for r in summary_rows(s.runs()) if r["backend"] == "torchao")
+    assert torchao["baseline"] == "bf16" and torchao["speedup"] == pytest.approx(1.1)

@@ -63,7 +63,7 @@ def test_scalar_spec_is_one_run_and_repeats_run_once():
     ({"seq_len": [32], "batch": [{"seq_len": 64, "mbs": 2}]}, "sets seq_len twice"),
     ({"steps": "many"}, "spec key steps: expected int"),
     ({"seq_len": []}, "empty list"),
-    ({"workload": "lora"}, "workload 'lora' is not available"),
+    ({"workload": ["sft", "finetune"]}, "unknown workload 'finetune'; valid: pretrain, sft, lora"),
     ({"mbs": 4, "gbs": 6}, "no valid run"),
     ({"timeout": -1}, "spec key timeout"),
 ])

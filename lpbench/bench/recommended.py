@@ -163,7 +163,7 @@ def fill_run_args(args) -> Recommended | None:
         raise UsageError("--num-gpus selects a recommended config and needs --gpu (e.g. --gpu h100 --num-gpus 8)")
     if gpu is not None:
         precisions = getattr(args, "precision", None) or [None]
-        rec = lookup(args.model, gpu, num_gpus, task=getattr(args, "task", None) or "pretrain",
+        rec = lookup(args.model, gpu, num_gpus, task=getattr(args, "workload", None) or "pretrain",
                      precision=precisions[0])
         filled = []
         for key, value in run_defaults(rec, RunConfig).items():

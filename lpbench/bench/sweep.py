@@ -7,9 +7,11 @@ Spec (YAML mapping; README "Sweeps" has the full story):
 * every other key is a run setting: a RunConfig field (``model``, ``precision``, ``seq_len``,
   ``mbs``, ``gbs``, ``steps``, ``tp``, ``dp``, ``fsdp`` ...; dashes or underscores), or
   ``num_gpus`` (processes to launch, torchrun when > 1; DP = GPUs / TP), ``gpu`` (take
-  unset seq_len/mbs/gbs/tp from the recommended configs of that GPU type), ``workload`` and
-  ``backend``. A scalar applies to every run; a list is an axis of the grid; a list of
-  mappings is an axis whose points set several settings together (e.g. MBS/GBS pairs).
+  unset seq_len/mbs/gbs/tp from the recommended configs of that GPU type). ``workload``
+  (pretrain, sft, lora), the ``lora_*`` settings and ``hf_checkpoint`` (the run's model is then
+  labelled ``hf:<folder>`` unless ``model`` is set) are RunConfig fields too. A scalar applies to
+  every run; a list is an axis of the grid; a list of mappings is an axis whose points set
+  several settings together (e.g. MBS/GBS pairs, or ``{workload: lora, lora_rank: 8}``).
 
 Each run is ``python -m lpbench.bench.sweep --config JSON ...`` (this module's child entry
 point) with a per-run timeout; the child trains and writes its row, and when it cannot (a
@@ -43,8 +45,8 @@ from lpbench.errors import UsageError
 
 DEFAULT_TIMEOUT_S = 3600.0
 RESERVED = ("name", "timeout", "description")
-EXTRA_KEYS = ("num_gpus", "gpu", "workload", "backend")  # sweep settings that are not RunConfig fields
-EXTRA_DEFAULTS = {"workload": "pretrain", "backend": "lpbench"}
+RUN_ONLY = ("save_every", "save_dir", "load")  # RunConfig fields a sweep refuses: every run would share them
+EXTRA_KEYS = ("num_gpus", "gpu")  # sweep settings that are not RunConfig fields
 ALIASES = {"task": "workload", "models": "model", "precisions": "precision", "gpus": "num_gpus",
            "seq": "seq_len", "seq_length": "seq_len", "sequence_length": "seq_len"}
 FAULT_ENV = "LPBENCH_FAULT"  # test-only: makes a child fail on purpose
@@ -156,12 +158,12 @@ def load_spec(path: str | Path) -> dict:
 
 def expand(spec: dict) -> Sweep:
     """The spec's grid as validated runs (invalid combinations are listed in ``skipped``)."""
-    from lpbench.config import RunConfig
+    from lpbench.config import WORKLOADS, RunConfig
     from lpbench.models import get_model_config
     from lpbench.precision.recipes import get_recipe
 
     run_fields = _run_fields()
-    valid = sorted(set(run_fields) | set(EXTRA_KEYS))
+    valid = sorted(set(run_fields) - set(RUN_ONLY) | set(EXTRA_KEYS))
     spec = {_norm_key(k, run_fields): v for k, v in spec.items()}
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(spec.pop("name", "sweep"))).strip("-") or "sweep"
     timeout = spec_timeout = spec.pop("timeout", DEFAULT_TIMEOUT_S)
@@ -178,6 +180,9 @@ def expand(spec: dict) -> Sweep:
     owner: dict[str, str] = {}  # setting -> the spec key that sets it
 
     def claim(setting: str, by: str) -> None:
+        if setting in RUN_ONLY:
+            raise UsageError(f"spec key {setting}: checkpoints belong to one run (lpbench run --save-dir/--load), "
+                             "not to a sweep")
         if setting not in valid:
             raise UsageError(f"unknown spec key {setting!r}; valid: {', '.join(RESERVED + tuple(valid))}")
         if setting in owner:
@@ -215,11 +220,9 @@ def expand(spec: dict) -> Sweep:
         get_model_config(m)
     for p in values("precision"):
         get_recipe(p)
-    for key in ("workload", "backend"):
-        for v in values(key):
-            if key not in run_fields and v != EXTRA_DEFAULTS[key]:
-                raise UsageError(f"{key} {v!r} is not available in this lpbench (its runs are "
-                                 f"{key} {EXTRA_DEFAULTS[key]!r} only)")
+    for w in values("workload"):
+        if w not in WORKLOADS:
+            raise UsageError(f"unknown workload {w!r}; valid: {', '.join(WORKLOADS)}")
 
     sweep = Sweep(name=name, timeout=timeout, runs=[], fixed=fixed)
     seen: set[str] = set()
@@ -250,6 +253,10 @@ def expand(spec: dict) -> Sweep:
 def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
     settings = dict(settings)
     kwargs = {k: v for k, v in settings.items() if k in run_fields}
+    if kwargs.get("hf_checkpoint") and "model" not in kwargs:
+        from lpbench.train.workload import hf_label
+
+        kwargs["model"] = hf_label(kwargs["hf_checkpoint"])
     rec_text = None
     if settings.get("gpu"):
         from lpbench.bench.recommended import lookup, run_defaults
@@ -272,13 +279,8 @@ def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
             raise UsageError("this lpbench runs on one process only (RunConfig has no world size)")
     cfg.validate()
     world = getattr(cfg, "world_size", 1)
-    # the store's workload/backend columns: RunConfig's own fields once it has them, else the spec's
-    workload = next((getattr(cfg, f) for f in ("workload", "task") if isinstance(getattr(cfg, f, None), str)),
-                    settings.get("workload", "pretrain"))
-    backend = getattr(cfg, "backend", None) if isinstance(getattr(cfg, "backend", None), str) else \
-        settings.get("backend", "lpbench")
-    return SweepRun(index=0, config=cfg, settings=settings, workload=workload, backend=backend, num_gpus=world,
-                    recommended=rec_text)
+    return SweepRun(index=0, config=cfg, settings=settings, workload=cfg.workload, backend=cfg.backend,
+                    num_gpus=world, recommended=rec_text)
 
 
 # ----------------------------------------------------------------------------- the parent
@@ -700,7 +702,7 @@ def child_main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         _install_fault(cfg)
-        result = train(cfg, log=lambda line: print(line, flush=True))
+        result = train(cfg, log=lambda line: print(line, flush=True), results_dir=args.results)
     except Exception as exc:  # UsageError included: the row says why
         traceback.print_exc()
         result = RunResult(config=cfg, status="error", error=f"{type(exc).__name__}: {exc}".splitlines()[0])

@@ -54,6 +54,7 @@ class DataSplits:
     num_documents: int | None = None
     num_tokens: int | None = None
     notes: list[str] = field(default_factory=list)
+    prefix: str | None = None  # the Megatron dataset read (for raw text: its tokenized cache), if any
 
     @property
     def is_mock(self) -> bool:
@@ -179,9 +180,11 @@ def _build_indexed(prefix, tokenizer, seq_len, seed, vocab_size, val_fraction, v
         notes.append(f"note: no tokenizer given; vocab size {vocab} inferred from the largest "
                      f"token id, EOS unknown (documents are used as stored)")
     vocab = vocab_size or vocab
-    return _splits(tokens, ds.document_starts(), seq_len, seed, vocab, eos_id,
-                   source or ds.describe(), tok, ds.num_documents, val_fraction,
-                   val_sequences, notes)
+    splits = _splits(tokens, ds.document_starts(), seq_len, seed, vocab, eos_id,
+                     source or ds.describe(), tok, ds.num_documents, val_fraction,
+                     val_sequences, notes)
+    splits.prefix = os.fspath(prefix)
+    return splits
 
 
 def _build_raw(path, tokenizer, seq_len, seed, vocab_size, val_fraction, val_sequences,

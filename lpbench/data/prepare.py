@@ -123,13 +123,16 @@ def _add_text_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``data prepare`` and ``data tokenizer`` on the CLI's sub-command parsers."""
+    """Register ``data corpus``, ``data prepare`` and ``data tokenizer`` on the CLI's sub-command parsers."""
     data = subparsers.add_parser(
         "data", help="prepare datasets and tokenizers",
         description="Prepare Megatron .bin/.idx datasets and tokenizers from local text.")
     data.set_defaults(func=_missing_command)
-    sub = data.add_subparsers(dest="data_command", metavar="{prepare,tokenizer}",
+    sub = data.add_subparsers(dest="data_command", metavar="{corpus,prepare,tokenizer}",
                               parser_class=_UsageParser)
+    from lpbench.data.corpus import add_corpus_parser
+
+    add_corpus_parser(sub)
 
     p = sub.add_parser("prepare", help="tokenize text/JSONL/parquet into a Megatron dataset",
                        description="Tokenize documents into PREFIX.bin/PREFIX.idx "
@@ -162,7 +165,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _missing_command(args) -> int:
-    raise UsageError("lpbench data: choose a command: prepare or tokenizer")
+    raise UsageError("lpbench data: choose a command: corpus, prepare or tokenizer")
 
 
 def _cmd_prepare(args) -> int:

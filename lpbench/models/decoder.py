@@ -176,17 +176,26 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
-        """GPT-2 style init: N(0, std), residual output projections scaled by 1/sqrt(2L)."""
+    def init_weights(self, seed: int = 0, std: float = 0.02, write=None) -> None:
+        """GPT-2 style init: N(0, std), residual output projections scaled by 1/sqrt(2L).
+
+        Every parameter's full values are drawn in turn from one generator seeded with ``seed``,
+        then stored by ``write(name, param, values)`` (default: copied), so a sharded model
+        can keep its shard of the same values (:func:`lpbench.parallel.plan.materialize`).
+        """
         device = next(self.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
+            full = torch.empty(p.shape, dtype=p.dtype, device=device)
             if p.ndim == 1:
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
+                full.fill_(1.0 if name.endswith("weight") else 0.0)
             else:
-                s = out_std if name.endswith(("attn.o.weight", "down.weight")) else std
-                p.normal_(0.0, s, generator=gen)
+                full.normal_(0.0, out_std if name.endswith(("attn.o.weight", "down.weight")) else std, generator=gen)
+            if write is None:
+                p.copy_(full)
+            else:
+                write(name, p, full)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -79,6 +79,9 @@ MODELS: dict[str, ModelConfig] = {
                     max_seq_len=2048, family="llama"),
         ModelConfig("small", 8, 512, 1536, 8, 4, 8192, rope_theta=10_000.0, tie_embeddings=True,
                     max_seq_len=4096, family="llama"),
+        # GPT-3 Small's shape (12 x 768) as a llama: 125 M parameters with a 32k vocabulary (convergence studies).
+        ModelConfig("llama-125m", 12, 768, 2048, 12, 4, 32000, rope_theta=10_000.0, max_seq_len=4096,
+                    family="llama"),
     )
 }
 

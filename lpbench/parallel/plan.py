@@ -1,22 +1,28 @@
 """``parallelize``: one model, one config -> the module to train on a ``(dp, tp)`` device mesh.
 
 Order (torchtitan's): tensor parallel on the ``tp`` mesh, ``torch.compile``, then FSDP2 or DDP
-on the ``dp`` mesh. Every rank builds the same full model from the same seed
-before sharding, so all layouts start from identical weights.
+on the ``dp`` mesh. A model built on the meta device (no memory) is sharded first, then
+allocated and initialised (:func:`materialize`: after FSDP, else before DDP, which needs the
+values): every rank keeps its shard of the very weights a single process would build from the
+same seed, so all layouts start from identical weights.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch._inductor.config
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lpbench.config import RunConfig
 from lpbench.parallel.dp import apply_ddp, apply_fsdp
-from lpbench.parallel.tp import apply_tp
+from lpbench.parallel.fp8_allgather import apply_fp8_all_gather
+from lpbench.parallel.tp import apply_tp, interleave
 
 
 @dataclass
@@ -41,21 +47,66 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
     scaling is measured on the same compiled program. FSDP2 or TP: each block is compiled
     before wrapping, as torchtitan does; the embedding, head and loss run eagerly.
     """
+    # compiled code rounds wherever eager code rounds (e.g. a BF16 activation before its FP8
+    # cast), so compiled quantizers see the values the reference sees
+    torch._inductor.config.emulate_precision_casts = True
     if cfg.world_size == 1:
+        materialize(model, device, cfg.seed)
         return Parallelized(model, torch.compile(model) if use_compile else model, None, 0)
     mesh = device_mesh(device.type, cfg.dp, cfg.tp)
     whole = cfg.tp == 1 and not cfg.fsdp
+    fsdp = cfg.dp > 1 and cfg.fsdp
     if cfg.tp > 1:
         apply_tp(model, mesh["tp"], cfg.sequence_parallel)
+    if not fsdp:
+        materialize(model, device, cfg.seed)
     if use_compile and not whole:
         for block in model.layers:
             block.compile(fullgraph=True)
         if cfg.tp > 1:  # torch 2.13: a compiled block fed a DTensor's own local tensor fails in backward
             model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
     module = model
-    if cfg.dp > 1 and cfg.fsdp:
+    if fsdp:
+        if cfg.fsdp_fp8_all_gather:
+            apply_fp8_all_gather(model)
         module = apply_fsdp(model, mesh["dp"], compute_dtype if device.type == "cuda" else None)
+        materialize(model, device, cfg.seed)
     elif cfg.dp > 1:
         module = apply_ddp(model, mesh["dp"], device)
     forward = torch.compile(module) if use_compile and whole else module
     return Parallelized(module, forward, mesh, mesh["dp"].get_local_rank())
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate a meta-device model (sharded or not) on ``device`` and initialise it as ``build_model`` would.
+
+    ``Decoder.init_weights`` draws every parameter whole, in order, from one seeded generator;
+    each rank keeps its shard of those values (rows of TP-fused weights interleaved as
+    ``apply_tp`` stores them), so the gathered weights equal a single process's bit for bit.
+    Buffers (amax histories) start at zero. A model not on the meta device is left as it is.
+    """
+    if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        return
+    owners: dict[int, list] = {}  # parameter -> (module, name) of each place it is registered
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((module, name))
+    model.to_empty(device=device)
+    for places in owners.values():  # to_empty may give each module its own copy: tie shared parameters again
+        for module, name in places[1:]:
+            setattr(module, name, getattr(*places[0]))
+    for buffer in model.buffers():
+        buffer.zero_()
+    splits = {name: m.tp_shard for name, m in model.named_modules() if getattr(m, "tp_shard", None) is not None}
+
+    def write(name: str, param: torch.Tensor, full: torch.Tensor) -> None:
+        split = splits.get(name.rpartition(".")[0])
+        if split is not None and split.dim == 0 and len(split.sections) > 1:
+            full = interleave(full, split.sections, split.size)
+        if isinstance(param, DTensor):
+            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param = param.to_local()
+        param.copy_(full)
+
+    model.init_weights(seed, write=write)

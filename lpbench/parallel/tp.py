@@ -11,9 +11,15 @@ interleaved per rank before sharding — rows ``[q_0; k_0; v_0; q_1; k_1; v_1; �
 contiguous ``Shard(0)`` of rank r is exactly its heads of q, k and v (its slice of gate and
 up), and the model's own ``split``/``chunk`` of the local output stays right. The weight is
 the same linear map up to that row order; attention modules are told their local head counts.
+
+Every split linear gets a ``tp_shard`` attribute (:class:`TPShard`: group, rank, split dim and
+sections), which quantized linears use to quantize their shards as the whole tensor.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -27,13 +33,55 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from lpbench.errors import UsageError
 
 
+@dataclass(frozen=True)
+class TPShard:
+    """How :func:`apply_tp` split a linear (its ``tp_shard`` attribute).
+
+    ``dim``: the weight dim split over ``group`` (0 column-wise: out features; 1 row-wise: in
+    features). ``sections``: that dim's fused parts in unsharded order ([q, k, v], [gate, up];
+    one part otherwise); rank r holds the r-th of ``size`` equal chunks of each part.
+    """
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    dim: int
+    sections: tuple[int, ...]
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """Unsharded positions (along ``dim``) of this rank's features, in local order."""
+        return torch.cat([torch.arange(start + self.rank * n // self.size, start + (self.rank + 1) * n // self.size,
+                                       device=device)
+                          for start, n in zip(accumulate((0, *self.sections)), self.sections)])
+
+
+def interleave(t: torch.Tensor, sections: list[int] | tuple[int, ...], tp: int) -> torch.Tensor:
+    """Rows [a; b; …] of a fused weight or bias reordered to [a_0; b_0; …; a_1; b_1; …] (see module doc)."""
+    parts = [s.chunk(tp, 0) for s in t.split(list(sections), 0)]
+    return torch.cat([part[r] for r in range(tp) for part in parts])
+
+
 @torch.no_grad()
 def interleave_sections(linear: nn.Linear, sections: list[int], tp: int) -> None:
-    """Reorder the output rows of a fused linear from [a; b; …] to [a_0; b_0; …; a_1; b_1; …] in place."""
+    """:func:`interleave` the output rows of a fused linear in place."""
     for p in (linear.weight, linear.bias):
         if p is not None:
-            parts = [s.chunk(tp, 0) for s in p.split(sections, 0)]
-            p.copy_(torch.cat([part[r] for r in range(tp) for part in parts]))
+            p.copy_(interleave(p, sections, tp))
+
+
+def split_linears(block: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """A block's tensor-parallel linears: name -> (split weight dim, that dim's fused sections)."""
+    attn = block.attn
+    q, kv = attn.n_heads * attn.hd, attn.n_kv * attn.hd
+    out = {"attn.qkv": (0, (q, kv, kv)), "attn.o": (1, (q,))}
+    experts = getattr(block.mlp, "experts", None)
+    mlps = [("mlp", block.mlp)] if experts is None else [(f"mlp.experts.{e}", m) for e, m in enumerate(experts)]
+    for prefix, mlp in mlps:
+        ffn = mlp.down.in_features
+        out[f"{prefix}.gate_up" if hasattr(mlp, "gate_up") else f"{prefix}.up"] = \
+            (0, (ffn, ffn) if hasattr(mlp, "gate_up") else (ffn,))
+        out[f"{prefix}.down"] = (1, (ffn,))
+    return out
 
 
 def _mlp_plan(mlp: nn.Module, prefix: str, down_out) -> dict:
@@ -68,19 +116,19 @@ def block_plan(block: nn.Module, sp: bool) -> dict:
 
 def localize_block(block: nn.Module, tp: int) -> None:
     """Interleave the fused weights per rank and give attention its local head counts (see module doc)."""
-    attn = block.attn
-    interleave_sections(attn.qkv, [attn.n_heads * attn.hd, attn.n_kv * attn.hd, attn.n_kv * attn.hd], tp)
-    attn.n_heads, attn.n_kv = attn.n_heads // tp, attn.n_kv // tp
-    for mlp in getattr(block.mlp, "experts", [block.mlp]):
-        if hasattr(mlp, "gate_up"):
-            interleave_sections(mlp.gate_up, [mlp.down.in_features] * 2, tp)
+    for name, (_, sections) in split_linears(block).items():
+        if len(sections) > 1:
+            interleave_sections(block.get_submodule(name), list(sections), tp)
+    block.attn.n_heads, block.attn.n_kv = block.attn.n_heads // tp, block.attn.n_kv // tp
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True) -> nn.Module:
     """Shard ``model`` (a :class:`lpbench.models.decoder.Decoder`) over the 1-D ``mesh`` in place.
 
     Linear subclasses with their own GEMMs must declare ``tp_aware = True`` (see
-    :func:`local_linear`); others are refused with a UsageError before anything changes.
+    :func:`local_linear`); others are refused with a UsageError before anything changes, as is
+    a split that cuts a linear's quantization blocks (its ``tp_multiple``: every rank's part of
+    every section must be a whole number of blocks, so that the blocks are the unsharded ones).
     """
     tp, sp = mesh.size(), sequence_parallel
     seq = Shard(1) if sp else Replicate()
@@ -92,38 +140,32 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
         if model.pos_embeddings is not None:
             plan["pos_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(),  # [S, D] or [B, S, D]
                                                          desired_output_layouts=Shard(-2))
+    splits = {}
     for i, block in enumerate(model.layers):
         plan.update({f"layers.{i}.{k}": v for k, v in block_plan(block, sp).items()})
+        splits.update({f"layers.{i}.{k}": v for k, v in split_linears(block).items()})
     for name in plan:
         module = model.get_submodule(name)
         if type(module) is not nn.Linear and isinstance(module, nn.Linear) and not getattr(module, "tp_aware", False):
             raise UsageError(f"{type(module).__name__} ({name}) does not support tensor parallelism yet: "
                              "run this precision with --tp 1")
+    for name, (_, sections) in splits.items():
+        multiple = getattr(model.get_submodule(name), "tp_multiple", 1)
+        if bad := [n // tp for n in sections if n // tp % multiple]:
+            raise UsageError(f"--tp {tp} splits {name} into parts of {bad[0]} features, not whole {multiple}-element "
+                             "quantization blocks: use a smaller --tp or another precision")
     for block in model.layers:
         localize_block(block, tp)
     parallelize_module(model, mesh, plan)
     if tied:
         model.lm_head.weight = model.tok_embeddings.weight
+    for module in model.modules():  # the styles replicate buffers as DTensors: keep them plain (amax histories)
+        for name, buffer in module.named_buffers(recurse=False):
+            if isinstance(buffer, DTensor):
+                module._buffers[name] = buffer.to_local().detach()
+    for name, (dim, sections) in splits.items():
+        model.get_submodule(name).tp_shard = TPShard(mesh.get_group(), mesh.get_local_rank(), tp, dim, sections)
     return model
-
-
-def amax_group(module: nn.Module, *, include_dp: bool = False) -> dist.ProcessGroup | None:
-    """The process group a quantized linear all-reduces (MAX) its per-tensor amaxes over, or None.
-
-    A tensor-parallel linear (weight a DTensor on a mesh with a ``"tp"`` dim, whether FSDP has
-    it sharded or gathered) gets the TP group: its weight and its input or output gradient are
-    sharded, so a tensor-wide scale (fp8-tensorwise/delayed, NVFP4's global scale) needs the amax
-    of the whole tensor. ``include_dp`` returns the world group instead (Megatron reduces
-    delayed-scaling amaxes over data-parallel ranks too, so every replica keeps one history).
-    """
-    if include_dp and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    w = module.weight
-    names = (w.device_mesh.mesh_dim_names or ()) if isinstance(w, DTensor) else ()
-    if "tp" not in names:
-        return None
-    mesh = w.device_mesh["tp"] if len(names) > 1 else w.device_mesh
-    return mesh.get_group() if mesh.size() > 1 else None
 
 
 def local_linear(module: nn.Linear, x: torch.Tensor, fn) -> torch.Tensor:

@@ -21,6 +21,14 @@ autocast disabled; the output has the input's compute dtype, dW the weight's dty
 scaling keeps its amax histories as buffers (``amax_history_{input,weight,grad}``), so they
 are checkpointed. The token dim is zero-padded for the wgrad GEMM when its block needs it
 (MoE experts see any number of tokens); zeros change neither amax nor the product.
+
+Tensor parallelism (``tp_shard``, set by :func:`lpbench.parallel.tp.apply_tp`): the GEMMs run
+on the local shards, and each shard is quantized as the unsharded tensor would be: the amax of
+a scaling group that spans the split (tensor and delayed scaling, rows along a split reduction
+dim, NVFP4's global scale) is all-reduced (MAX) over the TP group, stochastic rounding uses the
+unsharded tensor's draws, and blocks never straddle shards (``apply_tp`` checks
+``tp_multiple``). A weight that FSDP all-gathered in FP8 (:mod:`lpbench.parallel.fp8_allgather`)
+is used as gathered, not quantized again.
 """
 
 from __future__ import annotations
@@ -31,11 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lpbench.parallel import fp8_allgather
+from lpbench.parallel.tp import local_linear
 from lpbench.precision.formats import FORMATS
 from lpbench.precision.quantize import (
     RHT_SIZE,
     QSpec,
     QTensor,
+    all_reduce_max,
     apply_rht,
     delayed_encode_scale,
     quantize,
@@ -94,20 +105,17 @@ class _QuantizedLinearFn(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
             enc_x = mod._delayed_scale("input", x2)
-            enc_w = mod._delayed_scale("weight", weight)
-            xq = quantize(x2, recipe.operand("input", "fprop"), encode_scale=enc_x)
-            wq = quantize(weight, recipe.operand("weight", "fprop"), encode_scale=enc_w)
+            xq = mod._quantize(x2, "input", "fprop", enc_x)
+            wq, ctx.wq_dgrad = mod._weight_operands(weight, ctx.needs_input_grad[0])
             y = qgemm(xq, wq, native=mod.native)
             if bias is not None:
                 y = y + bias.float()
             ctx.mod, ctx.x_shape, ctx.x_dtype, ctx.has_bias = mod, x.shape, x.dtype, bias is not None
             ctx.w_dtype = weight.dtype
-            ctx.wq_dgrad = ctx.xq_wgrad = None
-            if ctx.needs_input_grad[0]:
-                ctx.wq_dgrad = quantize(weight.t(), recipe.operand("weight", "dgrad"), encode_scale=enc_w)
+            ctx.xq_wgrad = None
             spec_x = recipe.operand("input", "wgrad")
             if ctx.needs_input_grad[1] and spec_x is not None:
-                ctx.xq_wgrad = quantize(mod._wgrad_layout(x2, spec_x), spec_x, encode_scale=enc_x)
+                ctx.xq_wgrad = mod._quantize(mod._wgrad_layout(x2, spec_x), "input", "wgrad", enc_x)
             elif ctx.needs_input_grad[1]:
                 ctx.save_for_backward(x2)
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
@@ -120,7 +128,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
             dy2 = dy.reshape(-1, dy.shape[-1])
             enc_g = mod._delayed_scale("grad", dy2)
             if ctx.wq_dgrad is not None:
-                gq = quantize(dy2, recipe.operand("grad", "dgrad"), encode_scale=enc_g)
+                gq = mod._quantize(dy2, "grad", "dgrad", enc_g)
                 dx = qgemm(gq, ctx.wq_dgrad, native=mod.native).to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 spec_g = recipe.operand("grad", "wgrad")
@@ -128,7 +136,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
                     (x2,) = ctx.saved_tensors
                     dw = _hp_gemm(dy2.t(), x2.t(), ctx.x_dtype)
                 else:
-                    gq = quantize(mod._wgrad_layout(dy2, spec_g), spec_g, encode_scale=enc_g)
+                    gq = mod._quantize(mod._wgrad_layout(dy2, spec_g), "grad", "wgrad", enc_g)
                     dw = qgemm(gq, ctx.xq_wgrad, native=mod.native)
                 dw = dw.to(ctx.w_dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -140,12 +148,14 @@ class _QuantizedLinearFn(torch.autograd.Function):
 class QuantizedLinear(nn.Linear):
     """``nn.Linear`` whose three GEMMs follow a precision recipe (same parameters and names)."""
 
+    tp_aware = True  # runs its GEMMs on tensor-parallel shards (lpbench.parallel.tp.local_linear)
+    tp_shard = None  # lpbench.parallel.tp.TPShard when apply_tp split it: its group, split dim, sections
+
     def __init__(self, in_features, out_features, bias=True, *, recipe: Recipe, native=False, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         if not recipe.quantized:
             raise ValueError(f"recipe {recipe.name} has no quantized GEMMs")
         self.recipe, self.native = recipe, native
-        self._fp8_primed = False  # fast delayed path: a history record exists (no amax pass needed)
         self._init_histories(self.weight.device)
 
     @classmethod
@@ -166,11 +176,57 @@ class QuantizedLinear(nn.Linear):
         if self.recipe.scaling != "delayed":
             return None
         history = getattr(self, f"amax_history_{role}")
-        amax = t.detach().abs().amax().float()
+        amax = self.reduce_amax(role, t.detach().abs().amax().float())
         fmt = FORMATS[self.recipe.grad_format if role == "grad" else self.recipe.fwd_format]
         scale = delayed_encode_scale(history, amax, fmt, self.recipe.margin)
         update_amax_history(history, amax)
         return scale
+
+    @property
+    def tp_multiple(self) -> int:
+        """What every rank's part of a tensor-parallel section must divide by: the recipe's block (else 1)."""
+        return self.recipe.block or 1
+
+    def _tp_group(self, role: str):
+        """The TP group if TP splits operand ``role``: the weight; the input (row-wise) or gradient (column-wise)."""
+        tp = self.tp_shard
+        return tp.group if tp is not None and role in ("weight", "grad" if tp.dim == 0 else "input") else None
+
+    def reduce_amax(self, role: str, amax: torch.Tensor) -> torch.Tensor:
+        """The amax of this rank's part of operand ``role``: under TP, all-reduced to the whole tensor's."""
+        return all_reduce_max(amax, self._tp_group(role))
+
+    def _quantize(self, t: torch.Tensor, role: str, gemm: str, encode_scale=None) -> QTensor:
+        """``t`` quantized as operand ``role`` of ``gemm``; a TP shard exactly as in the unsharded tensor.
+
+        TP splits dim 1 of the operand where ``gemm`` reduces over the split features (dgrad
+        column-wise, fprop row-wise), else dim 0. Scaling groups spanning that dim take the amax of
+        all shards; stochastic rounding draws for the unsharded operand and keeps this rank's part.
+        """
+        spec, group = self.recipe.operand(role, gemm), self._tp_group(role)
+        if group is None:
+            return quantize(t, spec, encode_scale=encode_scale)
+        tp = self.tp_shard
+        dim = 1 if gemm == ("dgrad" if tp.dim == 0 else "fprop") else 0
+        noise = None
+        if spec.stochastic:
+            shape = list(t.shape)
+            shape[dim] = sum(tp.sections)
+            noise = torch.rand(shape, device=t.device).index_select(dim, tp.index(t.device))
+        spans = spec.scaling == "nvfp4" or spec.block[dim] is None
+        return quantize(t, spec, encode_scale=encode_scale, noise=noise, amax_group=group if spans else None)
+
+    def _weight_operands(self, weight: torch.Tensor, dgrad: bool) -> tuple[QTensor, QTensor | None]:
+        """The weight quantized for fprop and (if ``dgrad``) dgrad, or as FSDP all-gathered it in FP8."""
+        gathered = fp8_allgather.gathered(self, weight)
+        if gathered is not None:
+            codes, dec = gathered
+            fmt = FORMATS[self.recipe.fwd_format]
+            wq = QTensor(codes, dec.reshape(1, 1), tuple(codes.shape), fmt)
+            return wq, QTensor(codes.t().contiguous(), wq.scale, tuple(codes.shape[::-1]), fmt) if dgrad else None
+        enc = self._delayed_scale("weight", weight)
+        wq = self._quantize(weight, "weight", "fprop", enc)
+        return wq, self._quantize(weight.t(), "weight", "dgrad", enc) if dgrad else None
 
     def _wgrad_layout(self, t: torch.Tensor, spec: QSpec) -> torch.Tensor:
         """[tokens, C] → [C, tokens'] for the wgrad GEMM: zero-pad, transpose, optional RHT."""
@@ -181,15 +237,18 @@ class QuantizedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        return local_linear(self, x, self._linear)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The GEMMs on plain tensors (under TP, this rank's shards)."""
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
-            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         if self.native and self.recipe.scaling in ("tensor", "delayed"):
             from lpbench.precision.kernels import fp8_linear
 
-            if fp8_linear.supported(x, self.weight):
-                primed, self._fp8_primed = self._fp8_primed, True
-                return fp8_linear.Fp8TensorwiseLinearFn.apply(x, self.weight, self.bias, self, primed)
-        return _QuantizedLinearFn.apply(x, self.weight, self.bias, self)
+            if fp8_linear.supported(x, weight):
+                return fp8_linear.Fp8TensorwiseLinearFn.apply(x, weight, bias, self)
+        return _QuantizedLinearFn.apply(x, weight, bias, self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, path={'native' if self.native else 'emulated'}"

@@ -12,6 +12,9 @@ Conventions:
 * a :class:`QTensor` stores *decode* scales: value = code × block scale [× global scale].
 * amax == 0 gives zeros. A scaling group (tensor, row or block) whose amax is NaN or Inf
   gets a NaN scale, so all of it dequantizes to NaN and a NaN guard sees it.
+* a tensor split across ranks (tensor parallelism) is quantized as the whole tensor would be:
+  ``amax_group`` all-reduces (MAX) the amaxes of scaling groups that span the split, and
+  ``noise`` supplies stochastic rounding's uniform draws for this rank's part.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 
 from lpbench.precision.formats import (
     E2M1,
@@ -86,6 +91,11 @@ def _resolve(x: torch.Tensor, block: Block) -> tuple[int, int]:
     return br, bc
 
 
+def all_reduce_max(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Elementwise max of ``t`` over ``group`` (``t`` itself without one); traceable by torch.compile."""
+    return t if group is None else funcol.wait_tensor(funcol.all_reduce(t, "max", group))
+
+
 def _block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     (m, k), (br, bc) = x.shape, block
     return x.abs().reshape(m // br, br, k // bc, bc).amax(dim=(1, 3))
@@ -127,19 +137,23 @@ def quantize_fp8(
     encode_scale: torch.Tensor | None = None,
     stochastic: bool = False,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+    amax_group: dist.ProcessGroup | None = None,
 ) -> QTensor:
     """FP8 with FP32 scales: tensorwise, rowwise ``(1, None)`` or blockwise ``(1, 128)`` / ``(128, 128)``.
 
     Encode scale per block = FP8_MAX / amax (rounded down to a power of two with ``pow2``:
     DeepSeek-V3, TE Float8BlockScaling, torchao rowwise); codes = saturating cast of x × scale;
     decode scale = 1 / encode scale. ``encode_scale`` overrides the current-amax rule
-    (delayed scaling).
+    (delayed scaling). ``amax_group``: the block amaxes are all-reduced (MAX) over it first.
     """
     x = x.float().contiguous()
     blk = _resolve(x, block)
     amax = _block_amax(x, blk)
+    if encode_scale is None:
+        amax = all_reduce_max(amax, amax_group)
     enc = fp8_encode_scale(amax, fmt, pow2=pow2) if encode_scale is None else encode_scale.float().expand_as(amax)
-    codes = encode(x * _expand(enc, blk), fmt, stochastic=stochastic, generator=generator)
+    codes = encode(x * _expand(enc, blk), fmt, stochastic=stochastic, generator=generator, noise=noise)
     return QTensor(codes, _poison(_div(1.0, enc), amax), blk, fmt)
 
 
@@ -179,6 +193,7 @@ def quantize_mx(
     rounding: str = "rceil",
     stochastic: bool = False,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> QTensor:
     """OCP MX: 1 × ``block`` blocks along the last dim, E8M0 scale 2**k per block.
 
@@ -196,7 +211,7 @@ def quantize_mx(
     else:
         k = torch.frexp(amax)[1] - 1 - fmt.emax
     k = torch.where(amax > 0, k, -127).clamp(-127, 127)
-    codes = encode(x * _expand(pow2(-k), blk), fmt, stochastic=stochastic, generator=generator)
+    codes = encode(x * _expand(pow2(-k), blk), fmt, stochastic=stochastic, generator=generator, noise=noise)
     scale = e8m0_from_exponent(_poison(k.float(), amax))
     return QTensor(codes, scale, blk, fmt)
 
@@ -207,34 +222,43 @@ def quantize_nvfp4(
     block: Block = (1, 16),
     stochastic: bool = False,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+    amax_group: dist.ProcessGroup | None = None,
 ) -> QTensor:
     """NVFP4: E2M1 elements, E4M3 scale per 1×16 (or 16×16 weight) block, FP32 global scale.
 
     global decode scale = amax / (6·448); per-block E4M3 scale = block_amax / 6 over the
     global scale, computed as block_amax × (global encode scale × fp32(1/6)) in TE's order.
+    ``amax_group``: the global amax is all-reduced (MAX) over it first.
     """
     x = x.float().contiguous()
     blk = _resolve(x, block)
-    amax = x.abs().amax()
+    amax = all_reduce_max(x.abs().amax(), amax_group)
     top = E4M3.max * E2M1.max
     g_enc = torch.where(amax > 0, _div(top, amax), torch.ones_like(amax)).clamp(max=FP32_MAX)
     g_dec = torch.where(amax > 0, amax / top, torch.ones_like(amax))
     block_amax = _block_amax(x, blk)
     scale = encode(block_amax * (g_enc * torch.tensor(1 / E2M1.max)), E4M3)
     enc = _div(1.0, scale.float() * g_dec).clamp(max=FP32_MAX)
-    codes = encode(x * _expand(enc, blk), E2M1, stochastic=stochastic, generator=generator)
+    codes = encode(x * _expand(enc, blk), E2M1, stochastic=stochastic, generator=generator, noise=noise)
     return QTensor(codes, scale, blk, E2M1, global_scale=_poison(g_dec, amax))
 
 
-def quantize(x: torch.Tensor, spec: QSpec, *, encode_scale=None, generator=None) -> QTensor:
-    """Quantize a 2-D tensor as ``spec`` says (``encode_scale``: delayed FP8 scaling only)."""
-    sr = {"stochastic": spec.stochastic, "generator": generator}
+def quantize(x: torch.Tensor, spec: QSpec, *, encode_scale=None, generator=None, noise=None,
+             amax_group=None) -> QTensor:
+    """Quantize a 2-D tensor as ``spec`` says (``encode_scale``: delayed FP8 scaling only).
+
+    ``amax_group`` (FP8 and NVFP4 scalings; MX blocks never need it): all-reduce the amaxes
+    over it, for a tensor split across its ranks along a dim that a scaling group spans.
+    """
+    sr = {"stochastic": spec.stochastic, "generator": generator, "noise": noise}
     if spec.scaling in ("tensor", "row", "block"):
-        return quantize_fp8(x, spec.fmt, spec.block, pow2=spec.pow2, encode_scale=encode_scale, **sr)
+        return quantize_fp8(x, spec.fmt, spec.block, pow2=spec.pow2, encode_scale=encode_scale,
+                            amax_group=amax_group, **sr)
     if spec.scaling == "mx":
         return quantize_mx(x, spec.fmt, block=spec.block[1], rounding=spec.mx_rounding, **sr)
     if spec.scaling == "nvfp4":
-        return quantize_nvfp4(x, block=spec.block, **sr)
+        return quantize_nvfp4(x, block=spec.block, amax_group=amax_group, **sr)
     raise ValueError(f"unknown scaling {spec.scaling!r}")
 
 
@@ -262,5 +286,8 @@ def apply_rht(x: torch.Tensor, n: int = RHT_SIZE, seed: int = RHT_SEED) -> torch
     """
     if x.shape[-1] % n:
         raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the Hadamard size {n}")
-    m = rht_matrix(n, seed).to(x.device)
+    m = (_RHT if (n, seed) == (RHT_SIZE, RHT_SEED) else rht_matrix(n, seed)).to(x.device)
     return (x.float().reshape(-1, n) @ m).reshape(x.shape)
+
+
+_RHT = rht_matrix()  # built once: torch.compile cannot trace a torch.Generator

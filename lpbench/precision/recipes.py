@@ -8,7 +8,7 @@ BF16 first/last layers) is a field, so ablations are ``dataclasses.replace(recip
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -152,11 +152,35 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
+# Ingredients an ablation switches off: recipe ``<name>-no-<ingredient>`` is ``<name>`` with these fields.
+ABLATIONS: dict[str, tuple[dict, str]] = {
+    "rht": ({"rht_wgrad": False}, "random Hadamard transform on wgrad"),
+    "sr": ({"stochastic_grads": False}, "stochastic rounding of gradients"),
+    "2d": ({"weight_block_2d": False}, "2-D weight blocks"),
+    "bf16-tail": ({"last_bf16_layers": 0}, "last layers in BF16"),
+}
+
+
+def ablate(recipe: Recipe, ingredient: str) -> Recipe:
+    """``recipe`` with one ingredient switched off, named ``<recipe>-no-<ingredient>``."""
+    if ingredient not in ABLATIONS:
+        raise UsageError(f"unknown ablation {ingredient!r}; valid: {', '.join(ABLATIONS)}")
+    off, what = ABLATIONS[ingredient]
+    if all(getattr(recipe, k) == v for k, v in off.items()):
+        raise UsageError(f"{recipe.name} has no {what} to switch off")
+    return replace(recipe, name=f"{recipe.name}-no-{ingredient}",
+                   description=f"{recipe.description}; without {what}", **off)
+
+
 def get_recipe(name: str) -> Recipe:
-    try:
+    """A recipe of RECIPES, or an ablation of one: ``nvfp4-no-rht`` (see ABLATIONS)."""
+    if name in RECIPES:
         return RECIPES[name]
-    except KeyError:
-        raise UsageError(f"unknown precision {name!r}; valid: {', '.join(RECIPES)}") from None
+    base, sep, ingredient = name.rpartition("-no-")
+    if sep and base:
+        return ablate(get_recipe(base), ingredient)
+    raise UsageError(f"unknown precision {name!r}; valid: {', '.join(RECIPES)}, or RECIPE-no-INGREDIENT "
+                     f"({', '.join(ABLATIONS)}), e.g. nvfp4-no-rht")
 
 
 def apply_recipe(model: torch.nn.Module, recipe: Recipe, *, device: torch.device, emulate: bool,

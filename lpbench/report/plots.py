@@ -314,3 +314,95 @@ def all_plots(rows: list[dict], steps_by_run: dict[int, list[dict]]) -> dict[str
     figures = {"throughput_vs_seq.png": throughput_vs_seq(rows), "speedup.png": speedup_bars(rows),
                "loss_curves.png": loss_curves(rows, steps_by_run), "peak_memory.png": memory_bars(rows)}
     return {name: png for name, png in figures.items() if png}
+
+
+def convergence_curves(runs: list[dict], tolerances: dict[str, float], title: str = "") -> bytes:
+    """``lpbench converge``'s figure: loss against tokens (left) and the gap to the first run (right).
+
+    ``runs``: ``{"precision", "status", "ok", "verdict", "train": [(tokens, loss)], "val": [...]}``,
+    the reference first. Left: training loss (trailing 10-step mean, thin) and validation loss
+    (dots), one colour per recipe; a stopped run ends in a red cross. Right: the relative gap of
+    the validation loss (or, without one, of the mean training loss) to the reference's, in %,
+    with the tolerances as dotted and dashed lines.
+    """
+    plt = _plt()
+    order = [r["precision"] for r in runs]
+    use_val = any(r["val"] for r in runs)
+    most = max([t for r in runs for t, _ in r["train"]] + [1])
+    scale, unit = next((s, u) for s, u in ((1e9, "billions"), (1e6, "millions"), (1e3, "thousands"), (1, ""))
+                       if most >= s)
+    xlabel = f"training tokens ({unit})" if unit else "training tokens"
+    fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [1.25, 1]})
+    handles = []
+    tops, bottoms = [], []
+    for i, r in enumerate(runs):
+        c, ls = colour(r["precision"], order), "--" if "-no-" in r["precision"] else "-"
+        pts = [(t / scale, v) for t, v in _gap_series(r, False).items()]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, lw=1.0, alpha=0.5, color=c, ls=ls)
+            tops.append(ys[min(len(ys) - 1, len(ys) // 10)])
+            bottoms.append(min(ys))
+            if not r["ok"]:
+                ax.plot(xs[-1], ys[-1], marker="x", ms=9, mew=2, color="#b00020")
+                ax.annotate(r["status"], (xs[-1], ys[-1]), xytext=(6, 6), textcoords="offset points",
+                            fontsize=7, color="#b00020")
+        if r["val"]:
+            vx, vy = zip(*[(t / scale, v) for t, v in r["val"]])
+            ax.plot(vx, vy, lw=1.8, color=c, ls=ls, marker="o", ms=3.5)
+            bottoms.append(min(vy))
+        note = r["verdict"] if r["ok"] else r["status"]
+        handles.append(plt.Line2D([0], [0], color=c, ls=ls, lw=2, label=f"{r['precision']}  ({note})"))
+    if tops and bottoms:
+        lo, hi = min(bottoms), max(tops)
+        ax.set_ylim(lo - 0.05 * (hi - lo), hi)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title("Training loss (10-step mean, thin) and validation loss (dots)" if use_val
+                 else "Training loss (10-step mean)")
+
+    ref = runs[0]
+    ref_curve = _gap_series(ref, use_val)
+    for r in runs[1:]:
+        if not ref_curve:
+            break
+        pts = [(x / scale, (v - ref_curve[x]) / ref_curve[x] * 100) for x, v in _gap_series(r, use_val).items()
+               if x in ref_curve]
+        if pts:
+            gx, gy = zip(*pts)
+            gap_ax.plot(gx, gy, lw=1.8, marker="o", ms=3.5, color=colour(r["precision"], order),
+                        ls="--" if "-no-" in r["precision"] else "-")
+    gap_ax.axhline(0, color=colour(ref["precision"], order), lw=1.2)
+    used = sorted({v for k, v in tolerances.items() if any(p == k or p.startswith(k + "-") for p in order[1:])})
+    tol_handles = []
+    for tol, style in zip(used, [(0, (1, 1)), (0, (4, 2)), (0, (6, 2, 1, 2)), (0, (2, 4))] * 4):
+        names = "/".join(k for k, v in tolerances.items() if v == tol and any(p == k or p.startswith(k + "-")
+                                                                            for p in order[1:]))
+        tol_handles.append(gap_ax.axhline(tol, color="#555", lw=1.1, ls=style,
+                                          label=f"tolerance {tol:g}% ({names})"))
+    if tol_handles:
+        gap_ax.legend(handles=tol_handles, loc="best", framealpha=0.9, frameon=True, edgecolor="none")
+        low, high = gap_ax.get_ylim()
+        gap_ax.set_ylim(low, max(high, max(used) + 0.15 * (max(used) - low)))
+    gap_ax.set_xlabel(xlabel)
+    gap_ax.set_ylabel(f"gap to {ref['precision']} (%)")
+    gap_ax.set_title(f"{'Validation' if use_val else 'Training (10-step mean)'} loss relative to "
+                     f"{ref['precision']} (lower is better)")
+    fig.suptitle("Convergence: same model, seed and data order per recipe" + (f"\n{title}" if title else ""),
+                 fontweight="bold")
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 4), bbox_to_anchor=(0.5, 0.0))
+    return _png(fig)
+
+
+def _gap_series(run: dict, use_val: bool) -> dict:
+    """Tokens -> loss to compare: validation points, or the trailing 10-step mean of training loss."""
+    if use_val:
+        return {t: v for t, v in run["val"] if _finite(v)}
+    out, window = {}, []
+    for t, v in run["train"]:
+        if not _finite(v):
+            break
+        window = (window + [v])[-10:]
+        out[t] = sum(window) / len(window)
+    return out

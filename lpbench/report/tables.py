@@ -2,8 +2,8 @@
 
 ``summary_rows`` flattens stored runs into one row per run with its speedup and final-loss
 delta against the BF16 run of its comparison group: the same invocation or sweep
-(``group_id``), workload, model, sequence length, batch sizes, GPU count and type, backend
-and parallel layout. A group without an ok BF16 run is compared with its first ok run, and
+(``group_id``), workload, model, sequence length, batch sizes, GPU count and type and
+parallel layout, whatever the backend (torchao's rows are compared with lpbench's BF16 run). A group without an ok BF16 run is compared with its first ok run, and
 the row says which (``baseline``). ``to_rich`` / ``to_markdown`` / ``to_csv`` / ``to_json``
 render those rows flat.
 
@@ -39,11 +39,13 @@ COLUMNS = [  # (key, header, format) of the flat table (lpbench run, sweep, --fo
     ("speedup", "speedup", "{:.2f}x"),
     ("status", "status", "{}"),
 ]
-LAYOUT_KEYS = ("tp", "pp", "cp", "vp", "ep", "dp", "fsdp", "sequence_parallel")  # parallel layout, when in config
+LAYOUT_KEYS = ("tp", "pp", "cp", "vp", "ep", "dp", "fsdp", "fsdp_fp8_all_gather",
+               "sequence_parallel")  # parallel layout, when in config
 BASELINE = "bf16"
 TIME_TO_TRAIN_GPUS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 TIME_TO_TRAIN_TOKENS = 1e12
-WORKLOAD_TITLES = {"pretrain": "Pre-training", "sft": "Fine-tuning (SFT)", "lora": "Fine-tuning (LoRA)"}
+WORKLOAD_TITLES = {"pretrain": "Pre-training", "sft": "Fine-tuning (SFT)", "lora": "Fine-tuning (LoRA)",
+                   "converge": "Convergence (lpbench converge: same tokens per precision)"}
 PRECISION_NAMES = {"bf16": "BF16", "fp32": "FP32", "fp8-tensorwise": "FP8 (per-tensor)", "fp8-delayed": "FP8 (delayed)",
                    "fp8-rowwise": "FP8 (rowwise)", "fp8-rowwise-gw-hp": "FP8 (rowwise, BF16 wgrad)",
                    "fp8-blockwise": "FP8 (blockwise)", "mxfp8": "MXFP8", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
@@ -75,7 +77,7 @@ def _layout(r: dict) -> dict:
 def group_key(r: dict) -> tuple:
     """What must match for two runs to be compared: the same work on the same machine."""
     return (r.get("group_id"), r.get("workload"), r.get("model"), r.get("seq_len"), r.get("mbs"), r.get("gbs"),
-            r.get("num_gpus"), r.get("gpu"), r.get("backend"), json.dumps(_layout(r), sort_keys=True))
+            r.get("num_gpus"), r.get("gpu"), json.dumps(_layout(r), sort_keys=True))
 
 
 def _baselines(runs: list[dict]) -> dict[tuple, dict]:
@@ -118,7 +120,7 @@ def summary_rows(runs: list[dict]) -> list[dict]:
             "peak_mem_gb": r.get("peak_mem_allocated_gb"), "final_loss": loss,
             "speedup": tps / base_tps if r.get("status") == "ok" and tps and base_tps else None,
             "status": r.get("status"), "error": r.get("error"),
-            "baseline": base.get("precision") if base else None,
+            "baseline": base.get("precision") if base else None, "baseline_id": base.get("id") if base else None,
             "loss_delta": loss - base_loss if r.get("status") == "ok" and _finite(loss) and _finite(base_loss)
             else None,
             "sweep_id": r.get("sweep_id"), "run_key": r.get("run_key"), "created_at": r.get("created_at"),
@@ -127,7 +129,9 @@ def summary_rows(runs: list[dict]) -> list[dict]:
             **{k: v for k, v in _layout(r).items()},
             "peak_mem_reserved_gb": r.get("peak_mem_reserved_gb"), "device_mem_used_gb": r.get("device_mem_used_gb"),
             "memory_kind": metrics.get("memory_kind"), "diverged_step": metrics.get("diverged_step"),
+            "lora_base_storage": cfg.get("lora_base_storage"),
             "steps": cfg.get("steps"), "flops_formula": metrics.get("flops_formula") or cfg.get("flops_formula"),
+            **{f"profile_{k}": v for k, v in (metrics.get("profile") or {}).items()},  # --profile-steps
         })
     return rows
 
@@ -250,8 +254,7 @@ def _group_order(rows: list[dict]) -> list[list[dict]]:
 
 def _row_group(r: dict) -> tuple:
     return (r.get("group_id"), r.get("workload"), r.get("model"), r.get("seq_len"), r.get("mbs"), r.get("gbs"),
-            r.get("num_gpus"), r.get("gpu"), r.get("backend"),
-            tuple((k, r.get(k)) for k in LAYOUT_KEYS if k in r))
+            r.get("num_gpus"), r.get("gpu"), tuple((k, r.get(k)) for k in LAYOUT_KEYS if k in r))
 
 
 def workload_tables(rows: list[dict]) -> list[TextTable]:
@@ -279,7 +282,8 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                 if i == 0:
                     cfg_cells = [r["model"], r["system"], str(r.get("num_gpus") or 1), str(r["gbs"]), str(r["mbs"]),
                                  str(r["seq_len"]), *[str(_int(r.get(k, ""))) for k in layout],
-                                 *(["yes" if r.get("fsdp") else "no"] if show_fsdp else []),
+                                 *([("yes, FP8 all-gather" if r.get("fsdp_fp8_all_gather") else "yes")
+                                    if r.get("fsdp") else "no"] if show_fsdp else []),
                                  str(r.get("grad_accum") or "")]
                 else:
                     cfg_cells = [""] * len(config_cols)
@@ -288,13 +292,13 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                     base = r.get("baseline")
                     speed = "n/a" if r.get("speedup") is None else f"{r['speedup']:.2f}×"
                     if base and base != BASELINE and r.get("speedup") is not None:  # no BF16 run in the group
-                        speed += " (baseline)" if r["precision"] == base else f" (vs {precision_name(base)})"
+                        speed += " (baseline)" if r["id"] == r["baseline_id"] else f" (vs {precision_name(base)})"
                     delta = r.get("loss_delta")
                     metric = [_num(r.get("tokens_per_sec_per_gpu")), _num(r.get("tflops_per_gpu")),
                               _num(r.get("mfu_bf16"), "pct"), speed, _num(r.get("peak_mem_gb"), "gb"),
                               _num(r.get("final_loss")) if not _finite(r.get("final_loss"))
                               else f"{r['final_loss']:.4f}",
-                              "n/a" if delta is None else ("0" if r["precision"] == base else f"{delta:+.4f}")]
+                              "n/a" if delta is None else ("0" if r["id"] == r["baseline_id"] else f"{delta:+.4f}")]
                 else:
                     note = len(table.notes) + 1
                     table.notes.append(f"[{note}] {r['model']} {precision_name(r['precision'])} "
@@ -302,7 +306,9 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                                        + (f": {r['error']}" if r.get("error") else ""))
                     metric = [f"{_status_cell(r)} [{note}]", "–", "–", "–", _num(r.get("peak_mem_gb"), "gb"),
                               "–", "–"]
-                table.rows.append(cfg_cells + [precision_name(r["precision"]), r.get("backend") or "lpbench",
+                quantized_base = ", base stored quantized" if r.get("lora_base_storage") == "quantized" else ""
+                table.rows.append(cfg_cells + [precision_name(r["precision"]) + quantized_base,
+                                               r.get("backend") or "lpbench",
                                                r.get("path") or "–", *metric])
         mem = ("Peak mem: allocator peak per GPU" if "cuda" in mem_kinds else "") + \
               (("; " if "cuda" in mem_kinds else "Peak mem: ") + "host resident set size on CPU"

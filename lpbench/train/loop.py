@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -11,17 +12,20 @@ from typing import Callable
 import torch
 
 from lpbench.config import RunConfig
-from lpbench.data.loader import build_dataset
 from lpbench.errors import UsageError
 from lpbench.metrics import memory
 from lpbench.metrics.env import environment
-from lpbench.metrics.flops import flops_per_token
 from lpbench.metrics.hardware import detect_gpu, mfu, peak_tflops
-from lpbench.models import build_model, count_parameters, get_model_config
+from lpbench.metrics.profile import StepProfiler
+from lpbench.models import build_model, count_parameters
+from lpbench.models.hf import load_hf_checkpoint
 from lpbench.parallel.dp import clip_grad_norm_, grad_sync
 from lpbench.parallel.env import all_reduce, init_distributed
 from lpbench.parallel.plan import parallelize
-from lpbench.precision.recipes import apply_recipe, get_recipe
+from lpbench.precision.recipes import get_recipe
+from lpbench.train.checkpoint import Checkpointer
+from lpbench.train.workload import (build_data, describe_lora, forward_args, prepare_model, run_flops_per_token,
+                                    weight_bytes)
 from lpbench.train.optim import build_optimizer, build_scheduler
 
 
@@ -55,11 +59,12 @@ def format_log_line(rec: dict, steps: int, gbs: int) -> str:
             f"lr: {rec['lr']:.3e} | grad_norm: {rec['grad_norm']:.3f}")
 
 
-def train(cfg: RunConfig, log: Callable[[str], None] = print) -> RunResult:
+def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str = "lpbench-results") -> RunResult:
     """Train ``cfg`` and return its measurements. Bad configs raise UsageError before any work.
 
     Under torchrun or srun every rank calls this; rank 0 logs, and the result's metrics are
     global: loss averaged over data-parallel ranks, peak memory the maximum over ranks.
+    ``--profile-steps`` traces go to ``results_dir/profiles/<run key>/``.
     """
     cfg.validate()
     device = resolve_device(cfg.device)
@@ -72,50 +77,62 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> RunResult:
     if not world.is_main:
         log = _quiet
     recipe = get_recipe(cfg.precision)
-    model_cfg = get_model_config(cfg.model)
+    model_cfg = cfg.model_config()
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     emulate = cfg.emulate if cfg.emulate is not None else device.type == "cpu"
     result = RunResult(config=cfg, env=environment(device))
 
     torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg, device=device, seed=cfg.seed)
+    meta = world.size > 1 and cfg.workload != "lora"  # no full copy per rank: parallelize shards, then allocates
+    model = load_hf_checkpoint(cfg.hf_checkpoint, device=device) if cfg.hf_checkpoint else \
+        build_model(model_cfg, device="meta" if meta else device, seed=cfg.seed)
     n_params = count_parameters(model)
-    precision_info = apply_recipe(model, recipe, device=device, emulate=emulate, backend=cfg.backend)
+    precision_info, workload_metrics = prepare_model(model, cfg, recipe, device=device, emulate=emulate)
     par = parallelize(model, cfg, device, recipe.compute_dtype, use_compile)
+    workload_metrics["weight_bytes"] = weight_bytes(par.module)
     forward = par.forward
     params = [p for p in par.module.parameters() if p.requires_grad]
     optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda")
     scheduler = build_scheduler(optimizer, cfg)
-    memory.reset_peak(device)  # after sharding: every rank built the full model first
-    splits = build_dataset(cfg.data, seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=model_cfg.vocab_size)
+    memory.reset_peak(device)  # after building, sharding and initialising the model
+    splits = build_data(cfg, model_cfg)
     if splits.vocab_size > model_cfg.vocab_size:
         raise UsageError(f"--data {cfg.data} has a vocabulary of {splits.vocab_size}, larger than "
                          f"{cfg.model}'s {model_cfg.vocab_size}")
     data = splits.train_loader(cfg.mbs, rank=par.dp_rank, world_size=cfg.dp)
     autocast = torch.autocast(device.type, dtype=recipe.compute_dtype,
                               enabled=recipe.compute_dtype != torch.float32)
+    n_eval = eval_batch_count(cfg, splits.valid)
 
-    fpt = flops_per_token(model_cfg, cfg.seq_len, cfg.flops_formula)
+    fpt = run_flops_per_token(cfg, model_cfg, splits)
     gpu = detect_gpu(result.env.get("gpu")) if device.type == "cuda" else None
     tokens_per_step = cfg.gbs * cfg.seq_len
-    log(f"lpbench: {cfg.model} ({n_params / 1e6:.1f} M params) | {cfg.precision} ({cfg.backend}) "
+    log(f"lpbench: {cfg.workload} {cfg.model} ({n_params / 1e6:.1f} M params, weights "
+        f"{workload_metrics['weight_bytes'] / 2**20:,.1f} MiB) | {cfg.precision} ({cfg.backend}) "
         f"[{precision_info['path']}] | device {device} ({result.env.get('gpu') or 'cpu'}) | "
         f"compile {'on' if use_compile else 'off'} | GBS {cfg.gbs} MBS {cfg.mbs} GA {cfg.grad_accum} "
         f"seq {cfg.seq_len} | peak LR {cfg.peak_lr:g} | {splits.source}")
+    if cfg.workload == "lora":
+        log(describe_lora(cfg, workload_metrics))
     if world.size > 1:
-        log(f"lpbench: {world.size} ranks ({world.launcher}) | dp {cfg.dp} ({'fsdp' if cfg.fsdp else 'ddp'}) "
+        dp_kind = ("fsdp, fp8 all-gather" if cfg.fsdp_fp8_all_gather else "fsdp") if cfg.fsdp else "ddp"
+        log(f"lpbench: {world.size} ranks ({world.launcher}) | dp {cfg.dp} ({dp_kind}) "
             f"x tp {cfg.tp}{' + sequence parallel' if cfg.tp > 1 and cfg.sequence_parallel else ''}")
 
+    checkpointer = Checkpointer(cfg, par.module, optimizer, scheduler, data, device, log)
+    start = checkpointer.resume()  # 0 without --load
+    profiler = StepProfiler(cfg.profile_range, f"{results_dir}/profiles/{cfg.key()}", device, log)
     par.module.train()
     try:
-        for step in range(1, cfg.steps + 1):
+        for step in range(start + 1, cfg.steps + 1):
+            profiler.begin(step)
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
             for micro in range(cfg.grad_accum):
-                inputs, labels = (t.to(device, non_blocking=True) for t in next(data))
+                batch = [t.to(device, non_blocking=True) for t in forward_args(next(data))]
                 with grad_sync(par.module, micro == cfg.grad_accum - 1):
                     with autocast:
-                        loss = forward(inputs, labels)
+                        loss = forward(*batch)  # input_ids, labels[, doc_ids]
                     (loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach()
             grad_norm = clip_grad_norm_(params, cfg.grad_clip)
@@ -135,22 +152,71 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> RunResult:
             result.steps.append(rec)
             if step % cfg.log_interval == 0 or step == cfg.steps:
                 log(format_log_line(rec, cfg.steps, cfg.gbs))
+            profiler.end(step, rec)
             if not math.isfinite(loss_value):
                 result.status, result.error = "diverged", f"loss became {loss_value} at step {step}"
                 log(f"lpbench: run diverged: {result.error}")
                 break
+            if n_eval and (step % cfg.eval_every == 0 or step == cfg.steps):
+                rec["val_loss"] = evaluate(par.module, splits.valid_batches(cfg.mbs, par.dp_rank, cfg.dp),
+                                           n_eval, device, autocast)
+                log(f"validation loss at iteration {step} | lm loss value: {rec['val_loss']:.6E} | "
+                    f"lm loss PPL: {math.exp(min(rec['val_loss'], 700)):.6E} |")
+            checkpointer.maybe_save(step)
     except torch.OutOfMemoryError as exc:
         result.status, result.error = "oom", str(exc).splitlines()[0]
+    finally:
+        profile = profiler.close()  # a run that stopped inside the profiled steps still gets its trace
     result.metrics = summarize(result.steps, cfg, fpt, gpu, precision_info, device)
+    if start:
+        result.metrics["resumed_from_step"] = start
+    if profile:
+        result.metrics["profile"] = profile
     result.metrics.update(_max_over_ranks(memory.summary(device), device))
     result.metrics.update(params=n_params, compile=use_compile, gpu_peaks=gpu.name if gpu else None,
                           world_size=world.size, dp=cfg.dp, tp=cfg.tp, fsdp=cfg.dp if cfg.fsdp else 1,
-                          sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel)
+                          sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel, **workload_metrics)
     return result
 
 
 def _quiet(line: str) -> None:
     """The log of ranks other than 0."""
+
+
+def eval_batch_count(cfg: RunConfig, valid) -> int:
+    """Micro-batches per evaluation: whole global micro-batches only, so every rank runs as many."""
+    if not cfg.eval_every:
+        return 0
+    n_valid = len(valid)
+    full = n_valid // (cfg.mbs * cfg.dp)
+    if not full:
+        raise UsageError(f"--eval-every needs at least MBS x DP = {cfg.mbs * cfg.dp} validation sequences; "
+                         f"--data {cfg.data} has {n_valid} of {cfg.seq_len} tokens")
+    return min(full, cfg.eval_batches) if cfg.eval_batches else full
+
+
+def evaluate(module: torch.nn.Module, batches, n_batches: int, device: torch.device, autocast) -> float:
+    """Mean loss per label token over ``n_batches`` micro-batches on every rank, without gradients.
+
+    Delayed scaling's amax histories (the buffers a forward changes) are restored afterwards:
+    evaluating does not change the training that follows.
+    """
+    histories = [b for name, b in module.named_buffers() if "amax_history" in name]
+    saved = [b.clone() for b in histories]
+    module.eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for batch in itertools.islice(batches, n_batches):
+            args = [t.to(device, non_blocking=True) for t in forward_args(batch)]
+            n = int((args[1] >= 0).sum())  # labels; -100 marks tokens without loss
+            with autocast:
+                total += module(*args).item() * n
+            count += n
+    for buf, old in zip(histories, saved):
+        buf.copy_(old)
+    module.train()
+    total, count = all_reduce([total, count], "sum", device)
+    return total / count
 
 
 def _max_over_ranks(values: dict, device: torch.device) -> dict:
@@ -163,12 +229,15 @@ def summarize(steps: list[dict], cfg: RunConfig, fpt: float, gpu, precision_info
               device: torch.device) -> dict:
     """Summary metrics over the timed (post-warm-up) steps, each defined once (DESIGN.md)."""
     recipe = get_recipe(cfg.precision)
-    timed = [s["step_time_s"] for s in steps[cfg.warmup_steps:]]
+    timed = [s["step_time_s"] for s in steps[cfg.warmup_steps:] if not s.get("profiled")]  # profiler overhead
     out = {"path": precision_info["path"], "flops_formula": cfg.flops_formula, "flops_per_token": fpt,
            "quantized_linears": len(precision_info["quantized"]), "skipped_linears": precision_info["skipped"],
            "device_type": device.type, "num_gpus": cfg.world_size, "timed_steps": len(timed)}
     if steps:
         out["final_loss"] = steps[-1]["loss"]
+    val = [s["val_loss"] for s in steps if "val_loss" in s]
+    if val:
+        out["val_loss"] = val[-1]
     if not timed:
         return out
     step_time = statistics.median(timed)

@@ -1,21 +1,34 @@
-"""Native FP8 tensorwise / delayed linear for SM89+: fused casts and three ``torch._scaled_mm``.
+"""Native FP8 tensorwise / delayed linear for SM89+: compiler-fused casts and three ``torch._scaled_mm``.
 
 Same arithmetic as the reference quantized linear (``lpbench.precision.linear``) for the
 ``tensor`` and ``delayed`` scalings — identical codes and scales, GEMMs equal up to
-summation order — with each operand read once for its amax (none for delayed scaling) and
-once more to write both its row-major and transposed FP8 copies:
+summation order:
 
     fprop  Y  = Xq · Wqᵀ        (X row-major, W row-major)
     dgrad  dX = dYq · (Wᵀq)ᵀ    (dY row-major, the transposed W copy)
     wgrad  dW = dYᵀq · (Xᵀq)ᵀ   (both transposed copies)
+
+The casts are plain torch ops, so torch.compile (on by default on CUDA) generates them:
+the amax reduction fuses into the operand's producer (RMSNorm, SwiGLU, the previous GEMM's
+epilogue), and one kernel writes both the row-major and the transposed FP8 copy. This
+measured faster than lpbench's own Triton cast kernels, which could not write the
+transposed copy correctly with Triton 3.6 (benchmarks/RESULTS.md, 2026-11-22). The scales
+are divided in FP64 and rounded once to FP32, which equals the correctly rounded FP32
+quotient (FP64 has more than 2·24 + 2 bits), so codes and scales are bit-exact with the
+reference whatever division the generated code uses. Delayed scaling needs no amax before
+the cast (the scale comes from the history); the amax recorded for the next step is reduced
+in the same fused pass.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lpbench.precision.formats import FORMATS
-from lpbench.precision.kernels.fp8 import absmax, cast_transpose, update_amax_history
+from lpbench.parallel import fp8_allgather
+from lpbench.precision.formats import FORMATS, FloatFormat
+from lpbench.precision.kernels.fp8 import update_amax_history
+
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -24,36 +37,58 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and tokens % 16 == 0 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
-def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, primed: bool):
+def encode_scale(amax: torch.Tensor, fmt: FloatFormat, margin: int = 0) -> torch.Tensor:
+    """FP32 ``fmt.max / amax / 2**margin`` (1 where amax is 0 or NaN, capped at the FP32 max), exactly rounded."""
+    a = amax.double()
+    enc = torch.where(a > 0, fmt.max / a, 1.0).clamp(max=FP32_MAX).float()
+    return enc / 2**margin
+
+
+def cast(t: torch.Tensor, amax: torch.Tensor, enc: torch.Tensor, fmt: FloatFormat, write_t: bool):
+    """(codes, transposed codes or empty, FP32 decode scale): saturating round-to-nearest-even cast of t × enc.
+
+    The decode scale is NaN when ``amax`` (of t) is not finite, as in the reference.
+    """
+    q = (t.float() * enc).clamp(-fmt.max, fmt.max).to(fmt.dtype).contiguous()
+    dec = (1.0 / enc.double()).float()
+    dec = torch.where(torch.isfinite(amax), dec, float("nan"))
+    return q, (q.t().contiguous() if write_t else q.new_empty((0,))), dec
+
+
+def _quantize(mod, role: str, t: torch.Tensor, write_t: bool):
     """(codes, transposed codes, decode scale) of ``t`` for ``role`` under mod's recipe.
 
-    Delayed scaling reads no amax of ``t`` once ``primed`` (its history holds a record); the
-    first call measures it, as the reference's "current amax stands in for an empty history".
+    ``mod.reduce_amax`` makes the amax the whole tensor's under tensor parallelism. Delayed
+    scaling takes its scale from the amax history (the current amax only while the history
+    is empty) and records the current amax.
     """
     recipe = mod.recipe
-    dtype = FORMATS[recipe.grad_format if role == "grad" else recipe.fwd_format].dtype
+    fmt = FORMATS[recipe.grad_format if role == "grad" else recipe.fwd_format]
+    if role == "weight" and (pre := fp8_allgather.gathered(mod, t)) is not None:  # FSDP all-gathered it in FP8
+        return pre[0], pre[0].t().contiguous() if write_t else pre[0].new_empty((0,)), pre[1]
+    amax = mod.reduce_amax(role, t.detach().abs().amax().float())
     if recipe.scaling != "delayed":
-        q, qt, dec, _ = cast_transpose(t, absmax(t), None, dtype, write_t)
-        return q, qt, dec
+        return cast(t, amax, encode_scale(amax, fmt), fmt, write_t)
     history = getattr(mod, f"amax_history_{role}")
-    first = torch.zeros((), device=t.device) if primed else absmax(t)
-    q, qt, dec, amax = cast_transpose(t, first, history, dtype, write_t)
+    ref = history.max()
+    enc = encode_scale(torch.where(ref > 0, ref, amax), fmt, recipe.margin)
+    out = cast(t, amax, enc, fmt, write_t)
     update_amax_history(history, amax)
-    return q, qt, dec
+    return out
 
 
 class Fp8TensorwiseLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, mod, primed: bool):
+    def forward(ctx, x, weight, bias, mod):
         x2 = x.reshape(-1, x.shape[-1])
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        xq, xt, x_dec = _quantize(mod, "input", x2, need_dw, primed)
-        wq, wt, w_dec = _quantize(mod, "weight", weight, need_dx, primed)
+        xq, xt, x_dec = _quantize(mod, "input", x2, need_dw)
+        wq, wt, w_dec = _quantize(mod, "weight", weight, need_dx)
         y = torch._scaled_mm(xq, wq.t(), scale_a=x_dec, scale_b=w_dec, out_dtype=x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(xt, wt, x_dec, w_dec)
-        ctx.mod, ctx.primed, ctx.x_shape = mod, primed, x.shape
+        ctx.mod, ctx.x_shape = mod, x.shape
         ctx.w_dtype, ctx.has_bias = weight.dtype, bias is not None
         return y.reshape(*x.shape[:-1], -1)
 
@@ -62,12 +97,12 @@ class Fp8TensorwiseLinearFn(torch.autograd.Function):
         xt, wt, x_dec, w_dec = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gq, gt, g_dec = _quantize(ctx.mod, "grad", dy2.contiguous(), need_dw, ctx.primed)
+        gq, gt, g_dec = _quantize(ctx.mod, "grad", dy2, need_dw)
         dx = dw = db = None
         if need_dx:
             dx = torch._scaled_mm(gq, wt.t(), scale_a=g_dec, scale_b=w_dec, out_dtype=dy.dtype).reshape(ctx.x_shape)
         if need_dw:
-            dw = torch._scaled_mm(gt, xt.t(), scale_a=g_dec, scale_b=x_dec, out_dtype=torch.float32).to(ctx.w_dtype)
+            dw = torch._scaled_mm(gt, xt.t(), scale_a=g_dec, scale_b=x_dec, out_dtype=ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.w_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None

@@ -1,0 +1,309 @@
+"""``lpbench converge``: does each precision still learn like the first one, on real data?
+
+Every recipe trains the same model from the same seed on the same data in the same order for
+the same number of tokens (steps = tokens / (GBS x seq_len)); the held-out validation loss is
+measured every K steps and at the last. Each recipe's final validation loss is compared with
+the first recipe's: gap = (loss - reference) / reference, and the recipe passes when the gap is
+at most its tolerance (defaults: FP8 recipes and MXFP8 0.5%, FP4 recipes 1.5%). A run whose
+loss turns NaN/Inf stops there and is reported as diverged; the others go on.
+``--ablate rht,sr,2d,bf16-tail`` adds one NVFP4 run per ingredient switched off
+(``nvfp4-no-rht``, ...; :data:`lpbench.precision.recipes.ABLATIONS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lpbench.config import RunConfig
+from lpbench.errors import UsageError
+
+DEFAULT_PRECISIONS = ("bf16", "fp8-tensorwise", "mxfp8", "nvfp4")
+# Tolerated relative gap of the final loss to the reference, in %, by recipe name or family prefix.
+DEFAULT_TOLERANCES = {"fp8": 0.5, "mxfp8": 0.5, "mxfp4": 1.5, "nvfp4": 1.5}
+TRAIN_WINDOW = 10  # the "final train loss" is the mean over this many last steps
+ABLATION_BASE = "nvfp4"
+
+
+@dataclass
+class Outcome:
+    """One recipe's result as the table shows it."""
+
+    precision: str
+    status: str
+    path: str | None = None
+    error: str | None = None
+    diverged_step: int | None = None
+    train_loss: float | None = None  # mean of the last TRAIN_WINDOW steps
+    val_loss: float | None = None  # at the last evaluation
+    gap_pct: float | None = None  # relative to the reference's, in %
+    tolerance: float | None = None
+    verdict: str = ""
+    steps: list[dict] = field(default_factory=list)
+
+    @property
+    def status_text(self) -> str:
+        return f"diverged @ step {self.diverged_step}" if self.status == "diverged" else self.status
+
+
+def parse_tolerances(text: str | None) -> dict[str, float]:
+    """``"fp8=0.5,nvfp4=1.5"`` merged over the defaults (percent)."""
+    out = dict(DEFAULT_TOLERANCES)
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        try:
+            pct = float(value.rstrip("%"))
+        except ValueError:
+            pct = -1.0
+        if not sep or not key.strip() or not pct >= 0:
+            raise UsageError(f"--tolerance takes NAME=PERCENT pairs (e.g. fp8=0.5,nvfp4=1.5), got {item!r}")
+        out[key.strip()] = pct
+    return out
+
+
+def tolerance_for(precision: str, tolerances: dict[str, float]) -> float | None:
+    """The tolerance of the longest key equal to ``precision`` or a dash-prefix of it
+    (``fp8`` covers ``fp8-delayed``, ``nvfp4`` covers ``nvfp4-no-rht``); None if no key does."""
+    keys = [k for k in tolerances if precision == k or precision.startswith(k + "-")]
+    return tolerances[max(keys, key=len)] if keys else None
+
+
+def judge(outcomes: list[Outcome], tolerances: dict[str, float]) -> str:
+    """Fill each outcome's gap, tolerance and verdict against the first; return the loss compared."""
+    use_val = any(o.val_loss is not None for o in outcomes)
+    metric = "val_loss" if use_val else "train_loss"
+    ref = outcomes[0]
+    ref_loss = getattr(ref, metric) if ref.status == "ok" else None
+    for i, o in enumerate(outcomes):
+        o.tolerance = None if i == 0 else tolerance_for(o.precision, tolerances)
+        loss = getattr(o, metric)
+        if o.status != "ok":
+            o.verdict = o.status_text if o.status == "diverged" else o.status
+        elif ref_loss is None or loss is None or not math.isfinite(loss):
+            o.verdict = "no reference" if i else "reference failed"
+        else:
+            o.gap_pct = (loss - ref_loss) / ref_loss * 100
+            o.verdict = "reference" if i == 0 else "no tolerance" if o.tolerance is None else \
+                "pass" if o.gap_pct <= o.tolerance else "fail"
+    return metric
+
+
+def outcome_of(result) -> Outcome:
+    """An :class:`Outcome` from a :class:`lpbench.train.loop.RunResult`."""
+    losses = [s["loss"] for s in result.steps]
+    window = losses[-TRAIN_WINDOW:]
+    vals = [s["val_loss"] for s in result.steps if "val_loss" in s]
+    return Outcome(
+        precision=result.config.precision, status=result.status, path=result.metrics.get("path"),
+        error=result.error, diverged_step=result.steps[-1]["step"] if result.status == "diverged" else None,
+        train_loss=sum(window) / len(window) if window and result.status == "ok" else None,
+        val_loss=vals[-1] if vals and result.status == "ok" else None, steps=result.steps)
+
+
+def expand_precisions(precisions: list[str], ablate: list[str]) -> list[str]:
+    """The recipes to run: ``precisions`` then ``nvfp4-no-<x>`` per ablated ingredient (validated)."""
+    from lpbench.precision.recipes import get_recipe
+
+    names = list(dict.fromkeys(list(precisions) + [f"{ABLATION_BASE}-no-{a}" for a in ablate]))
+    for name in names:
+        get_recipe(name)
+    return names
+
+
+def resolve_data(args, model_vocab: int):
+    """(``--data`` for every run, its :class:`DataSplits`, lines saying what was done).
+
+    Raw text is tokenized once into a Megatron dataset under ``RESULTS/converge-data/`` (with
+    ``--tokenizer``, or a byte-level BPE trained on it, or bytes for ``--tokenizer byte``).
+    """
+    from lpbench.data.loader import MOCK_KINDS, build_dataset
+
+    if args.data in MOCK_KINDS:
+        if args.tokenizer:
+            raise UsageError("--tokenizer applies to real data, not --data mock")
+        splits = build_dataset(args.data, seq_len=args.seq_len, seed=args.seed, vocab_size=model_vocab)
+        return args.data, splits, []
+    raw = Path(args.data).exists() and not args.data.endswith((".bin", ".idx"))
+    trained = raw and args.tokenizer is None
+    vocab = args.vocab_size or model_vocab
+    splits = build_dataset(args.data, args.tokenizer, seq_len=args.seq_len, seed=args.seed,
+                           train_vocab_size=vocab if trained else None,
+                           cache_dir=Path(args.results) / "converge-data" if raw else None)
+    lines = splits.describe().splitlines()
+    if trained:
+        lines.insert(1, f"tokenizer: none given, so a byte-level BPE (vocab {vocab} requested) was trained on "
+                        f"{args.data} itself (pass --tokenizer tokenizer.json or --tokenizer byte to choose)")
+    return splits.prefix, splits, lines
+
+
+def build_configs(args) -> tuple[list[RunConfig], list[str]]:
+    """Validated configs, one per recipe, and the data description."""
+    from lpbench.models import get_model_config
+    from lpbench.precision.policy import native_supported
+    from lpbench.precision.recipes import get_recipe
+    from lpbench.train.loop import eval_batch_count, resolve_device
+
+    if args.tokens <= 0:
+        raise UsageError(f"--tokens must be positive, got {args.tokens}")
+    model_vocab = get_model_config(args.model).vocab_size
+    names = expand_precisions(args.precision, args.ablate or [])
+    device = resolve_device(args.device)
+    lacking = [n for n in names if not args.emulate and not native_supported(get_recipe(n), device)]
+    if lacking:
+        raise UsageError(f"{', '.join(lacking)} cannot run natively on {device}: drop --no-emulate")
+    tokens_per_step = args.gbs * args.seq_len
+    steps = int(args.tokens) // tokens_per_step
+    if steps < 1:
+        raise UsageError(f"--tokens {args.tokens:g} is less than one step of GBS x seq_len = {tokens_per_step}")
+    eval_every = args.eval_every if args.eval_every is not None else max(1, steps // 10)
+    base = RunConfig(model=args.model, seq_len=args.seq_len, mbs=args.mbs, gbs=args.gbs, steps=steps,
+                     warmup_steps=min(RunConfig.warmup_steps, steps - 1), lr=args.lr, seed=args.seed,
+                     device=args.device, compile=args.compile, emulate=args.emulate,
+                     log_interval=args.log_interval, eval_every=eval_every, eval_batches=args.eval_batches)
+    base.validate()  # sizes and names, before the data is touched
+    data, splits, lines = resolve_data(args, model_vocab)
+    if splits.vocab_size != model_vocab:
+        base = base.with_(vocab_size=splits.vocab_size)
+        lines.append(f"model: {args.model}'s vocabulary of {model_vocab} resized to the data's {splits.vocab_size}")
+    base = base.with_(data=data)
+    if eval_every:
+        n = eval_batch_count(base, splits.valid)
+        lines.append(f"validation: {n * args.mbs} held-out sequences of {args.seq_len} tokens "
+                     f"(of {len(splits.valid)} in the split) every {eval_every} steps and at step {steps}")
+    return [base.with_(precision=p).validate() for p in names], lines
+
+
+def cmd_converge(args) -> int:
+    from rich.table import Table
+
+    from lpbench.bench.store import ResultsStore
+    from lpbench.cli import console
+    from lpbench.report.plots import convergence_curves
+    from lpbench.report.tables import precision_name
+    from lpbench.train import loop
+
+    tolerances = parse_tolerances(args.tolerance)
+    configs, data_lines = build_configs(args)
+    first = configs[0]
+    tokens = first.steps * first.gbs * first.seq_len
+    console.print(f"lpbench converge: {first.model}, {len(configs)} recipes x {first.steps} steps x "
+                  f"{first.gbs * first.seq_len:,} tokens = {tokens:,} tokens each (asked {args.tokens:,.0f}); "
+                  f"same seed ({first.seed}), same data order", highlight=False)
+    for line in data_lines:
+        console.print(f"  {line}", highlight=False)
+    store = ResultsStore(args.results)
+    group = uuid.uuid4().hex[:12]
+    outcomes = []
+    for cfg in configs:
+        try:
+            result = loop.train(cfg, log=lambda line: print(line, flush=True), results_dir=args.results)
+        except UsageError:
+            raise
+        except Exception as exc:  # one failing recipe must not take the others down
+            result = loop.RunResult(config=cfg, status="error", error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+            console.print(f"[red]lpbench: {cfg.precision} failed: {result.error}[/red]")
+        outcome = outcome_of(result)
+        outcomes.append(outcome)
+        metrics = dict(result.metrics, diverged_step=outcome.diverged_step, train_loss=outcome.train_loss,
+                       train_loss_steps=TRAIN_WINDOW,
+                       val_losses=[[s["step"], s["val_loss"]] for s in result.steps if "val_loss" in s])
+        store.add_run(config=cfg.to_dict(), status=result.status, error=result.error, metrics=metrics,
+                      steps=result.steps, env=result.env, run_key=cfg.key(), group_id=group, workload="converge",
+                      backend=cfg.backend, num_gpus=cfg.world_size)
+        console.print(f"lpbench converge: {cfg.precision}: {outcome.status_text}, train loss "
+                      f"{_fmt(outcome.train_loss)}, validation loss {_fmt(outcome.val_loss)}", highlight=False)
+    metric = judge(outcomes, tolerances)
+    ref = precision_name(outcomes[0].precision)
+    table = Table(title=f"lpbench converge {group}: {first.model}, {tokens:,} tokens per recipe")
+    window = min(TRAIN_WINDOW, first.steps)
+    for col in ("recipe", "path", "status", f"train loss (last {window})", "val loss",
+                f"gap vs {ref}", "tolerance", "verdict"):
+        table.add_column(col, justify="right" if "loss" in col or col in ("gap vs " + ref, "tolerance") else "left")
+    for o in outcomes:
+        colour = {"pass": "green", "fail": "red"}.get(o.verdict, "red" if o.status != "ok" else "")
+        table.add_row(o.precision, o.path or "-", o.status_text, _fmt(o.train_loss), _fmt(o.val_loss),
+                      "-" if o.gap_pct is None else f"{o.gap_pct:+.2f}%",
+                      "-" if o.tolerance is None else f"{o.tolerance:g}%",
+                      f"[{colour}]{o.verdict}[/{colour}]" if colour else o.verdict)
+    console.print(table)
+    console.print(f"gap = ({'validation' if metric == 'val_loss' else 'train'} loss - {ref}'s) / {ref}'s"
+                  + ("" if metric == "val_loss" else " (no validation: --eval-every 0)")
+                  + f"; pass when gap <= tolerance. Train loss: mean of the last {window} steps.",
+                  highlight=False)
+    plot = Path(args.plot or Path(args.results) / f"converge-{group}.png")
+    png = convergence_curves([_plot_run(o, first) for o in outcomes], tolerances=tolerances,
+                             title=f"{first.model} · {tokens:,} tokens per recipe · "
+                                   f"GBS {first.gbs} × seq {first.seq_len} · seed {first.seed}")
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    plot.write_bytes(png)
+    console.print(f"plot: {plot}\nresults: {store.path} (group {group}; `lpbench report --results "
+                  f"{args.results} --group {group}`)", highlight=False)
+    return 0 if all(o.verdict in ("reference", "pass", "no tolerance") for o in outcomes) else 1
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def _plot_run(o: Outcome, cfg: RunConfig) -> dict:
+    per_step = cfg.gbs * cfg.seq_len
+    return {"precision": o.precision, "status": o.status_text, "ok": o.status == "ok", "verdict": o.verdict,
+            "train": [(s["step"] * per_step, s["loss"]) for s in o.steps],
+            "val": [(s["step"] * per_step, s["val_loss"]) for s in o.steps if "val_loss" in s]}
+
+
+def _csv(text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
+def add_parser(sub) -> None:
+    """``lpbench converge`` on the CLI's sub-command parsers."""
+    d = RunConfig()
+    p = sub.add_parser("converge", help="train several precisions on the same real data and compare their "
+                                        "validation loss with the first (pass/fail per tolerance)",
+                       description="Train several precisions from the same seed on the same data for the same "
+                                   "number of tokens; compare each one's validation loss with the first's.")
+    p.add_argument("--model", default=d.model, help=f"model from `lpbench models` (default {d.model})")
+    p.add_argument("--precision", type=_csv, default=list(DEFAULT_PRECISIONS),
+                   help=f"recipes; the first is the reference (default {','.join(DEFAULT_PRECISIONS)})")
+    p.add_argument("--ablate", type=_csv, default=None, metavar="A,B",
+                   help="add one nvfp4 run per ingredient switched off: rht, sr, 2d, bf16-tail")
+    p.add_argument("--tokens", type=float, default=100_000,
+                   help="training tokens per recipe; steps = tokens / (GBS x seq_len) (default 1e5)")
+    p.add_argument("--data", default="mock",
+                   help="mock (default), a text/JSONL/parquet file or folder, or a Megatron .bin/.idx prefix")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json for raw text, or 'byte' (default: train a byte-level BPE on the data)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary of the BPE trained on raw text (default: the model's)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help=f"sequence length (default {d.seq_len})")
+    p.add_argument("--mbs", type=int, default=d.mbs, help=f"micro batch size (default {d.mbs})")
+    p.add_argument("--gbs", type=int, default=d.gbs, help=f"global batch size (default {d.gbs})")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default 3e-3 for the CPU-sized presets, 3e-4 otherwise)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="K",
+                   help="validation loss every K steps and at the last (default: steps / 10; 0: none, "
+                        "judge by train loss)")
+    p.add_argument("--eval-batches", type=int, default=0, metavar="N",
+                   help="micro-batches per evaluation (default 0: the whole validation split)")
+    p.add_argument("--tolerance", default=None, metavar="NAME=PCT,...",
+                   help="tolerated gap in %% by recipe or family prefix, over the defaults "
+                        + ",".join(f"{k}={v:g}" for k, v in DEFAULT_TOLERANCES.items()))
+    p.add_argument("--seed", type=int, default=d.seed, help=f"seed of weights and data order (default {d.seed})")
+    p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default auto)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: on for CUDA, off for CPU)")
+    p.add_argument("--emulate", action=argparse.BooleanOptionalAction, default=True,
+                   help="emulate formats the device lacks (default on)")
+    p.add_argument("--log-interval", type=int, default=10, help="a log line every N steps (default 10)")
+    p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="loss-curve PNG (default RESULTS/converge-<group>.png)")
+    p.set_defaults(func=cmd_converge)
+

@@ -1,0 +1,558 @@
+"""``lpbench data corpus``: an English corpus from the documentation installed on this machine.
+
+Sources (each a :class:`CorpusSource`; ``--sources`` picks, ``--root NAME=DIR`` re-points):
+
+- ``man``: manual pages (``man1``–``man9`` of ``/usr/share/man``, gzipped roff, English
+  sections only); the roff (man and mdoc macros, escapes, tables) is stripped to text.
+- ``info``: GNU info manuals (``/usr/share/info``), one document per node, menus dropped.
+- ``doc``: README/NEWS/``.txt``/``.md``/``.rst`` files of ``/usr/share/doc`` (gzipped or not;
+  changelogs, copyright files and HTML left out); HTML comments and tags stripped.
+- ``licenses``: ``/usr/share/common-licenses``.
+- ``python``: the docstrings of every module under the Python library folders of this
+  interpreter (read with :mod:`ast`, nothing imported), one document per module, and the
+  long descriptions (READMEs) of the installed distributions' ``METADATA``.
+
+Files are read in sorted order, paragraphs hard-wrapped at a fixed width are re-flowed into
+one line, and documents are deduplicated at paragraph level: a paragraph of at least
+``DEDUP_MIN_WORDS`` words that was already seen (whitespace and case ignored) is dropped, and
+a document left with fewer than ``min_words`` words is dropped, so exact and near-exact
+duplicates (the same README in many packages, flag lists repeated in every page of a CLI)
+go. Documents with more than 10% non-ASCII characters (not English) or with under 5% common
+English function words ("the", "of", "and", ...: tables, lists of names, character maps) are
+left out. The kept documents are shuffled with a fixed seed, so a held-out tail of the corpus samples every
+source, and written as JSON lines ``{"text", "source", "path"}`` with a stats file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gzip
+import hashlib
+import json
+import os
+import random
+import re
+import sys
+import sysconfig
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from lpbench.errors import UsageError
+
+DEDUP_MIN_WORDS = 6
+MAX_NON_ASCII = 0.10
+MIN_STOPWORDS = 0.05  # share of common English function words below which a text is not prose
+STOPWORDS = frozenset("the of and to a in is that for it as with be on by this are or not an if from at which can "
+                      "you when will".split())
+MAX_FILE_BYTES = 4_000_000
+
+
+# ----------------------------------------------------------------------------- roff
+_ROFF_CHARS = {
+    "em": "\u2014", "en": "\u2013", "hy": "-", "bu": "\u2022", "aq": "'", "dq": '"', "lq": "\u201c",
+    "rq": "\u201d", "oq": "\u2018", "cq": "\u2019", "co": "\u00a9", "rg": "\u00ae", "tm": "\u2122",
+    "mu": "\u00d7", "di": "\u00f7", ">=": "\u2265", "<=": "\u2264", "!=": "\u2260", "->": "\u2192",
+    "<-": "\u2190", "pl": "+", "mi": "-", "eq": "=", "ti": "~", "ha": "^", "rs": "\\", "sl": "/",
+    "ga": "`", "aa": "\u00b4", "de": "\u00b0", "+-": "\u00b1", "*W": "-", "*p": "pi", "ba": "|",
+}
+_ROFF_STRINGS = {"--": "\u2014", "-": "\u2014", 'L"': '"', 'R"': '"', "C`": '"', "C'": '"', "Aq": "'",
+                 "PI": "pi", "C+": "C++", "Tm": "(TM)", "lq": "\u201c", "rq": "\u201d", "R": "\u00ae"}
+_ESCAPE = re.compile(r"""\\(?:
+    f(?:\[[^\]]*\]|\(..|.)            # font
+  | s[+-]?(?:\(\d\d|\[\d+\]|'\d+'|\d) # size
+  | [nmgFY](?:\[[^\]]*\]|\(..|.)      # register, colour, font family
+  | \*(?:\[([^\]]*)\]|\((..)|(.))     # string
+  | \((..)                            # special character \(xx
+  | \[([^\]]*)\]                      # special character \[name]
+  | [hvwoxlLbDXNkzZSRH]'[^']*'        # motions, widths, drawing, \X'...'
+  | [kz].                             # mark, zero-width
+  | ([-e\\ 0~`'.&|^%c:!{}?acdprtu])   # one-character escapes
+)""", re.X)
+_ONE_CHAR = {"-": "-", "e": "\\", "\\": "\\", " ": " ", "0": " ", "~": " ", "`": "`", "'": "'", ".": "."}
+_ALTERNATING = {"BR", "RB", "BI", "IB", "IR", "RI", "SB"}
+_FONT_MACROS = {"B", "I", "SM", "R", "CW"}
+_BREAKS = {"PP", "LP", "P", "sp", "br", "HP", "RS", "RE", "in", "ti", "Sp", "Pp", "Lp", "Bl", "El", "Bd",
+           "Ed", "ne", "bp", "TQ", "PD"}
+_MDOC_CALLABLE = {"Ac", "Ad", "An", "Ao", "Ap", "Aq", "Ar", "At", "Bc", "Bo", "Bq", "Brc", "Bro", "Brq", "Bsx",
+                  "Bx", "Cd", "Cm", "Dc", "Do", "Dq", "Dv", "Dx", "Ec", "Em", "En", "Eo", "Er", "Es", "Ev", "Fa",
+                  "Fc", "Fl", "Fn", "Fo", "Fr", "Ft", "Fx", "Ic", "Li", "Lk", "Ms", "Mt", "Nm", "No", "Ns", "Nx",
+                  "Oc", "Oo", "Op", "Ot", "Ox", "Pa", "Pc", "Pf", "Po", "Pq", "Qc", "Ql", "Qo", "Qq", "Sc", "So",
+                  "Sq", "Sx", "Sy", "Ta", "Tn", "Ux", "Va", "Vt", "Xc", "Xo", "Xr"}
+_BLOCK_END = {"de": "..", "ig": "..", "am": "..", "TS": "TE", "EQ": "EN", "PS": "PE"}
+
+
+def _escape(m: re.Match) -> str:
+    full = m.group(0)
+    string = m.group(1) or m.group(2) or m.group(3)
+    if string is not None:
+        return _ROFF_STRINGS.get(string, "")
+    special = m.group(4) or m.group(5)
+    if special is not None:
+        return _ROFF_CHARS.get(special, "")
+    one = m.group(6)
+    if one is not None:
+        return _ONE_CHAR.get(one, "")
+    return ""
+
+
+def roff_inline(text: str) -> str:
+    """``text`` with roff escapes resolved to characters (fonts, sizes and motions dropped)."""
+    text = text.replace("\\\\", "\x00")
+    text = _ESCAPE.sub(_escape, text)
+    return text.replace("\x00", "\\")
+
+
+def _args(rest: str) -> list[str]:
+    """Macro arguments: blank-separated, double quotes group (``""`` is a literal quote)."""
+    out, cur, quoted, i = [], "", False, 0
+    while i < len(rest):
+        c = rest[i]
+        if c == '"':
+            if quoted and rest[i + 1:i + 2] == '"':
+                cur += '"'
+                i += 1
+            else:
+                quoted = not quoted
+        elif c in " \t" and not quoted:
+            if cur:
+                out.append(cur)
+            cur = ""
+        else:
+            cur += c
+        i += 1
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _mdoc(name: str, args: list[str], state: dict) -> str:
+    """Text of an mdoc line: callable macros dropped or rendered (``Fl x`` -> ``-x``)."""
+    words: list[str] = []
+    glue = False
+    i = 0
+    tokens = [name] + args
+    while i < len(tokens):
+        t = tokens[i]
+        if t in _MDOC_CALLABLE or t in ("It", "Nd", "Sh", "Ss", "D1", "Dl"):
+            if t == "Fl":
+                nxt = tokens[i + 1] if i + 1 < len(tokens) and tokens[i + 1] not in _MDOC_CALLABLE else ""
+                words.append("-" + nxt)
+                i += 2 if nxt else 1
+                continue
+            if t == "Xr" and i + 2 < len(tokens):
+                words.append(f"{tokens[i + 1]}({tokens[i + 2]})")
+                i += 3
+                continue
+            if t == "Nm":
+                if i + 1 < len(tokens) and tokens[i + 1] not in _MDOC_CALLABLE:
+                    state.setdefault("mdoc_name", tokens[i + 1])
+                else:
+                    words.append(state.get("mdoc_name", ""))
+            elif t == "Nd":
+                words.append("\u2014")
+            elif t in ("Ux", "Bx", "Ox", "Nx", "Fx", "Bsx", "Dx", "At"):
+                words.append({"Ux": "UNIX", "At": "AT&T UNIX"}.get(t, t.upper() if len(t) == 2 else "BSD/OS"))
+            elif t in ("Ns", "Pf", "Ap"):
+                glue = True
+            i += 1
+            continue
+        if glue and words:
+            words[-1] += t
+            glue = False
+        elif words and re.fullmatch(r"[.,:;)\]?!]+", t):
+            words[-1] += t
+        else:
+            words.append(t)
+        i += 1
+    return " ".join(w for w in words if w)
+
+
+def strip_roff(source: str) -> str:
+    """Plain text of a man page (man or mdoc macros): headings and paragraphs, blank-line separated.
+
+    Filled text is joined into one line per paragraph; no-fill blocks (examples) keep their lines.
+    Conditionals take their nroff branch; macro definitions, register/string set-up, tables and
+    equations are dropped.
+    """
+    paras: list[str] = []
+    cur: list[str] = []
+    st = {"fill": True, "end_block": None, "tag": False, "else": False}
+
+    def flush():
+        text = "\n".join(cur).strip("\n")
+        text = re.sub(r"[ \t]+", " ", text.replace("\n", " ")).strip() if st["fill"] else textwrap.dedent(text)
+        if text.strip():
+            paras.append(text)
+        cur.clear()
+
+    def request(name: str, rest: str) -> None:
+        if name in ("if", "ie", "el"):
+            cond, _, body = (("n" if st["else"] else "f") + " " + rest if name == "el" else rest).partition(" ")
+            if name == "ie":
+                st["else"] = cond == "t"  # the .el branch runs where nroff's did not
+            body = body.strip().removeprefix("\\{").removesuffix("\\").strip()
+            if cond == "n" and body:
+                line(body)
+            return
+        if name in _BLOCK_END:
+            st["end_block"] = _BLOCK_END[name]
+            return
+        args = [roff_inline(a) for a in _args(rest)]
+        if name in ("SH", "SS", "Sh", "Ss"):
+            flush()
+            paras.append(" ".join(args))
+        elif name in ("nf", "EX", "Vb", "Bd") and not (name == "Bd" and "-filled" in rest):
+            flush()
+            st["fill"] = False
+        elif name in ("fi", "EE", "Ve", "Ed"):
+            flush()
+            st["fill"] = True
+        elif name in ("TP", "IP", "It"):
+            flush()
+            tag = args[0] if name == "IP" and args else _mdoc("It", args, state) if name == "It" else ""
+            st["tag"] = name == "TP"
+            if tag:
+                cur.append(tag)
+                flush()
+        elif name in _BREAKS:
+            flush()
+        elif name in _FONT_MACROS:
+            cur.append(" ".join(args))
+        elif name in _ALTERNATING:
+            cur.append("".join(args))
+        elif name in ("UR", "MT"):
+            state["url"] = args[0] if args else ""
+        elif name in ("UE", "ME"):
+            cur.append(f"<{state.pop('url', '')}>" + "".join(args))
+        elif name in _MDOC_CALLABLE or name in ("Nd", "D1", "Dl"):
+            cur.append(_mdoc(name, args, state))
+        # other requests (.TH .ds .nr .ft .ad .so .IX ...) carry no text
+        if st["tag"] and cur:  # the line after .TP is the tag, text or macro
+            flush()
+            st["tag"] = False
+
+    def line(raw: str) -> None:
+        if raw.startswith((".", "'")):
+            m = re.match(r"(\S+)\s*(.*)", re.sub(r'\\".*', "", raw[1:].lstrip()))
+            if m:
+                request(m.group(1), m.group(2))
+            return
+        text = roff_inline(raw)
+        if st["fill"] and not text.strip():
+            flush()
+            return
+        cur.append(text.rstrip())
+        if st["tag"]:
+            flush()
+            st["tag"] = False
+
+    state: dict = {}
+    for raw in source.splitlines():
+        if st["end_block"] is not None:
+            end, stripped = st["end_block"], raw.strip()
+            if stripped.startswith("..") if end == ".." else re.match(rf"[.']\s*{end}\b", stripped):
+                st["end_block"] = None
+        elif not raw.startswith((".\\\"", "'\\\"", "\\\"")):
+            line(raw)
+    flush()
+    return "\n\n".join(paras)
+
+
+# ----------------------------------------------------------------------------- text helpers
+_LIST_OR_CODE = re.compile(r"\s*([-*+\u2022]\s|\d+[.)]\s|[|#>]|```|\.\. |\S+\s*::$|[-=~^*_]{3,}\s*$)")
+
+
+def reflow(text: str) -> str:
+    """Join the lines of each hard-wrapped prose paragraph; leave lists, tables, code as they are."""
+    out = []
+    for para in re.split(r"\n[ \t]*\n", text):
+        lines = [ln.rstrip() for ln in para.split("\n") if ln.strip()]
+        if not lines:
+            continue
+        prose = all(len(ln) - len(ln.lstrip()) <= 3 and not _LIST_OR_CODE.match(ln) for ln in lines)
+        out.append(" ".join(ln.strip() for ln in lines) if prose and len(lines) > 1 else "\n".join(lines))
+    return "\n\n".join(out)
+
+
+def _read(path: Path) -> str:
+    data = path.read_bytes()
+    if path.suffix == ".gz":
+        data = gzip.decompress(data)
+    return data.decode("utf-8", errors="replace")
+
+
+def _files(root: Path, keep: Callable[[Path], bool]) -> Iterator[Path]:
+    """Regular files (no symlinks) under ``root`` passing ``keep``, in sorted order."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            if not p.is_symlink() and p.is_file() and p.stat().st_size <= MAX_FILE_BYTES and keep(p):
+                yield p
+
+
+# ----------------------------------------------------------------------------- sources
+def man_documents(root: Path) -> Iterator[tuple[Path, str]]:
+    """One document per page of the English sections (``manN`` directly under ``root``)."""
+    sections = sorted(p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"man[1-9]\w*", p.name))
+    for section in sections:
+        for path in _files(section, lambda p: re.search(r"\.\d\w*(\.gz)?$", p.name) is not None):
+            src = _read(path)
+            if re.match(r"\s*\.so\s", src) and src.count("\n") < 3:  # a redirect to another page
+                continue
+            yield path, strip_roff(src)
+
+
+def info_documents(root: Path) -> Iterator[tuple[Path, str]]:
+    """One document per node of every info manual; node headers, menus and underlines dropped."""
+    for path in _files(root, lambda p: re.search(r"\.info(-\d+)?(\.gz)?$", p.name) is not None):
+        for node in _read(path).split("\x1f")[1:]:
+            keep, in_menu = [], False
+            for line in node.split("\n"):
+                if line.startswith(("File: ", "Tag Table:", "End Tag Table", "Indirect:")):
+                    continue
+                if line.startswith("* Menu:"):
+                    in_menu = True
+                    continue
+                if in_menu and (line.startswith("* ") or line.startswith(" " * 10) or not line.strip()):
+                    continue
+                in_menu = False
+                if re.fullmatch(r"[*=\-.]{3,}", line.strip()):
+                    continue
+                keep.append(line)
+            yield path, reflow("\n".join(keep))
+
+
+_DOC_NAME = re.compile(r"(readme|news|faq|todo|authors|thanks|howto|usage|intro|notes|guide)", re.I)
+_DOC_SUFFIX = (".txt", ".md", ".rst", ".text", ".markdown")
+
+
+def _is_doc(path: Path) -> bool:
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    low = name.lower()
+    if low.startswith(("changelog", "copyright", "license", "licence", "copying")) or "changelog" in low:
+        return False
+    return low.endswith(_DOC_SUFFIX) or (_DOC_NAME.match(low) is not None and "." not in low.strip("."))
+
+
+def doc_documents(root: Path) -> Iterator[tuple[Path, str]]:
+    """README/NEWS/text/markdown/reST files (gzipped or not), HTML comments and tags stripped."""
+    for path in _files(root, _is_doc):
+        text = re.sub(r"<!--.*?-->", "", _read(path), flags=re.S)
+        text = re.sub(r"</?[A-Za-z][^<>\n]*>", "", text)
+        yield path, reflow(text)
+
+
+def license_documents(root: Path) -> Iterator[tuple[Path, str]]:
+    for path in _files(root, lambda p: True):
+        yield path, reflow(_read(path))
+
+
+def _docstrings(tree: ast.Module) -> Iterator[str]:
+    """Module, class and function docstrings in source order."""
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop(0)
+        doc = ast.get_docstring(node, clean=True) if isinstance(
+            node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        if doc:
+            yield doc
+        todo[:0] = [n for n in ast.iter_child_nodes(node)
+                    if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def python_documents(root: Path) -> Iterator[tuple[Path, str]]:
+    """Per ``.py`` module its docstrings (3+ words each); per ``*.dist-info/METADATA`` its README."""
+    own = Path(__file__).resolve().parents[1]
+    for path in _files(root, lambda p: p.suffix == ".py" or (p.name == "METADATA" and
+                                                              p.parent.name.endswith(".dist-info"))):
+        if own in path.resolve().parents:
+            continue
+        if path.name == "METADATA":
+            head, _, body = _read(path).partition("\n\n")
+            if "Description-Content-Type: text/html" not in head:
+                yield path, reflow(re.sub(r"<[^<>\n]*>", "", body))
+            continue
+        try:
+            tree = ast.parse(_read(path))
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            continue
+        docs = [reflow(d) for d in _docstrings(tree) if len(d.split()) >= 3]
+        yield path, "\n\n".join(docs)
+
+
+def _python_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = [paths["stdlib"], paths["purelib"], paths["platlib"]]
+    return tuple(dict.fromkeys(os.path.realpath(r) for r in roots))
+
+
+@dataclass(frozen=True)
+class CorpusSource:
+    name: str
+    description: str
+    licence: str
+    roots: tuple[str, ...]
+    documents: Callable[[Path], Iterator[tuple[Path, str]]]
+
+
+SOURCES: dict[str, CorpusSource] = {s.name: s for s in (
+    CorpusSource("man", "manual pages (English sections man1-man9, roff stripped)",
+                 "each page under its package's licence (/usr/share/doc/PKG/copyright)",
+                 ("/usr/share/man",), man_documents),
+    CorpusSource("info", "GNU info manuals, one document per node",
+                 "GNU Free Documentation License or the package's licence", ("/usr/share/info",), info_documents),
+    CorpusSource("doc", "README/NEWS/text/markdown files of installed packages",
+                 "each file under its package's licence (/usr/share/doc/PKG/copyright)",
+                 ("/usr/share/doc",), doc_documents),
+    CorpusSource("licenses", "licence texts", "the licence texts themselves (verbatim copying permitted)",
+                 ("/usr/share/common-licenses",), license_documents),
+    CorpusSource("python", "docstrings of the Python standard library and installed packages, and their READMEs",
+                 "each module under its distribution's licence (PSF for the standard library; "
+                 "*.dist-info/LICENSE* or METADATA License fields)", _python_roots(), python_documents),
+)}
+DEFAULT_SOURCES = ("man", "info", "doc", "licenses", "python")
+
+
+# ----------------------------------------------------------------------------- assembly
+def _non_ascii(text: str) -> float:
+    return sum(ord(c) > 127 for c in text) / max(1, len(text))
+
+
+def _stopword_share(words: list[str]) -> float:
+    return sum(w in STOPWORDS for w in words) / max(1, len(words))
+
+
+class Deduplicator:
+    """Drops paragraphs of DEDUP_MIN_WORDS+ words seen before (whitespace and case ignored)."""
+
+    def __init__(self):
+        self.seen: set[bytes] = set()
+        self.dropped = 0
+
+    def __call__(self, text: str) -> str:
+        kept = []
+        for para in text.split("\n\n"):
+            words = para.lower().split()
+            if len(words) >= DEDUP_MIN_WORDS:
+                h = hashlib.blake2b(" ".join(words).encode(), digest_size=10).digest()
+                if h in self.seen:
+                    self.dropped += 1
+                    continue
+                self.seen.add(h)
+            kept.append(para)
+        return "\n\n".join(kept)
+
+
+def assemble(out_dir: str | os.PathLike, sources: list[str] | None = None,
+             roots: dict[str, list[str]] | None = None, *, min_words: int = 20,
+             max_words: int | None = None, seed: int = 0, log: Callable[[str], None] = print) -> dict:
+    """Write ``out_dir/corpus.jsonl`` and ``out_dir/corpus.stats.json``; return the stats.
+
+    ``roots`` re-points sources (``{"man": ["/tmp/man"]}``); ``max_words`` stops reading once
+    that many words are kept (sources in the order given).
+    """
+    names = list(sources or DEFAULT_SOURCES)
+    for n in names:
+        if n not in SOURCES:
+            raise UsageError(f"unknown corpus source {n!r}; valid: {', '.join(SOURCES)}")
+    for n in roots or {}:
+        if n not in names:
+            raise UsageError(f"--root {n}=...: {n!r} is not among the sources ({', '.join(names)})")
+    if min_words < 1:
+        raise UsageError(f"--min-words must be >= 1, got {min_words}")
+    dedup = Deduplicator()
+    records: list[str] = []
+    stats: dict = {"sources": {}, "seed": seed, "min_words": min_words, "dedup_min_words": DEDUP_MIN_WORDS}
+    total_words = 0
+    for name in names:
+        src = SOURCES[name]
+        dirs = (roots or {}).get(name) or list(src.roots)
+        s = {"description": src.description, "licence": src.licence, "roots": dirs, "files": 0,
+             "documents": 0, "words": 0, "bytes": 0, "dropped_short_or_duplicate": 0, "dropped_not_english_prose": 0}
+        for d in dirs:
+            root = Path(d)
+            if not root.is_dir():
+                if (roots or {}).get(name):
+                    raise UsageError(f"--root {name}={d}: no such directory")
+                log(f"lpbench data corpus: {name}: {d} not present here, skipped")
+                continue
+            for path, text in src.documents(root):
+                s["files"] += 1
+                if _non_ascii(text) > MAX_NON_ASCII or _stopword_share(text.lower().split()) < MIN_STOPWORDS:
+                    s["dropped_not_english_prose"] += 1
+                    continue
+                text = dedup(text).strip()
+                n = len(text.split())
+                if n < min_words:
+                    s["dropped_short_or_duplicate"] += 1
+                    continue
+                records.append(json.dumps({"text": text, "source": name, "path": str(path)}, ensure_ascii=False))
+                s["documents"] += 1
+                s["words"] += n
+                s["bytes"] += len(text.encode())
+                total_words += n
+                if max_words and total_words >= max_words:
+                    break
+            if max_words and total_words >= max_words:
+                break
+        stats["sources"][name] = s
+        log(f"lpbench data corpus: {name}: {s['documents']:,} documents, {s['words']:,} words, "
+            f"{s['bytes'] / 1e6:.1f} MB from {s['files']:,} files")
+        if max_words and total_words >= max_words:
+            break
+    if not records:
+        raise UsageError("no documents found in the chosen sources")
+    random.Random(seed).shuffle(records)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "corpus.jsonl"
+    with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+        f.writelines(r + "\n" for r in records)
+    os.replace(f"{path}.tmp", path)
+    stats.update(documents=len(records), words=total_words, bytes=sum(s["bytes"] for s in stats["sources"].values()),
+                 paragraphs_dropped_as_duplicates=dedup.dropped, output=str(path))
+    (out / "corpus.stats.json").write_text(json.dumps(stats, indent=1))
+    return stats
+
+
+# ----------------------------------------------------------------------------- CLI
+def _root(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected SOURCE=DIR, got {text!r}")
+    return name, path
+
+
+def add_corpus_parser(sub) -> None:
+    """``lpbench data corpus`` on the ``data`` sub-command parsers."""
+    p = sub.add_parser("corpus", help="assemble an English corpus (JSONL) from documentation installed here",
+                       description="Assemble man pages, info manuals, package docs and Python docstrings "
+                                   "installed on this machine into one deduplicated, shuffled JSONL corpus.")
+    p.add_argument("--out", required=True, metavar="DIR", help="write DIR/corpus.jsonl and DIR/corpus.stats.json")
+    p.add_argument("--sources", default=",".join(DEFAULT_SOURCES), metavar="A,B",
+                   help=f"comma-separated, from {', '.join(SOURCES)} (default: all)")
+    p.add_argument("--root", action="append", type=_root, default=[], metavar="SOURCE=DIR",
+                   help="read SOURCE from DIR instead of its default folders (repeatable)")
+    p.add_argument("--min-words", type=int, default=20, metavar="N",
+                   help="drop documents with fewer words after deduplication (default 20)")
+    p.add_argument("--max-words", type=int, default=None, metavar="N",
+                   help="stop once N words are kept (default: everything)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the document shuffle (default 0)")
+    p.set_defaults(func=_cmd_corpus)
+
+
+def _cmd_corpus(args) -> int:
+    roots: dict[str, list[str]] = {}
+    for name, path in args.root:
+        roots.setdefault(name, []).append(path)
+    sources = [s.strip() for s in args.sources.split(",") if s.strip()]
+    stats = assemble(args.out, sources, roots, min_words=args.min_words, max_words=args.max_words,
+                     seed=args.seed, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"wrote {stats['output']}: {stats['documents']:,} documents, {stats['words']:,} words, "
+          f"{stats['bytes'] / 1e6:.1f} MB ({stats['paragraphs_dropped_as_duplicates']:,} duplicate paragraphs "
+          f"dropped); stats in {Path(args.out) / 'corpus.stats.json'}")
+    return 0

@@ -1,0 +1,171 @@
+"""Frozen linears stored quantized: a LoRA base weight quantized once, its high-precision copy freed.
+
+A frozen weight never changes, so quantizing it every step (as :class:`QuantizedLinear` does for a
+trained weight) repeats the same work and keeping its BF16 copy costs memory. A
+:class:`FrozenQuantizedLinear` holds, from construction on, exactly the weight operands that
+``QuantizedLinear`` builds each step from the same weight:
+
+    fprop  Y  = X · Wᵀ   W  quantized along in_features   (``recipe.operand("weight", "fprop")``)
+    dgrad  dX = dY · W   Wᵀ quantized along out_features  (``recipe.operand("weight", "dgrad")``)
+
+One copy serves both GEMMs when the recipe quantizes W and Wᵀ alike (one scale per tensor, or
+square 2-D blocks: FP8 tensorwise / delayed / blockwise, NVFP4); row-wise and MX recipes scale
+along each GEMM's own reduction dim, so they keep two copies (MXFP8: about BF16's bytes).
+Inputs and output gradients are quantized per step exactly as in ``QuantizedLinear`` (delayed
+scaling keeps input and grad amax histories; the weight's scale is its own amax, which is what
+its history would hold); there is no weight-gradient GEMM. So outputs and input gradients equal
+those of a ``QuantizedLinear`` over the same frozen weight.
+
+Codes and scales are uint8 buffers holding raw bytes (E2M1 codes packed two per byte), their
+dtypes and shapes kept aside: ``Module.to(dtype)`` cannot cast them and DDP broadcasts them
+whatever NCCL supports.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lpbench.precision.formats import FORMATS, pack_e2m1, unpack_e2m1
+from lpbench.precision.linear import QuantizedLinear, qgemm
+from lpbench.precision.quantize import QTensor, delayed_encode_scale, quantize, update_amax_history
+from lpbench.precision.recipes import Recipe
+
+
+class _FrozenQuantizedFn(torch.autograd.Function):
+    """fprop and dgrad of QuantizedLinear with stored weight operands (no weight gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, mod):
+        recipe = mod.recipe
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1])
+            xq = quantize(x2, recipe.operand("input", "fprop"), encode_scale=mod._delayed_scale("input", x2))
+            y = qgemm(xq, mod.weight_operand("fprop"), native=mod.native)
+            if mod.bias is not None:
+                y = y + mod.bias.float()
+        ctx.mod, ctx.x_shape, ctx.x_dtype = mod, x.shape, x.dtype
+        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        mod = ctx.mod
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            gq = quantize(dy2, mod.recipe.operand("grad", "dgrad"), encode_scale=mod._delayed_scale("grad", dy2))
+            dx = qgemm(gq, mod.weight_operand("dgrad"), native=mod.native)
+        return dx.to(ctx.x_dtype).reshape(ctx.x_shape), None
+
+
+class FrozenQuantizedLinear(nn.Module):
+    """A frozen linear whose weight is stored only in the recipe's quantized format (see the module doc)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe, *, native: bool = False):
+        super().__init__()
+        if not recipe.quantized:
+            raise ValueError(f"recipe {recipe.name} has no quantized GEMMs")
+        self.out_features, self.in_features = weight.shape
+        self.recipe, self.native, self.weight_dtype = recipe, native, weight.dtype
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._blocks: dict[str, tuple] = {}
+        spec_f, spec_d = recipe.operand("weight", "fprop"), recipe.operand("weight", "dgrad")
+        self.shared = spec_f == spec_d and spec_f.block[0] == spec_f.block[1]
+        w = weight.detach()
+        enc = None
+        if recipe.scaling == "delayed":  # the scale a history holding only this weight's amax gives
+            amax = w.abs().amax().float()
+            enc = delayed_encode_scale(torch.zeros_like(amax), amax, FORMATS[recipe.fwd_format], recipe.margin)
+        self._store("w", quantize(w, spec_f, encode_scale=enc))
+        if not self.shared:
+            self._store("wt", quantize(w.t(), spec_d, encode_scale=enc))
+        if recipe.scaling == "delayed":
+            for role in ("input", "grad"):
+                self.register_buffer(f"amax_history_{role}", torch.zeros(recipe.amax_history_len, device=w.device))
+
+    @classmethod
+    def from_linear(cls, linear: QuantizedLinear) -> FrozenQuantizedLinear:
+        """The stored form of ``linear`` (its recipe, path and delayed-scaling histories)."""
+        new = cls(linear.weight, linear.bias, linear.recipe, native=linear.native)
+        if linear.recipe.scaling == "delayed":
+            for role in ("input", "grad"):
+                getattr(new, f"amax_history_{role}").copy_(getattr(linear, f"amax_history_{role}"))
+        return new
+
+    def _delayed_scale(self, role: str, t: torch.Tensor) -> torch.Tensor | None:
+        """Delayed scaling, as QuantizedLinear: the encode scale from ``role``'s history, then record t's amax."""
+        if self.recipe.scaling != "delayed":
+            return None
+        history = getattr(self, f"amax_history_{role}")
+        amax = t.detach().abs().amax().float()
+        fmt = FORMATS[self.recipe.grad_format if role == "grad" else self.recipe.fwd_format]
+        scale = delayed_encode_scale(history, amax, fmt, self.recipe.margin)
+        update_amax_history(history, amax)
+        return scale
+
+    def _put(self, name: str, t: torch.Tensor) -> None:
+        self._layout[name] = (t.dtype, tuple(t.shape))
+        self.register_buffer(name, t.contiguous().reshape(-1).view(torch.uint8))
+
+    def _get(self, name: str) -> torch.Tensor:
+        dtype, shape = self._layout[name]
+        return getattr(self, name).view(dtype).reshape(shape)
+
+    def _store(self, name: str, q: QTensor) -> None:
+        self._put(f"{name}_codes", q.codes if q.fmt.dtype is not None else pack_e2m1(q.codes).view(torch.uint8))
+        self._put(f"{name}_scale", q.scale)
+        if q.global_scale is not None:
+            self._put(f"{name}_global", q.global_scale)
+        self._blocks[name] = (q.block, q.fmt)
+
+    def weight_operand(self, gemm: str) -> QTensor:
+        """The stored weight operand of ``gemm``: W for "fprop", Wᵀ for "dgrad" (quantized along the last dim)."""
+        name = "w" if gemm == "fprop" or self.shared else "wt"
+        block, fmt = self._blocks[name]
+        codes = self._get(f"{name}_codes")
+        if fmt.dtype is None:
+            codes = unpack_e2m1(codes)
+        glob = self._get(f"{name}_global") if f"{name}_global" in self._layout else None
+        if gemm == "fprop" or not self.shared:
+            return QTensor(codes, self._get(f"{name}_scale"), block, fmt, glob)
+        codes = codes.t().contiguous() if self.native else codes.t()  # torch._scaled_mm wants row-major operands
+        return QTensor(codes, self._get(f"{name}_scale").t(), (block[1], block[0]), fmt, glob)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        if x.numel() == 0:  # e.g. an MoE expert that got no tokens
+            y = x.new_zeros(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias.to(x.dtype)
+        return _FrozenQuantizedFn.apply(x, self)
+
+    @torch.no_grad()
+    def merge_lora_delta(self, delta: torch.Tensor) -> QuantizedLinear:
+        """``lora.merge_lora``'s hook: a frozen QuantizedLinear with weight dequantize(W) + delta."""
+        w = self.weight_operand("fprop").dequantize()
+        w = w + delta.to(w.device).float()
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=w.device,
+                           dtype=self.weight_dtype)
+        linear.weight.copy_(w)
+        if self.bias is not None:
+            linear.bias.copy_(self.bias)
+        linear.requires_grad_(False)
+        return QuantizedLinear.from_linear(linear, self.recipe, native=self.native)
+
+    def extra_repr(self) -> str:
+        copies = "one copy for fprop and dgrad" if self.shared else "fprop and dgrad copies"
+        path = "native" if self.native else "emulated"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"recipe={self.recipe.name}, stored quantized ({copies}), path={path}")
+
+
+def store_frozen_quantized(model: nn.Module) -> list[str]:
+    """Replace every QuantizedLinear whose weight is frozen by its :class:`FrozenQuantizedLinear`
+    (the high-precision weight is freed once nothing else holds it); returns their names."""
+    names = []
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, QuantizedLinear) and not mod.weight.requires_grad:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, FrozenQuantizedLinear.from_linear(mod))
+            names.append(name)
+    return names

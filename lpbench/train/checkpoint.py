@@ -1,0 +1,232 @@
+"""Checkpoints: save a run every K steps and resume it exactly, with torch.distributed.checkpoint.
+
+A checkpoint is a folder ``SAVE_DIR/step-K`` holding DCP's files (``.metadata``, ``*.distcp``)
+and ``lpbench.json`` (lpbench version, step, and the config fields a resume must match). It
+contains the model (parameters and buffers), the optimizer, the LR scheduler, the data position,
+the step, and per rank: RNG states (torch CPU and CUDA, numpy, python) and persistent buffers
+(the delayed-scaling amax histories differ between data-parallel ranks). Model and optimizer go
+through ``get_state_dict``/``set_state_dict``, so one process, DDP and FSDP2 save and load alike
+(each rank writes its shards; the folder must be on a filesystem all ranks see).
+
+Saving is atomic: every rank writes into ``SAVE_DIR/.step-K.tmp-PID`` (PID: rank 0's), rank 0
+adds ``lpbench.json`` and renames the folder to ``step-K`` (replacing an older ``step-K``). A run
+killed mid-save leaves only the temporary folder, which ``--load`` ignores (delete it at leisure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from lpbench import __version__
+from lpbench.errors import UsageError
+
+META_FILE = "lpbench.json"
+STEP_DIR = re.compile(r"step-(\d+)")
+# Config fields a checkpoint must share with the run that resumes it (shapes, layout, data order).
+MATCH_FIELDS = ("model", "precision", "backend", "workload", "lora_rank", "lora_targets", "seq_len", "mbs", "gbs",
+                "dp", "tp", "fsdp", "data", "seed")
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """``--load PATH``: PATH itself if it is a checkpoint, else its latest ``step-K`` folder."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"--load {path}: no such file or directory")
+    if STEP_DIR.fullmatch(path.name) or (path / META_FILE).exists():
+        return path
+    steps = [(int(m.group(1)), p) for p in path.iterdir() if p.is_dir() and (m := STEP_DIR.fullmatch(p.name))]
+    if not steps:
+        raise UsageError(f"--load {path}: no checkpoint (no step-K folder) in it")
+    return max(steps)[1]
+
+
+def read_metadata(ckpt: Path) -> dict:
+    """``lpbench.json`` of a checkpoint folder; UsageError when it or DCP's metadata is missing or garbled."""
+    if not ckpt.is_dir():
+        raise UsageError(f"--load {ckpt}: not a checkpoint folder")
+    try:
+        meta = json.loads((ckpt / META_FILE).read_text())
+        meta["step"], meta["config"] = int(meta["step"]), dict(meta["config"])
+    except FileNotFoundError:
+        raise UsageError(f"--load {ckpt}: corrupt checkpoint ({META_FILE} is missing)") from None
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"--load {ckpt}: corrupt checkpoint ({META_FILE} is garbled)") from None
+    if not (ckpt / ".metadata").is_file():
+        raise UsageError(f"--load {ckpt}: corrupt checkpoint (DCP's .metadata is missing)")
+    return meta
+
+
+def check_resumable(cfg) -> tuple[Path, dict]:
+    """The checkpoint ``cfg.load`` names and its metadata, if ``cfg`` can resume from it."""
+    ckpt = find_checkpoint(cfg.load)
+    meta = read_metadata(ckpt)
+    saved = meta["config"]
+    diff = [f"{k} {saved.get(k)!r} (this run: {getattr(cfg, k)!r})" for k in MATCH_FIELDS
+            if saved.get(k) != getattr(cfg, k)]
+    if diff:
+        raise UsageError(f"--load {ckpt}: checkpoint does not match this run: {'; '.join(diff)}")
+    if meta["step"] >= cfg.steps:
+        raise UsageError(f"--load {ckpt}: checkpoint is at step {meta['step']}, --steps {cfg.steps} leaves "
+                         "nothing to train")
+    if cfg.profile_range and cfg.profile_range[1] <= meta["step"]:
+        raise UsageError(f"--profile-steps {cfg.profile_steps}: the run resumed from {ckpt} starts at step "
+                         f"{meta['step'] + 1}")
+    return ckpt, meta
+
+
+def _rank() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _persistent_buffers(module: torch.nn.Module):
+    """(name, buffer) of the buffers a state dict holds (not the non-persistent ones, e.g. RoPE tables)."""
+    for prefix, m in module.named_modules():
+        for name, buffer in m.named_buffers(recurse=False):
+            if name not in m._non_persistent_buffers_set:
+                yield f"{prefix}.{name}" if prefix else name, buffer
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class Checkpointer:
+    """Saves (``maybe_save`` after each step) and resumes (``resume`` before the loop) one run."""
+
+    def __init__(self, cfg, module: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, data,
+                 device: torch.device, log: Callable[[str], None]):
+        self.cfg, self.module, self.optimizer, self.scheduler, self.data = cfg, module, optimizer, scheduler, data
+        self.device, self.log = device, log
+        self.rank, self.world = _rank()
+        self.pid = os.getpid()
+        if cfg.save_every:
+            try:
+                Path(cfg.save_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise UsageError(f"--save-dir {cfg.save_dir}: cannot create it ({exc.strerror})") from None
+        if cfg.save_every and self.world > 1:  # one temporary folder name for all ranks: rank 0's pid
+            box = [self.pid]
+            dist.broadcast_object_list(box, src=0)
+            self.pid = box[0]
+
+    def _state(self, step: int) -> dict:
+        """What DCP saves, or the template it loads into.
+
+        ``rank.<r>`` holds what may differ between ranks (each rank saves and loads its own): RNG
+        states, persistent buffers (amax histories record each rank's inputs and gradients; the
+        model's copy of a buffer is deduplicated to one rank's).
+        """
+        model, optim = get_state_dict(self.module, self.optimizer)
+        local = {"rng": _rng_state(self.device),
+                 "buffers": {name: b.detach().clone() for name, b in _persistent_buffers(self.module)}}
+        return {"model": model, "optim": optim, "rank": {str(self.rank): local},
+                "train": {"step": step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict()}}
+
+    def resume(self) -> int:
+        """Load ``cfg.load`` (if set) into the run; returns the step it was saved after (0: none)."""
+        if self.cfg.load is None:
+            return 0
+        ckpt, meta = check_resumable(self.cfg)
+        state = self._state(0)
+        try:
+            with _single_process_ok():
+                dcp.load(state, checkpoint_id=ckpt, no_dist=self.world == 1)
+        except (Exception, CheckpointException) as exc:  # damaged files: unpickling, I/O, missing keys ...
+            raise UsageError(f"--load {ckpt}: corrupt checkpoint ({_cause(exc)})") from None
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        train, local = state["train"], state["rank"][str(self.rank)]
+        self.scheduler.load_state_dict(train["scheduler"])
+        self.data.load_state_dict(train["data"])
+        with torch.no_grad():
+            for name, buffer in _persistent_buffers(self.module):
+                buffer.copy_(local["buffers"][name])
+        _set_rng_state(local["rng"], self.device)
+        step = int(train["step"])
+        note = f" (saved by a run of {meta['steps']} steps; the LR schedule follows --steps {self.cfg.steps})" \
+            if meta.get("steps") != self.cfg.steps else ""
+        self.log(f"lpbench: resumed from {ckpt} at step {step}{note}")
+        return step
+
+    def maybe_save(self, step: int) -> Path | None:
+        """Write ``save_dir/step-K`` atomically when ``step`` is a multiple of ``save_every``."""
+        if not self.cfg.save_every or step % self.cfg.save_every:
+            return None
+        root = Path(self.cfg.save_dir)
+        final, tmp = root / f"step-{step}", root / f".step-{step}.tmp-{self.pid}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            with _single_process_ok():
+                dcp.save(self._state(step), checkpoint_id=tmp, no_dist=self.world == 1)
+        except CheckpointException as exc:  # a BaseException: make it an error the run is recorded with
+            raise RuntimeError(f"checkpoint {final} not saved: {_cause(exc)}") from None
+        if self.rank == 0:
+            keys = {k: getattr(self.cfg, k) for k in MATCH_FIELDS}
+            meta = {"lpbench": __version__, "step": step, "steps": self.cfg.steps, "world_size": self.world,
+                    "config": keys, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            with open(tmp / META_FILE, "w") as f:
+                json.dump(meta, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            old = root / f".step-{step}.old-{self.pid}"
+            if final.exists():  # an earlier run's step-K: move it aside, then drop it
+                os.rename(final, old)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+            shutil.rmtree(old, ignore_errors=True)
+        if self.world > 1:
+            dist.barrier()
+        self.log(f"lpbench: saved checkpoint {final}")
+        return final
+
+
+def _cause(exc: BaseException) -> str:
+    """One line on what went wrong (the first rank's exception inside DCP's CheckpointException)."""
+    if isinstance(exc, CheckpointException):
+        exc = next(iter(exc.failures.values()))[0]
+    detail = (str(exc).strip().splitlines() or [""])[0][:120]
+    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+
+
+@contextmanager
+def _single_process_ok():
+    """Silence DCP's warning that one process saves or loads alone (intended here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,132 @@
+"""Pretraining, SFT and LoRA: what differs between them in a run (model, data, FLOP count).
+
+``pretrain``  every parameter trains on token sequences (:mod:`lpbench.data.loader`).
+``sft``       every parameter trains on packed prompt/response samples (:mod:`lpbench.data.sft`):
+              attention stays inside each sample (``doc_ids``), the loss covers responses only,
+              and the FLOP count takes attention per sample (``packed_flops_per_token``).
+``lora``      SFT's data and attention; the base is frozen, its block linears held in the
+              recipe's compute dtype (BF16: a frozen weight needs no FP32 master copy), and only
+              the adapters (FP32 master weights, BF16 GEMMs) train. FLOPs by Megatron-Bridge's rule
+              (``lora_flops_per_token``: 2/3 of the frozen GEMMs, attention in full, adapters not
+              counted, as NeMo and Megatron-Bridge count them).
+
+LoRA order: ``apply_lora`` casts and freezes the bases first, then ``apply_recipe`` swaps them for
+the recipe's ``QuantizedLinear`` (adapters are parameters, not linears, so they stay BF16; the
+recipe's FP32 amax histories are made after the cast). With ``lora_base_storage="quantized"`` each
+frozen quantized base is then quantized once and its BF16 copy freed
+(:mod:`lpbench.precision.frozen`); bases the recipe leaves in BF16 (the BF16 recipe, NVFP4's last
+layers, dims that do not divide the block) stay as they are.
+
+A model from ``--hf-checkpoint`` takes its architecture from config.json; the run is labelled
+``hf:<folder>``, or with a zoo name of the same shape (:func:`hf_model_config`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lpbench.config import RunConfig
+from lpbench.data.loader import build_dataset
+from lpbench.data.sft import build_sft_dataset
+from lpbench.errors import UsageError
+from lpbench.metrics.flops import flops_per_token, lora_flops_per_token, packed_flops_per_token
+from lpbench.models.registry import ModelConfig, get_model_config
+from lpbench.precision.frozen import store_frozen_quantized
+from lpbench.precision.recipes import Recipe, apply_recipe
+from lpbench.train.lora import apply_lora
+
+# Fields that do not change a model's shapes or GEMMs: a zoo name may label a checkpoint that differs in them.
+_LABEL_FIELDS = ("name", "max_seq_len", "rope_theta", "rope_scaling", "norm_eps", "family")
+
+
+def hf_label(path: str) -> str:
+    """The model name of a run from HF checkpoint folder ``path`` without ``--model``."""
+    return f"hf:{Path(path).resolve().name}"
+
+
+def hf_model_config(model: str, path: str) -> ModelConfig:
+    """``path``'s architecture, named ``model``: ``hf:...``, or a zoo model of the same shape
+    (layers, widths, heads, vocabulary, norm, MLP, tying, biases; RoPE and eps come from the checkpoint)."""
+    from lpbench.models.hf import config_from_hf
+
+    cfg = config_from_hf(path, name=model)
+    if model.startswith("hf:"):
+        return cfg
+    zoo = get_model_config(model)
+    diff = [f"{f.name} {getattr(zoo, f.name)} vs {getattr(cfg, f.name)}" for f in fields(ModelConfig)
+            if f.name not in _LABEL_FIELDS and getattr(zoo, f.name) != getattr(cfg, f.name)]
+    if zoo.hd != cfg.hd:
+        diff.append(f"head_dim {zoo.hd} vs {cfg.hd}")
+    if diff:
+        raise UsageError(f"--model {model} does not match --hf-checkpoint {path} ({', '.join(diff)}); "
+                         f"leave out --model to label the run {hf_label(path)}")
+    return cfg
+
+
+def prepare_model(model: nn.Module, cfg: RunConfig, recipe: Recipe, *, device: torch.device,
+                  emulate: bool) -> tuple[dict, dict]:
+    """Adapters (lora), the precision recipe, the stored base: ``(apply_recipe's result, metrics)``."""
+    lora = None
+    if cfg.workload == "lora":
+        lora = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, base_dtype=recipe.compute_dtype,
+                          seed=cfg.seed)
+    precision = apply_recipe(model, recipe, device=device, emulate=emulate, backend=cfg.backend)
+    metrics = {"workload": cfg.workload,
+               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    if lora is not None:
+        stored = store_frozen_quantized(model) if cfg.lora_base_storage == "quantized" else []
+        metrics.update(lora_adapted_linears=len(lora["adapted"]), lora_base_storage=cfg.lora_base_storage,
+                       lora_stored_quantized=len(stored))
+        if device.type == "cuda":  # return the freed FP32/BF16 copies, so reserved and NVML memory show the run
+            torch.cuda.empty_cache()
+    return precision, metrics
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters and buffers this rank holds (tied weights once; shards: the local part)."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return sum(t.numel() * t.element_size() for t in (t.to_local() if hasattr(t, "to_local") else t for t in tensors))
+
+
+def describe_lora(cfg: RunConfig, metrics: dict) -> str:
+    """The log line of a LoRA run: adapters, trainable parameters, how the frozen base is stored."""
+    stored = f" ({metrics['lora_stored_quantized']} linears quantized once)" \
+        if cfg.lora_base_storage == "quantized" else ""
+    return (f"lpbench: lora rank {cfg.lora_rank} alpha {cfg.lora_alpha:g} on {cfg.lora_targets} "
+            f"({metrics['lora_adapted_linears']} linears) | {metrics['trainable_params'] / 1e6:.2f} M trainable "
+            f"params | frozen base stored {cfg.lora_base_storage}{stored}")
+
+
+def build_data(cfg: RunConfig, model_cfg: ModelConfig):
+    """Training/validation data: token sequences (pretrain) or packed SFT samples (sft, lora).
+
+    Real SFT data is tokenized with the checkpoint's tokenizer.json when ``--hf-checkpoint`` has one
+    (else byte-level); ``mock`` needs no tokenizer.
+    """
+    if cfg.workload == "pretrain":
+        return build_dataset(cfg.data, seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=model_cfg.vocab_size)
+    tokenizer = cfg.hf_checkpoint if cfg.hf_checkpoint and (Path(cfg.hf_checkpoint) / "tokenizer.json").is_file() \
+        else None
+    return build_sft_dataset(cfg.data, tokenizer, seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=model_cfg.vocab_size)
+
+
+def forward_args(batch) -> tuple:
+    """A micro-batch as the model's arguments: ``(input_ids, labels)``, plus ``doc_ids`` for packed SFT."""
+    if isinstance(batch, dict):
+        return batch["input_ids"], batch["labels"], batch["doc_ids"]
+    return tuple(batch)
+
+
+def run_flops_per_token(cfg: RunConfig, model_cfg: ModelConfig, data) -> float:
+    """Model FLOPs per token of the workload: dense (pretrain), attention per sample (sft), LoRA's rule."""
+    if cfg.workload == "pretrain":
+        return flops_per_token(model_cfg, cfg.seq_len, cfg.flops_formula)
+    lengths = data.flops_sample_lengths()
+    if cfg.workload == "sft":
+        return packed_flops_per_token(model_cfg, cfg.seq_len, lengths, cfg.flops_formula)
+    return lora_flops_per_token(model_cfg, cfg.seq_len, cfg.flops_formula, sample_lengths=lengths)

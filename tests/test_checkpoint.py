@@ -1,0 +1,268 @@
+"""Checkpoints: a resumed run reproduces the uninterrupted one bit for bit; bad checkpoints exit 2."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemReader
+
+import lpbench.train.loop as loop
+from lpbench.cli import main
+from lpbench.config import RunConfig
+from lpbench.models.registry import MODELS, ModelConfig
+from lpbench.train.checkpoint import META_FILE, find_checkpoint
+
+MODEL_ARGS = ("test-ckpt", 2, 64, 128, 4, 2, 512)  # 2 blocks, dim 64, vocab 512: fast on CPU
+BASE = RunConfig(model="test-ckpt", seq_len=32, mbs=4, gbs=4, steps=6, warmup_steps=1, precision="bf16",
+                 device="cpu")
+CLI = ["run", "--model", "test-ckpt", "--precision", "bf16", "--device", "cpu", "--seq-len", "32", "--mbs", "4",
+       "--gbs", "4", "--steps", "4", "--warmup-steps", "1"]
+
+
+def _register_model() -> None:
+    MODELS["test-ckpt"] = ModelConfig(*MODEL_ARGS, max_seq_len=256)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def registered_model():
+    with pytest.MonkeyPatch.context() as mpatch:
+        mpatch.setitem(MODELS, "test-ckpt", ModelConfig(*MODEL_ARGS, max_seq_len=256))
+        yield
+
+
+def _train(cfg: RunConfig):
+    result = loop.train(cfg, log=lambda line: None)
+    assert result.status == "ok"
+    return result
+
+
+def _trace(result, key: str = "loss") -> list[float]:
+    return [s[key] for s in result.steps]
+
+
+@pytest.mark.parametrize("kw", [{}, {"mbs": 2}, {"precision": "fp8-delayed", "mbs": 2}],
+                         ids=["bf16", "bf16-ga2", "fp8-delayed-ga2"])
+def test_resume_reproduces_the_uninterrupted_run_exactly(kw, tmp_path):
+    cfg = BASE.with_(**kw)
+    straight = _train(cfg)
+    saving = _train(cfg.with_(save_every=3, save_dir=str(tmp_path)))
+    assert _trace(saving) == _trace(straight)  # saving does not disturb the run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-6"]
+
+    resumed = _train(cfg.with_(load=str(tmp_path / "step-3")))
+    assert [s["step"] for s in resumed.steps] == [4, 5, 6] and resumed.metrics["resumed_from_step"] == 3
+    for key in ("loss", "grad_norm", "lr"):
+        assert _trace(saving, key)[:3] + _trace(resumed, key) == _trace(straight, key)  # bit for bit
+    saved = FileSystemReader(str(tmp_path / "step-3")).read_metadata().state_dict_metadata
+    assert any(k.startswith("optim.state.") for k in saved)
+    if cfg.precision == "fp8-delayed":  # the amax histories, whose loss effect the resume must carry
+        assert any(k.endswith("amax_history_grad") for k in saved)
+    meta = json.loads((tmp_path / "step-3" / META_FILE).read_text())
+    assert meta["step"] == 3 and meta["config"]["precision"] == cfg.precision and meta["config"]["mbs"] == cfg.mbs
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys
+    from lpbench.models.registry import MODELS, ModelConfig
+    MODELS["test-ckpt"] = ModelConfig(*{model_args!r}, max_seq_len=256)
+    import lpbench.train.checkpoint as ckpt
+    from lpbench.config import RunConfig
+    from lpbench.train.loop import train
+
+    real_save, saves = ckpt.dcp.save, []
+
+    def save(state, **kw):  # the second save dies after writing its shards, before the rename
+        real_save(state, **kw)
+        saves.append(1)
+        if len(saves) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    ckpt.dcp.save = save
+    train(RunConfig(**json.loads(sys.argv[1])), log=print)
+""")
+
+
+def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    cfg = BASE.with_(save_every=2, save_dir=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(model_args=MODEL_ARGS),
+                           json.dumps(cfg.to_dict())], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert "iteration 4/6" in proc.stdout and "iteration 5/6" not in proc.stdout
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[0].startswith(".step-4.tmp-") and names[1:] == ["step-2"]
+    assert any(p.suffix == ".distcp" for p in (tmp_path / names[0]).iterdir())  # shards written ...
+    assert not (tmp_path / names[0] / META_FILE).exists()  # ... but never completed
+    assert find_checkpoint(tmp_path) == tmp_path / "step-2"
+
+    resumed = _train(BASE.with_(load=str(tmp_path)))
+    assert [s["step"] for s in resumed.steps] == [3, 4, 5, 6]
+    assert _trace(resumed) == _trace(_train(BASE))[2:]
+
+
+def test_load_takes_the_latest_step_folder(tmp_path):
+    for name in ("step-2", "step-10", "step-9", ".step-12.tmp-99", "notes"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step-11").write_text("a file, not a checkpoint")
+    assert find_checkpoint(tmp_path) == tmp_path / "step-10"  # numeric, not lexicographic
+    assert find_checkpoint(tmp_path / "step-2") == tmp_path / "step-2"
+
+
+def test_saving_over_an_existing_step_replaces_it(tmp_path):
+    _train(BASE.with_(steps=2, save_every=2, save_dir=str(tmp_path)))
+    _train(BASE.with_(steps=2, save_every=2, save_dir=str(tmp_path), seed=7))
+    assert [p.name for p in tmp_path.iterdir()] == ["step-2"]  # no temporary or replaced folder left
+    assert json.loads((tmp_path / "step-2" / META_FILE).read_text())["config"]["seed"] == 7
+
+
+def test_checkpoint_flags_do_not_change_the_run_key():
+    flags = dict(save_every=2, save_dir="ckpt", load="ckpt", profile_steps="2:3")
+    assert BASE.with_(**flags).key() == BASE.key() != BASE.with_(precision="fp8-delayed").key()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A checkpoint of BASE at step 2 (of 4)."""
+    root = tmp_path_factory.mktemp("saved")
+    _train(BASE.with_(steps=4, save_every=2, save_dir=str(root)))
+    return root / "step-2"
+
+
+def _damage(kind: str, ckpt: Path, tmp_path: Path) -> Path:
+    if kind == "missing":
+        return tmp_path / "nowhere"
+    if kind == "empty":
+        return tmp_path
+    copy = tmp_path / "step-2"
+    shutil.copytree(ckpt, copy)
+    if kind == "no-metadata":
+        (copy / META_FILE).unlink()
+    elif kind == "garbled-metadata":
+        (copy / META_FILE).write_text("{not json")
+    elif kind == "no-dcp-metadata":
+        (copy / ".metadata").unlink()
+    elif kind == "missing-shards":
+        for shard in copy.glob("*.distcp"):
+            shard.unlink()
+    elif kind == "garbled-shards":
+        for shard in copy.glob("*.distcp"):
+            shard.write_bytes(os.urandom(shard.stat().st_size // 2))
+    return copy
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("missing", "no such file or directory"),
+    ("empty", "no checkpoint (no step-K folder) in it"),
+    ("no-metadata", "corrupt checkpoint (lpbench.json is missing)"),
+    ("garbled-metadata", "corrupt checkpoint (lpbench.json is garbled)"),
+    ("no-dcp-metadata", "corrupt checkpoint (DCP's .metadata is missing)"),
+    ("missing-shards", "corrupt checkpoint (FileNotFoundError: "),
+    ("garbled-shards", "corrupt checkpoint ("),
+])
+def test_a_bad_checkpoint_is_refused_with_exit_2(kind, message, saved, tmp_path, capsys):
+    path = _damage(kind, saved, tmp_path)
+    assert main([*CLI, "--load", str(path), "--results", str(tmp_path / "results")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--precision", "fp8-delayed"], "precision 'bf16' (this run: 'fp8-delayed')"),
+    (["--seq-len", "64"], "seq_len 32 (this run: 64)"),
+    (["--mbs", "2"], "mbs 4 (this run: 2)"),
+    (["--steps", "2"], "checkpoint is at step 2, --steps 2 leaves nothing to train"),
+    (["--profile-steps", "1:2"], "starts at step 3"),
+])
+def test_a_mismatched_checkpoint_is_refused_with_exit_2(flags, message, saved, tmp_path, capsys):
+    assert main([*CLI, *flags, "--load", str(saved), "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "results.db").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--save-every", "2"], "--save-every K needs --save-dir DIR"),
+    (["--save-dir", "{dir}"], "--save-dir needs --save-every K"),
+    (["--save-every", "-1", "--save-dir", "{dir}"], "--save-every must be >= 0"),
+    (["--precision", "bf16,fp8-delayed", "--save-every", "2", "--save-dir", "{dir}"],
+     "--save-dir and --load take a single --precision"),
+    (["--save-every", "2", "--save-dir", "{file}/ckpt"], "cannot create it (Not a directory)"),
+])
+def test_checkpoint_flags_are_validated(flags, message, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    flags = [f.format(dir=tmp_path / "ckpt", file=tmp_path / "file") for f in flags]
+    assert main([*CLI, *flags, "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_cli_saves_and_resumes(tmp_path, capsys):
+    ckpt, results = tmp_path / "ckpt", str(tmp_path / "results")
+    assert main([*CLI, "--save-every", "2", "--save-dir", str(ckpt), "--results", results]) == 0
+    straight = [line.split("lm loss: ")[1].split(" ")[0] for line in capsys.readouterr().out.splitlines()
+                if line.startswith("iteration")]
+    assert main([*CLI, "--load", str(ckpt / "step-2"), "--results", results]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {ckpt / 'step-2'} at step 2" in out
+    resumed = [line.split("lm loss: ")[1].split(" ")[0] for line in out.splitlines() if line.startswith("iteration")]
+    assert resumed == straight[2:] and len(resumed) == 2
+
+
+# ----------------------------------------------------------------------------- two ranks (gloo)
+SCENARIOS = {"ddp": dict(mbs=1), "fsdp-fp8-delayed": dict(mbs=1, fsdp=True, precision="fp8-delayed")}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    _register_model()
+    results = {}
+    for name, kw in SCENARIOS.items():  # GA 2: gbs 4 = mbs 1 x dp 2 x 2 micro-batches
+        cfg = BASE.with_(steps=4, **kw).with_world(2)
+        folder = os.path.join(out, name)
+        straight = loop.train(cfg, log=lambda line: None)
+        saving = loop.train(cfg.with_(save_every=2, save_dir=folder), log=lambda line: None)
+        resumed = loop.train(cfg.with_(load=folder + "/step-2"), log=lambda line: None)
+        results[name] = {"straight": _trace(straight), "saving": _trace(saving), "resumed": _trace(resumed),
+                         "files": sorted(os.listdir(folder + "/step-2"))}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ranks")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(port, str(out)), nprocs=2, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_two_ranks_save_and_resume_exactly(name, two_ranks):
+    for rank in two_ranks:
+        run = rank[name]
+        assert len(run["straight"]) == 4 and run["saving"] == run["straight"]
+        assert run["saving"][:2] + run["resumed"] == run["straight"]
+    assert {".metadata", META_FILE, "__0_0.distcp", "__1_0.distcp"} <= set(two_ranks[0][name]["files"])  # both wrote
+
+
+@pytest.mark.parametrize("key", ["save_every", "save_dir", "load"])
+def test_a_sweep_refuses_checkpoint_settings(key):
+    from lpbench.bench.sweep import expand
+    from lpbench.errors import UsageError
+
+    with pytest.raises(UsageError, match=f"spec key {key}: checkpoints belong to one run"):
+        expand({"name": "s", "model": "tiny", key: 2 if key == "save_every" else "ckpt"})

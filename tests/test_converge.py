@@ -1,0 +1,166 @@
+import dataclasses
+import json
+import math
+import random
+import re
+
+import pytest
+import torch
+
+import lpbench.train.loop as loop
+from lpbench.bench.converge import DEFAULT_TOLERANCES, Outcome, judge, parse_tolerances, tolerance_for
+from lpbench.bench.store import ResultsStore
+from lpbench.cli import main
+from lpbench.config import RunConfig
+from lpbench.errors import UsageError
+from lpbench.precision.recipes import ABLATIONS, Recipe, get_recipe
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = ["--seq-len", "32", "--mbs", "2", "--gbs", "2", "--device", "cpu", "--log-interval", "100"]
+
+
+def write_corpus(path, n_docs=300, seed=0):
+    """JSON lines of English-like sentences from a small grammar (enough for a held-out split)."""
+    rng = random.Random(seed)
+    subjects, verbs, objects = ["the program", "a widget", "every user", "the file"], \
+        ["reads", "writes", "turns", "opens"], ["the output", "a gadget", "each line", "the input"]
+    with open(path, "w") as f:
+        for _ in range(n_docs):
+            text = " ".join(f"{rng.choice(subjects).capitalize()} {rng.choice(verbs)} {rng.choice(objects)}."
+                            for _ in range(rng.randint(3, 8)))
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("ingredient", list(ABLATIONS))
+def test_ablation_switches_off_exactly_that_ingredient(ingredient):
+    base, ablated = get_recipe("nvfp4"), get_recipe(f"nvfp4-no-{ingredient}")
+    changed = {f.name for f in dataclasses.fields(Recipe)
+               if getattr(base, f.name) != getattr(ablated, f.name)} - {"name", "description"}
+    off, _ = ABLATIONS[ingredient]
+    assert changed == set(off)
+    assert all(getattr(ablated, k) == v for k, v in off.items())
+    assert ablated.name == f"nvfp4-no-{ingredient}"
+
+
+def test_ablation_names_that_do_not_resolve():
+    with pytest.raises(UsageError, match="mxfp8 has no random Hadamard transform"):
+        get_recipe("mxfp8-no-rht")
+    with pytest.raises(UsageError, match="unknown ablation 'magic'"):
+        get_recipe("nvfp4-no-magic")
+    assert get_recipe("nvfp4-no-rht-no-sr").stochastic_grads is False  # ablations compose
+
+
+def test_tolerances_by_name_or_family_prefix():
+    assert tolerance_for("fp8-delayed", DEFAULT_TOLERANCES) == 0.5
+    assert tolerance_for("mxfp8", DEFAULT_TOLERANCES) == 0.5
+    assert tolerance_for("nvfp4-no-rht", DEFAULT_TOLERANCES) == 1.5
+    assert tolerance_for("bf16", DEFAULT_TOLERANCES) is None
+    tol = parse_tolerances("fp8=1,nvfp4-no-rht=3%")
+    assert tolerance_for("fp8-tensorwise", tol) == 1.0 and tolerance_for("nvfp4-no-rht", tol) == 3.0
+    assert tolerance_for("nvfp4-no-sr", tol) == 1.5  # the longest matching key wins
+    for bad in ("fp8", "fp8=x", "=1", "fp8=-1"):
+        with pytest.raises(UsageError, match="NAME=PERCENT"):
+            parse_tolerances(bad)
+
+
+def test_judge_computes_gaps_and_verdicts():
+    outs = [Outcome("bf16", "ok", val_loss=4.0), Outcome("fp8-tensorwise", "ok", val_loss=4.01),
+            Outcome("mxfp8", "ok", val_loss=4.04), Outcome("nvfp4", "ok", val_loss=4.05),
+            Outcome("fp32", "ok", val_loss=3.9), Outcome("nvfp4-no-sr", "diverged", diverged_step=7)]
+    assert judge(outs, DEFAULT_TOLERANCES) == "val_loss"
+    assert [o.gap_pct for o in outs[:5]] == pytest.approx([0.0, 0.25, 1.0, 1.25, -2.5])
+    assert [o.verdict for o in outs] == ["reference", "pass", "fail", "pass", "no tolerance", "diverged @ step 7"]
+    assert outs[5].gap_pct is None and outs[0].tolerance is None and outs[2].tolerance == 0.5
+    # without validation losses the train loss is compared
+    train_only = [Outcome("bf16", "ok", train_loss=2.0), Outcome("mxfp8", "ok", train_loss=2.02)]
+    assert judge(train_only, DEFAULT_TOLERANCES) == "train_loss" and train_only[1].verdict == "fail"
+
+
+def test_validation_every_k_steps_leaves_training_unchanged():
+    cfg = RunConfig(model="tiny", precision="fp8-delayed", seq_len=32, mbs=2, gbs=2, steps=5, warmup_steps=1,
+                    device="cpu", log_interval=100)
+    plain = loop.train(cfg, log=lambda line: None)
+    lines = []
+    evaluated = loop.train(cfg.with_(eval_every=2, eval_batches=3), log=lines.append)
+    assert [s["step"] for s in evaluated.steps if "val_loss" in s] == [2, 4, 5]
+    assert evaluated.metrics["val_loss"] == evaluated.steps[-1]["val_loss"] and "val_loss" not in plain.metrics
+    assert all(math.isfinite(s["val_loss"]) for s in evaluated.steps if "val_loss" in s)
+    # evaluation restores the delayed-scaling amax histories: training is bit-identical
+    assert [s["loss"] for s in evaluated.steps] == [s["loss"] for s in plain.steps]
+    assert sum(line.startswith("validation loss at iteration") for line in lines) == 3
+    with pytest.raises(UsageError, match="at least MBS x DP = 32 validation sequences"):
+        loop.train(cfg.with_(mbs=32, gbs=32, eval_every=1), log=lambda line: None)
+
+
+def test_converge_on_raw_text(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    results, plot = tmp_path / "res", tmp_path / "curves.png"
+    rc = main(["converge", "--data", str(corpus), "--precision", "bf16,fp8-tensorwise", "--tokens", "384",
+               "--eval-every", "2", "--vocab-size", "300", "--tolerance", "fp8=0", "--results", str(results),
+               "--plot", str(plot)] + SMALL)
+    out = capsys.readouterr().out
+    assert "no tokenizer given" not in out and "a byte-level BPE (vocab 300 requested) was trained on" in out
+    runs = ResultsStore(results).runs("workload = 'converge'")
+    assert [r["precision"] for r in runs] == ["bf16", "fp8-tensorwise"] and len({r["group_id"] for r in runs}) == 1
+    assert all(r["config"]["steps"] == 6 and r["config"]["vocab_size"] <= 300 for r in runs)
+    vals = [r["metrics"]["val_losses"] for r in runs]
+    assert [[s for s, _ in v] for v in vals] == [[2, 4, 6], [2, 4, 6]]
+    ref, fp8 = vals[0][-1][1], vals[1][-1][1]
+    gap = (fp8 - ref) / ref * 100
+    verdict = "pass" if gap <= 0 else "fail"
+    row = next(line for line in out.splitlines() if "│ fp8-tensorwise" in line)
+    assert f"{fp8:.4f}" in row and f"{gap:+.2f}%" in row and "0%" in row and verdict in row
+    assert rc == (0 if verdict == "pass" else 1)
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+    assert main(["report", "--results", str(results)]) == 0
+    assert "Convergence" in capsys.readouterr().out
+
+
+def test_a_diverging_recipe_stops_and_the_others_run(tmp_path, capsys, monkeypatch):
+    real_train, real_build = loop.train, loop.build_model
+
+    def poisoned_build(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        forward, calls = model.forward, [0]
+
+        def forward_with_nan(*a, **k):
+            calls[0] += torch.is_grad_enabled()  # training forwards only
+            out = forward(*a, **k)
+            return out * float("nan") if calls[0] >= 3 else out
+
+        model.forward = forward_with_nan
+        return model
+
+    def train(cfg, *args, **kwargs):
+        with monkeypatch.context() as m:
+            if cfg.precision == "fp8-tensorwise":
+                m.setattr(loop, "build_model", poisoned_build)
+            return real_train(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "train", train)
+    results = tmp_path / "res"
+    rc = main(["converge", "--precision", "bf16,fp8-tensorwise,mxfp8", "--tokens", "384", "--eval-every", "3",
+               "--results", str(results), "--plot", str(tmp_path / "p.png")] + SMALL)
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert re.search(r"│ fp8-tensorwise .*diverged @ step 3", out)
+    assert re.search(r"│ mxfp8 .*│ ok .*(pass|fail)", out)
+    runs = ResultsStore(results).runs()
+    assert [r["status"] for r in runs] == ["ok", "diverged", "ok"]
+    assert runs[1]["metrics"]["diverged_step"] == 3 and len(ResultsStore(results).steps(runs[2]["id"])) == 6
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ablate", "magic"], "unknown ablation 'magic'"),
+    (["--tokens", "10"], "less than one step"),
+    (["--tolerance", "fp8"], "NAME=PERCENT"),
+    (["--data", "mock", "--tokenizer", "byte"], "--tokenizer applies to real data"),
+    (["--data", "/no/such/corpus.jsonl"], "--data /no/such/corpus.jsonl"),
+    (["--precision", "bf16,mxfp8", "--no-emulate", "--device", "cpu"], "mxfp8 cannot run natively on cpu"),
+    (["--model", "tiny", "--seq-len", "4096"], "exceeds tiny's limit"),
+])
+def test_converge_rejects_bad_input_in_one_line(argv, message, tmp_path, capsys):
+    assert main(["converge", "--results", str(tmp_path)] + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
