@@ -4,6 +4,8 @@ The casts are plain torch ops that torch.compile fuses; they are checked eagerly
 compiled by inductor, on CUDA (``gpu`` tests).
 """
 
+import shutil
+
 import pytest
 import torch
 
@@ -89,6 +91,7 @@ def _fwd_bwd(mod, weight, bias, step, device):
     return out
 
 
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
 @pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
 def test_compiled_fast_linear_equals_eager_on_cpu(monkeypatch, precise_casts, recipe):
     """torch.compile of the fast path (CPU ``_scaled_mm``) computes the eager fast path's codes:
