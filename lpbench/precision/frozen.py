@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lpbench.precision.formats import FORMATS, pack_e2m1, unpack_e2m1
-from lpbench.precision.linear import QuantizedLinear, qgemm
-from lpbench.precision.quantize import QTensor, delayed_encode_scale, quantize, update_amax_history
+from lpbench.precision.formats import pack_e2m1, unpack_e2m1
+from lpbench.precision.linear import QuantizedLinear, delayed_scale, qgemm
+from lpbench.precision.quantize import QTensor, delayed_encode_scale, quantize
 from lpbench.precision.recipes import Recipe
 
 
@@ -75,7 +75,7 @@ class FrozenQuantizedLinear(nn.Module):
         enc = None
         if recipe.scaling == "delayed":  # the scale a history holding only this weight's amax gives
             amax = w.abs().amax().float()
-            enc = delayed_encode_scale(torch.zeros_like(amax), amax, FORMATS[recipe.fwd_format], recipe.margin)
+            enc = delayed_encode_scale(torch.zeros_like(amax), amax, recipe.element_format("weight"), recipe.margin)
         self._store("w", quantize(w, spec_f, encode_scale=enc))
         if not self.shared:
             self._store("wt", quantize(w.t(), spec_d, encode_scale=enc))
@@ -96,12 +96,7 @@ class FrozenQuantizedLinear(nn.Module):
         """Delayed scaling, as QuantizedLinear: the encode scale from ``role``'s history, then record t's amax."""
         if self.recipe.scaling != "delayed":
             return None
-        history = getattr(self, f"amax_history_{role}")
-        amax = t.detach().abs().amax().float()
-        fmt = FORMATS[self.recipe.grad_format if role == "grad" else self.recipe.fwd_format]
-        scale = delayed_encode_scale(history, amax, fmt, self.recipe.margin)
-        update_amax_history(history, amax)
-        return scale
+        return delayed_scale(self, role, t.detach().abs().amax().float())
 
     def _put(self, name: str, t: torch.Tensor) -> None:
         self._layout[name] = (t.dtype, tuple(t.shape))

@@ -41,7 +41,6 @@ from torch import nn
 
 from lpbench.parallel import fp8_allgather
 from lpbench.parallel.tp import local_linear
-from lpbench.precision.formats import FORMATS
 from lpbench.precision.quantize import (
     RHT_SIZE,
     QSpec,
@@ -145,6 +144,15 @@ class _QuantizedLinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def delayed_scale(mod: nn.Module, role: str, amax: torch.Tensor) -> torch.Tensor:
+    """The encode scale of ``mod``'s operand ``role`` from its amax history (``amax`` standing in
+    while the history is empty), then ``amax`` recorded in the history."""
+    history = getattr(mod, f"amax_history_{role}")
+    scale = delayed_encode_scale(history, amax, mod.recipe.element_format(role), mod.recipe.margin)
+    update_amax_history(history, amax)
+    return scale
+
+
 class QuantizedLinear(nn.Linear):
     """``nn.Linear`` whose three GEMMs follow a precision recipe (same parameters and names)."""
 
@@ -175,12 +183,7 @@ class QuantizedLinear(nn.Linear):
         """Delayed scaling: the encode scale from ``role``'s history, then record t's amax."""
         if self.recipe.scaling != "delayed":
             return None
-        history = getattr(self, f"amax_history_{role}")
-        amax = self.reduce_amax(role, t.detach().abs().amax().float())
-        fmt = FORMATS[self.recipe.grad_format if role == "grad" else self.recipe.fwd_format]
-        scale = delayed_encode_scale(history, amax, fmt, self.recipe.margin)
-        update_amax_history(history, amax)
-        return scale
+        return delayed_scale(self, role, self.reduce_amax(role, t.detach().abs().amax().float()))
 
     @property
     def tp_multiple(self) -> int:
@@ -221,7 +224,7 @@ class QuantizedLinear(nn.Linear):
         gathered = fp8_allgather.gathered(self, weight)
         if gathered is not None:
             codes, dec = gathered
-            fmt = FORMATS[self.recipe.fwd_format]
+            fmt = self.recipe.element_format("weight")
             wq = QTensor(codes, dec.reshape(1, 1), tuple(codes.shape), fmt)
             return wq, QTensor(codes.t().contiguous(), wq.scale, tuple(codes.shape[::-1]), fmt) if dgrad else None
         enc = self._delayed_scale("weight", weight)

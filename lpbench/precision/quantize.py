@@ -112,14 +112,27 @@ def _floor_pow2(s: torch.Tensor) -> torch.Tensor:
     return pow2(e - 1)
 
 
-def _div(numerator: float, t: torch.Tensor) -> torch.Tensor:
-    """numerator / t, correctly rounded: torch evaluates ``scalar / tensor`` as
-    ``tensor.reciprocal() * scalar`` (two roundings), which is not the definition."""
-    return torch.full_like(t, numerator, dtype=torch.float32) / t
+def _div(numerator: torch.Tensor | float, denominator: torch.Tensor | float) -> torch.Tensor:
+    """FP32 numerator / denominator, correctly rounded, on every device, eager or compiled.
+
+    Divided in FP64 and rounded once to FP32, which equals the correctly rounded FP32 quotient of
+    FP32 operands (FP64 carries more than 2·24 + 2 bits). A plain ``/`` is not the definition:
+    torch evaluates ``scalar / tensor`` (and, on CUDA, ``tensor / scalar``) through a reciprocal
+    (two roundings), and compiled Triton code may divide approximately.
+    """
+    like = numerator if isinstance(numerator, torch.Tensor) else denominator
+    n, d = (v.double() if isinstance(v, torch.Tensor) else torch.full_like(like, v, dtype=torch.float64)
+            for v in (numerator, denominator))
+    return (n / d).float()
 
 
 def _poison(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return scale.masked_fill(~torch.isfinite(amax), float("nan"))
+
+
+def fp8_decode_scale(encode_scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """1 / ``encode_scale`` (correctly rounded), NaN where the group's ``amax`` is not finite."""
+    return _poison(_div(1.0, encode_scale), amax)
 
 
 def fp8_encode_scale(amax: torch.Tensor, fmt: FloatFormat, *, pow2: bool = False) -> torch.Tensor:
@@ -154,7 +167,7 @@ def quantize_fp8(
         amax = all_reduce_max(amax, amax_group)
     enc = fp8_encode_scale(amax, fmt, pow2=pow2) if encode_scale is None else encode_scale.float().expand_as(amax)
     codes = encode(x * _expand(enc, blk), fmt, stochastic=stochastic, generator=generator, noise=noise)
-    return QTensor(codes, _poison(_div(1.0, enc), amax), blk, fmt)
+    return QTensor(codes, fp8_decode_scale(enc, amax), blk, fmt)
 
 
 def delayed_encode_scale(
@@ -207,7 +220,7 @@ def quantize_mx(
     blk = _resolve(x, (1, block))
     amax = _block_amax(x, blk)
     if rounding == "rceil":
-        k = _ceil_log2(amax / fmt.max)
+        k = _ceil_log2(_div(amax, fmt.max))
     else:
         k = torch.frexp(amax)[1] - 1 - fmt.emax
     k = torch.where(amax > 0, k, -127).clamp(-127, 127)
@@ -236,7 +249,7 @@ def quantize_nvfp4(
     amax = all_reduce_max(x.abs().amax(), amax_group)
     top = E4M3.max * E2M1.max
     g_enc = torch.where(amax > 0, _div(top, amax), torch.ones_like(amax)).clamp(max=FP32_MAX)
-    g_dec = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    g_dec = torch.where(amax > 0, _div(amax, top), torch.ones_like(amax))
     block_amax = _block_amax(x, blk)
     scale = encode(block_amax * (g_enc * torch.tensor(1 / E2M1.max)), E4M3)
     enc = _div(1.0, scale.float() * g_dec).clamp(max=FP32_MAX)

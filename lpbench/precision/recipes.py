@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from lpbench.errors import UsageError
-from lpbench.precision.formats import FORMATS
+from lpbench.precision.formats import FORMATS, FloatFormat
 from lpbench.precision.quantize import QSpec
 
 SCALINGS = ("tensor", "delayed", "row", "block", "mx", "nvfp4")
@@ -72,6 +72,10 @@ class Recipe:
         """What a linear's in and out features must divide by (the block, or 16 for FP8 GEMMs)."""
         return self.block or 16
 
+    def element_format(self, role: str) -> FloatFormat:
+        """The element format of operand ``role``: the gradient's, or the forward one."""
+        return FORMATS[self.grad_format if role == "grad" else self.fwd_format]
+
     def operand(self, role: str, gemm: str) -> QSpec | None:
         """How operand ``role`` of GEMM ``gemm`` is quantized along that GEMM's reduction dim.
 
@@ -93,7 +97,7 @@ class Recipe:
             block = (1, self.block)
         return QSpec(
             kind,
-            FORMATS[self.grad_format if role == "grad" else self.fwd_format],
+            self.element_format(role),
             block,
             pow2=self.pow2_scales,
             mx_rounding=self.mx_scale_rounding,

@@ -13,11 +13,11 @@ the amax reduction fuses into the operand's producer (RMSNorm, SwiGLU, the previ
 epilogue), and one kernel writes both the row-major and the transposed FP8 copy. This
 measured faster than lpbench's own Triton cast kernels, which could not write the
 transposed copy correctly with Triton 3.6 (benchmarks/RESULTS.md, 2026-11-22). The scales
-are divided in FP64 and rounded once to FP32, which equals the correctly rounded FP32
-quotient (FP64 has more than 2·24 + 2 bits), so codes and scales are bit-exact with the
-reference whatever division the generated code uses. Delayed scaling needs no amax before
-the cast (the scale comes from the history); the amax recorded for the next step is reduced
-in the same fused pass.
+are the reference's own functions (``quantize.fp8_encode_scale`` / ``delayed_encode_scale`` /
+``fp8_decode_scale``), whose division is exact eager or compiled, so codes and scales are
+bit-exact with the reference. Delayed scaling needs no amax before the cast (the scale
+comes from the history); the amax recorded for the next step is reduced in the same fused
+pass.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from __future__ import annotations
 import torch
 
 from lpbench.parallel import fp8_allgather
-from lpbench.precision.formats import FORMATS, FloatFormat
+from lpbench.precision.formats import FloatFormat
 from lpbench.precision.kernels.fp8 import update_amax_history
-
-FP32_MAX = torch.finfo(torch.float32).max
+from lpbench.precision.quantize import delayed_encode_scale, fp8_decode_scale, fp8_encode_scale
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -37,22 +36,13 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and tokens % 16 == 0 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
-def encode_scale(amax: torch.Tensor, fmt: FloatFormat, margin: int = 0) -> torch.Tensor:
-    """FP32 ``fmt.max / amax / 2**margin`` (1 where amax is 0 or NaN, capped at the FP32 max), exactly rounded."""
-    a = amax.double()
-    enc = torch.where(a > 0, fmt.max / a, 1.0).clamp(max=FP32_MAX).float()
-    return enc / 2**margin
-
-
 def cast(t: torch.Tensor, amax: torch.Tensor, enc: torch.Tensor, fmt: FloatFormat, write_t: bool):
     """(codes, transposed codes or empty, FP32 decode scale): saturating round-to-nearest-even cast of t × enc.
 
     The decode scale is NaN when ``amax`` (of t) is not finite, as in the reference.
     """
     q = (t.float() * enc).clamp(-fmt.max, fmt.max).to(fmt.dtype).contiguous()
-    dec = (1.0 / enc.double()).float()
-    dec = torch.where(torch.isfinite(amax), dec, float("nan"))
-    return q, (q.t().contiguous() if write_t else q.new_empty((0,))), dec
+    return q, (q.t().contiguous() if write_t else q.new_empty((0,))), fp8_decode_scale(enc, amax)
 
 
 def _quantize(mod, role: str, t: torch.Tensor, write_t: bool):
@@ -63,16 +53,14 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool):
     is empty) and records the current amax.
     """
     recipe = mod.recipe
-    fmt = FORMATS[recipe.grad_format if role == "grad" else recipe.fwd_format]
+    fmt = recipe.element_format(role)
     if role == "weight" and (pre := fp8_allgather.gathered(mod, t)) is not None:  # FSDP all-gathered it in FP8
         return pre[0], pre[0].t().contiguous() if write_t else pre[0].new_empty((0,)), pre[1]
     amax = mod.reduce_amax(role, t.detach().abs().amax().float())
     if recipe.scaling != "delayed":
-        return cast(t, amax, encode_scale(amax, fmt), fmt, write_t)
+        return cast(t, amax, fp8_encode_scale(amax, fmt), fmt, write_t)
     history = getattr(mod, f"amax_history_{role}")
-    ref = history.max()
-    enc = encode_scale(torch.where(ref > 0, ref, amax), fmt, recipe.margin)
-    out = cast(t, amax, enc, fmt, write_t)
+    out = cast(t, amax, delayed_encode_scale(history, amax, fmt, recipe.margin), fmt, write_t)
     update_amax_history(history, amax)
     return out
 
