@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lpbench import __version__
-from lpbench.config import LORA_BASE_STORAGES, WORKLOADS, RunConfig
+from lpbench.config import COMPILE_SCOPES, LORA_BASE_STORAGES, WORKLOADS, RunConfig
 from lpbench.errors import UsageError
 
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -89,6 +89,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="auto (GPU if present), cpu, cuda or cuda:N (default auto)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on for CUDA, off for CPU)")
+    p.add_argument("--compile-scope", choices=COMPILE_SCOPES, default=d.compile_scope,
+                   help="what one compiled graph holds: each block and the output head apart (default; "
+                        "compiles one block's code for all), or the whole model (one process or DDP: slower "
+                        "to compile, fuses across blocks)")
     p.add_argument("--emulate", action=argparse.BooleanOptionalAction, default=None,
                    help="allow exact emulation of formats the GPU lacks (default: on for CPU, off on GPU)")
     p.add_argument("--flops-formula", default=d.flops_formula,
@@ -141,7 +145,8 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
                      lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
                      lora_base_storage=args.lora_base_storage,
                      seed=args.seed, device=args.device,
-                     compile=args.compile, emulate=args.emulate, flops_formula=args.flops_formula,
+                     compile=args.compile, compile_scope=args.compile_scope, emulate=args.emulate,
+                     flops_formula=args.flops_formula,
                      log_interval=args.log_interval, tp=DEFAULTS.tp if args.tp is None else args.tp,
                      fsdp=bool(args.fsdp), fsdp_fp8_all_gather=args.fsdp_fp8_all_gather,
                      sequence_parallel=args.sequence_parallel, save_every=args.save_every, save_dir=args.save_dir,

@@ -14,6 +14,7 @@ from lpbench.precision.recipes import get_recipe
 NOT_IN_KEY = ("save_every", "save_dir", "load", "profile_steps")  # see RunConfig.key
 WORKLOADS = ("pretrain", "sft", "lora")  # lpbench/train/workload.py
 LORA_BASE_STORAGES = ("bf16", "quantized")
+COMPILE_SCOPES = ("block", "model")  # lpbench/parallel/plan.py
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class RunConfig:
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compile: bool | None = None  # default: on for CUDA, off for CPU
+    compile_scope: str = "block"  # "block": each block and the head apart; "model": one whole-model graph
     emulate: bool | None = None  # default: on for CPU; on GPU only when asked
     flops_formula: str = "megatron"
     data: str = "mock"
@@ -157,6 +159,10 @@ class RunConfig:
                                          or self.backend != "lpbench"):
             raise UsageError(f"--fsdp-fp8-all-gather needs precision fp8-tensorwise or fp8-delayed on the lpbench "
                              f"backend, not {self.precision} ({self.backend})")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise UsageError(f"unknown --compile-scope {self.compile_scope!r}; valid: {', '.join(COMPILE_SCOPES)}")
+        if self.compile_scope == "model" and (self.fsdp or self.tp > 1):
+            raise UsageError("--compile-scope model needs one process or DDP; FSDP and TP compile each block")
         self._validate_workload()
         if self.lr is not None and self.lr <= 0:
             raise UsageError(f"--lr must be positive, got {self.lr}")

@@ -220,6 +220,10 @@ class Decoder(nn.Module):
                 rope = (rope[0][positions], rope[1][positions])
         for layer in self.layers:
             h = layer(h, rope) if mask is None else layer(h, rope, mask)
+        return self.head(h, labels)
+
+    def head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Final norm and LM head: logits, or their mean cross-entropy (FP32) with ``labels``."""
         logits = self.lm_head(self.norm(h))
         if labels is None:
             return logits

@@ -43,26 +43,31 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
                 use_compile: bool) -> Parallelized:
     """Apply ``cfg``'s TP / FSDP / DDP to ``model`` in place, and ``torch.compile``.
 
-    One process or DDP: the whole model is compiled (DDP through Dynamo's DDPOptimizer), so
-    scaling is measured on the same compiled program. FSDP2 or TP: each block is compiled
-    before wrapping, as torchtitan does; the embedding, head and loss run eagerly.
+    ``--compile-scope block`` (default): each block is compiled before wrapping, as torchtitan
+    does; the blocks share one code object, so one block's compilation serves all of them.
+    With one process or DDP the output head (norm, LM head, loss) is compiled apart too, so the
+    FP32 logits are never stored. ``model`` (one process or DDP only): one whole-model graph
+    (DDP through Dynamo's DDPOptimizer), which may fuse across block boundaries.
     """
     # compiled code rounds wherever eager code rounds (e.g. a BF16 activation before its FP8
     # cast), so compiled quantizers see the values the reference sees
     torch._inductor.config.emulate_precision_casts = True
+    whole = use_compile and cfg.compile_scope == "model"
+    if use_compile and not whole and not cfg.fsdp and cfg.tp == 1:
+        model.head = torch.compile(model.head)
     if cfg.world_size == 1:
         materialize(model, device, cfg.seed)
-        return Parallelized(model, torch.compile(model) if use_compile else model, None, 0)
+        if use_compile and not whole:
+            compile_blocks(model)
+        return Parallelized(model, torch.compile(model) if whole else model, None, 0)
     mesh = device_mesh(device.type, cfg.dp, cfg.tp)
-    whole = cfg.tp == 1 and not cfg.fsdp
     fsdp = cfg.dp > 1 and cfg.fsdp
     if cfg.tp > 1:
         apply_tp(model, mesh["tp"], cfg.sequence_parallel)
     if not fsdp:
         materialize(model, device, cfg.seed)
     if use_compile and not whole:
-        for block in model.layers:
-            block.compile(fullgraph=True)
+        compile_blocks(model)
         if cfg.tp > 1:  # torch 2.13: a compiled block fed a DTensor's own local tensor fails in backward
             model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
     module = model
@@ -73,8 +78,14 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
         materialize(model, device, cfg.seed)
     elif cfg.dp > 1:
         module = apply_ddp(model, mesh["dp"], device)
-    forward = torch.compile(module) if use_compile and whole else module
+    forward = torch.compile(module) if whole else module
     return Parallelized(module, forward, mesh, mesh["dp"].get_local_rank())
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """Compile every transformer block (graph breaks allowed: MoE routing has data-dependent shapes)."""
+    for block in model.layers:
+        block.compile()
 
 
 @torch.no_grad()

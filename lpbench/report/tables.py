@@ -40,7 +40,7 @@ COLUMNS = [  # (key, header, format) of the flat table (lpbench run, sweep, --fo
     ("status", "status", "{}"),
 ]
 LAYOUT_KEYS = ("tp", "pp", "cp", "vp", "ep", "dp", "fsdp", "fsdp_fp8_all_gather",
-               "sequence_parallel")  # parallel layout, when in config
+               "sequence_parallel", "compile", "compile_scope")  # parallel layout and compilation, when in config
 BASELINE = "bf16"
 TIME_TO_TRAIN_GPUS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 TIME_TO_TRAIN_TOKENS = 1e12

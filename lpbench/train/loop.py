@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch._dynamo
 
 from lpbench.config import RunConfig
 from lpbench.errors import UsageError
@@ -88,6 +89,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
         build_model(model_cfg, device="meta" if meta else device, seed=cfg.seed)
     n_params = count_parameters(model)
     precision_info, workload_metrics = prepare_model(model, cfg, recipe, device=device, emulate=emulate)
+    if use_compile:  # runs in one process (several precisions, converge) each get Dynamo's full recompile budget
+        torch._dynamo.reset()
     par = parallelize(model, cfg, device, recipe.compute_dtype, use_compile)
     workload_metrics["weight_bytes"] = weight_bytes(par.module)
     forward = par.forward
