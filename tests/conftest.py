@@ -9,3 +9,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def precise_casts():
+    """Compiled code rounds where eager code rounds, as ``lpbench run`` configures inductor."""
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        yield

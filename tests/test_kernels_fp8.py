@@ -71,15 +71,6 @@ def test_delayed_scale_matches_reference():
     _same(q, qt, dec, quantize_fp8(x, E4M3, encode_scale=delayed_encode_scale(history, x.float().abs().max(), E4M3)))
 
 
-@pytest.fixture
-def precise_casts():
-    """Compiled code rounds where eager code rounds, as ``lpbench run`` configures inductor."""
-    import torch._inductor.config
-
-    with torch._inductor.config.patch(emulate_precision_casts=True):
-        yield
-
-
 def _fwd_bwd(mod, weight, bias, step, device):
     x = torch.randn(4, 64, 256, generator=torch.Generator().manual_seed(step)).to(device).requires_grad_()
     with torch.autocast(device, dtype=torch.bfloat16):

@@ -14,7 +14,9 @@ exactly on any device:
   scales that are constant along the reduction dim (tensor, row, NVFP4 global) are applied
   to the FP32 output, as the hardware does. Equal to a native GEMM up to summation order.
 * native path (CUDA, see ``NATIVE_SCALINGS``): ``torch._scaled_mm`` for FP8 tensorwise /
-  delayed (SM89+; fused Triton casts, ``kernels/fp8_linear.py``) and rowwise (SM90+).
+  delayed (SM89+; compiler-fused casts, ``kernels/fp8_linear.py``) and rowwise (SM90+);
+  ``F.scaled_mm`` for blockwise (1x128 activations and gradients, 128x128 weights; Hopper,
+  cuBLAS 12.9+), for shapes it takes (:func:`blockwise_native_shape`), else emulated.
 
 Autocast: inputs are cast to the autocast dtype, then all quantization and GEMMs run with
 autocast disabled; the output has the input's compute dtype, dW the weight's dtype. Delayed
@@ -54,7 +56,7 @@ from lpbench.precision.quantize import (
 )
 from lpbench.precision.recipes import Recipe
 
-NATIVE_SCALINGS = ("tensor", "delayed", "row")  # scalings with a native GEMM in lpbench
+NATIVE_SCALINGS = ("tensor", "delayed", "row", "block")  # scalings with a native GEMM in lpbench
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -72,8 +74,40 @@ def _operand(q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.values() * q.block_scales(), g
 
 
+def blockwise_native_shape(a: QTensor, b: QTensor) -> bool:
+    """Whether ``F.scaled_mm`` takes blockwise a · bᵀ: 1x128 blocks for a, 1x128 or 128x128 for b,
+    every dim a multiple of 128, and (128x128 b) a multiple of 4 scale columns, so that cuBLAS's
+    padded scale layout is the plain one."""
+    (m, k), n = a.codes.shape, b.codes.shape[0]
+    ok = a.block == (1, 128) and b.block in ((1, 128), (128, 128)) and not (m % 128 or n % 128 or k % 128)
+    return ok and (b.block[0] == 1 or (k // 128) % 4 == 0)
+
+
+@torch.library.custom_op("lpbench::blockwise_mm", mutates_args=())
+def _blockwise_mm_op(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """BF16 a · bᵀ of FP8 codes with 1x128 a-scales [M, K/128] and 1x128 [N, K/128] or 128x128
+    [N/128, K/128] b-scales (row-major FP32), laid out here as cuBLAS reads them: 1x128 scales
+    K-block-major (strides (1, rows)), 128x128 ones as the [K/128, N/128] view. A custom op, so
+    that torch.compile keeps the layouts and does not break its graph at ``F.scaled_mm``."""
+    from torch.nn.functional import ScalingType, SwizzleType, scaled_mm
+
+    if scale_b.shape[0] == b.shape[0]:
+        sb, kind_b = scale_b.t().contiguous().t(), ScalingType.BlockWise1x128
+    else:
+        sb, kind_b = scale_b.t(), ScalingType.BlockWise128x128
+    return scaled_mm(a, b.t(), scale_a.t().contiguous().t(), ScalingType.BlockWise1x128, sb, kind_b,
+                     swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE, output_dtype=torch.bfloat16)
+
+
+@_blockwise_mm_op.register_fake
+def _(a, scale_a, b, scale_b):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
+
+
 def _scaled_mm(a: QTensor, b: QTensor) -> torch.Tensor:
-    """Native FP8 a · bᵀ: tensorwise (scalar scales) or rowwise ([M, 1] and [1, N] scales)."""
+    """Native FP8 a · bᵀ: tensorwise (scalar scales), rowwise ([M, 1] and [1, N] scales) or blockwise."""
+    if a.block[1] != a.codes.shape[1]:
+        return _blockwise_mm_op(a.codes, a.scale.float().contiguous(), b.codes, b.scale.float().contiguous())
     sa, sb = a.scale.float(), b.scale.float()
     if sa.numel() == 1 and sb.numel() == 1:
         sa, sb = sa.reshape(()), sb.reshape(())
@@ -84,7 +118,7 @@ def _scaled_mm(a: QTensor, b: QTensor) -> torch.Tensor:
 
 def qgemm(a: QTensor, b: QTensor, *, native: bool = False) -> torch.Tensor:
     """FP32 a · bᵀ of two operands quantized along their last (reduction) dim."""
-    if native:
+    if native and (a.block[1] == a.codes.shape[1] or blockwise_native_shape(a, b)):
         return _scaled_mm(a, b).float()
     (va, sa), (vb, sb) = _operand(a), _operand(b)
     return _mm_fp32(va, vb) * sa * (sb.t() if sb.dim() else sb)

@@ -25,7 +25,16 @@ def native_supported(recipe: Recipe, device: torch.device | str) -> bool:
         return True
     if device.type != "cuda" or recipe.native_capability is None or recipe.scaling not in NATIVE_SCALINGS:
         return False
+    if recipe.scaling == "block" and not _blockwise_gemm(device):
+        return False
     return torch.cuda.get_device_capability(device) >= recipe.native_capability
+
+
+def _blockwise_gemm(device: torch.device) -> bool:
+    """``F.scaled_mm``'s FP8 blockwise GEMM: Hopper (SM 9.x) with cuBLAS from CUDA 12.9 on."""
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return (hasattr(torch.nn.functional, "scaled_mm") and cuda >= (12, 9)
+            and torch.cuda.get_device_capability(device)[0] == 9)
 
 
 def _why_not_native(recipe: Recipe, device: torch.device) -> str:
@@ -33,6 +42,9 @@ def _why_not_native(recipe: Recipe, device: torch.device) -> str:
         return f"{device.type} has no low-precision GEMMs"
     if recipe.scaling not in NATIVE_SCALINGS:
         return f"lpbench has no native kernel for {recipe.scaling} scaling yet"
+    if recipe.scaling == "block" and not _blockwise_gemm(device):
+        return (f"its native GEMM (torch's F.scaled_mm, cuBLAS from CUDA 12.9) runs on Hopper (SM 9.x) only; "
+                f"this GPU has {torch.cuda.get_device_capability(device)}, torch CUDA {torch.version.cuda}")
     major, minor = recipe.native_capability
     return f"it needs compute capability {major}.{minor}, this GPU has {torch.cuda.get_device_capability(device)}"
 
