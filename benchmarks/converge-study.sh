@@ -16,12 +16,17 @@
 # MX/NVFP4 GEMMs, so mxfp8 and nvfp4 run emulated (BF16 GEMMs on exactly dequantized operands,
 # compiled quantizers); their cost, not BF16's, sets the budget. Each run prints its tokens/s;
 # a finished run is already in results.db if the call is cut short (the ablations run last).
-# Scale with TOKENS=...; 32 K tokens per step (MBS 32 x 1024).
+# Scale with TOKENS=...; 32 K tokens per step (MBS 32 x 1024). On one H100 the default 10 M tokens
+# take about 13 minutes: 5.5 for the five recipes, 7.5 for BF16, NVFP4 and the four ablations
+# (which is how benchmarks/RESULTS.md ran it, in two calls: ABLATE= bash ..., then
+# PRECISION=bf16,nvfp4 bash ...).
 set -euo pipefail
 
 OUT=${OUT:-converge-study}
 TOKENS=${TOKENS:-10000000}
 EVAL_EVERY=${EVAL_EVERY:-50}
+PRECISION=${PRECISION:-bf16,fp8-tensorwise,fp8-delayed,mxfp8,nvfp4}
+ABLATE=${ABLATE-rht,sr,2d,bf16-tail}  # empty: no ablation runs
 DATA=${DATA:-.corpus/prepared/docs_text_document}
 PYTHON=${PYTHON:-python3}
 
@@ -35,7 +40,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 # 32 x 1024 = 32,768 tokens per step (305 steps at 10 M tokens); validation on 256 held-out
 # sequences of the corpus's 1% tail every EVAL_EVERY steps and at the last step.
 "$PYTHON" -m lpbench converge --model llama-125m --data "$DATA" \
-    --precision bf16,fp8-tensorwise,fp8-delayed,mxfp8,nvfp4 --ablate rht,sr,2d,bf16-tail \
+    --precision "$PRECISION" ${ABLATE:+--ablate "$ABLATE"} \
     --tokens "$TOKENS" --seq-len 1024 --mbs 32 --gbs 32 --lr 6e-4 \
     --eval-every "$EVAL_EVERY" --eval-batches 8 --device cuda --emulate \
     --results "$OUT" --plot "$OUT/converge-llama-125m.png" --log-interval 20 "$@" 2>&1 | tee "$OUT/converge.log"

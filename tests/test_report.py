@@ -205,3 +205,18 @@ def test_torchao_rows_are_compared_with_lpbench_bf16_of_the_same_sweep(tmp_path)
               workload="pretrain", num_gpus=8, backend="torchao")
     torchao = next(r for r in summary_rows(s.runs()) if r["backend"] == "torchao")
     assert torchao["baseline"] == "bf16" and torchao["speedup"] == pytest.approx(1.1)
+
+
+def test_runs_compiled_differently_get_their_own_bf16_baseline(tmp_path):
+    s = ResultsStore(tmp_path)
+    for scope, bf16, fp8 in (("block", 10000.0, 11000.0), ("model", 9000.0, 10800.0)):
+        for precision, tps in (("bf16", bf16), ("fp8-tensorwise", fp8)):
+            config = {"model": "llama3-8b", "precision": precision, "seq_len": 8192, "mbs": 1, "gbs": 128, "dp": 8,
+                      "tp": 1, "steps": 5, "compile_scope": scope}
+            s.add_run(config=config, status="ok", error=None, metrics={"tokens_per_sec_per_gpu": tps},
+                      steps=[], env={"gpu": "NVIDIA H100 80GB HBM3"}, run_key=f"{scope}-{precision}", group_id="g1",
+                      workload="pretrain", num_gpus=8)
+    speedups = {(r["compile_scope"], r["precision"]): r["speedup"] for r in summary_rows(s.runs())}
+    assert speedups[("block", "fp8-tensorwise")] == pytest.approx(1.1)
+    assert speedups[("model", "fp8-tensorwise")] == pytest.approx(1.2)
+    assert speedups[("model", "bf16")] == pytest.approx(1.0)
