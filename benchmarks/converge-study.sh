@@ -27,6 +27,7 @@ TOKENS=${TOKENS:-10000000}
 EVAL_EVERY=${EVAL_EVERY:-50}
 PRECISION=${PRECISION:-bf16,fp8-tensorwise,fp8-delayed,mxfp8,nvfp4}
 ABLATE=${ABLATE-rht,sr,2d,bf16-tail}  # empty: no ablation runs
+NOISE_SEEDS=${NOISE_SEEDS:-2}  # BF16 again with 2 other seeds: the noise floor of the gaps (~25 s each)
 DATA=${DATA:-.corpus/prepared/docs_text_document}
 PYTHON=${PYTHON:-python3}
 
@@ -40,7 +41,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 # 32 x 1024 = 32,768 tokens per step (305 steps at 10 M tokens); validation on 256 held-out
 # sequences of the corpus's 1% tail every EVAL_EVERY steps and at the last step.
 "$PYTHON" -m lpbench converge --model llama-125m --data "$DATA" \
-    --precision "$PRECISION" ${ABLATE:+--ablate "$ABLATE"} \
+    --precision "$PRECISION" ${ABLATE:+--ablate "$ABLATE"} --noise-seeds "$NOISE_SEEDS" \
     --tokens "$TOKENS" --seq-len 1024 --mbs 32 --gbs 32 --lr 6e-4 \
     --eval-every "$EVAL_EVERY" --eval-batches 8 --device cuda --emulate \
     --results "$OUT" --plot "$OUT/converge-llama-125m.png" --log-interval 20 "$@" 2>&1 | tee "$OUT/converge.log"

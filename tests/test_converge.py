@@ -154,6 +154,7 @@ def test_a_diverging_recipe_stops_and_the_others_run(tmp_path, capsys, monkeypat
 @pytest.mark.parametrize("argv,message", [
     (["--ablate", "magic"], "unknown ablation 'magic'"),
     (["--tokens", "10"], "less than one step"),
+    (["--noise-seeds", "-1"], "--noise-seeds must be >= 0, got -1"),
     (["--tolerance", "fp8"], "NAME=PERCENT"),
     (["--data", "mock", "--tokenizer", "byte"], "--tokenizer applies to real data"),
     (["--data", "/no/such/corpus.jsonl"], "--data /no/such/corpus.jsonl"),
@@ -164,3 +165,23 @@ def test_converge_rejects_bad_input_in_one_line(argv, message, tmp_path, capsys)
     assert main(["converge", "--results", str(tmp_path)] + argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_noise_seeds_run_the_reference_again_and_give_the_noise_floor(tmp_path, capsys):
+    results = tmp_path / "res"
+    rc = main(["converge", "--data", "mock", "--model", "tiny", "--precision", "bf16,fp8-tensorwise",
+               "--tokens", "256", "--eval-every", "2", "--noise-seeds", "2", "--results", str(results)] + SMALL)
+    out = capsys.readouterr().out
+    runs = ResultsStore(results).runs("workload = 'converge'")
+    assert [(r["precision"], r["config"]["seed"]) for r in runs] == [
+        ("bf16", 1234), ("fp8-tensorwise", 1234), ("bf16", 1235), ("bf16", 1236)]
+    ref = runs[0]["metrics"]["val_losses"][-1][1]
+    gaps = [(r["metrics"]["val_losses"][-1][1] - ref) / ref * 100 for r in runs[2:]]
+    assert all(g != 0 for g in gaps)  # another seed: other weights and data order
+    for seed, gap in zip((1235, 1236), gaps):
+        row = next(line for line in out.splitlines() if f"│ bf16 @ seed {seed}" in line)
+        assert f"{gap:+.2f}%" in row and "seed noise" in row
+    floor = max(abs(g) for g in gaps)
+    assert f"lands up to {floor:.2f}% from seed 1234; gaps within ±{floor:.2f}%" in out
+    fp8_row = next(line for line in out.splitlines() if "│ fp8-tensorwise" in line)
+    assert rc == (1 if "fail" in fp8_row else 0)  # noise runs never fail the command

@@ -7,7 +7,9 @@ the first recipe's: gap = (loss - reference) / reference, and the recipe passes 
 at most its tolerance (defaults: FP8 recipes and MXFP8 0.5%, FP4 recipes 1.5%). A run whose
 loss turns NaN/Inf stops there and is reported as diverged; the others go on.
 ``--ablate rht,sr,2d,bf16-tail`` adds one NVFP4 run per ingredient switched off
-(``nvfp4-no-rht``, ...; :data:`lpbench.precision.recipes.ABLATIONS`).
+(``nvfp4-no-rht``, ...; :data:`lpbench.precision.recipes.ABLATIONS`). ``--noise-seeds K`` runs
+the reference K more times with other seeds (other init and data order): their gaps are the
+seed-to-seed noise that the recipes' gaps are to be read against.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class Outcome:
     tolerance: float | None = None
     verdict: str = ""
     steps: list[dict] = field(default_factory=list)
+    seed: int | None = None  # set on a --noise-seeds run of the reference
+
+    @property
+    def label(self) -> str:
+        return self.precision if self.seed is None else f"{self.precision} @ seed {self.seed}"
 
     @property
     def status_text(self) -> str:
@@ -78,7 +85,7 @@ def judge(outcomes: list[Outcome], tolerances: dict[str, float]) -> str:
     ref = outcomes[0]
     ref_loss = getattr(ref, metric) if ref.status == "ok" else None
     for i, o in enumerate(outcomes):
-        o.tolerance = None if i == 0 else tolerance_for(o.precision, tolerances)
+        o.tolerance = None if i == 0 or o.seed is not None else tolerance_for(o.precision, tolerances)
         loss = getattr(o, metric)
         if o.status != "ok":
             o.verdict = o.status_text if o.status == "diverged" else o.status
@@ -86,9 +93,15 @@ def judge(outcomes: list[Outcome], tolerances: dict[str, float]) -> str:
             o.verdict = "no reference" if i else "reference failed"
         else:
             o.gap_pct = (loss - ref_loss) / ref_loss * 100
-            o.verdict = "reference" if i == 0 else "no tolerance" if o.tolerance is None else \
-                "pass" if o.gap_pct <= o.tolerance else "fail"
+            o.verdict = "reference" if i == 0 else "seed noise" if o.seed is not None else \
+                "no tolerance" if o.tolerance is None else "pass" if o.gap_pct <= o.tolerance else "fail"
     return metric
+
+
+def noise_floor(outcomes: list[Outcome]) -> float | None:
+    """The largest |gap| of the reference's runs with other seeds (%), None without any."""
+    gaps = [abs(o.gap_pct) for o in outcomes if o.seed is not None and o.gap_pct is not None]
+    return max(gaps) if gaps else None
 
 
 def outcome_of(result) -> Outcome:
@@ -148,6 +161,8 @@ def build_configs(args) -> tuple[list[RunConfig], list[str]]:
 
     if args.tokens <= 0:
         raise UsageError(f"--tokens must be positive, got {args.tokens}")
+    if args.noise_seeds < 0:
+        raise UsageError(f"--noise-seeds must be >= 0, got {args.noise_seeds}")
     model_vocab = get_model_config(args.model).vocab_size
     names = expand_precisions(args.precision, args.ablate or [])
     device = resolve_device(args.device)
@@ -173,7 +188,8 @@ def build_configs(args) -> tuple[list[RunConfig], list[str]]:
         n = eval_batch_count(base, splits.valid)
         lines.append(f"validation: {n * args.mbs} held-out sequences of {args.seq_len} tokens "
                      f"(of {len(splits.valid)} in the split) every {eval_every} steps and at step {steps}")
-    return [base.with_(precision=p).validate() for p in names], lines
+    configs = [base.with_(precision=p).validate() for p in names]
+    return configs + [configs[0].with_(seed=base.seed + i) for i in range(1, args.noise_seeds + 1)], lines
 
 
 def cmd_converge(args) -> int:
@@ -189,7 +205,7 @@ def cmd_converge(args) -> int:
     configs, data_lines = build_configs(args)
     first = configs[0]
     tokens = first.steps * first.gbs * first.seq_len
-    console.print(f"lpbench converge: {first.model}, {len(configs)} recipes x {first.steps} steps x "
+    console.print(f"lpbench converge: {first.model}, {len(configs)} runs x {first.steps} steps x "
                   f"{first.gbs * first.seq_len:,} tokens = {tokens:,} tokens each (asked {args.tokens:,.0f}); "
                   f"same seed ({first.seed}), same data order", highlight=False)
     for line in data_lines:
@@ -206,6 +222,7 @@ def cmd_converge(args) -> int:
             result = loop.RunResult(config=cfg, status="error", error=f"{type(exc).__name__}: {exc}".splitlines()[0])
             console.print(f"[red]lpbench: {cfg.precision} failed: {result.error}[/red]")
         outcome = outcome_of(result)
+        outcome.seed = cfg.seed if cfg.seed != first.seed else None
         outcomes.append(outcome)
         metrics = dict(result.metrics, diverged_step=outcome.diverged_step, train_loss=outcome.train_loss,
                        train_loss_steps=TRAIN_WINDOW,
@@ -213,7 +230,7 @@ def cmd_converge(args) -> int:
         store.add_run(config=cfg.to_dict(), status=result.status, error=result.error, metrics=metrics,
                       steps=result.steps, env=result.env, run_key=cfg.key(), group_id=group, workload="converge",
                       backend=cfg.backend, num_gpus=cfg.world_size)
-        console.print(f"lpbench converge: {cfg.precision}: {outcome.status_text}, train loss "
+        console.print(f"lpbench converge: {outcome.label}: {outcome.status_text}, train loss "
                       f"{_fmt(outcome.train_loss)}, validation loss {_fmt(outcome.val_loss)}", highlight=False)
     metric = judge(outcomes, tolerances)
     ref = precision_name(outcomes[0].precision)
@@ -224,7 +241,7 @@ def cmd_converge(args) -> int:
         table.add_column(col, justify="right" if "loss" in col or col in ("gap vs " + ref, "tolerance") else "left")
     for o in outcomes:
         colour = {"pass": "green", "fail": "red"}.get(o.verdict, "red" if o.status != "ok" else "")
-        table.add_row(o.precision, o.path or "-", o.status_text, _fmt(o.train_loss), _fmt(o.val_loss),
+        table.add_row(o.label, o.path or "-", o.status_text, _fmt(o.train_loss), _fmt(o.val_loss),
                       "-" if o.gap_pct is None else f"{o.gap_pct:+.2f}%",
                       "-" if o.tolerance is None else f"{o.tolerance:g}%",
                       f"[{colour}]{o.verdict}[/{colour}]" if colour else o.verdict)
@@ -233,6 +250,10 @@ def cmd_converge(args) -> int:
                   + ("" if metric == "val_loss" else " (no validation: --eval-every 0)")
                   + f"; pass when gap <= tolerance. Train loss: mean of the last {window} steps.",
                   highlight=False)
+    noise = noise_floor(outcomes)
+    if noise is not None:
+        console.print(f"seed noise: {ref} with other seeds lands up to {noise:.2f}% from seed {first.seed}; "
+                      f"gaps within ±{noise:.2f}% are not resolved by this budget", highlight=False)
     plot = Path(args.plot or Path(args.results) / f"converge-{group}.png")
     png = convergence_curves([_plot_run(o, first) for o in outcomes], tolerances=tolerances,
                              title=f"{first.model} · {tokens:,} tokens per recipe · "
@@ -241,7 +262,7 @@ def cmd_converge(args) -> int:
     plot.write_bytes(png)
     console.print(f"plot: {plot}\nresults: {store.path} (group {group}; `lpbench report --results "
                   f"{args.results} --group {group}`)", highlight=False)
-    return 0 if all(o.verdict in ("reference", "pass", "no tolerance") for o in outcomes) else 1
+    return 0 if all(o.verdict in ("reference", "pass", "no tolerance", "seed noise") for o in outcomes) else 1
 
 
 def _fmt(v: float | None) -> str:
@@ -250,7 +271,7 @@ def _fmt(v: float | None) -> str:
 
 def _plot_run(o: Outcome, cfg: RunConfig) -> dict:
     per_step = cfg.gbs * cfg.seq_len
-    return {"precision": o.precision, "status": o.status_text, "ok": o.status == "ok", "verdict": o.verdict,
+    return {"precision": o.label, "status": o.status_text, "ok": o.status == "ok", "verdict": o.verdict,
             "train": [(s["step"] * per_step, s["loss"]) for s in o.steps],
             "val": [(s["step"] * per_step, s["val_loss"]) for s in o.steps if "val_loss" in s]}
 
@@ -296,6 +317,9 @@ def add_parser(sub) -> None:
                    help="tolerated gap in %% by recipe or family prefix, over the defaults "
                         + ",".join(f"{k}={v:g}" for k, v in DEFAULT_TOLERANCES.items()))
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of weights and data order (default {d.seed})")
+    p.add_argument("--noise-seeds", type=int, default=0, metavar="K",
+                   help="also run the reference with seeds SEED+1..SEED+K: its seed-to-seed gap is the noise "
+                        "floor to read the other gaps against (default 0)")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on for CUDA, off for CPU)")

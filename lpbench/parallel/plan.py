@@ -49,9 +49,9 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
     FP32 logits are never stored. ``model`` (one process or DDP only): one whole-model graph
     (DDP through Dynamo's DDPOptimizer), which may fuse across block boundaries.
     """
-    # compiled code rounds wherever eager code rounds (e.g. a BF16 activation before its FP8
-    # cast), so compiled quantizers see the values the reference sees
-    torch._inductor.config.emulate_precision_casts = True
+    if use_compile:  # compiled code rounds wherever eager code rounds (e.g. a BF16 activation
+        # before its FP8 cast), so compiled quantizers see the values the reference sees
+        torch._inductor.config.emulate_precision_casts = True
     whole = use_compile and cfg.compile_scope == "model"
     if use_compile and not whole and not cfg.fsdp and cfg.tp == 1:
         model.head = torch.compile(model.head)

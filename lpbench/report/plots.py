@@ -336,7 +336,8 @@ def convergence_curves(runs: list[dict], tolerances: dict[str, float], title: st
     handles = []
     tops, bottoms = [], []
     for i, r in enumerate(runs):
-        c, ls = colour(r["precision"], order), "--" if "-no-" in r["precision"] else "-"
+        c = colour(r["precision"], order)
+        ls = ":" if "@ seed" in r["precision"] else "--" if "-no-" in r["precision"] else "-"  # noise run, ablation
         pts = [(t / scale, v) for t, v in _gap_series(r, False).items()]
         if pts:
             xs, ys = zip(*pts)
