@@ -53,12 +53,11 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
         # before its FP8 cast), so compiled quantizers see the values the reference sees
         torch._inductor.config.emulate_precision_casts = True
     whole = use_compile and cfg.compile_scope == "model"
-    if use_compile and not whole and not cfg.fsdp and cfg.tp == 1:
-        model.head = torch.compile(model.head)
+    by_block = use_compile and not whole
     if cfg.world_size == 1:
         materialize(model, device, cfg.seed)
-        if use_compile and not whole:
-            compile_blocks(model)
+        if by_block:
+            compile_blocks(model, head=True)
         return Parallelized(model, torch.compile(model) if whole else model, None, 0)
     mesh = device_mesh(device.type, cfg.dp, cfg.tp)
     fsdp = cfg.dp > 1 and cfg.fsdp
@@ -66,8 +65,8 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
         apply_tp(model, mesh["tp"], cfg.sequence_parallel)
     if not fsdp:
         materialize(model, device, cfg.seed)
-    if use_compile and not whole:
-        compile_blocks(model)
+    if by_block:
+        compile_blocks(model, head=not cfg.fsdp and cfg.tp == 1)
         if cfg.tp > 1:  # torch 2.13: a compiled block fed a DTensor's own local tensor fails in backward
             model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
     module = model
@@ -82,10 +81,13 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
     return Parallelized(module, forward, mesh, mesh["dp"].get_local_rank())
 
 
-def compile_blocks(model: nn.Module) -> None:
-    """Compile every transformer block (graph breaks allowed: MoE routing has data-dependent shapes)."""
+def compile_blocks(model: nn.Module, head: bool) -> None:
+    """Compile every transformer block (graph breaks allowed: MoE routing has data-dependent shapes),
+    and with ``head`` the output head (norm, LM head, loss) as one more graph."""
     for block in model.layers:
         block.compile()
+    if head:
+        model.head = torch.compile(model.head)
 
 
 @torch.no_grad()

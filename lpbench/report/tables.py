@@ -2,10 +2,11 @@
 
 ``summary_rows`` flattens stored runs into one row per run with its speedup and final-loss
 delta against the BF16 run of its comparison group: the same invocation or sweep
-(``group_id``), workload, model, sequence length, batch sizes, GPU count and type and
-parallel layout, whatever the backend (torchao's rows are compared with lpbench's BF16 run). A group without an ok BF16 run is compared with its first ok run, and
-the row says which (``baseline``). ``to_rich`` / ``to_markdown`` / ``to_csv`` / ``to_json``
-render those rows flat.
+(``group_id``), workload, model, sequence length, batch sizes, GPU count and type, parallel
+layout and compilation, whatever the backend (torchao's rows are compared with lpbench's BF16
+run). A group without an ok BF16 run is compared with its first ok run, and the row says
+which (``baseline``). ``to_rich`` / ``to_markdown`` / ``to_csv`` / ``to_json`` render those
+rows flat.
 
 ``workload_tables`` and ``time_to_train_tables`` build the report's tables in the style of
 NeMo's performance summary (one table per workload, the config cells written once per
