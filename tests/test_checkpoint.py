@@ -19,6 +19,7 @@ import lpbench.train.loop as loop
 from lpbench.cli import main
 from lpbench.config import RunConfig
 from lpbench.models.registry import MODELS, ModelConfig
+from lpbench.parallel.env import shutdown
 from lpbench.train.checkpoint import META_FILE, find_checkpoint
 
 MODEL_ARGS = ("test-ckpt", 2, 64, 128, 4, 2, 512)  # 2 blocks, dim 64, vocab 512: fast on CPU
@@ -237,7 +238,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                          "files": sorted(os.listdir(folder + "/step-2"))}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    torch.distributed.destroy_process_group()
+    shutdown()  # all ranks meet first: a rank leaving mid-collective aborts its peer
 
 
 @pytest.fixture(scope="module")

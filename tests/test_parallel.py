@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 import lpbench.train.loop as loop
 from lpbench.config import RunConfig
 from lpbench.models.registry import MODELS, ModelConfig
+from lpbench.parallel.env import shutdown
 
 BASE = RunConfig(model="tiny", seq_len=32, mbs=8, gbs=8, steps=2, warmup_steps=1, precision="fp32", device="cpu")
 ARCHS = {  # tiny members of the other families: QK-norm + GQA, GPT (bias, learned positions, tied), MoE
@@ -51,7 +52,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         results["refused"] = _tp_refuses_linears_that_are_not_tp_aware()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    torch.distributed.destroy_process_group()
+    shutdown()  # all ranks meet first: a rank leaving mid-collective aborts its peer
 
 
 def _tp_group_size_of_a_sharded_linear(world: int) -> int | None:
