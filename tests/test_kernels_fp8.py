@@ -150,3 +150,24 @@ def test_fast_linear_matches_emulated_reference(precise_casts, recipe, compiled)
     if recipe == "fp8-delayed":
         for role in ("input", "weight", "grad"):
             assert torch.equal(getattr(fast, f"amax_history_{role}"), getattr(ref, f"amax_history_{role}"))
+
+
+@pytest.mark.parametrize("recipe, fprop_fast", [("fp8-tensorwise", True), ("fp8-delayed", True),
+                                                ("fp8-tensorwise-no-fast-accum", False)])
+def test_only_the_forward_gemm_accumulates_fast(monkeypatch, recipe, fprop_fast):
+    """As TE and torchao: fast accumulation in fprop only; dgrad and wgrad accumulate in FP32."""
+    from lpbench.precision.kernels import fp8_linear
+    from lpbench.precision.linear import QuantizedLinear
+    from lpbench.precision.recipes import get_recipe
+
+    calls, scaled_mm = [], torch._scaled_mm
+
+    def recording(*args, use_fast_accum=False, **kwargs):
+        calls.append(use_fast_accum)
+        return scaled_mm(*args, use_fast_accum=use_fast_accum, **kwargs)
+
+    monkeypatch.setattr(fp8_linear, "supported", lambda x, w: True)
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    mod = QuantizedLinear.from_linear(torch.nn.Linear(256, 384), get_recipe(recipe), native=True)
+    _fwd_bwd(mod, mod.weight, mod.bias, 0, "cpu")
+    assert calls == [fprop_fast, False, False]

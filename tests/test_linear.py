@@ -175,3 +175,13 @@ def test_nan_input_propagates():
 def test_qspec_dispatch_rejects_unknown_scaling():
     with pytest.raises(ValueError, match="scaling"):
         quantize(torch.ones(4, 4), QSpec("int8", E4M3))
+
+
+def test_native_qgemm_passes_fast_accumulation(monkeypatch):
+    calls, scaled_mm = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, use_fast_accum=False, **k:
+                        calls.append(use_fast_accum) or scaled_mm(*a, use_fast_accum=use_fast_accum, **k))
+    a, b = quantize_fp8(torch.randn(32, 64), E4M3), quantize_fp8(torch.randn(48, 64), E4M3)
+    fast, plain = qgemm(a, b, native=True, fast_accum=True), qgemm(a, b, native=True)
+    assert calls == [True, False]
+    assert torch.allclose(fast, qgemm(a, b), rtol=1e-2, atol=1e-2) and torch.allclose(plain, fast)

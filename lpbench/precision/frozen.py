@@ -41,7 +41,7 @@ class _FrozenQuantizedFn(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
             xq = quantize(x2, recipe.operand("input", "fprop"), encode_scale=mod._delayed_scale("input", x2))
-            y = qgemm(xq, mod.weight_operand("fprop"), native=mod.native)
+            y = qgemm(xq, mod.weight_operand("fprop"), native=mod.native, fast_accum=recipe.fast_accum_fprop)
             if mod.bias is not None:
                 y = y + mod.bias.float()
         ctx.mod, ctx.x_shape, ctx.x_dtype = mod, x.shape, x.dtype

@@ -17,6 +17,9 @@ exactly on any device:
   delayed (SM89+; compiler-fused casts, ``kernels/fp8_linear.py``) and rowwise (SM90+);
   ``F.scaled_mm`` for blockwise (1x128 activations and gradients, 128x128 weights; Hopper,
   cuBLAS 12.9+), for shapes it takes (:func:`blockwise_native_shape`), else emulated.
+  A recipe's ``fast_accum_fprop`` runs the native forward GEMM in Hopper's fast accumulation
+  (as TE and torchao do; dgrad and wgrad accumulate in FP32): not bit-reproducible, so the
+  emulation accumulates in FP32 throughout and the two differ there by more than summation order.
 
 Autocast: inputs are cast to the autocast dtype, then all quantization and GEMMs run with
 autocast disabled; the output has the input's compute dtype, dW the weight's dtype. Delayed
@@ -104,7 +107,7 @@ def _(a, scale_a, b, scale_b):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
 
 
-def _scaled_mm(a: QTensor, b: QTensor) -> torch.Tensor:
+def _scaled_mm(a: QTensor, b: QTensor, fast_accum: bool) -> torch.Tensor:
     """Native FP8 a · bᵀ: tensorwise (scalar scales), rowwise ([M, 1] and [1, N] scales) or blockwise."""
     if a.block[1] != a.codes.shape[1]:
         return _blockwise_mm_op(a.codes, a.scale.float().contiguous(), b.codes, b.scale.float().contiguous())
@@ -113,13 +116,15 @@ def _scaled_mm(a: QTensor, b: QTensor) -> torch.Tensor:
         sa, sb = sa.reshape(()), sb.reshape(())
     else:
         sb = sb.t().contiguous()
-    return torch._scaled_mm(a.codes, b.codes.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    return torch._scaled_mm(a.codes, b.codes.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                            use_fast_accum=fast_accum)
 
 
-def qgemm(a: QTensor, b: QTensor, *, native: bool = False) -> torch.Tensor:
-    """FP32 a · bᵀ of two operands quantized along their last (reduction) dim."""
+def qgemm(a: QTensor, b: QTensor, *, native: bool = False, fast_accum: bool = False) -> torch.Tensor:
+    """FP32 a · bᵀ of two operands quantized along their last (reduction) dim; ``fast_accum``: the
+    native tensorwise/rowwise GEMM accumulates in Hopper's fast mode (the emulation cannot)."""
     if native and (a.block[1] == a.codes.shape[1] or blockwise_native_shape(a, b)):
-        return _scaled_mm(a, b).float()
+        return _scaled_mm(a, b, fast_accum).float()
     (va, sa), (vb, sb) = _operand(a), _operand(b)
     return _mm_fp32(va, vb) * sa * (sb.t() if sb.dim() else sb)
 
@@ -140,7 +145,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
             enc_x = mod._delayed_scale("input", x2)
             xq = mod._quantize(x2, "input", "fprop", enc_x)
             wq, ctx.wq_dgrad = mod._weight_operands(weight, ctx.needs_input_grad[0])
-            y = qgemm(xq, wq, native=mod.native)
+            y = qgemm(xq, wq, native=mod.native, fast_accum=recipe.fast_accum_fprop)
             if bias is not None:
                 y = y + bias.float()
             ctx.mod, ctx.x_shape, ctx.x_dtype, ctx.has_bias = mod, x.shape, x.dtype, bias is not None

@@ -3,7 +3,8 @@
 A recipe is a frozen dataclass instance; adding a recipe means adding an instance to
 ``RECIPES``, never editing branches across the tree. Every ingredient (scale rule, block
 size, E5M2 gradients, 2-D weight blocks, random Hadamard transform, stochastic rounding,
-BF16 first/last layers) is a field, so ablations are ``dataclasses.replace(recipe, ...)``.
+BF16 first/last layers, fast accumulation in the forward GEMM) is a field, so ablations
+are ``dataclasses.replace(recipe, ...)``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Recipe:
     stochastic_grads: bool = False  # stochastic rounding of output gradients
     first_bf16_layers: int = 0  # transformer blocks kept in BF16 at the start ...
     last_bf16_layers: int = 0  # ... and at the end
+    fast_accum_fprop: bool = False  # native forward GEMM in Hopper's fast (reduced-precision) accumulation
     native_capability: tuple[int, int] | None = None  # compute capability with native GEMMs
 
     def __post_init__(self):
@@ -52,6 +54,8 @@ class Recipe:
             raise ValueError(f"{self.name}: {self.scaling} scaling needs a block size")
         if self.mx_scale_rounding not in ("rceil", "floor"):
             raise ValueError(f"{self.name}: mx_scale_rounding must be 'rceil' or 'floor'")
+        if self.fast_accum_fprop and self.scaling not in ("tensor", "delayed", "row"):
+            raise ValueError(f"{self.name}: fast_accum_fprop needs tensor, delayed or row scaling")
         if self.scaling == "block" and not self.pow2_scales:
             # Emulation folds block scales into BF16 operands, exact only for powers of two.
             raise ValueError(f"{self.name}: blockwise scaling needs pow2_scales=True")
@@ -113,22 +117,23 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             "fp8-tensorwise",
             "FP8 current scaling, one FP32 scale per tensor; E4M3 fwd, E5M2 grads (NeMo cs, TE Float8CurrentScaling)",
-            scaling="tensor", grad_format="e5m2", native_capability=(8, 9),
+            scaling="tensor", grad_format="e5m2", fast_accum_fprop=True, native_capability=(8, 9),
         ),
         Recipe(
             "fp8-delayed",
             "FP8 delayed scaling from a 1024-step amax history; E4M3 fwd, E5M2 grads (NeMo ds, TE DelayedScaling)",
-            scaling="delayed", grad_format="e5m2", native_capability=(8, 9),
+            scaling="delayed", grad_format="e5m2", fast_accum_fprop=True, native_capability=(8, 9),
         ),
         Recipe(
             "fp8-rowwise",
             "FP8 E4M3, one power-of-two FP32 scale per row along the reduction dim (torchao rowwise)",
-            scaling="row", pow2_scales=True, native_capability=(9, 0),
+            scaling="row", pow2_scales=True, fast_accum_fprop=True, native_capability=(9, 0),
         ),
         Recipe(
             "fp8-rowwise-gw-hp",
             "fp8-rowwise with the weight-gradient GEMM in BF16 (torchao rowwise_with_gw_hp)",
-            scaling="row", pow2_scales=True, wgrad_bf16=True, native_capability=(9, 0),
+            scaling="row", pow2_scales=True, wgrad_bf16=True, fast_accum_fprop=True,
+            native_capability=(9, 0),
         ),
         Recipe(
             "fp8-blockwise",
@@ -162,6 +167,7 @@ ABLATIONS: dict[str, tuple[dict, str]] = {
     "sr": ({"stochastic_grads": False}, "stochastic rounding of gradients"),
     "2d": ({"weight_block_2d": False}, "2-D weight blocks"),
     "bf16-tail": ({"last_bf16_layers": 0}, "last layers in BF16"),
+    "fast-accum": ({"fast_accum_fprop": False}, "fast accumulation in the forward GEMM"),
 }
 
 

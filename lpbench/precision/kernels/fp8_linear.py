@@ -2,7 +2,7 @@
 
 Same arithmetic as the reference quantized linear (``lpbench.precision.linear``) for the
 ``tensor`` and ``delayed`` scalings — identical codes and scales, GEMMs equal up to
-summation order:
+summation order (and, where the recipe asks it, the forward GEMM's fast accumulation):
 
     fprop  Y  = Xq · Wqᵀ        (X row-major, W row-major)
     dgrad  dX = dYq · (Wᵀq)ᵀ    (dY row-major, the transposed W copy)
@@ -72,7 +72,8 @@ class Fp8TensorwiseLinearFn(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         xq, xt, x_dec = _quantize(mod, "input", x2, need_dw)
         wq, wt, w_dec = _quantize(mod, "weight", weight, need_dx)
-        y = torch._scaled_mm(xq, wq.t(), scale_a=x_dec, scale_b=w_dec, out_dtype=x.dtype)
+        y = torch._scaled_mm(xq, wq.t(), scale_a=x_dec, scale_b=w_dec, out_dtype=x.dtype,
+                             use_fast_accum=mod.recipe.fast_accum_fprop)
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(xt, wt, x_dec, w_dec)
