@@ -224,6 +224,17 @@ def test_rht_on_both_operands_leaves_product_unchanged():
         apply_rht(torch.ones(4, 24))
 
 
+@pytest.mark.gpu
+def test_rht_of_bf16_on_cuda_equals_the_fp32_product():
+    """The tensor-core path (BF16 in, FP32 out) computes the FP32 matmul up to summation order."""
+    x = randn(256, 512, seed=3, scale=3.0).bfloat16()
+    want = (x.double().reshape(-1, 16) @ rht_matrix().double()).reshape(x.shape)
+    got = apply_rht(x.cuda())
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.cpu().double(), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(torch.compile(apply_rht)(x.cuda()), got)
+
+
 def test_qtensor_dequantize_definition():
     x = randn(32, 64)
     q = quantize_mx(x)

@@ -296,11 +296,19 @@ def apply_rht(x: torch.Tensor, n: int = RHT_SIZE, seed: int = RHT_SEED) -> torch
 
     Applied to both operands of a GEMM along its reduction dim it leaves the product
     unchanged: (A·R)(B·R)ᵀ = A·R·Rᵀ·Bᵀ = A·Bᵀ.
+
+    A BF16 tensor on CUDA is multiplied on the tensor cores with FP32 output: its products with
+    the ±1/sqrt(16) entries are exact and accumulate in FP32, so this equals the FP32 matmul up
+    to summation order, at a third of its cost (a 16-wide FP32 matmul runs on CUDA cores;
+    benchmarks/rht.py). Everything else takes the FP32 matmul.
     """
     if x.shape[-1] % n:
         raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the Hadamard size {n}")
     m = (_RHT if (n, seed) == (RHT_SIZE, RHT_SEED) else rht_matrix(n, seed)).to(x.device)
-    return (x.float().reshape(-1, n) @ m).reshape(x.shape)
+    rows = x.reshape(-1, n)
+    if x.is_cuda and x.dtype == torch.bfloat16 and n == RHT_SIZE:  # ±1/4: exact in BF16
+        return torch.mm(rows, m.bfloat16(), out_dtype=torch.float32).reshape(x.shape)
+    return (rows.float() @ m).reshape(x.shape)
 
 
 _RHT = rht_matrix()  # built once: torch.compile cannot trace a torch.Generator

@@ -1,0 +1,57 @@
+"""The NVFP4 wgrad operand's random Hadamard transform (16-wide, along the last dim), on one CUDA device.
+
+    python benchmarks/rht.py [--rows 16384] [--cols 8192]
+
+Times ``apply_rht`` as lpbench computes it (a BF16 tensor-core matmul with FP32 output) against
+an FP32 matmul by the 16×16 matrix, each compiled together with the stochastically rounding
+NVFP4 quantizer that consumes it; the quantizer alone is the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from lpbench.precision.quantize import RHT_SIZE, apply_rht, quantize_nvfp4, rht_matrix
+
+
+def time_ms(fn, x, reps: int = 20) -> float:
+    for _ in range(3):
+        fn(x)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(x)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=16384)
+    ap.add_argument("--cols", type=int, default=8192)
+    args = ap.parse_args()
+    m = rht_matrix().cuda()
+
+    def matmul_fp32(x):
+        return (x.float().reshape(-1, RHT_SIZE) @ m).reshape(x.shape)
+
+    variants = {"quantizer alone": lambda x: x, "apply_rht": apply_rht, "fp32 matmul": matmul_fp32}
+    x = torch.randn(args.rows, args.cols, device="cuda", dtype=torch.bfloat16)
+    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | x {tuple(x.shape)} bf16")
+    base = None
+    for name, rht in variants.items():
+        torch._dynamo.reset()
+        fn = torch.compile(lambda t, rht=rht: quantize_nvfp4(rht(t), stochastic=True).codes)
+        ms = time_ms(fn, x)
+        base = base or ms
+        print(f"{name:16} {ms:8.3f} ms  {ms / base:5.2f}x the quantizer alone")
+
+
+if __name__ == "__main__":
+    main()
