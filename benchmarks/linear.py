@@ -2,8 +2,9 @@
 
     python benchmarks/linear.py [--tokens 16384] [--recipes bf16,fp8-tensorwise,...] [--backends lpbench,torchao]
 
-Times with CUDA events (median of --reps after --warmup), BF16 inputs/weights/grads, one
-run per (shape, recipe, backend); BF16 is measured in the same invocation and every
+Times with CUDA events (median of --reps samples after --warmup, each sample --inner
+fwd+bwd back to back, gradients reset to None as zero_grad does), BF16 inputs/weights/grads,
+one run per (shape, recipe, backend); BF16 is measured in the same invocation and every
 speedup is against it. ``fp8-gemms-only`` times the three FP8 GEMMs on pre-quantized
 operands: the ceiling any FP8 recipe can reach. torchao runs compiled (as its docs advise).
 """
@@ -26,17 +27,20 @@ SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("do
 TORCHAO_RECIPES = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
 
 
-def time_ms(fn, warmup: int, reps: int) -> float:
+def time_ms(fn, warmup: int, reps: int, inner: int) -> float:
+    """Median over ``reps`` samples of the time per call, each sample ``inner`` calls back to back
+    (so the CPU queues the next call while the GPU runs this one, as in training)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(inner):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / inner)
     return statistics.median(times)
 
 
@@ -80,13 +84,18 @@ def build(recipe: str, backend: str, k: int, n: int, compile_lpbench: bool = Fal
 
 
 def fwd_bwd(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
-    def step():
+    params = list(module.parameters())
+
+    def step():  # gradients start from None each step, as after the optimizer's zero_grad()
         x.grad = None
+        for p in params:
+            p.grad = None
         module(x).backward(g)
     return step
 
 
 def fp8_gemms_only(m: int, k: int, n: int):
+    """The three GEMMs as fp8-tensorwise runs them (fast accumulation in fprop only)."""
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
     one = torch.ones((), device="cuda")
     x = torch.randn(m, k, device="cuda").to(e4)
@@ -97,7 +106,7 @@ def fp8_gemms_only(m: int, k: int, n: int):
     gt = g.t().contiguous()
 
     def step():
-        torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
         torch._scaled_mm(g, wt.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
         torch._scaled_mm(gt, xt.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
     return step
@@ -111,19 +120,23 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--inner", type=int, default=5, help="calls back to back per timed sample")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--compile", action="store_true", help="torch.compile lpbench's quantized linears too")
     ap.add_argument("--profile", action="store_true", help="print each variant's top CUDA kernels")
+    ap.add_argument("--tune", action="store_true", help="inductor's coordinate-descent tuning of generated kernels")
     args = ap.parse_args()
+    torch._inductor.config.coordinate_descent_tuning = args.tune
     torch._dynamo.config.recompile_limit = 64  # one compiled module per (shape, recipe, backend)
     torch._inductor.config.emulate_precision_casts = True  # as lpbench run compiles
     recipes, backends = args.recipes.split(","), args.backends.split(",")
-    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | tokens {args.tokens}")
+    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | tokens {args.tokens} | "
+          f"tune {args.tune}")
     rows = []
     for name, k, n in (s for s in SHAPES if s[0] in args.shapes.split(",")):
         x = torch.randn(args.tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(args.tokens, n, device="cuda", dtype=torch.bfloat16)
-        base = time_ms(fwd_bwd(build("bf16", "lpbench", k, n), x, g), args.warmup, args.reps)
+        base = time_ms(fwd_bwd(build("bf16", "lpbench", k, n), x, g), args.warmup, args.reps, args.inner)
         variants = [("fp8-gemms-only", "-", fp8_gemms_only(args.tokens, k, n))]
         for recipe in recipes:
             for backend in backends:
@@ -137,7 +150,7 @@ def main() -> None:
         rows.append({"shape": name, "k": k, "n": n, "recipe": "bf16", "backend": "lpbench", "ms": base, "speedup": 1.0})
         for recipe, backend, fn in variants:
             try:
-                ms = time_ms(fn, args.warmup, args.reps)
+                ms = time_ms(fn, args.warmup, args.reps, args.inner)
             except Exception as exc:
                 print(f"{name} {recipe} {backend}: failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
                 continue
