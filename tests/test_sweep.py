@@ -4,6 +4,7 @@ Children are real subprocesses training the tiny model for 3 steps; failures are
 with the test-only ``LPBENCH_FAULT`` hook the child reads.
 """
 
+import json
 import os
 import signal
 import sqlite3
@@ -219,3 +220,21 @@ def test_sweep_killed_with_sigkill_resumes_with_one_row_per_run(tmp_path):
     # a third invocation has nothing left to do and adds nothing
     assert sw.run_sweep(str(spec), results=str(tmp_path)) == 0
     assert len(_rows(tmp_path, "resume")[1]) == 3
+
+
+def test_a_run_that_fails_before_training_is_recorded_with_the_machines_gpu(tmp_path, monkeypatch):
+    """So the report lists it beside its sweep's other runs, not under 'CPU'."""
+    from lpbench.config import RunConfig
+    from lpbench.train import loop
+
+    def fail(cfg, **kwargs):
+        raise RuntimeError("torchao missing")
+
+    monkeypatch.setattr(loop, "train", fail)
+    monkeypatch.setattr(sw, "_gpu_name", lambda device: "NVIDIA H100 80GB HBM3")
+    cfg = RunConfig(model="tiny", device="auto")
+    rc = sw.child_main(["--config", json.dumps(cfg.to_dict()), "--results", str(tmp_path), "--sweep-id", "g",
+                        "--run-key", cfg.key()])
+    _, (row,) = _rows(tmp_path, "g")
+    assert rc == 1 and row["status"] == "error" and "torchao missing" in row["error"]
+    assert row["gpu"] == "NVIDIA H100 80GB HBM3"

@@ -710,7 +710,8 @@ def child_main(argv: list[str] | None = None) -> int:
         result.metrics["diverged_step"] = result.steps[-1]["step"]
     if rank == 0:
         store = ResultsStore(args.results)
-        env = result.env or {"lpbench": __import__("lpbench").__version__, "host": platform.node(), "gpu": None}
+        env = result.env or {"lpbench": __import__("lpbench").__version__, "host": platform.node(),
+                             "gpu": _gpu_name(cfg.device)}  # a failed run is reported with the machine's GPU
         store.add_run(config=cfg.to_dict(), status=result.status, error=result.error, metrics=result.metrics,
                       steps=result.steps, env=env, run_key=args.run_key, group_id=args.sweep_id,
                       sweep_id=args.sweep_id, workload=args.workload, backend=args.backend,
