@@ -171,3 +171,39 @@ def test_only_the_forward_gemm_accumulates_fast(monkeypatch, recipe, fprop_fast)
     mod = QuantizedLinear.from_linear(torch.nn.Linear(256, 384), get_recipe(recipe), native=True)
     _fwd_bwd(mod, mod.weight, mod.bias, 0, "cpu")
     assert calls == [fprop_fast, False, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_one_pass_delayed_cast_matches_reference_on_cuda(shape, dtype, fmt):
+    from lpbench.precision.kernels import fp8_cast
+
+    x = _inputs(shape, torch.float32).clamp(-6e4, 6e4).to(dtype)
+    history = torch.rand(1024) * float(x.abs().max()) * 1.5  # scales that saturate some values, others not
+    enc = delayed_encode_scale(history, x.float().abs().max(), fmt)
+    for write_t in (True, False):
+        q, qt, amax = fp8_cast.cast_transpose(x.cuda(), enc.cuda(), fmt, write_t)
+        ref = quantize_fp8(x, fmt, encode_scale=enc)
+        assert torch.equal(q.cpu().view(torch.uint8), ref.codes.view(torch.uint8))
+        if write_t:
+            assert torch.equal(qt.cpu().view(torch.uint8), ref.codes.t().contiguous().view(torch.uint8))
+        else:
+            assert qt.numel() == 0
+        assert torch.equal(amax.cpu(), x.float().abs().amax())
+
+
+@pytest.mark.gpu
+def test_one_pass_amax_propagates_nan_and_inf_and_skips_when_told():
+    from lpbench.precision.kernels import fp8_cast
+
+    x = torch.randn(300, 700, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(fp8_cast.amax_unless(x, torch.tensor(False, device="cuda")), x.float().abs().amax())
+    assert fp8_cast.amax_unless(x, torch.tensor(True, device="cuda")).item() == 0.0
+    one = torch.ones((), device="cuda")
+    x[7, 9] = float("inf")
+    assert fp8_cast.cast_transpose(x, one, E4M3, True)[2].item() == float("inf")
+    x[100, 600] = float("nan")
+    assert fp8_cast.cast_transpose(x, one, E4M3, True)[2].isnan()
+    assert fp8_cast.amax_unless(x, torch.tensor(False, device="cuda")).isnan()

@@ -16,8 +16,9 @@ transposed copy correctly with Triton 3.6 (benchmarks/RESULTS.md, 2026-11-22). T
 are the reference's own functions (``quantize.fp8_encode_scale`` / ``delayed_encode_scale`` /
 ``fp8_decode_scale``), whose division is exact eager or compiled, so codes and scales are
 bit-exact with the reference. Delayed scaling needs no amax before the cast (the scale
-comes from the history); the amax recorded for the next step is reduced in the same fused
-pass.
+comes from the history); for 16-bit CUDA operands one Triton kernel (``kernels/fp8_cast.py``)
+casts, writes the transposed copy and reduces the amax recorded for the next step in a single
+read, which inductor cannot do.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from lpbench.parallel import fp8_allgather
 from lpbench.precision.formats import FloatFormat
+from lpbench.precision.kernels import fp8_cast
 from lpbench.precision.kernels.fp8 import update_amax_history
 from lpbench.precision.quantize import delayed_encode_scale, fp8_decode_scale, fp8_encode_scale
 
@@ -56,6 +58,14 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool):
     fmt = recipe.element_format(role)
     if role == "weight" and (pre := fp8_allgather.gathered(mod, t)) is not None:  # FSDP all-gathered it in FP8
         return pre[0], pre[0].t().contiguous() if write_t else pre[0].new_empty((0,)), pre[1]
+    if recipe.scaling == "delayed" and fp8_cast.available(t):  # one read of t (the kernel's docstring)
+        history = getattr(mod, f"amax_history_{role}")
+        first = mod.reduce_amax(role, fp8_cast.amax_unless(t.detach(), history.max() > 0))
+        enc = delayed_encode_scale(history, first, fmt, recipe.margin)
+        q, qt, amax = fp8_cast.cast_transpose(t.detach(), enc, fmt, write_t)
+        amax = mod.reduce_amax(role, amax)
+        update_amax_history(history, amax)
+        return q, qt, fp8_decode_scale(enc, amax)
     amax = mod.reduce_amax(role, t.detach().abs().amax().float())
     if recipe.scaling != "delayed":
         return cast(t, amax, fp8_encode_scale(amax, fmt), fmt, write_t)
