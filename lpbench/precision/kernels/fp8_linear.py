@@ -8,11 +8,10 @@ summation order (and, where the recipe asks it, the forward GEMM's fast accumula
     dgrad  dX = dYq · (Wᵀq)ᵀ    (dY row-major, the transposed W copy)
     wgrad  dW = dYᵀq · (Xᵀq)ᵀ   (both transposed copies)
 
-The casts are plain torch ops, so torch.compile (on by default on CUDA) generates them:
-the amax reduction fuses into the operand's producer (RMSNorm, SwiGLU, the previous GEMM's
-epilogue), and one kernel writes both the row-major and the transposed FP8 copy. This
-measured faster than lpbench's own Triton cast kernels, which could not write the
-transposed copy correctly with Triton 3.6 (benchmarks/RESULTS.md, 2026-11-22). The scales
+The tensorwise casts are plain torch ops, so torch.compile (on by default on CUDA) generates
+them: the amax reduction fuses into the operand's producer (RMSNorm, SwiGLU, the previous
+GEMM's epilogue), and one kernel writes both the row-major and the transposed FP8 copy. The
+scales
 are the reference's own functions (``quantize.fp8_encode_scale`` / ``delayed_encode_scale`` /
 ``fp8_decode_scale``), whose division is exact eager or compiled, so codes and scales are
 bit-exact with the reference. Delayed scaling needs no amax before the cast (the scale
