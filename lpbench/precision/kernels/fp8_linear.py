@@ -11,13 +11,12 @@ summation order (and, where the recipe asks it, the forward GEMM's fast accumula
 The tensorwise casts are plain torch ops, so torch.compile (on by default on CUDA) generates
 them: the amax reduction fuses into the operand's producer (RMSNorm, SwiGLU, the previous
 GEMM's epilogue), and one kernel writes both the row-major and the transposed FP8 copy. The
-scales
-are the reference's own functions (``quantize.fp8_encode_scale`` / ``delayed_encode_scale`` /
-``fp8_decode_scale``), whose division is exact eager or compiled, so codes and scales are
-bit-exact with the reference. Delayed scaling needs no amax before the cast (the scale
-comes from the history); for 16-bit CUDA operands one Triton kernel (``kernels/fp8_cast.py``)
-casts, writes the transposed copy and reduces the amax recorded for the next step in a single
-read, which inductor cannot do.
+scales are the reference's own functions (``quantize.fp8_encode_scale`` /
+``delayed_encode_scale`` / ``fp8_decode_scale``), whose division is exact eager or compiled,
+so codes and scales are bit-exact with the reference. Delayed scaling needs no amax before
+the cast (the scale comes from the history); for 16-bit CUDA operands one Triton kernel
+(``kernels/fp8_cast.py``) casts, writes the transposed copy and reduces the amax recorded for
+the next step in a single read, which inductor cannot do.
 """
 
 from __future__ import annotations
@@ -57,19 +56,19 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool):
     fmt = recipe.element_format(role)
     if role == "weight" and (pre := fp8_allgather.gathered(mod, t)) is not None:  # FSDP all-gathered it in FP8
         return pre[0], pre[0].t().contiguous() if write_t else pre[0].new_empty((0,)), pre[1]
-    if recipe.scaling == "delayed" and fp8_cast.available(t):  # one read of t (the kernel's docstring)
-        history = getattr(mod, f"amax_history_{role}")
+    if recipe.scaling != "delayed":
+        amax = mod.reduce_amax(role, t.detach().abs().amax().float())
+        return cast(t, amax, fp8_encode_scale(amax, fmt), fmt, write_t)
+    history = getattr(mod, f"amax_history_{role}")
+    if fp8_cast.available(t):  # one read of t; the current amax only while the history is empty
         first = mod.reduce_amax(role, fp8_cast.amax_unless(t.detach(), history.max() > 0))
         enc = delayed_encode_scale(history, first, fmt, recipe.margin)
         q, qt, amax = fp8_cast.cast_transpose(t.detach(), enc, fmt, write_t)
         amax = mod.reduce_amax(role, amax)
-        update_amax_history(history, amax)
-        return q, qt, fp8_decode_scale(enc, amax)
-    amax = mod.reduce_amax(role, t.detach().abs().amax().float())
-    if recipe.scaling != "delayed":
-        return cast(t, amax, fp8_encode_scale(amax, fmt), fmt, write_t)
-    history = getattr(mod, f"amax_history_{role}")
-    out = cast(t, amax, delayed_encode_scale(history, amax, fmt, recipe.margin), fmt, write_t)
+        out = q, qt, fp8_decode_scale(enc, amax)
+    else:
+        amax = mod.reduce_amax(role, t.detach().abs().amax().float())
+        out = cast(t, amax, delayed_encode_scale(history, amax, fmt, recipe.margin), fmt, write_t)
     update_amax_history(history, amax)
     return out
 
