@@ -10,25 +10,11 @@ NVFP4 quantizer that consumes it; the quantizer alone is the baseline.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from linear import time_ms  # benchmarks/linear.py, next to this script
 
 from lpbench.precision.quantize import RHT_SIZE, apply_rht, quantize_nvfp4, rht_matrix
-
-
-def time_ms(fn, x, reps: int = 20) -> float:
-    for _ in range(3):
-        fn(x)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(x)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -48,7 +34,7 @@ def main() -> None:
     for name, rht in variants.items():
         torch._dynamo.reset()
         fn = torch.compile(lambda t, rht=rht: quantize_nvfp4(rht(t), stochastic=True).codes)
-        ms = time_ms(fn, x)
+        ms = time_ms(lambda fn=fn: fn(x), warmup=3, reps=20, inner=1)
         base = base or ms
         print(f"{name:16} {ms:8.3f} ms  {ms / base:5.2f}x the quantizer alone")
 
