@@ -13,6 +13,8 @@ exactly on any device:
   codes, codes × power-of-two or E4M3 block scales), multiplied with FP32 accumulation, and
   scales that are constant along the reduction dim (tensor, row, NVFP4 global) are applied
   to the FP32 output, as the hardware does. Equal to a native GEMM up to summation order.
+  NVFP4 activations and gradients on CUDA come from the fused quantizer (``kernels/nvfp4.py``,
+  bit-exact with the reference) already in this form: BF16 values and a global scale.
 * native path (CUDA, see ``NATIVE_SCALINGS``): ``torch._scaled_mm`` for FP8 tensorwise /
   delayed (SM89+; compiler-fused casts, ``kernels/fp8_linear.py``) and rowwise (SM90+);
   ``F.scaled_mm`` for blockwise (1x128 activations and gradients, 128x128 weights; Hopper,
@@ -69,8 +71,11 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float().t()  # products of BF16 values are exact in FP32
 
 
-def _operand(q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """BF16-exact GEMM operand and the factor its GEMM output rows get ([rows, 1] or scalar)."""
+def _operand(q) -> tuple[torch.Tensor, torch.Tensor]:
+    """BF16-exact GEMM operand and the factor its GEMM output rows get ([rows, 1] or scalar), of a
+    QTensor or of a copy that the fused NVFP4 quantizer (``kernels/nvfp4.py``) made."""
+    if not isinstance(q, QTensor):
+        return q.values, q.global_scale
     g = q.global_scale if q.global_scale is not None else torch.ones((), device=q.codes.device)
     if q.block[1] == q.codes.shape[1]:  # one scale across the reduction dim: apply to the output
         return q.values(), scale_to_float(q.scale).repeat_interleave(q.block[0], 0) * g
@@ -143,18 +148,15 @@ class _QuantizedLinearFn(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
             enc_x = mod._delayed_scale("input", x2)
-            xq = mod._quantize(x2, "input", "fprop", enc_x)
+            quantized_wgrad = ctx.needs_input_grad[1] and recipe.operand("input", "wgrad") is not None
+            xq, ctx.xq_wgrad = mod._operands(x2, "input", "fprop", True, quantized_wgrad, enc_x)
             wq, ctx.wq_dgrad = mod._weight_operands(weight, ctx.needs_input_grad[0])
             y = qgemm(xq, wq, native=mod.native, fast_accum=recipe.fast_accum_fprop)
             if bias is not None:
                 y = y + bias.float()
             ctx.mod, ctx.x_shape, ctx.x_dtype, ctx.has_bias = mod, x.shape, x.dtype, bias is not None
             ctx.w_dtype = weight.dtype
-            ctx.xq_wgrad = None
-            spec_x = recipe.operand("input", "wgrad")
-            if ctx.needs_input_grad[1] and spec_x is not None:
-                ctx.xq_wgrad = mod._quantize(mod._wgrad_layout(x2, spec_x), "input", "wgrad", enc_x)
-            elif ctx.needs_input_grad[1]:
+            if ctx.needs_input_grad[1] and not quantized_wgrad:
                 ctx.save_for_backward(x2)
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
@@ -165,17 +167,16 @@ class _QuantizedLinearFn(torch.autograd.Function):
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1])
             enc_g = mod._delayed_scale("grad", dy2)
+            quantized_wgrad = ctx.needs_input_grad[1] and recipe.operand("grad", "wgrad") is not None
+            gq, gq_wgrad = mod._operands(dy2, "grad", "dgrad", ctx.wq_dgrad is not None, quantized_wgrad, enc_g)
             if ctx.wq_dgrad is not None:
-                gq = mod._quantize(dy2, "grad", "dgrad", enc_g)
                 dx = qgemm(gq, ctx.wq_dgrad, native=mod.native).to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                spec_g = recipe.operand("grad", "wgrad")
-                if spec_g is None:
+                if quantized_wgrad:
+                    dw = qgemm(gq_wgrad, ctx.xq_wgrad, native=mod.native)
+                else:
                     (x2,) = ctx.saved_tensors
                     dw = _hp_gemm(dy2.t(), x2.t(), ctx.x_dtype)
-                else:
-                    gq = mod._quantize(mod._wgrad_layout(dy2, spec_g), "grad", "wgrad", enc_g)
-                    dw = qgemm(gq, ctx.xq_wgrad, native=mod.native)
                 dw = dw.to(ctx.w_dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy2.float().sum(0).to(ctx.w_dtype)
@@ -257,6 +258,25 @@ class QuantizedLinear(nn.Linear):
             noise = torch.rand(shape, device=t.device).index_select(dim, tp.index(t.device))
         spans = spec.scaling == "nvfp4" or spec.block[dim] is None
         return quantize(t, spec, encode_scale=encode_scale, noise=noise, amax_group=group if spans else None)
+
+    def _operands(self, t: torch.Tensor, role: str, gemm: str, row: bool, col: bool, encode_scale=None):
+        """``t`` [tokens, C] quantized as operand ``role`` of ``gemm`` if ``row``, and of wgrad
+        (transposed, :meth:`_wgrad_layout`) if ``col``; None for a copy not asked for.
+
+        NVFP4 with 1x16 blocks on a BF16 CUDA operand without tensor parallelism takes the fused
+        quantizer (``kernels/nvfp4.py``, bit-exact with the reference): two reads of ``t`` for both
+        copies.
+        """
+        recipe = self.recipe
+        if recipe.scaling == "nvfp4" and self._tp_group(role) is None and (row or col):
+            from lpbench.precision.kernels import nvfp4
+
+            if recipe.block == nvfp4.BLOCK and nvfp4.available(t):
+                return nvfp4.quantize(t, row=row, col=col, rht=recipe.rht_wgrad,
+                                      stochastic=recipe.operand(role, gemm).stochastic)
+        spec_col = recipe.operand(role, "wgrad")
+        return (self._quantize(t, role, gemm, encode_scale) if row else None,
+                self._quantize(self._wgrad_layout(t, spec_col), role, "wgrad", encode_scale) if col else None)
 
     def _weight_operands(self, weight: torch.Tensor, dgrad: bool) -> tuple[QTensor, QTensor | None]:
         """The weight quantized for fprop and (if ``dgrad``) dgrad, or as FSDP all-gathered it in FP8."""

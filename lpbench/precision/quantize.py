@@ -229,6 +229,16 @@ def quantize_mx(
     return QTensor(codes, scale, blk, fmt)
 
 
+def nvfp4_global_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's FP32 scales from the tensor amax: (factor taking a block amax to its E4M3 scale, global
+    decode scale). Global encode scale = 6·448 / amax (1 for amax 0, capped at the FP32 max), the
+    factor is it times fp32(1/6) (TE's order); global decode scale = amax / (6·448)."""
+    top = E4M3.max * E2M1.max
+    g_enc = torch.where(amax > 0, _div(top, amax), torch.ones_like(amax)).clamp(max=FP32_MAX)
+    g_dec = torch.where(amax > 0, _div(amax, top), torch.ones_like(amax))
+    return g_enc * torch.tensor(1 / E2M1.max), g_dec
+
+
 def quantize_nvfp4(
     x: torch.Tensor,
     *,
@@ -247,11 +257,8 @@ def quantize_nvfp4(
     x = x.float().contiguous()
     blk = _resolve(x, block)
     amax = all_reduce_max(x.abs().amax(), amax_group)
-    top = E4M3.max * E2M1.max
-    g_enc = torch.where(amax > 0, _div(top, amax), torch.ones_like(amax)).clamp(max=FP32_MAX)
-    g_dec = torch.where(amax > 0, _div(amax, top), torch.ones_like(amax))
-    block_amax = _block_amax(x, blk)
-    scale = encode(block_amax * (g_enc * torch.tensor(1 / E2M1.max)), E4M3)
+    block_enc, g_dec = nvfp4_global_scales(amax)
+    scale = encode(_block_amax(x, blk) * block_enc, E4M3)
     enc = _div(1.0, scale.float() * g_dec).clamp(max=FP32_MAX)
     codes = encode(x * _expand(enc, blk), E2M1, stochastic=stochastic, generator=generator, noise=noise)
     return QTensor(codes, scale, blk, E2M1, global_scale=_poison(g_dec, amax))

@@ -12,13 +12,14 @@ The first step has no history: the current amax stands in (``delayed_encode_scal
 separate amax kernel runs first; once the history holds an amax its loads are masked off by a
 device-side flag (no host sync). Used for 16-bit CUDA operands when Triton is present;
 everything else takes the compiler-fused ops of ``fp8_linear.cast``, with which this is
-bit-exact (``gpu`` tests). The kernels are torch custom ops, so torch.compile keeps them as
-calls; each call costs Python dispatch on the CPU (see benchmarks/RESULTS.md).
+bit-exact (``gpu`` tests). The kernels are ``triton_op``s: torch.compile launches them from
+its generated code, without the Python dispatch of an opaque custom op on every call.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.library import triton_op, wrap_triton
 
 from lpbench.precision.formats import FloatFormat
 
@@ -36,7 +37,7 @@ def available(t: torch.Tensor) -> bool:
     return triton is not None and t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and t.dim() == 2
 
 
-@torch.library.custom_op("lpbench::fp8_cast_transpose", mutates_args=())
+@triton_op("lpbench::fp8_cast_transpose", mutates_args=())
 def _cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
                     write_t: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = x.shape
@@ -44,29 +45,17 @@ def _cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fp8_max: float,
     qt = torch.empty((n, m) if write_t else (0,), dtype=dtype, device=x.device)
     amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
     grid = (triton.cdiv(m, TILE), triton.cdiv(n, TILE))
-    _cast_kernel[grid](x, q, qt, encode_scale, amax_bits, m, n, FMAX=fp8_max, WRITE_T=write_t, BM=TILE, BN=TILE,
-                       num_warps=4)
+    wrap_triton(_cast_kernel)[grid](x, q, qt, encode_scale, amax_bits, m, n, FMAX=fp8_max, WRITE_T=write_t, BM=TILE,
+                                    BN=TILE, num_warps=4)
     return q, qt, amax_bits.view(torch.float32)
 
 
-@_cast_transpose.register_fake
-def _(x, encode_scale, fp8_max, dtype, write_t):
-    m, n = x.shape
-    return (x.new_empty((m, n), dtype=dtype), x.new_empty((n, m) if write_t else (0,), dtype=dtype),
-            x.new_empty((), dtype=torch.float32))
-
-
-@torch.library.custom_op("lpbench::amax_unless", mutates_args=())
+@triton_op("lpbench::amax_unless", mutates_args=())
 def _amax_unless(x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
     amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
     numel = x.numel()
-    _amax_kernel[(triton.cdiv(numel, 8192),)](x, skip, amax_bits, numel, BLOCK=8192, num_warps=8)
+    wrap_triton(_amax_kernel)[(triton.cdiv(numel, 8192),)](x, skip, amax_bits, numel, BLOCK=8192, num_warps=8)
     return amax_bits.view(torch.float32)
-
-
-@_amax_unless.register_fake
-def _(x, skip):
-    return x.new_empty((), dtype=torch.float32)
 
 
 def cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fmt: FloatFormat, write_t: bool):
