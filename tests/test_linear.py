@@ -10,7 +10,15 @@ from torch import nn
 
 from lpbench.precision import RECIPES
 from lpbench.precision.linear import QuantizedLinear, qgemm
-from lpbench.precision.quantize import QSpec, apply_rht, quantize, quantize_fp8, quantize_mx, quantize_nvfp4
+from lpbench.precision.quantize import (
+    QSpec,
+    apply_rht,
+    quantize,
+    quantize_fp8,
+    quantize_mx,
+    quantize_nvfp4,
+    scale_to_float,
+)
 from lpbench.precision.formats import E4M3, E5M2
 
 QUANTIZED = [n for n, r in RECIPES.items() if r.quantized]
@@ -76,6 +84,20 @@ def test_backward_quantizes_each_gemm_along_its_own_reduction_dim(name):
     if r.scaling == "mx":  # the column-wise W copy is not the transposed row-wise copy
         wrong = deq(dy, r, "grad", "dgrad") @ deq(w, r, "weight", "fprop")
         assert not close(x.grad, wrong, rtol=1e-7)
+
+
+@pytest.mark.parametrize("name", QUANTIZED + ["nvfp4-no-2d"])
+def test_dgrad_weight_copy_is_the_weight_quantized_along_its_columns(name):
+    """Square blocks reuse the fprop copy transposed; it must equal quantizing Wᵀ (codes and scales)."""
+    from lpbench.precision import get_recipe
+
+    r = get_recipe(name)
+    w = randn(128, 256, seed=2) * torch.logspace(-3, 0, 256) * torch.logspace(0, -2, 128)[:, None]
+    _, wd = QuantizedLinear.from_linear(nn.Linear(256, 128), r)._weight_operands(w, True)
+    ref = quantize(w.t(), r.operand("weight", "dgrad"))
+    assert wd.block == ref.block and wd.codes.is_contiguous()
+    assert torch.equal(wd.codes.view(torch.uint8), ref.codes.view(torch.uint8))
+    assert wd.scale.dtype == ref.scale.dtype and torch.equal(scale_to_float(wd.scale), scale_to_float(ref.scale))
 
 
 @pytest.mark.parametrize("name", QUANTIZED)

@@ -279,16 +279,24 @@ class QuantizedLinear(nn.Linear):
                 self._quantize(self._wgrad_layout(t, spec_col), role, "wgrad", encode_scale) if col else None)
 
     def _weight_operands(self, weight: torch.Tensor, dgrad: bool) -> tuple[QTensor, QTensor | None]:
-        """The weight quantized for fprop and (if ``dgrad``) dgrad, or as FSDP all-gathered it in FP8."""
+        """The weight quantized for fprop and (if ``dgrad``) dgrad, or as FSDP all-gathered it in FP8.
+
+        Where the dgrad copy's blocks are the fprop copy's transposed (square 2-D blocks, e.g. NVFP4's
+        16x16, or one scale for the whole tensor) it is the fprop copy transposed, not quantized again.
+        """
         gathered = fp8_allgather.gathered(self, weight)
         if gathered is not None:
             codes, dec = gathered
-            fmt = self.recipe.element_format("weight")
-            wq = QTensor(codes, dec.reshape(1, 1), tuple(codes.shape), fmt)
-            return wq, QTensor(codes.t().contiguous(), wq.scale, tuple(codes.shape[::-1]), fmt) if dgrad else None
+            wq = QTensor(codes, dec.reshape(1, 1), tuple(codes.shape), self.recipe.element_format("weight"))
+            return wq, wq.t() if dgrad else None
         enc = self._delayed_scale("weight", weight)
         wq = self._quantize(weight, "weight", "fprop", enc)
-        return wq, self._quantize(weight.t(), "weight", "dgrad", enc) if dgrad else None
+        if not dgrad:
+            return wq, None
+        spec = self.recipe.operand("weight", "fprop")
+        if spec == self.recipe.operand("weight", "dgrad") and spec.block[0] == spec.block[1] and not spec.stochastic:
+            return wq, wq.t()
+        return wq, self._quantize(weight.t(), "weight", "dgrad", enc)
 
     def _wgrad_layout(self, t: torch.Tensor, spec: QSpec) -> torch.Tensor:
         """[tokens, C] → [C, tokens'] for the wgrad GEMM: zero-pad, transpose, optional RHT."""

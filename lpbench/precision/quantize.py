@@ -60,6 +60,12 @@ class QTensor:
         """The decode scale of every element (FP32, the shape of ``codes``)."""
         return _expand(scale_to_float(self.scale), self.block)
 
+    def t(self) -> QTensor:
+        """The transpose, codes contiguous: what quantizing the transposed tensor gives when the blocks
+        are square (or the whole tensor) and rounding is to nearest."""
+        return QTensor(self.codes.t().contiguous(), self.scale.t().contiguous(), self.block[::-1], self.fmt,
+                       self.global_scale)
+
     def dequantize(self) -> torch.Tensor:
         """FP32 value: code × block scale (exact for power-of-two and E4M3 scales) × global scale."""
         out = self.values() * self.block_scales()
