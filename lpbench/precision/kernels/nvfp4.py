@@ -124,7 +124,7 @@ def uniform(seed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 if triton is not None:
-    from lpbench.precision.kernels.fp8_cast import _bits_of_abs as _abs_bits
+    from lpbench.precision.kernels.fp8_cast import _bits_of_abs  # not renamed: inductor re-emits it by name
 
     @triton.jit
     def _tile(x_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
@@ -150,9 +150,9 @@ if triton is not None:
                      BM: tl.constexpr, BN: tl.constexpr):
         x, rm, rn = _tile(x_ptr, M, N, BM, BN)
         if ROW:
-            tl.atomic_max(amax_ptr, tl.max(tl.max(_abs_bits(x.to(tl.float32)), axis=1), axis=0))
+            tl.atomic_max(amax_ptr, tl.max(tl.max(_bits_of_abs(x.to(tl.float32)), axis=1), axis=0))
         if COL:
-            tl.atomic_max(amax_ptr + 1, tl.max(tl.max(_abs_bits(_columns(x, h_ptr, RHT, BM, BN)), axis=1), axis=0))
+            tl.atomic_max(amax_ptr + 1, tl.max(tl.max(_bits_of_abs(_columns(x, h_ptr, RHT, BM, BN)), axis=1), axis=0))
 
     @triton.jit
     def _draws(seed, blocks, R: tl.constexpr, NB: tl.constexpr):
@@ -171,7 +171,7 @@ if triton is not None:
         Per element it is ALU-bound, so the rounding takes few instructions: nearest-even by adding and
         subtracting 2^(22 + k) (FP32 addition rounds to a multiple of the E2M1 spacing 2^(k - 1) at |y|).
         """
-        s = tl.max(_abs_bits(vb), axis=2).to(tl.float32, bitcast=True) * block_enc  # >= 0 or NaN
+        s = tl.max(_bits_of_abs(vb), axis=2).to(tl.float32, bitcast=True) * block_enc  # >= 0 or NaN
         scale = tl.where(s > 448.0, 448.0, s).to(tl.float8e4nv)  # saturating, round to nearest even
         sf = scale.to(tl.float32)
         enc = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * g_dec)
