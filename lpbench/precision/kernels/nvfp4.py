@@ -37,6 +37,7 @@ BLOCK = 16  # NVFP4 block along the reduction dim (the kernels also take the RHT
 # (rows, columns) of x per program and warps per program, without and with stochastic rounding (H100:
 # benchmarks/nvfp4.py --tiles)
 TILES = {False: (64, 64, 4), True: (32, 64, 4)}
+_RHT_BF16 = _RHT.bfloat16()  # ±1/4: exact
 
 
 class Copy(NamedTuple):
@@ -66,13 +67,12 @@ def quantize(x: torch.Tensor, *, row: bool, col: bool, rht: bool, stochastic: bo
     x = x.contiguous()
     if seed is None:
         seed = torch.randint(2**31 - 1, (1,), device=x.device) if stochastic else x.new_zeros(1, dtype=torch.int64)
-    tile = TILES[stochastic]
-    amax = _amax(x, _RHT_BF16.to(x.device), row, col, rht, *tile)
+    tile, h = TILES[stochastic], _RHT_BF16.to(x.device)
+    amax = _amax(x, h, row, col, rht, *tile)
     block_enc, g_dec = nvfp4_global_scales(amax)
     scales = torch.cat([block_enc, g_dec])  # [row block factor, col block factor, row g_dec, col g_dec]
     mp = -(-x.shape[0] // BLOCK) * BLOCK
-    out = _quantize(x, _RHT_BF16.to(x.device), scales, seed.reshape(1), mp, row, col, rht, stochastic, with_codes,
-                    *tile)
+    out = _quantize(x, h, scales, seed.reshape(1), mp, row, col, rht, stochastic, with_codes, *tile)
     g = _poison(g_dec, amax)
     copies = []
     for i, wanted in enumerate((row, col)):
@@ -81,8 +81,6 @@ def quantize(x: torch.Tensor, *, row: bool, col: bool, rht: bool, stochastic: bo
                       if wanted else None)
     return copies[0], copies[1]
 
-
-_RHT_BF16 = _RHT.bfloat16()  # ±1/4: exact
 
 
 @triton_op("lpbench::nvfp4_amax", mutates_args=())
@@ -150,7 +148,7 @@ if triton is not None:
                      BM: tl.constexpr, BN: tl.constexpr):
         x, rm, rn = _tile(x_ptr, M, N, BM, BN)
         if ROW:
-            tl.atomic_max(amax_ptr, tl.max(tl.max(_bits_of_abs(x.to(tl.float32)), axis=1), axis=0))
+            tl.atomic_max(amax_ptr, tl.max(tl.max(_bits_of_abs(x), axis=1), axis=0))
         if COL:
             tl.atomic_max(amax_ptr + 1, tl.max(tl.max(_bits_of_abs(_columns(x, h_ptr, RHT, BM, BN)), axis=1), axis=0))
 
