@@ -322,7 +322,11 @@ def cmd_quant_error(args) -> int:
 
 # ----------------------------------------------------------------------------- main
 def build_parser() -> Parser:
-    parser = Parser(prog="lpbench", description=__doc__.splitlines()[0])
+    parser = Parser(prog="lpbench",
+                    description="Pretrain, fine-tune and benchmark decoder LLMs in BF16, FP8, MXFP8 and NVFP4, "
+                                "side by side: throughput, memory and whether each precision still learns.",
+                    epilog="Start with `lpbench run` (the tiny model in four precisions, then a summary table); "
+                           "`lpbench COMMAND --help` describes each command.")
     parser.add_argument("--version", action="version", version=f"lpbench {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser, required=True)
 
@@ -390,8 +394,11 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
+    if not argv:  # as every CLI: bare `lpbench` explains itself; `lpbench run` is the main job
+        parser.print_help()
+        return 0
     try:
-        args = parser.parse_args(argv or ["run"])
+        args = parser.parse_args(argv)
     except UsageError as exc:  # sub-parsers that raise on bad arguments (lpbench data ...)
         print(f"{exc} (see --help)", file=sys.stderr)
         return 2

@@ -66,3 +66,10 @@ def test_run_then_report(tmp_path, capsys):
     assert md.startswith("## Pre-training") and md.count("\n| tiny | CPU | 1 |") == 1 and "| FP32 |" in md
     assert main(["report", "--results", str(tmp_path), "--format", "csv"]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("id,group_id,workload,model,precision")
+
+
+def test_bare_lpbench_prints_help_and_exits_0():
+    out = subprocess.run([sys.executable, "-m", "lpbench"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr == ""
+    assert out.stdout.startswith("usage: lpbench") and "lpbench run" in out.stdout and "report" in out.stdout
+    assert "iteration" not in out.stdout  # nothing was trained

@@ -50,14 +50,29 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def format_log_line(rec: dict, steps: int, gbs: int) -> str:
-    """One line per step in the format the seeds' grep commands find."""
+def plain(x: float, digits: int = 4) -> str:
+    """``x`` with ``digits`` significant digits in plain decimals (never 1.7e-03: a ``[0-9.]+`` regex reads it)."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:.1f}"
+    return f"{x:.{max(1, digits - 1 - math.floor(math.log10(abs(x))))}f}"
+
+
+def format_log_lines(rec: dict, steps: int, gbs: int) -> list[str]:
+    """A step's log lines, in the formats existing parsers read.
+
+    Megatron-Bridge's ``Step Time : 5.39s GPU utilization: 2347.0MODEL_TFLOP/s/GPU``, then one
+    line with Megatron's fields (``iteration k/N``, ``lm loss``, ``elapsed time per iteration
+    (ms)``) and NeMo's (``global_step``, ``reduced_train_loss``, ``train_step_timing in s``,
+    ``consumed_samples``, ``TFLOPS_per_GPU``). Numbers are plain decimals.
+    """
     mem = f"{rec['peak_mem_gb']:.1f}" if rec.get("peak_mem_gb") is not None else "n/a"
-    return (f"iteration {rec['step']}/{steps} | global_batch_size: {gbs} | lm loss: {rec['loss']:.4f} | "
-            f"elapsed time per iteration (ms): {rec['step_time_s'] * 1e3:.1f} | "
-            f"train_step_timing in s: {rec['step_time_s']:.4f} | TFLOPS_per_GPU: {rec['tflops_per_gpu']:.3e} | "
-            f"tokens_per_sec_per_gpu: {rec['tokens_per_sec_per_gpu']:.0f} | peak_mem_gb: {mem} | "
-            f"lr: {rec['lr']:.3e} | grad_norm: {rec['grad_norm']:.3f}")
+    step, loss, secs, tflops = rec["step"], rec["loss"], rec["step_time_s"], rec["tflops_per_gpu"]
+    return [f"Step Time : {secs:.2f}s GPU utilization: {plain(tflops)}MODEL_TFLOP/s/GPU",
+            f"iteration {step}/{steps} | global_batch_size: {gbs} | global_step: {step} | "
+            f"consumed_samples: {step * gbs} | lm loss: {loss:.4f} | reduced_train_loss: {loss:.4f} | "
+            f"elapsed time per iteration (ms): {secs * 1e3:.1f} | train_step_timing in s: {secs:.4f} | "
+            f"TFLOPS_per_GPU: {plain(tflops)} | tokens_per_sec_per_gpu: {rec['tokens_per_sec_per_gpu']:.0f} | "
+            f"peak_mem_gb: {mem} | lr: {plain(rec['lr'])} | grad_norm: {rec['grad_norm']:.3f}"]
 
 
 def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str = "lpbench-results") -> RunResult:
@@ -154,7 +169,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                    "peak_mem_gb": None if peak is None else all_reduce([peak], "max", device)[0]}
             result.steps.append(rec)
             if step % cfg.log_interval == 0 or step == cfg.steps:
-                log(format_log_line(rec, cfg.steps, cfg.gbs))
+                for line in format_log_lines(rec, cfg.steps, cfg.gbs):
+                    log(line)
             profiler.end(step, rec)
             if not math.isfinite(loss_value):
                 result.status, result.error = "diverged", f"loss became {loss_value} at step {step}"
