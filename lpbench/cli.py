@@ -42,6 +42,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help=f"model name from `lpbench models` (default {d.model}; with --hf-checkpoint: hf:<folder>, "
                         "or a zoo model of the checkpoint's shape to label the run)")
+    p.add_argument("--num-layers", type=int, default=None, metavar="N",
+                   help="keep the model's first N blocks (widths and vocabulary unchanged), as Megatron's "
+                        "--num-layers: measures a large model's blocks on one GPU; labelled model@NL, FLOPs and "
+                        "parameters counted for what ran (default: all)")
     p.add_argument("--precision", type=_csv, default=None,
                    help="comma-separated recipes from `lpbench recipes`, run one after another and compared "
                         f"against the first (default {','.join(DEFAULT_PRECISIONS)}, emulating what the device "
@@ -139,7 +143,7 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     if args.model is None:
         args.model = hf_label(args.hf_checkpoint) if args.hf_checkpoint else DEFAULTS.model
     fill_run_args(args)  # --gpu/--num-gpus defaults; flags left unset get RunConfig's defaults
-    base = RunConfig(model=args.model, seq_len=args.seq_len, mbs=args.mbs, gbs=args.gbs, steps=args.steps,
+    base = RunConfig(model=args.model, num_layers=args.num_layers, seq_len=args.seq_len, mbs=args.mbs, gbs=args.gbs, steps=args.steps,
                      warmup_steps=args.warmup_steps, lr=args.lr, data=args.data, backend=args.backend,
                      workload=args.workload, hf_checkpoint=args.hf_checkpoint, lora_rank=args.lora_rank,
                      lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
@@ -205,13 +209,14 @@ def cmd_report(args) -> int:
 # ----------------------------------------------------------------------------- flops
 def cmd_flops(args) -> int:
     from lpbench.metrics.flops import days_to_train, flops_per_token, tflops_per_gpu
-    from lpbench.models import get_model_config
+    from lpbench.models.registry import first_blocks, get_model_config, model_label
 
-    model = get_model_config(args.model)
     if args.seq_len <= 0 or args.num_gpus <= 0 or args.tokens <= 0:
         raise UsageError("--seq-len, --num-gpus and --tokens must be positive")
+    model = first_blocks(get_model_config(args.model), args.num_layers)
+    label = model_label(args.model, args.num_layers)
     fpt = flops_per_token(model, args.seq_len, args.formula)
-    out = {"model": model.name, "seq_len": args.seq_len, "formula": args.formula, "flops_per_token": fpt,
+    out = {"model": label, "seq_len": args.seq_len, "formula": args.formula, "flops_per_token": fpt,
            "flops_per_sample": fpt * args.seq_len}
     if args.tokens_per_sec_per_gpu is not None:
         if args.tokens_per_sec_per_gpu <= 0:
@@ -222,7 +227,7 @@ def cmd_flops(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    console.print(f"{model.name} at seq {args.seq_len}, formula {args.formula} (forward + backward):")
+    console.print(f"{label} at seq {args.seq_len}, formula {args.formula} (forward + backward):")
     console.print(f"  FLOPs per token : {fpt:.4e}")
     console.print(f"  FLOPs per sample: {fpt * args.seq_len:.4e}")
     if "tflops_per_gpu" in out:
@@ -355,6 +360,7 @@ def build_parser() -> Parser:
 
     p = sub.add_parser("flops", help="model FLOPs per token/sample, TFLOP/s for a throughput, days to train")
     p.add_argument("--model", required=True, help="model name from `lpbench models`")
+    p.add_argument("--num-layers", type=int, default=None, metavar="N", help="count the first N blocks only")
     p.add_argument("--seq-len", type=int, required=True, help="sequence length")
     p.add_argument("--formula", default="megatron", help="megatron (default), nemo-legacy or mha")
     p.add_argument("--tokens-per-sec-per-gpu", type=float, help="measured throughput to convert")

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from lpbench.errors import UsageError
 from lpbench.metrics.flops import FORMULAS
-from lpbench.models.registry import ModelConfig, get_model_config, with_overrides
+from lpbench.models.registry import ModelConfig, first_blocks, get_model_config, model_label, with_overrides
 from lpbench.precision.recipes import get_recipe
 
 NOT_IN_KEY = ("save_every", "save_dir", "load", "profile_steps")  # see RunConfig.key
@@ -20,6 +20,7 @@ COMPILE_SCOPES = ("block", "model")  # lpbench/parallel/plan.py
 @dataclass(frozen=True)
 class RunConfig:
     model: str = "tiny"
+    num_layers: int | None = None  # keep the model's first N blocks (widths, vocabulary kept); labelled model@NL
     precision: str = "bf16"
     seq_len: int = 256
     mbs: int = 8
@@ -93,10 +94,16 @@ class RunConfig:
     def model_config(self) -> ModelConfig:
         """The architecture: the zoo's ``model``, or ``hf_checkpoint``'s config.json labelled ``model``."""
         if self.hf_checkpoint is None:
-            return with_overrides(get_model_config(self.model), vocab_size=self.vocab_size)
+            return with_overrides(first_blocks(get_model_config(self.model), self.num_layers),
+                                  vocab_size=self.vocab_size)
         from lpbench.train.workload import hf_model_config
 
         return hf_model_config(self.model, self.hf_checkpoint)
+
+    @property
+    def label(self) -> str:
+        """The model as tables and the results store name it: ``llama3-8b@16L`` when cut to 16 blocks."""
+        return model_label(self.model, self.num_layers)
 
     def _validate_workload(self) -> None:
         if self.workload not in WORKLOADS:
@@ -125,6 +132,8 @@ class RunConfig:
             raise UsageError("--lora-base-storage quantized needs --backend lpbench")
 
     def validate(self) -> "RunConfig":
+        if self.num_layers is not None and self.hf_checkpoint is not None:
+            raise UsageError("--num-layers cuts a zoo model; a --hf-checkpoint keeps its own blocks")
         model = self.model_config()
         get_recipe(self.precision)
         for name in ("seq_len", "mbs", "gbs", "steps", "dp", "tp", "log_interval"):
@@ -209,4 +218,6 @@ class RunConfig:
         (profiled steps are left out of the timing), so a resumed or profiled run keeps its key.
         """
         kept = {k: v for k, v in self.to_dict().items() if k not in NOT_IN_KEY}
+        if self.num_layers is None:  # the full model keeps the key it had before --num-layers existed
+            del kept["num_layers"]
         return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]

@@ -174,7 +174,8 @@ def build_configs(args) -> tuple[list[RunConfig], list[str]]:
     if steps < 1:
         raise UsageError(f"--tokens {args.tokens:g} is less than one step of GBS x seq_len = {tokens_per_step}")
     eval_every = args.eval_every if args.eval_every is not None else max(1, steps // 10)
-    base = RunConfig(model=args.model, seq_len=args.seq_len, mbs=args.mbs, gbs=args.gbs, steps=steps,
+    base = RunConfig(model=args.model, num_layers=args.num_layers, seq_len=args.seq_len, mbs=args.mbs,
+                     gbs=args.gbs, steps=steps,
                      warmup_steps=min(RunConfig.warmup_steps, steps - 1), lr=args.lr, seed=args.seed,
                      device=args.device, compile=args.compile, emulate=args.emulate,
                      log_interval=args.log_interval, eval_every=eval_every, eval_batches=args.eval_batches)
@@ -205,7 +206,7 @@ def cmd_converge(args) -> int:
     configs, data_lines = build_configs(args)
     first = configs[0]
     tokens = first.steps * first.gbs * first.seq_len
-    console.print(f"lpbench converge: {first.model}, {len(configs)} runs x {first.steps} steps x "
+    console.print(f"lpbench converge: {first.label}, {len(configs)} runs x {first.steps} steps x "
                   f"{first.gbs * first.seq_len:,} tokens = {tokens:,} tokens each (asked {args.tokens:,.0f}); "
                   f"same seed ({first.seed}), same data order", highlight=False)
     for line in data_lines:
@@ -234,7 +235,7 @@ def cmd_converge(args) -> int:
                       f"{_fmt(outcome.train_loss)}, validation loss {_fmt(outcome.val_loss)}", highlight=False)
     metric = judge(outcomes, tolerances)
     ref = precision_name(outcomes[0].precision)
-    table = Table(title=f"lpbench converge {group}: {first.model}, {tokens:,} tokens per recipe")
+    table = Table(title=f"lpbench converge {group}: {first.label}, {tokens:,} tokens per recipe")
     window = min(TRAIN_WINDOW, first.steps)
     for col in ("recipe", "path", "status", f"train loss (last {window})", "val loss",
                 f"gap vs {ref}", "tolerance", "verdict"):
@@ -256,7 +257,7 @@ def cmd_converge(args) -> int:
                       f"gaps within ±{noise:.2f}% are not resolved by this budget", highlight=False)
     plot = Path(args.plot or Path(args.results) / f"converge-{group}.png")
     png = convergence_curves([_plot_run(o, first) for o in outcomes], tolerances=tolerances,
-                             title=f"{first.model} · {tokens:,} tokens per recipe · "
+                             title=f"{first.label} · {tokens:,} tokens per recipe · "
                                    f"GBS {first.gbs} × seq {first.seq_len} · seed {first.seed}")
     plot.parent.mkdir(parents=True, exist_ok=True)
     plot.write_bytes(png)
@@ -291,6 +292,8 @@ def add_parser(sub) -> None:
                        description="Train several precisions from the same seed on the same data for the same "
                                    "number of tokens; compare each one's validation loss with the first's.")
     p.add_argument("--model", default=d.model, help=f"model from `lpbench models` (default {d.model})")
+    p.add_argument("--num-layers", type=int, default=None, metavar="N",
+                   help="keep the model's first N blocks (labelled model@NL; default: all)")
     p.add_argument("--precision", type=_csv, default=list(DEFAULT_PRECISIONS),
                    help=f"recipes; the first is the reference (default {','.join(DEFAULT_PRECISIONS)})")
     p.add_argument("--ablate", type=_csv, default=None, metavar="A,B",

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from lpbench.errors import UsageError
+from lpbench.models.registry import model_label
 
 SCHEMA_VERSION = 2  # 2: runs.sweep_id + UNIQUE(sweep_id, run_key)
 DB_NAME = "results.db"
@@ -117,6 +118,7 @@ class ResultsStore:
         and None is returned: recording a sweep's run twice is a no-op, not a duplicate.
         """
         cols = {c: config.get(c) for c in CONFIG_COLUMNS}
+        cols["model"] = model_label(config.get("model"), config.get("num_layers"))  # llama3-8b@16L
         cols.update({c: _finite_or_none(metrics.get(c)) for c in METRIC_COLUMNS})
         row = dict(run_key=run_key, group_id=group_id, sweep_id=sweep_id,
                    created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), status=status, error=error, workload=workload,

@@ -93,5 +93,19 @@ def get_model_config(name: str) -> ModelConfig:
         raise UsageError(f"unknown model {name!r}; valid: {', '.join(MODELS)}") from None
 
 
+def model_label(model: str, num_layers: int | None) -> str:
+    """``model``, or ``model@NL`` for a run cut to its first N blocks (so no one takes it for the full model)."""
+    return model if num_layers is None else f"{model}@{num_layers}L"
+
+
+def first_blocks(cfg: ModelConfig, num_layers: int | None) -> ModelConfig:
+    """``cfg`` cut to its first ``num_layers`` blocks (None: all); widths and vocabulary are kept."""
+    if num_layers is None:
+        return cfg
+    if not 1 <= num_layers <= cfg.n_layers:
+        raise UsageError(f"--num-layers must be between 1 and {cfg.name}'s {cfg.n_layers} blocks, got {num_layers}")
+    return replace(cfg, n_layers=num_layers)
+
+
 def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
     return replace(cfg, **{k: v for k, v in kw.items() if v is not None})

@@ -39,7 +39,7 @@ from lpbench.errors import UsageError
 META_FILE = "lpbench.json"
 STEP_DIR = re.compile(r"step-(\d+)")
 # Config fields a checkpoint must share with the run that resumes it (shapes, layout, data order).
-MATCH_FIELDS = ("model", "precision", "backend", "workload", "lora_rank", "lora_targets", "seq_len", "mbs", "gbs",
+MATCH_FIELDS = ("model", "num_layers", "precision", "backend", "workload", "lora_rank", "lora_targets", "seq_len", "mbs", "gbs",
                 "dp", "tp", "fsdp", "data", "seed")
 
 

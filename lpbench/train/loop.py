@@ -125,7 +125,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     fpt = run_flops_per_token(cfg, model_cfg, splits)
     gpu = detect_gpu(result.env.get("gpu")) if device.type == "cuda" else None
     tokens_per_step = cfg.gbs * cfg.seq_len
-    log(f"lpbench: {cfg.workload} {cfg.model} ({n_params / 1e6:.1f} M params, weights "
+    log(f"lpbench: {cfg.workload} {cfg.label} ({n_params / 1e6:.1f} M params, weights "
         f"{workload_metrics['weight_bytes'] / 2**20:,.1f} MiB) | {cfg.precision} ({cfg.backend}) "
         f"[{precision_info['path']}] | device {device} ({result.env.get('gpu') or 'cpu'}) | "
         f"compile {'on' if use_compile else 'off'} | GBS {cfg.gbs} MBS {cfg.mbs} GA {cfg.grad_accum} "
