@@ -2,8 +2,9 @@
 
 Llama 3 / Qwen3 / Nemotron4 / GPT3 / Mixtral differ only in data (``ModelConfig``): norm
 kind, MLP activation, RoPE fraction or learned positions, QK-norm, tied embeddings, MoE.
-Linear layers are plain ``nn.Linear`` with fused QKV and gate+up projections, so a precision
-recipe can swap them for quantized ones without touching this file.
+Linear layers are ``nn.Linear`` (:class:`Linear`, whose BF16 GEMMs take the CPU's fast route) with
+fused QKV and gate+up projections, so a precision recipe can swap them for quantized ones without
+touching this file.
 
 Document masking (packed SFT): ``Decoder.forward(..., doc_ids=...)`` confines attention to each
 document (a run of equal ids along the sequence) and restarts RoPE / learned positions at each
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lpbench.models.registry import ModelConfig
+from lpbench.parallel.tp import local_linear
+from lpbench.precision import gemm
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -70,12 +73,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([rotated, xp], dim=-1) if xp.shape[-1] else rotated
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose BF16 GEMMs run as FP32 GEMMs on a CPU without native BF16 (:mod:`lpbench.precision.gemm`)."""
+
+    tp_aware = True  # on the FP32 route its GEMM runs on the tensor-parallel shards (local_linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if gemm.fp32_route(x, gemm.compute_dtype(x)):
+            return local_linear(self, x, gemm.linear)
+        return super().forward(x)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.hd
-        self.qkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd, bias=cfg.bias)
-        self.o = nn.Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=cfg.bias)
+        self.qkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd, bias=cfg.bias)
+        self.o = Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=cfg.bias)
         self.q_norm = make_norm(cfg, cfg.hd) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, cfg.hd) if cfg.qk_norm else None
 
@@ -90,12 +104,12 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         gqa = self.n_kv != self.n_heads
         if mask is None:
-            out = F.scaled_dot_product_attention(
+            out = gemm.attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 is_causal=True, enable_gqa=gqa,
             )
         elif isinstance(mask, torch.Tensor):
-            out = F.scaled_dot_product_attention(
+            out = gemm.attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=gqa,
             )
         else:
@@ -109,10 +123,10 @@ class MLP(nn.Module):
         super().__init__()
         self.activation = cfg.activation
         if cfg.gated:
-            self.gate_up = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=cfg.bias)
+            self.gate_up = Linear(cfg.dim, 2 * cfg.ffn_dim, bias=cfg.bias)
         else:
-            self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
-        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
+            self.up = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.down = Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
@@ -134,7 +148,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k = cfg.top_k
-        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.router = Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +185,7 @@ class Decoder(nn.Module):
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.positions == "learned" else None
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg, cfg.dim)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
 

@@ -48,6 +48,7 @@ from torch import nn
 
 from lpbench.parallel import fp8_allgather
 from lpbench.parallel.tp import local_linear
+from lpbench.precision.gemm import hp_mm, mm_fp32
 from lpbench.precision.quantize import (
     RHT_SIZE,
     QSpec,
@@ -62,13 +63,6 @@ from lpbench.precision.quantize import (
 from lpbench.precision.recipes import Recipe
 
 NATIVE_SCALINGS = ("tensor", "delayed", "row", "block")  # scalings with a native GEMM in lpbench
-
-
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a · bᵀ for operands exactly representable in BF16, accumulated in FP32."""
-    if a.is_cuda:
-        return torch.mm(a.bfloat16(), b.bfloat16().t(), out_dtype=torch.float32)
-    return a.float() @ b.float().t()  # products of BF16 values are exact in FP32
 
 
 def _operand(q) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,14 +125,7 @@ def qgemm(a: QTensor, b: QTensor, *, native: bool = False, fast_accum: bool = Fa
     if native and (a.block[1] == a.codes.shape[1] or blockwise_native_shape(a, b)):
         return _scaled_mm(a, b, fast_accum).float()
     (va, sa), (vb, sb) = _operand(a), _operand(b)
-    return _mm_fp32(va, vb) * sa * (sb.t() if sb.dim() else sb)
-
-
-def _hp_gemm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Unquantized a · bᵀ in the compute dtype with FP32 accumulation (FP32 result)."""
-    if a.is_cuda and dtype != torch.float32:
-        return torch.mm(a.to(dtype), b.to(dtype).t(), out_dtype=torch.float32)
-    return a.to(dtype).float() @ b.to(dtype).float().t()
+    return mm_fp32(va, vb) * sa * (sb.t() if sb.dim() else sb)
 
 
 class _QuantizedLinearFn(torch.autograd.Function):
@@ -176,7 +163,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
                     dw = qgemm(gq_wgrad, ctx.xq_wgrad, native=mod.native)
                 else:
                     (x2,) = ctx.saved_tensors
-                    dw = _hp_gemm(dy2.t(), x2.t(), ctx.x_dtype)
+                    dw = hp_mm(dy2.t(), x2.t(), ctx.x_dtype)
                 dw = dw.to(ctx.w_dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy2.float().sum(0).to(ctx.w_dtype)
@@ -312,7 +299,7 @@ class QuantizedLinear(nn.Linear):
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The GEMMs on plain tensors (under TP, this rank's shards)."""
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
-            return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+            return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))  # no FLOPs
         if self.native and self.recipe.scaling in ("tensor", "delayed"):
             from lpbench.precision.kernels import fp8_linear
 

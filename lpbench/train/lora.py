@@ -29,10 +29,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lpbench.errors import UsageError
+from lpbench.precision import gemm
 
 TARGETS: dict[str, tuple[str, ...]] = {
     "qkv": ("qkv",), "o": ("o",), "mlp": ("gate_up", "up", "down"),
@@ -76,7 +76,7 @@ class LoRALinear(nn.Module):
         """The adapter's contribution ``scaling · (x Aᵀ) Bᵀ``."""
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.lora_a.dtype)
-        return F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
+        return gemm.linear(gemm.linear(x, self.lora_a), self.lora_b) * self.scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)

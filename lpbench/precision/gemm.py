@@ -1,0 +1,123 @@
+"""BF16 GEMMs that are fast on every CPU: the BF16 route or the FP32 route, chosen once per process.
+
+PyTorch's BF16 matmul is fast only on CPUs with BF16 matrix instructions (AVX512-BF16, AMX, Arm's
+BF16 extension); elsewhere it is emulated, e.g. 1.2 GFLOP/s against 103 GFLOP/s in FP32 on an
+AVX2-only EPYC. On such a CPU a BF16 GEMM is computed here as an FP32 GEMM over the BF16 operands:
+a product of two BF16 values is exact in FP32 and both routes accumulate in FP32, so only the
+summation order differs, and the output is rounded to BF16 as the BF16 GEMM rounds it (gradients
+too: autograd rounds them where the BF16 graph does). Hand-written because autocast has no such
+policy; lpbench's linears call :func:`linear`, attention :func:`attention` and the quantized GEMMs
+:func:`mm_fp32` instead of anything patching torch.
+
+``LPBENCH_CPU_GEMM=bf16|fp32`` forces a route (default ``auto``: from the CPU's capability).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+import torch.nn.functional as F
+
+ENV = "LPBENCH_CPU_GEMM"
+ROUTES = ("bf16", "fp32")
+_route: str | None = None  # decided on first use (route())
+
+
+def native_bf16_cpu() -> str | None:
+    """The CPU's BF16 matrix feature (``amx_bf16``, ``avx512_bf16``, ``arm_bf16``), or None."""
+    cpu = getattr(torch, "cpu", None)
+    if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        return "amx_bf16"
+    if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return "avx512_bf16"
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        if platform.system() == "Darwin":  # Apple M2 and later
+            import subprocess
+
+            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, text=True)
+            return "arm_bf16" if out.stdout.strip() == "1" else None
+        try:
+            with open("/proc/cpuinfo") as f:
+                features = {w for line in f if line.lower().startswith("features") for w in line.split()}
+        except OSError:
+            return None
+        return "arm_bf16" if "bf16" in features else None
+    return None
+
+
+def route() -> str:
+    """``bf16`` (torch's BF16 GEMMs) or ``fp32`` (FP32 GEMMs over BF16 operands) for CPU BF16 GEMMs."""
+    global _route
+    if _route is None:
+        forced = os.environ.get(ENV, "auto").strip().lower()
+        if forced not in (*ROUTES, "auto"):
+            from lpbench.errors import UsageError
+
+            raise UsageError(f"{ENV}={forced!r}: valid values are auto, bf16, fp32")
+        _route = forced if forced in ROUTES else ("bf16" if native_bf16_cpu() else "fp32")
+    return _route
+
+
+def describe() -> str:
+    """The route and why, for a run's first log line."""
+    forced = os.environ.get(ENV, "auto").strip().lower() in ROUTES
+    if route() == "fp32":
+        why = f"{ENV}=fp32" if forced else f"no native BF16 on this CPU: {torch.backends.cpu.get_cpu_capability()}"
+        return f"CPU BF16 GEMMs as FP32 ({why})"
+    why = f"{ENV}=bf16" if forced else native_bf16_cpu()
+    return f"CPU BF16 GEMMs native ({why})"
+
+
+def fp32_route(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a GEMM of ``x`` computed in ``dtype`` takes the FP32 route."""
+    return x.device.type == "cpu" and dtype == torch.bfloat16 and route() == "fp32"
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear of ``x`` computes in: the autocast dtype if autocast is on, else x's."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, except that a BF16 linear (under BF16 autocast, or of BF16 x and weight) on a
+    CPU with the FP32 route is an FP32 GEMM over the BF16-rounded operands, rounded to BF16."""
+    dtype = compute_dtype(x)
+    if not fp32_route(x, dtype) or not (torch.is_autocast_enabled("cpu") or weight.dtype == dtype):
+        return F.linear(x, weight, bias)
+    with torch.autocast("cpu", enabled=False):
+        b = None if bias is None else bias.to(dtype).float()
+        return F.linear(x.to(dtype).float(), weight.to(dtype).float(), b).to(dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``; in BF16 on a CPU with the FP32 route, in FP32 over the
+    BF16 q, k, v with the output rounded to BF16. Unlike a GEMM this differs from the BF16 kernel by
+    more than summation order: that kernel rounds its softmax probabilities to BF16 before
+    multiplying them with v, the FP32 route does not (it is the more exact of the two)."""
+    dtype = compute_dtype(q)
+    if not fp32_route(q, dtype):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with torch.autocast("cpu", enabled=False):
+        q, k, v = (t.to(dtype).float() for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, **kwargs).to(dtype)
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """FP32 a · bᵀ of operands exactly representable in BF16, accumulated in FP32.
+
+    CUDA multiplies them as BF16 with FP32 output; a CPU always in FP32 (both routes: torch has no
+    CPU BF16 GEMM with FP32 output, and the products are exact either way).
+    """
+    if a.is_cuda:
+        return torch.mm(a.bfloat16(), b.bfloat16().t(), out_dtype=torch.float32)
+    return a.float() @ b.float().t()
+
+
+def hp_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Unquantized a · bᵀ with operands rounded to ``dtype``, FP32 accumulation and result."""
+    if a.is_cuda and dtype != torch.float32:
+        return torch.mm(a.to(dtype), b.to(dtype).t(), out_dtype=torch.float32)
+    return a.to(dtype).float() @ b.to(dtype).float().t()
