@@ -1,3 +1,4 @@
+import lpbench  # noqa: F401  (first: sets OpenMP's wait policy before torch loads OpenMP)
 import pytest
 import torch
 

@@ -35,6 +35,8 @@ def environment(device: torch.device) -> dict:
     env = {"lpbench": lpbench.__version__, "git_sha": _git_sha(), "torch": torch.__version__,
            "python": platform.python_version(), "host": platform.node(), "cpu_count": os.cpu_count(),
            "gpu": None, "capability": None, "cuda": torch.version.cuda, "driver": None}
+    if device.type == "cpu":
+        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, capability=f"{props.major}.{props.minor}", driver=_driver(),

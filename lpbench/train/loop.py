@@ -14,6 +14,7 @@ import torch._dynamo
 
 from lpbench.config import RunConfig
 from lpbench.errors import UsageError
+from lpbench import threads
 from lpbench.metrics import memory
 from lpbench.metrics.env import environment
 from lpbench.metrics.hardware import detect_gpu, mfu, peak_tflops
@@ -23,6 +24,7 @@ from lpbench.models.hf import load_hf_checkpoint
 from lpbench.parallel.dp import clip_grad_norm_, grad_sync
 from lpbench.parallel.env import all_reduce, init_distributed
 from lpbench.parallel.plan import parallelize
+from lpbench.precision import gemm
 from lpbench.precision.recipes import get_recipe
 from lpbench.train.checkpoint import Checkpointer
 from lpbench.train.workload import (build_data, describe_lora, forward_args, prepare_model, run_flops_per_token,
@@ -97,6 +99,10 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     emulate = cfg.emulate if cfg.emulate is not None else device.type == "cpu"
     result = RunResult(config=cfg, env=environment(device))
+    cpu_note = ""
+    if device.type == "cpu":  # before any work: threads for a shared machine, the BF16 GEMM route
+        cpu_note = f" | {threads.configure()} | {gemm.describe()}"
+        result.env.update(cpu_threads=torch.get_num_threads(), cpu_gemm_route=gemm.route())
 
     torch.manual_seed(cfg.seed)
     meta = world.size > 1 and cfg.workload != "lora"  # no full copy per rank: parallelize shards, then allocates
@@ -127,7 +133,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     tokens_per_step = cfg.gbs * cfg.seq_len
     log(f"lpbench: {cfg.workload} {cfg.label} ({n_params / 1e6:.1f} M params, weights "
         f"{workload_metrics['weight_bytes'] / 2**20:,.1f} MiB) | {cfg.precision} ({cfg.backend}) "
-        f"[{precision_info['path']}] | device {device} ({result.env.get('gpu') or 'cpu'}) | "
+        f"[{precision_info['path']}] | device {device} ({result.env.get('gpu') or 'cpu'}){cpu_note} | "
         f"compile {'on' if use_compile else 'off'} | GBS {cfg.gbs} MBS {cfg.mbs} GA {cfg.grad_accum} "
         f"seq {cfg.seq_len} | peak LR {cfg.peak_lr:g} | {splits.source}")
     if cfg.workload == "lora":
