@@ -14,7 +14,7 @@ from lpbench.cli import main
 from lpbench.report import plots
 from lpbench.report.build import report_markdown, select_runs
 from lpbench.report.html import render_page
-from lpbench.report.tables import summary_rows, time_to_train_tables
+from lpbench.report.tables import NOT_GPU_SPEED, summary_rows, time_to_train_tables, to_markdown
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -220,3 +220,45 @@ def test_runs_compiled_differently_get_their_own_bf16_baseline(tmp_path):
     assert speedups[("block", "fp8-tensorwise")] == pytest.approx(1.1)
     assert speedups[("model", "fp8-tensorwise")] == pytest.approx(1.2)
     assert speedups[("model", "bf16")] == pytest.approx(1.0)
+
+
+def _timed(store, precision, step_s, q1, q3, *, gpu="NVIDIA H100 80GB HBM3", path="native", group="spread"):
+    tps = 128 * 8192 / step_s / 8
+    return _run(store, precision, tps, gpu=gpu, path=path, group=group,
+                extra_metrics={"step_time_s": step_s, "step_time_p25_s": q1, "step_time_p75_s": q3})
+
+
+def _speedup_cells(store, group):
+    rows = summary_rows(store.runs("group_id = ?", (group,)))
+    table = report_markdown(rows)
+    return {r["precision"]: r for r in rows}, table
+
+
+def test_overlapping_step_time_spreads_are_not_shown_as_a_speedup(tmp_path):
+    s = ResultsStore(tmp_path)
+    _timed(s, "bf16", 1.00, 0.95, 1.05)
+    _timed(s, "fp8-tensorwise", 0.97, 0.93, 1.01)  # 1.03x by the medians, but the quartiles overlap
+    _timed(s, "mxfp8", 0.80, 0.78, 0.82)  # clearly faster
+    rows, md = _speedup_cells(s, "spread")
+    fp8, mx = rows["fp8-tensorwise"], rows["mxfp8"]
+    assert fp8["within_noise"] and fp8["speedup"] == pytest.approx(1 / 0.97)
+    text = to_markdown([fp8])
+    assert "within noise (0.94–1.13×)" in text and "1.03×" not in text
+    assert not mx["within_noise"] and "1.25× (1.16–1.35)" in to_markdown([mx])
+    assert "within noise (0.94–1.13×)" in md and "1.25× (1.16–1.35)" in md  # the report's table too
+    assert "1000.0 (950.0–1050.0)" in md and "†" not in md  # step time with its quartiles; GPU, native: no caveat
+
+
+def test_cpu_and_emulated_speed_ratios_are_marked_as_no_gpu_prediction(tmp_path):
+    s = ResultsStore(tmp_path)
+    _timed(s, "bf16", 1.0, 0.99, 1.01, gpu=None, group="cpu")
+    _timed(s, "fp8-tensorwise", 0.15, 0.149, 0.151, gpu=None, path="emulated", group="cpu")
+    _timed(s, "bf16", 1.0, 0.99, 1.01, group="gpu")
+    _timed(s, "mxfp8", 0.9, 0.89, 0.91, path="emulated", group="gpu")
+    rows = summary_rows(s.runs())
+    marked = {(r["group_id"], r["precision"]): r["not_gpu_speed"] for r in rows}
+    assert marked == {("cpu", "bf16"): True, ("cpu", "fp8-tensorwise"): True, ("gpu", "bf16"): False,
+                      ("gpu", "mxfp8"): True}
+    flat = to_markdown(rows)
+    assert "6.67× (6.56–6.78) †" in flat and flat.rstrip().endswith(NOT_GPU_SPEED)
+    assert NOT_GPU_SPEED in report_markdown(rows)

@@ -8,6 +8,12 @@ run). A group without an ok BF16 run is compared with its first ok run, and the 
 which (``baseline``). ``to_rich`` / ``to_markdown`` / ``to_csv`` / ``to_json`` render those
 rows flat.
 
+Timing is reported with its spread: each run stores its step-time quartiles (``step_time_p25_s``,
+``step_time_p75_s``), the step time is shown with them, and a speedup with the interval they give
+(baseline Q1 / run Q3 to baseline Q3 / run Q1); where the two runs' quartile ranges overlap it is
+"within noise", not a speedup. Ratios measured on a CPU or with emulated GEMMs carry a mark (``†``)
+and a note: they do not predict GPU speed.
+
 ``workload_tables`` and ``time_to_train_tables`` build the report's tables in the style of
 NeMo's performance summary (one table per workload, the config cells written once per
 comparison group, failures spelled out as "OOM") and of the Nemotron4 recipe's time-to-train
@@ -31,7 +37,7 @@ COLUMNS = [  # (key, header, format) of the flat table (lpbench run, sweep, --fo
     ("path", "path", "{}"),
     ("batch", "GBS/MBS/seq", "{}"),
     ("num_gpus", "GPUs", "{}"),
-    ("step_time_ms", "step ms", "{:.1f}"),
+    ("step_time_ms", "step ms (IQR)", "{:.1f}"),
     ("tokens_per_sec_per_gpu", "tokens/s/GPU", "{:,.0f}"),
     ("tflops_per_gpu", "TFLOP/s/GPU", "{:.3g}"),
     ("mfu_bf16", "MFU", "{:.1%}"),
@@ -94,6 +100,53 @@ def _baselines(runs: list[dict]) -> dict[tuple, dict]:
     return out
 
 
+NOT_GPU_SPEED = "† CPU run or emulated GEMMs: speed ratios do not predict GPU speed"
+
+
+def _quartiles(r: dict) -> tuple[float, float] | None:
+    m = r.get("metrics") or {}
+    q1, q3 = m.get("step_time_p25_s"), m.get("step_time_p75_s")
+    return (q1, q3) if _finite(q1) and _finite(q3) and q1 > 0 else None
+
+
+def speedup_interval(run: dict, base: dict) -> tuple[float, float, bool] | None:
+    """(low, high, within noise) of ``run``'s speedup over ``base`` from their step-time quartiles:
+    base Q1 / run Q3 .. base Q3 / run Q1; within noise when the quartile ranges overlap."""
+    a, b = _quartiles(run), _quartiles(base)
+    if a is None or b is None:
+        return None
+    return b[0] / a[1], b[1] / a[0], a[0] <= b[1] and b[0] <= a[1]
+
+
+def _not_gpu_speed(r: dict | None) -> bool:
+    """A CPU run or one with emulated GEMMs: its speed says nothing about a GPU's."""
+    return r is not None and (not r.get("gpu") or r.get("path") == "emulated")
+
+
+def speedup_text(row: dict) -> str:
+    """``1.27× (1.20–1.35)``, ``within noise (0.95–1.08×)`` or ``1.00×`` for the baseline; ``†`` marks
+    ratios that do not predict GPU speed."""
+    s = row.get("speedup")
+    if s is None:
+        return "n/a"
+    mark = " †" if row.get("not_gpu_speed") else ""
+    low, high = row.get("speedup_low"), row.get("speedup_high")
+    if row.get("id") is not None and row.get("id") == row.get("baseline_id") or low is None:
+        return f"{s:.2f}×{mark}"
+    if row.get("within_noise"):
+        return f"within noise ({low:.2f}–{high:.2f}×){mark}"
+    return f"{s:.2f}× ({low:.2f}–{high:.2f}){mark}"
+
+
+def step_time_text(row: dict) -> str:
+    """Median step time in ms with its quartiles: ``412.3 (405.1–420.8)``."""
+    t = row.get("step_time_ms")
+    if t is None:
+        return "n/a"
+    q1, q3 = row.get("step_time_p25_ms"), row.get("step_time_p75_ms")
+    return f"{t:.1f}" if q1 is None else f"{t:.1f} ({q1:.1f}–{q3:.1f})"
+
+
 def _int(v):
     return int(v) if _finite(v) else v
 
@@ -110,6 +163,9 @@ def summary_rows(runs: list[dict]) -> list[dict]:
         loss, base_loss = r.get("final_loss"), base.get("final_loss") if base else None
         cfg, metrics = r.get("config") or {}, r.get("metrics") or {}
         mbs, gbs, seq = _int(r.get("mbs")), _int(r.get("gbs")), _int(r.get("seq_len"))
+        speed = tps / base_tps if r.get("status") == "ok" and tps and base_tps else None
+        interval = speedup_interval(r, base) if speed is not None else None
+        quart = _quartiles(r)
         rows.append({
             "id": r.get("id"), "group_id": r.get("group_id"), "workload": r.get("workload"),
             "model": r.get("model"), "precision": r.get("precision"), "backend": r.get("backend"),
@@ -119,7 +175,11 @@ def summary_rows(runs: list[dict]) -> list[dict]:
             "tokens_per_sec_per_gpu": tps, "tflops_per_gpu": r.get("tflops_per_gpu"),
             "mfu_bf16": r.get("mfu_bf16"), "mfu_precision": r.get("mfu_precision"),
             "peak_mem_gb": r.get("peak_mem_allocated_gb"), "final_loss": loss,
-            "speedup": tps / base_tps if r.get("status") == "ok" and tps and base_tps else None,
+            "speedup": speed,
+            "speedup_low": interval[0] if interval else None, "speedup_high": interval[1] if interval else None,
+            "within_noise": interval[2] if interval else None,
+            "not_gpu_speed": speed is not None and (_not_gpu_speed(r) or _not_gpu_speed(base)),
+            "step_time_p25_ms": quart[0] * 1e3 if quart else None, "step_time_p75_ms": quart[1] * 1e3 if quart else None,
             "status": r.get("status"), "error": r.get("error"),
             "baseline": base.get("precision") if base else None, "baseline_id": base.get("id") if base else None,
             "loss_delta": loss - base_loss if r.get("status") == "ok" and _finite(loss) and _finite(base_loss)
@@ -139,13 +199,17 @@ def summary_rows(runs: list[dict]) -> list[dict]:
 
 def _cell(row: dict, key: str, fmt: str) -> str:
     v = row.get(key)
+    if key == "speedup":
+        return speedup_text(row)
+    if key == "step_time_ms":
+        return step_time_text(row)
     if key == "status" and v != "ok" and row.get("error"):
         return f"{v}: {row['error']}"
     return "n/a" if v is None else fmt.format(v)
 
 
 def to_rich(rows: list[dict], title: str | None = None) -> Table:
-    table = Table(title=title)
+    table = Table(title=title, caption=NOT_GPU_SPEED if any(r.get("not_gpu_speed") for r in rows) else None)
     for _, header, _ in COLUMNS:
         table.add_column(header, justify="left" if header in ("model", "precision", "path", "status") else "right")
     for row in rows:
@@ -157,6 +221,8 @@ def to_markdown(rows: list[dict]) -> str:
     """The flat table (one row per run) as markdown."""
     lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cell(r, k, f).replace("|", "\\|") for k, _, f in COLUMNS) + " |" for r in rows]
+    if any(r.get("not_gpu_speed") for r in rows):
+        lines += ["", NOT_GPU_SPEED]
     return "\n".join(lines)
 
 
@@ -268,11 +334,13 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
         show_fsdp = any(r.get("fsdp") for r in mine)
         config_cols = ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length", *[k.upper() for k in layout],
                        *(["FSDP"] if show_fsdp else []), "GA"]
-        metric_cols = ["Precision", "Backend", "Path", "Tokens / sec / GPU", "Model TFLOP / sec / GPU", "MFU",
+        metric_cols = ["Precision", "Backend", "Path", "Step ms (IQR)", "Tokens / sec / GPU", "Model TFLOP / sec / GPU",
+                       "MFU",
                        "Speedup over BF16", "Peak mem (GB)", "Final loss", "Δ loss vs BF16"]
         columns = config_cols + metric_cols
         first_num = {"#-GPUs", "GBS", "MBS", "Seq Length", "GA", "FSDP", *[k.upper() for k in layout],
-                     "Tokens / sec / GPU", "Model TFLOP / sec / GPU", "MFU", "Speedup over BF16", "Peak mem (GB)",
+                     "Step ms (IQR)", "Tokens / sec / GPU", "Model TFLOP / sec / GPU", "MFU", "Speedup over BF16",
+                     "Peak mem (GB)",
                      "Final loss", "Δ loss vs BF16"}
         table = TextTable(title=WORKLOAD_TITLES.get(wl, wl), columns=columns,
                           rows=[], right={i for i, c in enumerate(columns) if c in first_num})
@@ -291,11 +359,11 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                 mem_kinds.add(r.get("memory_kind"))
                 if r["status"] == "ok":
                     base = r.get("baseline")
-                    speed = "n/a" if r.get("speedup") is None else f"{r['speedup']:.2f}×"
+                    speed = speedup_text(r)
                     if base and base != BASELINE and r.get("speedup") is not None:  # no BF16 run in the group
                         speed += " (baseline)" if r["id"] == r["baseline_id"] else f" (vs {precision_name(base)})"
                     delta = r.get("loss_delta")
-                    metric = [_num(r.get("tokens_per_sec_per_gpu")), _num(r.get("tflops_per_gpu")),
+                    metric = [step_time_text(r), _num(r.get("tokens_per_sec_per_gpu")), _num(r.get("tflops_per_gpu")),
                               _num(r.get("mfu_bf16"), "pct"), speed, _num(r.get("peak_mem_gb"), "gb"),
                               _num(r.get("final_loss")) if not _finite(r.get("final_loss"))
                               else f"{r['final_loss']:.4f}",
@@ -305,7 +373,7 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                     table.notes.append(f"[{note}] {r['model']} {precision_name(r['precision'])} "
                                        f"(GBS {r['gbs']}, MBS {r['mbs']}, seq {r['seq_len']}): {r['status']}"
                                        + (f": {r['error']}" if r.get("error") else ""))
-                    metric = [f"{_status_cell(r)} [{note}]", "–", "–", "–", _num(r.get("peak_mem_gb"), "gb"),
+                    metric = ["–", f"{_status_cell(r)} [{note}]", "–", "–", "–", _num(r.get("peak_mem_gb"), "gb"),
                               "–", "–"]
                 quantized_base = ", base stored quantized" if r.get("lora_base_storage") == "quantized" else ""
                 table.rows.append(cfg_cells + [precision_name(r["precision"]) + quantized_base,
@@ -316,7 +384,11 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                if "host-rss" in mem_kinds else "")
         table.caption = ("Speedup and Δ loss (final loss minus the baseline's) are against the BF16 run of the same "
                          "group (same invocation or sweep, model, batch, GPUs and layout). MFU against the GPU's "
-                         "dense BF16 peak; n/a on CPU. " + (mem + "." if mem else ""))
+                         "dense BF16 peak; n/a on CPU. Step ms: median over the timed steps (interquartile range); "
+                         "a speedup's interval comes from both runs' quartiles, \"within noise\" where they overlap. "
+                         + (mem + "." if mem else ""))
+        if any(r.get("not_gpu_speed") for r in mine):
+            table.notes.append(NOT_GPU_SPEED)
         tables.append(table)
     return tables
 

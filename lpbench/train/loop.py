@@ -250,6 +250,13 @@ def _max_over_ranks(values: dict, device: torch.device) -> dict:
     return {**values, **dict(zip(keys, all_reduce([values[k] for k in keys], "max", device)))}
 
 
+def step_time_dist(times: list[float]) -> dict:
+    """The spread of the timed steps: quartiles (inclusive method; all equal for one step), min, max."""
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else times * 3
+    return {"step_time_p25_s": q1, "step_time_p75_s": q3, "step_time_min_s": min(times),
+            "step_time_max_s": max(times)}
+
+
 def summarize(steps: list[dict], cfg: RunConfig, fpt: float, gpu, precision_info: dict,
               device: torch.device) -> dict:
     """Summary metrics over the timed (post-warm-up) steps, each defined once (DESIGN.md)."""
@@ -269,6 +276,7 @@ def summarize(steps: list[dict], cfg: RunConfig, fpt: float, gpu, precision_info
     tps = cfg.gbs * cfg.seq_len / step_time / cfg.world_size
     tflops = fpt * tps / 1e12
     gemm_class = "bf16" if precision_info["path"] == "emulated" else getattr(recipe, "gemm_class", "bf16")
+    out.update(step_time_dist(timed))
     out.update(step_time_s=step_time, last_step_time_s=timed[-1], tokens_per_sec_per_gpu=tps,
                tflops_per_gpu=tflops, mfu_bf16=mfu(tflops, peak_tflops(gpu, "bf16")),
                mfu_precision=mfu(tflops, peak_tflops(gpu, gemm_class)), gemm_class=gemm_class)
