@@ -64,9 +64,10 @@ def test_fp32_route_off_for_fp32_compute_and_other_devices(use_route):
     use_route("fp32")
     x, w = randn(4, 8), randn(3, 8)
     assert torch.equal(gemm.linear(x, w), torch.nn.functional.linear(x, w))  # no autocast: FP32 as before
-    assert not gemm.fp32_route(torch.empty(1, device="meta"), torch.bfloat16)
+    assert gemm.fp32_route(x.bfloat16()) and not gemm.fp32_route(x)
+    assert not gemm.fp32_route(torch.empty(1, device="meta", dtype=torch.bfloat16))
     use_route("bf16")
-    assert not gemm.fp32_route(x, torch.bfloat16)
+    assert not gemm.fp32_route(x.bfloat16())
 
 
 def test_attention_fp32_route_close_to_bf16_route(use_route):
@@ -134,16 +135,34 @@ def test_emulated_recipe_gemms_same_on_both_routes(use_route, name):
 
 
 def test_route_forced_by_environment(monkeypatch):
-    monkeypatch.setattr(gemm, "_route", None)
+    for value, expected in (("bf16", "bf16"), ("FP32", "fp32"), ("auto", "bf16" if gemm.native_bf16_cpu() else "fp32")):
+        monkeypatch.setenv(gemm.ENV, value)
+        monkeypatch.setattr(gemm, "_route", gemm.decide_route())
+        assert gemm.route() == expected
     monkeypatch.setenv(gemm.ENV, "bf16")
-    assert gemm.route() == "bf16" and "native" in gemm.describe() and "LPBENCH_CPU_GEMM=bf16" in gemm.describe()
-    monkeypatch.setattr(gemm, "_route", None)
+    monkeypatch.setattr(gemm, "_route", gemm.decide_route())
+    assert "native" in gemm.describe() and "LPBENCH_CPU_GEMM=bf16" in gemm.describe()
     monkeypatch.setenv(gemm.ENV, "fp32")
-    assert gemm.route() == "fp32" and gemm.describe().startswith("CPU BF16 GEMMs as FP32")
-    monkeypatch.setattr(gemm, "_route", None)
-    monkeypatch.setenv(gemm.ENV, "auto")
-    assert gemm.route() == ("bf16" if gemm.native_bf16_cpu() else "fp32")
-    monkeypatch.setattr(gemm, "_route", None)
+    monkeypatch.setattr(gemm, "_route", gemm.decide_route())
+    assert gemm.describe() == "CPU BF16 GEMMs as FP32 (LPBENCH_CPU_GEMM=fp32)"
     monkeypatch.setenv(gemm.ENV, "fast")
-    with pytest.raises(UsageError, match="LPBENCH_CPU_GEMM"):
+    monkeypatch.setattr(gemm, "_route", gemm.decide_route())
+    with pytest.raises(UsageError, match="LPBENCH_CPU_GEMM='fast'"):
         gemm.route()
+
+
+def test_compiled_block_reads_the_route_without_a_graph_break(use_route):
+    from torch._dynamo.testing import CompileCounter
+
+    from lpbench.models.decoder import rope_tables
+
+    use_route("fp32")
+    cfg = with_overrides(get_model_config("tiny"), n_layers=1, vocab_size=256)
+    block = build_model(cfg, device="cpu").layers[0]
+    counter = CompileCounter()
+    compiled = torch.compile(block, backend=counter, fullgraph=True)
+    torch._dynamo.reset()
+    h = randn(2, 16, 128)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(compiled(h, rope_tables(cfg, 16, "cpu")), block(h, rope_tables(cfg, 16, "cpu")))
+    assert counter.frame_count == 1

@@ -79,7 +79,7 @@ class Linear(nn.Linear):
     tp_aware = True  # on the FP32 route its GEMM runs on the tensor-parallel shards (local_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if gemm.fp32_route(x, gemm.compute_dtype(x)):
+        if gemm.fp32_route(x):
             return local_linear(self, x, gemm.linear)
         return super().forward(x)
 

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 
 ENV = "LPBENCH_CPU_GEMM"
 ROUTES = ("bf16", "fp32")
-_route: str | None = None  # decided on first use (route())
 
 
 def native_bf16_cpu() -> str | None:
@@ -47,16 +46,20 @@ def native_bf16_cpu() -> str | None:
     return None
 
 
+def decide_route() -> str:
+    """``bf16`` or ``fp32`` as ``LPBENCH_CPU_GEMM`` forces or the CPU's capability decides; the bad value if invalid."""
+    forced = os.environ.get(ENV, "auto").strip().lower()
+    if forced != "auto":
+        return forced
+    return "bf16" if native_bf16_cpu() else "fp32"
+
+
 def route() -> str:
     """``bf16`` (torch's BF16 GEMMs) or ``fp32`` (FP32 GEMMs over BF16 operands) for CPU BF16 GEMMs."""
-    global _route
-    if _route is None:
-        forced = os.environ.get(ENV, "auto").strip().lower()
-        if forced not in (*ROUTES, "auto"):
-            from lpbench.errors import UsageError
+    if _route not in ROUTES:
+        from lpbench.errors import UsageError
 
-            raise UsageError(f"{ENV}={forced!r}: valid values are auto, bf16, fp32")
-        _route = forced if forced in ROUTES else ("bf16" if native_bf16_cpu() else "fp32")
+        raise UsageError(f"{ENV}={_route!r}: valid values are auto, bf16, fp32")
     return _route
 
 
@@ -70,9 +73,12 @@ def describe() -> str:
     return f"CPU BF16 GEMMs native ({why})"
 
 
-def fp32_route(x: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a GEMM of ``x`` computed in ``dtype`` takes the FP32 route."""
-    return x.device.type == "cpu" and dtype == torch.bfloat16 and route() == "fp32"
+def fp32_route(x: torch.Tensor) -> bool:
+    """Whether a GEMM of ``x`` (in its compute dtype, :func:`compute_dtype`) takes the FP32 route."""
+    return x.device.type == "cpu" and route() == "fp32" and compute_dtype(x) == torch.bfloat16
+
+
+_route = decide_route()  # once per process, at import: compiled code reads it as a constant
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -84,12 +90,12 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except that a BF16 linear (under BF16 autocast, or of BF16 x and weight) on a
     CPU with the FP32 route is an FP32 GEMM over the BF16-rounded operands, rounded to BF16."""
-    dtype = compute_dtype(x)
-    if not fp32_route(x, dtype) or not (torch.is_autocast_enabled("cpu") or weight.dtype == dtype):
+    if not fp32_route(x) or not (torch.is_autocast_enabled("cpu") or weight.dtype == torch.bfloat16):
         return F.linear(x, weight, bias)
+    bf16 = torch.bfloat16
     with torch.autocast("cpu", enabled=False):
-        b = None if bias is None else bias.to(dtype).float()
-        return F.linear(x.to(dtype).float(), weight.to(dtype).float(), b).to(dtype)
+        b = None if bias is None else bias.to(bf16).float()
+        return F.linear(x.to(bf16).float(), weight.to(bf16).float(), b).to(bf16)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -97,12 +103,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> to
     BF16 q, k, v with the output rounded to BF16. Unlike a GEMM this differs from the BF16 kernel by
     more than summation order: that kernel rounds its softmax probabilities to BF16 before
     multiplying them with v, the FP32 route does not (it is the more exact of the two)."""
-    dtype = compute_dtype(q)
-    if not fp32_route(q, dtype):
+    if not fp32_route(q):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
     with torch.autocast("cpu", enabled=False):
-        q, k, v = (t.to(dtype).float() for t in (q, k, v))
-        return F.scaled_dot_product_attention(q, k, v, **kwargs).to(dtype)
+        q, k, v = (t.bfloat16().float() for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, **kwargs).bfloat16()
 
 
 def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
