@@ -7,33 +7,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import uuid
+from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from lpbench import __version__
+from lpbench.console import Parser, console, csv_list
 from lpbench.config import COMPILE_SCOPES, LORA_BASE_STORAGES, WORKLOADS, RunConfig
 from lpbench.errors import UsageError
 
-console = Console(width=None if sys.stdout.isatty() else 200)
 DEFAULTS = RunConfig()
 DEFAULT_PRECISIONS = ["bf16", "fp8-tensorwise", "mxfp8", "nvfp4"]
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (exit 2) instead of usage dumps."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-
-
-def _csv(value: str) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("expected a comma-separated list")
-    return items
 
 
 # ----------------------------------------------------------------------------- run
@@ -46,7 +33,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="keep the model's first N blocks (widths and vocabulary unchanged), as Megatron's "
                         "--num-layers: measures a large model's blocks on one GPU; labelled model@NL, FLOPs and "
                         "parameters counted for what ran (default: all)")
-    p.add_argument("--precision", type=_csv, default=None,
+    p.add_argument("--precision", type=csv_list, default=None,
                    help="comma-separated recipes from `lpbench recipes`, run one after another and compared "
                         f"against the first (default {','.join(DEFAULT_PRECISIONS)}, emulating what the device "
                         "lacks)")
@@ -138,7 +125,8 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     """Validated configs, one per precision, for ``world_size`` ranks (default: this launch's)."""
     from lpbench.bench.recommended import fill_run_args
     from lpbench.parallel.launch import planned_world
-    from lpbench.train.workload import hf_label
+    from lpbench.models.hf import hf_label
+    from lpbench.train.checkpoint import validated
 
     if args.model is None:
         args.model = hf_label(args.hf_checkpoint) if args.hf_checkpoint else DEFAULTS.model
@@ -161,7 +149,7 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     precisions = args.precision or DEFAULT_PRECISIONS
     if len(precisions) > 1 and (args.save_dir or args.load):
         raise UsageError(f"--save-dir and --load take a single --precision, not {','.join(precisions)}")
-    return [base.with_(precision=p).validate() for p in precisions]
+    return [validated(base.with_(precision=p)) for p in precisions]
 
 
 def cmd_run(args) -> int:
@@ -325,6 +313,47 @@ def cmd_quant_error(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- slurm
+def cmd_slurm(args) -> int:
+    from lpbench.parallel.slurm import sbatch_script
+
+    if args.nodes <= 0 or args.gpus_per_node <= 0:
+        raise UsageError("--nodes and --gpus-per-node must be positive")
+    run_args = [a for i, a in enumerate(args.run_args) if not (i == 0 and a == "--")]
+    if any(a.startswith("--nproc-per-node") for a in run_args):
+        raise UsageError("leave --nproc-per-node out of the run flags: the script launches the processes")
+    run_parser = Parser(prog="lpbench slurm ... -- <lpbench run flags>")
+    add_run_args(run_parser)
+    configs_from_args(run_parser.parse_args(run_args), world_size=args.nodes * args.gpus_per_node)
+    script = sbatch_script(run_args, nodes=args.nodes, gpus_per_node=args.gpus_per_node, launcher=args.launcher,
+                           container=args.container, container_mounts=args.container_mounts,
+                           job_name=args.job_name, time=args.time, partition=args.partition, account=args.account)
+    Path(args.output).write_text(script)
+    print(f"wrote {args.output}: {args.nodes} node(s) x {args.gpus_per_node} GPU(s), {args.launcher} launch\n"
+          f"submit it with: sbatch {shlex.quote(args.output)}")
+    return 0
+
+
+def add_slurm_parser(sub) -> None:
+    from lpbench.parallel.slurm import LAUNCHERS
+
+    p = sub.add_parser("slurm", help="write an sbatch script for a multi-node `lpbench run`",
+                       description="Write an sbatch script; the flags after -- are passed to `lpbench run`.")
+    p.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (processes) per node")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="torchrun",
+                   help="torchrun: one task per node running torchrun (default); srun: one task per GPU")
+    p.add_argument("--container", metavar="IMAGE", help="run in this container image (Pyxis --container-image)")
+    p.add_argument("--container-mounts", help="Pyxis --container-mounts (default: the submit directory)")
+    p.add_argument("--job-name", default="lpbench", help="job name, also the log file's prefix (default lpbench)")
+    p.add_argument("--time", help="time limit, e.g. 01:00:00")
+    p.add_argument("--partition", help="Slurm partition")
+    p.add_argument("--account", help="Slurm account")
+    p.add_argument("--output", default="lpbench.sbatch", help="script file to write (default lpbench.sbatch)")
+    p.add_argument("run_args", nargs=argparse.REMAINDER, help="-- then the `lpbench run` flags")
+    p.set_defaults(func=cmd_slurm)
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> Parser:
     parser = Parser(prog="lpbench",
@@ -378,16 +407,14 @@ def build_parser() -> Parser:
     p.set_defaults(func=cmd_recipes)
 
     p = sub.add_parser("quant-error", help="relative error and SQNR of each recipe's quantizer on test tensors")
-    p.add_argument("--precision", type=_csv, help="recipes to compare (default: all)")
-    p.add_argument("--role", type=_csv, help="operand roles: input, weight, grad (default: all)")
-    p.add_argument("--distribution", type=_csv,
+    p.add_argument("--precision", type=csv_list, help="recipes to compare (default: all)")
+    p.add_argument("--role", type=csv_list, help="operand roles: input, weight, grad (default: all)")
+    p.add_argument("--distribution", type=csv_list,
                    help="gaussian, student-t, outlier-channel (default: all)")
     p.add_argument("--shape", type=int, nargs="+", default=[512, 1024], help="tensor shape (default 512 1024)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_quant_error)
-
-    from lpbench.parallel.slurm import add_parser as add_slurm_parser
 
     add_slurm_parser(sub)
 

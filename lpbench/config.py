@@ -43,7 +43,7 @@ class RunConfig:
     hf_checkpoint: str | None = None  # local HF Llama/Qwen3 folder: architecture and weights; model labels it
     lora_rank: int = 32  # workload lora only: adapter rank ...
     lora_alpha: float = 32.0  # ... and scale alpha / rank (NeMo's and Megatron-Bridge's defaults)
-    lora_targets: str = "qkv,o,mlp"  # adapted linears of every block (lpbench.train.lora.TARGETS)
+    lora_targets: str = "qkv,o,mlp"  # adapted linears of every block (lpbench.models.lora.TARGETS)
     lora_base_storage: str = "bf16"  # frozen base in the compute dtype, or "quantized" once in the recipe's format
     backend: str = "lpbench"  # "torchao": torchao's Float8Linear on the same linears (FP8 recipes)
     dp: int = 1  # data-parallel size = world size / tp (see with_world)
@@ -96,7 +96,7 @@ class RunConfig:
         if self.hf_checkpoint is None:
             return with_overrides(first_blocks(get_model_config(self.model), self.num_layers),
                                   vocab_size=self.vocab_size)
-        from lpbench.train.workload import hf_model_config
+        from lpbench.models.hf import hf_model_config
 
         return hf_model_config(self.model, self.hf_checkpoint)
 
@@ -115,7 +115,7 @@ class RunConfig:
                 raise UsageError(f"--{changed[0].replace('_', '-')} applies to --workload lora only "
                                  f"(this run is {self.workload})")
             return
-        from lpbench.train.lora import expand_targets
+        from lpbench.models.lora import expand_targets
 
         if self.lora_rank <= 0:
             raise UsageError(f"--lora-rank must be positive, got {self.lora_rank}")
@@ -188,10 +188,6 @@ class RunConfig:
         first, last = self.profile_range or (1, 1)
         if not 1 <= first <= last <= self.steps:
             raise UsageError(f"--profile-steps {self.profile_steps}: need 1 <= A <= B <= --steps ({self.steps})")
-        if self.load is not None:
-            from lpbench.train.checkpoint import check_resumable
-
-            check_resumable(self)
         return self
 
     def with_world(self, world_size: int, dp: int | None = None) -> "RunConfig":

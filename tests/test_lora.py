@@ -14,7 +14,7 @@ from lpbench.metrics.flops import (
     tflops_per_gpu,
 )
 from lpbench.models import MODELS, build_model
-from lpbench.train.lora import LoRALinear, apply_lora, expand_targets, lora_parameters, lora_state_dict, merge_lora
+from lpbench.models.lora import LoRALinear, apply_lora, expand_targets, lora_parameters, lora_state_dict, merge_lora
 
 TINY = dataclasses.replace(MODELS["tiny"], n_layers=2, vocab_size=256)
 X = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))

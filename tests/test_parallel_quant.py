@@ -116,7 +116,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from lpbench.errors import UsageError
-    from lpbench.parallel import fp8_allgather
+    from lpbench.precision import fp8_allgather
 
     results = {"exact": {name: _module_errors(name) for name in EXACT_RECIPES},
                "no-reduce": {name: _module_errors(name, "no-reduce") for name in ("fp8-tensorwise", "nvfp4")},
@@ -210,7 +210,7 @@ def test_fsdp_fp8_all_gather_gives_the_same_training(world2, name):
 
 
 def test_an_fp8_all_gather_weight_is_checkpointed_as_a_plain_tensor(tmp_path):
-    from lpbench.parallel.fp8_allgather import Fp8AllGatherWeight
+    from lpbench.precision.fp8_allgather import Fp8AllGatherWeight
 
     w = torch.randn(4, 8)
     torch.save({"w": Fp8AllGatherWeight(w)}, tmp_path / "w.pt")

@@ -21,8 +21,8 @@ from lpbench.precision.frozen import FrozenQuantizedLinear, store_frozen_quantiz
 from lpbench.precision.linear import QuantizedLinear
 from lpbench.precision.policy import apply_recipe
 from lpbench.precision.recipes import RECIPES
-from lpbench.train.lora import apply_lora, merge_lora
-from lpbench.train.workload import hf_model_config
+from lpbench.models.lora import apply_lora, merge_lora
+from lpbench.models.hf import hf_model_config
 
 TINY2 = dataclasses.replace(MODELS["tiny"], n_layers=2, vocab_size=256)
 RUN = RunConfig(model="tiny", seq_len=128, mbs=2, gbs=2, steps=2, warmup_steps=1, device="cpu")

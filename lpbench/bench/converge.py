@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lpbench.config import RunConfig
+from lpbench.console import csv_list
 from lpbench.errors import UsageError
 
 DEFAULT_PRECISIONS = ("bf16", "fp8-tensorwise", "mxfp8", "nvfp4")
@@ -197,7 +198,7 @@ def cmd_converge(args) -> int:
     from rich.table import Table
 
     from lpbench.bench.store import ResultsStore
-    from lpbench.cli import console
+    from lpbench.console import console
     from lpbench.report.plots import convergence_curves
     from lpbench.report.tables import precision_name
     from lpbench.train import loop
@@ -277,13 +278,6 @@ def _plot_run(o: Outcome, cfg: RunConfig) -> dict:
             "val": [(s["step"] * per_step, s["val_loss"]) for s in o.steps if "val_loss" in s]}
 
 
-def _csv(text: str) -> list[str]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("expected a comma-separated list")
-    return items
-
-
 def add_parser(sub) -> None:
     """``lpbench converge`` on the CLI's sub-command parsers."""
     d = RunConfig()
@@ -294,9 +288,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=d.model, help=f"model from `lpbench models` (default {d.model})")
     p.add_argument("--num-layers", type=int, default=None, metavar="N",
                    help="keep the model's first N blocks (labelled model@NL; default: all)")
-    p.add_argument("--precision", type=_csv, default=list(DEFAULT_PRECISIONS),
+    p.add_argument("--precision", type=csv_list, default=list(DEFAULT_PRECISIONS),
                    help=f"recipes; the first is the reference (default {','.join(DEFAULT_PRECISIONS)})")
-    p.add_argument("--ablate", type=_csv, default=None, metavar="A,B",
+    p.add_argument("--ablate", type=csv_list, default=None, metavar="A,B",
                    help="add one nvfp4 run per ingredient switched off: rht, sr, 2d, bf16-tail")
     p.add_argument("--tokens", type=float, default=100_000,
                    help="training tokens per recipe; steps = tokens / (GBS x seq_len) (default 1e5)")

@@ -251,10 +251,12 @@ def expand(spec: dict) -> Sweep:
 
 
 def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
+    from lpbench.train.checkpoint import validated
+
     settings = dict(settings)
     kwargs = {k: v for k, v in settings.items() if k in run_fields}
     if kwargs.get("hf_checkpoint") and "model" not in kwargs:
-        from lpbench.train.workload import hf_label
+        from lpbench.models.hf import hf_label
 
         kwargs["model"] = hf_label(kwargs["hf_checkpoint"])
     rec_text = None
@@ -277,7 +279,7 @@ def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
             cfg = cfg.with_world(num_gpus, dp=kwargs.get("dp"))
         elif num_gpus != 1:
             raise UsageError("this lpbench runs on one process only (RunConfig has no world size)")
-    cfg.validate()
+    validated(cfg)
     world = getattr(cfg, "world_size", 1)
     return SweepRun(index=0, config=cfg, settings=settings, workload=cfg.workload, backend=cfg.backend,
                     num_gpus=world, recommended=rec_text)
@@ -575,7 +577,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_sweep(args) -> int:
-    from lpbench.cli import console
+    from lpbench.console import console
 
     return run_sweep(args.spec, results=args.results, dry_run=args.dry_run, timeout=args.timeout,
                      resume=args.resume, name=args.name, console=console)

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from lpbench.errors import UsageError
 from lpbench.models.decoder import Decoder
-from lpbench.models.registry import ModelConfig
+from lpbench.models.registry import ModelConfig, get_model_config
 
 PathLike = str | os.PathLike
 
@@ -153,6 +154,32 @@ def config_from_hf(path_or_config: PathLike | dict, name: str | None = None) -> 
         max_seq_len=int(hf.get("max_position_embeddings", defaults["max_position_embeddings"])),
         family=family,
     )
+
+
+# Fields that do not change a model's shapes or GEMMs: a zoo name may label a checkpoint that differs in them.
+_LABEL_FIELDS = ("name", "max_seq_len", "rope_theta", "rope_scaling", "norm_eps", "family")
+
+
+def hf_label(path: str) -> str:
+    """The model name of a run from HF checkpoint folder ``path`` without ``--model``."""
+    return f"hf:{Path(path).resolve().name}"
+
+
+def hf_model_config(model: str, path: str) -> ModelConfig:
+    """``path``'s architecture, named ``model``: ``hf:...``, or a zoo model of the same shape
+    (layers, widths, heads, vocabulary, norm, MLP, tying, biases; RoPE and eps come from the checkpoint)."""
+    cfg = config_from_hf(path, name=model)
+    if model.startswith("hf:"):
+        return cfg
+    zoo = get_model_config(model)
+    diff = [f"{f.name} {getattr(zoo, f.name)} vs {getattr(cfg, f.name)}" for f in fields(ModelConfig)
+            if f.name not in _LABEL_FIELDS and getattr(zoo, f.name) != getattr(cfg, f.name)]
+    if zoo.hd != cfg.hd:
+        diff.append(f"head_dim {zoo.hd} vs {cfg.hd}")
+    if diff:
+        raise UsageError(f"--model {model} does not match --hf-checkpoint {path} ({', '.join(diff)}); "
+                         f"leave out --model to label the run {hf_label(path)}")
+    return cfg
 
 
 def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -330,7 +357,7 @@ def hf_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> d
     expected = {lp for lp, _, _ in wmap.values()} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
     if set(params) != expected:
         extra = sorted(set(params) - expected)
-        hint = " (merge LoRA adapters first: lpbench.train.lora.merge_lora)" if any("lora_" in n for n in extra) else ""
+        hint = " (merge LoRA adapters first: lpbench.models.lora.merge_lora)" if any("lora_" in n for n in extra) else ""
         raise UsageError(f"{cfg.name}: parameters {extra[:4] or sorted(expected - set(params))[:4]} have no "
                          f"Hugging Face name{hint}")
     out = {}

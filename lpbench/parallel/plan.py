@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lpbench.config import RunConfig
 from lpbench.parallel.dp import apply_ddp, apply_fsdp
-from lpbench.parallel.fp8_allgather import apply_fp8_all_gather
+from lpbench.precision.policy import apply_fp8_all_gather
 from lpbench.parallel.tp import apply_tp, interleave
 
 

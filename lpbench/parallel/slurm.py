@@ -9,10 +9,8 @@ image with the submit directory mounted and used as the working directory.
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
-from pathlib import Path
 
 from lpbench.errors import UsageError
 from lpbench.parallel.env import NO_MULTICAST_ENV
@@ -52,41 +50,3 @@ def sbatch_script(run_args: list[str], *, nodes: int, gpus_per_node: int, launch
     cmd += ["-m", "lpbench", "run", *map(shlex.quote, run_args)]
     lines += ["", " \\\n    ".join([" ".join(srun), " ".join(cmd)]), ""]
     return "\n".join(lines)
-
-
-def cmd_slurm(args) -> int:
-    from lpbench.cli import Parser, add_run_args, configs_from_args
-
-    if args.nodes <= 0 or args.gpus_per_node <= 0:
-        raise UsageError("--nodes and --gpus-per-node must be positive")
-    run_args = [a for i, a in enumerate(args.run_args) if not (i == 0 and a == "--")]
-    if any(a.startswith("--nproc-per-node") for a in run_args):
-        raise UsageError("leave --nproc-per-node out of the run flags: the script launches the processes")
-    run_parser = Parser(prog="lpbench slurm ... -- <lpbench run flags>")
-    add_run_args(run_parser)
-    configs_from_args(run_parser.parse_args(run_args), world_size=args.nodes * args.gpus_per_node)
-    script = sbatch_script(run_args, nodes=args.nodes, gpus_per_node=args.gpus_per_node, launcher=args.launcher,
-                           container=args.container, container_mounts=args.container_mounts,
-                           job_name=args.job_name, time=args.time, partition=args.partition, account=args.account)
-    Path(args.output).write_text(script)
-    print(f"wrote {args.output}: {args.nodes} node(s) x {args.gpus_per_node} GPU(s), {args.launcher} launch\n"
-          f"submit it with: sbatch {shlex.quote(args.output)}")
-    return 0
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("slurm", help="write an sbatch script for a multi-node `lpbench run`",
-                       description="Write an sbatch script; the flags after -- are passed to `lpbench run`.")
-    p.add_argument("--nodes", type=int, required=True, help="number of nodes")
-    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (processes) per node")
-    p.add_argument("--launcher", choices=LAUNCHERS, default="torchrun",
-                   help="torchrun: one task per node running torchrun (default); srun: one task per GPU")
-    p.add_argument("--container", metavar="IMAGE", help="run in this container image (Pyxis --container-image)")
-    p.add_argument("--container-mounts", help="Pyxis --container-mounts (default: the submit directory)")
-    p.add_argument("--job-name", default="lpbench", help="job name, also the log file's prefix (default lpbench)")
-    p.add_argument("--time", help="time limit, e.g. 01:00:00")
-    p.add_argument("--partition", help="Slurm partition")
-    p.add_argument("--account", help="Slurm account")
-    p.add_argument("--output", default="lpbench.sbatch", help="script file to write (default lpbench.sbatch)")
-    p.add_argument("run_args", nargs=argparse.REMAINDER, help="-- then the `lpbench run` flags")
-    p.set_defaults(func=cmd_slurm)

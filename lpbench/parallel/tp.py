@@ -126,7 +126,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
     """Shard ``model`` (a :class:`lpbench.models.decoder.Decoder`) over the 1-D ``mesh`` in place.
 
     Linear subclasses with their own GEMMs must declare ``tp_aware = True`` (see
-    :func:`local_linear`); others are refused with a UsageError before anything changes, as is
+    :func:`lpbench.precision.linear.local_linear`); others are refused with a UsageError before anything changes, as is
     a split that cuts a linear's quantization blocks (its ``tp_multiple``: every rank's part of
     every section must be a whole number of blocks, so that the blocks are the unsharded ones).
     """
@@ -166,25 +166,3 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
     for name, (dim, sections) in splits.items():
         model.get_submodule(name).tp_shard = TPShard(mesh.get_group(), mesh.get_local_rank(), tp, dim, sections)
     return model
-
-
-def local_linear(module: nn.Linear, x: torch.Tensor, fn) -> torch.Tensor:
-    """Run ``fn(x, weight, bias)`` on the plain local shards of a tensor-parallel linear.
-
-    For a Linear subclass with its own GEMMs (a quantized linear): call this from ``forward``
-    and declare ``tp_aware = True`` (:func:`apply_tp` refuses Linear subclasses without it).
-    Column-wise (weight ``Shard(0)``): the output is ``Shard(-1)``. Row-wise (``Shard(1)``):
-    a partial sum, reduced by the parallel style, with the replicated bias added after the
-    reduction. Not tensor parallel: ``fn`` on the module's own tensors. Differentiable.
-    """
-    w, b = module.weight, module.bias
-    if not isinstance(w, DTensor):
-        return fn(x, w, b)
-    mesh, (placement,) = w.device_mesh, w.placements
-    if placement == Shard(0):  # column-wise: x replicated, its gradient a partial sum over ranks
-        y = fn(x.to_local(grad_placements=[Partial()]), w.to_local(), None if b is None else b.to_local())
-        return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False)
-    if placement == Shard(1):  # row-wise: x sharded on its last dim, the output a partial sum
-        y = DTensor.from_local(fn(x.to_local(), w.to_local(), None), mesh, [Partial()], run_check=False)
-        return y if b is None else y + b
-    raise ValueError(f"local_linear: unsupported weight placement {placement}")

@@ -12,8 +12,10 @@ import warnings
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lpbench.errors import UsageError
+from lpbench.precision import fp8_allgather
 from lpbench.precision.linear import NATIVE_SCALINGS, QuantizedLinear
 from lpbench.precision.recipes import Recipe, get_recipe
 
@@ -128,3 +130,21 @@ def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device
             stacklevel=2,
         )
     return result
+
+
+@torch.no_grad()
+def apply_fp8_all_gather(model: nn.Module) -> int:
+    """Wrap the weight of every fp8-tensorwise/-delayed QuantizedLinear (before ``fully_shard``) so that
+    FSDP2 all-gathers it in FP8 (:mod:`lpbench.precision.fp8_allgather`); returns the count."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantizedLinear) and mod.recipe.scaling in fp8_allgather.SCALINGS:
+            w = mod.weight
+            if isinstance(w, DTensor):  # tensor parallel: wrap the local shard
+                new = DTensor.from_local(fp8_allgather.Fp8AllGatherWeight(w.to_local()), w.device_mesh,
+                                         w.placements, run_check=False, shape=w.shape, stride=w.stride())
+            else:
+                new = fp8_allgather.Fp8AllGatherWeight(w.detach())
+            mod.weight = nn.Parameter(new, requires_grad=w.requires_grad)
+            n += 1
+    return n

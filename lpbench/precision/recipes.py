@@ -191,15 +191,3 @@ def get_recipe(name: str) -> Recipe:
         return ablate(get_recipe(base), ingredient)
     raise UsageError(f"unknown precision {name!r}; valid: {', '.join(RECIPES)}, or RECIPE-no-INGREDIENT "
                      f"({', '.join(ABLATIONS)}), e.g. nvfp4-no-rht")
-
-
-def apply_recipe(model: torch.nn.Module, recipe: Recipe, *, device: torch.device, emulate: bool,
-                 backend: str = "lpbench") -> dict:
-    """Swap the model's transformer-block linears for the recipe's quantized ones.
-
-    Returns what was done: ``{"path": "native"|"emulated", "quantized": [...], "skipped": [...]}``.
-    See :func:`lpbench.precision.policy.apply_recipe`.
-    """
-    from lpbench.precision.policy import apply_recipe as apply
-
-    return apply(model, recipe, device=device, emulate=emulate, backend=backend)

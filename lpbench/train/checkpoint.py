@@ -72,6 +72,14 @@ def read_metadata(ckpt: Path) -> dict:
     return meta
 
 
+def validated(cfg):
+    """``cfg.validate()``, and with ``--load`` the checkpoint checked against ``cfg`` (RunConfig reads no disk)."""
+    cfg.validate()
+    if cfg.load is not None:
+        check_resumable(cfg)
+    return cfg
+
+
 def check_resumable(cfg) -> tuple[Path, dict]:
     """The checkpoint ``cfg.load`` names and its metadata, if ``cfg`` can resume from it."""
     ckpt = find_checkpoint(cfg.load)

@@ -26,7 +26,7 @@ from lpbench.parallel.env import all_reduce, init_distributed
 from lpbench.parallel.plan import parallelize
 from lpbench.precision import gemm
 from lpbench.precision.recipes import get_recipe
-from lpbench.train.checkpoint import Checkpointer
+from lpbench.train.checkpoint import Checkpointer, validated
 from lpbench.train.workload import (build_data, describe_lora, forward_args, prepare_model, run_flops_per_token,
                                     weight_bytes)
 from lpbench.train.optim import build_optimizer, build_scheduler
@@ -84,7 +84,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     global: loss averaged over data-parallel ranks, peak memory the maximum over ranks.
     ``--profile-steps`` traces go to ``results_dir/profiles/<run key>/``.
     """
-    cfg.validate()
+    validated(cfg)
     device = resolve_device(cfg.device)
     world = init_distributed(device.type)
     if cfg.world_size != world.size:

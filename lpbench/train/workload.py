@@ -18,13 +18,12 @@ frozen quantized base is then quantized once and its BF16 copy freed
 layers, dims that do not divide the block) stay as they are.
 
 A model from ``--hf-checkpoint`` takes its architecture from config.json; the run is labelled
-``hf:<folder>``, or with a zoo name of the same shape (:func:`hf_model_config`).
+``hf:<folder>``, or with a zoo name of the same shape (:func:`lpbench.models.hf.hf_model_config`).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -35,38 +34,11 @@ from lpbench.data.loader import build_dataset
 from lpbench.data.sft import build_sft_dataset
 from lpbench.errors import UsageError
 from lpbench.metrics.flops import flops_per_token, lora_flops_per_token, packed_flops_per_token
-from lpbench.models.registry import ModelConfig, get_model_config
+from lpbench.models.registry import ModelConfig
 from lpbench.precision.frozen import store_frozen_quantized
-from lpbench.precision.recipes import Recipe, apply_recipe
-from lpbench.train.lora import apply_lora
-
-# Fields that do not change a model's shapes or GEMMs: a zoo name may label a checkpoint that differs in them.
-_LABEL_FIELDS = ("name", "max_seq_len", "rope_theta", "rope_scaling", "norm_eps", "family")
-
-
-def hf_label(path: str) -> str:
-    """The model name of a run from HF checkpoint folder ``path`` without ``--model``."""
-    return f"hf:{Path(path).resolve().name}"
-
-
-def hf_model_config(model: str, path: str) -> ModelConfig:
-    """``path``'s architecture, named ``model``: ``hf:...``, or a zoo model of the same shape
-    (layers, widths, heads, vocabulary, norm, MLP, tying, biases; RoPE and eps come from the checkpoint)."""
-    from lpbench.models.hf import config_from_hf
-
-    cfg = config_from_hf(path, name=model)
-    if model.startswith("hf:"):
-        return cfg
-    zoo = get_model_config(model)
-    diff = [f"{f.name} {getattr(zoo, f.name)} vs {getattr(cfg, f.name)}" for f in fields(ModelConfig)
-            if f.name not in _LABEL_FIELDS and getattr(zoo, f.name) != getattr(cfg, f.name)]
-    if zoo.hd != cfg.hd:
-        diff.append(f"head_dim {zoo.hd} vs {cfg.hd}")
-    if diff:
-        raise UsageError(f"--model {model} does not match --hf-checkpoint {path} ({', '.join(diff)}); "
-                         f"leave out --model to label the run {hf_label(path)}")
-    return cfg
-
+from lpbench.precision.policy import apply_recipe
+from lpbench.precision.recipes import Recipe
+from lpbench.models.lora import apply_lora
 
 def prepare_model(model: nn.Module, cfg: RunConfig, recipe: Recipe, *, device: torch.device,
                   emulate: bool) -> tuple[dict, dict]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lpbench.parallel import fp8_allgather
+from lpbench.precision import fp8_allgather
 from lpbench.precision.formats import FloatFormat
 from lpbench.precision.kernels import fp8_cast
 from lpbench.precision.kernels.fp8 import update_amax_history

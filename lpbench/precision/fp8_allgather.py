@@ -147,22 +147,3 @@ def gathered(module: nn.Module, weight: torch.Tensor) -> tuple[torch.Tensor, tor
     if module.recipe.scaling == "delayed":
         update_amax_history(module.amax_history_weight, weight._amax)
     return weight._codes, weight._dec
-
-
-@torch.no_grad()
-def apply_fp8_all_gather(model: nn.Module) -> int:
-    """Wrap the weight of every fp8-tensorwise/-delayed QuantizedLinear (before ``fully_shard``); returns the count."""
-    from lpbench.precision.linear import QuantizedLinear
-
-    n = 0
-    for mod in model.modules():
-        if isinstance(mod, QuantizedLinear) and mod.recipe.scaling in SCALINGS:
-            w = mod.weight
-            if isinstance(w, DTensor):  # tensor parallel: wrap the local shard
-                new = DTensor.from_local(Fp8AllGatherWeight(w.to_local()), w.device_mesh, w.placements,
-                                         run_check=False, shape=w.shape, stride=w.stride())
-            else:
-                new = Fp8AllGatherWeight(w.detach())
-            mod.weight = nn.Parameter(new, requires_grad=w.requires_grad)
-            n += 1
-    return n
