@@ -1,4 +1,4 @@
-"""Model FLOPs per token under the three named formulas of DESIGN.md.
+"""Model FLOPs per token under three named formulas (ARCHITECTURE.md, Metrics).
 
 ``megatron`` (default) is Megatron-LM / Megatron-Bridge's count with the causal discount on
 core attention; ``nemo-legacy`` is NeMo <= 25.07's (no causal discount) and reproduces its

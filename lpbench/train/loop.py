@@ -1,4 +1,4 @@
-"""The training loop: one run of one config, timed and measured per DESIGN.md's metrics."""
+"""The training loop: one run of one config, timed and measured (ARCHITECTURE.md, Metrics)."""
 
 from __future__ import annotations
 
@@ -259,7 +259,7 @@ def step_time_dist(times: list[float]) -> dict:
 
 def summarize(steps: list[dict], cfg: RunConfig, fpt: float, gpu, precision_info: dict,
               device: torch.device) -> dict:
-    """Summary metrics over the timed (post-warm-up) steps, each defined once (DESIGN.md)."""
+    """Summary metrics over the timed (post-warm-up) steps, each defined once (ARCHITECTURE.md, Metrics)."""
     recipe = get_recipe(cfg.precision)
     timed = [s["step_time_s"] for s in steps[cfg.warmup_steps:] if not s.get("profiled")]  # profiler overhead
     out = {"path": precision_info["path"], "flops_formula": cfg.flops_formula, "flops_per_token": fpt,
