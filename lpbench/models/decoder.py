@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lpbench.models.registry import ModelConfig
-from lpbench.parallel.tp import local_linear
 from lpbench.precision import gemm
+from lpbench.precision.tp_local import local_linear
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:

@@ -2,7 +2,7 @@
 
 - :mod:`~lpbench.parallel.env`: rank/world from torchrun or srun, process group, reductions.
 - :mod:`~lpbench.parallel.tp`: column/row-wise + sequence-parallel plans; each split linear's ``tp_shard``.
-  The quantized linear's own TP and FSDP hooks live in precision (``local_linear``, ``fp8_allgather``).
+  The quantized linear's own TP and FSDP hooks live in precision (``tp_local``, ``fp8_allgather``).
 - :mod:`~lpbench.parallel.dp`: DDP / FSDP2 wrapping, gradient-sync control, grad-norm clipping.
 - :mod:`~lpbench.parallel.plan`: ``parallelize`` (TP -> compile -> FSDP/DDP on a ``(dp, tp)`` mesh), and
   ``materialize`` for models built on the meta device.
