@@ -38,6 +38,7 @@ def test_every_recipe_runs_from_the_cli_on_cpu(tmp_path, capsys):
                  "--warmup-steps", "1", "--precision", names, "--results", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.count("[emulated]") == 7 and "fp8-blockwise" in out
+    assert out.count("GEMMs emulated: cpu has no low-precision GEMMs") == 7  # the reason, once per emulated run
     assert main(["report", "--results", str(tmp_path), "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["precision"] for r in rows] == names.split(",")

@@ -47,8 +47,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lpbench.precision import fp8_allgather
-from lpbench.precision.tp_local import local_linear
+from lpbench.precision.formats import E2M1
 from lpbench.precision.gemm import hp_mm, mm_fp32
+from lpbench.precision.kernels import block_scaled
+from lpbench.precision.tp_local import local_linear
 from lpbench.precision.quantize import (
     RHT_SIZE,
     QSpec,
@@ -62,7 +64,7 @@ from lpbench.precision.quantize import (
 )
 from lpbench.precision.recipes import Recipe
 
-NATIVE_SCALINGS = ("tensor", "delayed", "row", "block")  # scalings with a native GEMM in lpbench
+NATIVE_SCALINGS = ("tensor", "delayed", "row", "block", "mx", "nvfp4")  # scalings with a native GEMM in lpbench
 
 
 def _operand(q) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +124,10 @@ def _scaled_mm(a: QTensor, b: QTensor, fast_accum: bool) -> torch.Tensor:
 def qgemm(a: QTensor, b: QTensor, *, native: bool = False, fast_accum: bool = False) -> torch.Tensor:
     """FP32 a · bᵀ of two operands quantized along their last (reduction) dim; ``fast_accum``: the
     native tensorwise/rowwise GEMM accumulates in Hopper's fast mode (the emulation cannot)."""
-    if native and (a.block[1] == a.codes.shape[1] or blockwise_native_shape(a, b)):
+    if native and block_scaled.takes(a, b):
+        return block_scaled.mm(a, b).float()
+    fp32_scales = a.scale.dtype == torch.float32
+    if native and fp32_scales and (a.block[1] == a.codes.shape[1] or blockwise_native_shape(a, b)):
         return _scaled_mm(a, b, fast_accum).float()
     (va, sa), (vb, sb) = _operand(a), _operand(b)
     return mm_fp32(va, vb) * sa * (sb.t() if sb.dim() else sb)
@@ -259,8 +264,12 @@ class QuantizedLinear(nn.Linear):
             from lpbench.precision.kernels import nvfp4
 
             if recipe.block == nvfp4.BLOCK and nvfp4.available(t):
-                return nvfp4.quantize(t, row=row, col=col, rht=recipe.rht_wgrad,
-                                      stochastic=recipe.operand(role, gemm).stochastic)
+                copies = nvfp4.quantize(t, row=row, col=col, rht=recipe.rht_wgrad,
+                                        stochastic=recipe.operand(role, gemm).stochastic, with_codes=self.native)
+                if not self.native:
+                    return copies
+                return tuple(None if c is None else QTensor(c.codes, c.scale, (1, nvfp4.BLOCK), E2M1, c.global_scale)
+                             for c in copies)
         spec_col = recipe.operand(role, "wgrad")
         return (self._quantize(t, role, gemm, encode_scale) if row else None,
                 self._quantize(self._wgrad_layout(t, spec_col), role, "wgrad", encode_scale) if col else None)

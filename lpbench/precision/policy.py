@@ -16,43 +16,45 @@ from torch.distributed.tensor import DTensor
 
 from lpbench.errors import UsageError
 from lpbench.precision import fp8_allgather
+from lpbench.precision.kernels import block_scaled
 from lpbench.precision.linear import NATIVE_SCALINGS, QuantizedLinear
 from lpbench.precision.recipes import Recipe, get_recipe
 
 
 def native_supported(recipe: Recipe, device: torch.device | str) -> bool:
     """True when ``device`` runs the recipe's GEMMs natively (lpbench has the kernel and the GPU the format)."""
+    return not recipe.quantized or why_emulated(recipe, device) is None
+
+
+def why_emulated(recipe: Recipe, device: torch.device | str) -> str | None:
+    """Why ``device`` cannot run the quantized recipe's GEMMs natively; None when it can. The one place that
+    decides: every quantized recipe whose check passes here runs lpbench's native kernels."""
     device = torch.device(device)
-    if not recipe.quantized:
-        return True
-    if device.type != "cuda" or recipe.native_capability is None or recipe.scaling not in NATIVE_SCALINGS:
-        return False
-    if recipe.scaling == "block" and not _blockwise_gemm(device):
-        return False
-    return torch.cuda.get_device_capability(device) >= recipe.native_capability
-
-
-def _blockwise_gemm(device: torch.device) -> bool:
-    """``F.scaled_mm``'s FP8 blockwise GEMM: Hopper (SM 9.x) with cuBLAS from CUDA 12.9 on."""
-    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-    return (hasattr(torch.nn.functional, "scaled_mm") and cuda >= (12, 9)
-            and torch.cuda.get_device_capability(device)[0] == 9)
-
-
-def _why_not_native(recipe: Recipe, device: torch.device) -> str:
     if device.type != "cuda":
         return f"{device.type} has no low-precision GEMMs"
-    if recipe.scaling not in NATIVE_SCALINGS:
+    if recipe.scaling not in NATIVE_SCALINGS or recipe.native_capability is None:
         return f"lpbench has no native kernel for {recipe.scaling} scaling yet"
-    if recipe.scaling == "block" and not _blockwise_gemm(device):
+    capability = torch.cuda.get_device_capability(device)
+    if recipe.scaling == "block" and not _blockwise_gemm(capability):
         return (f"its native GEMM (torch's F.scaled_mm, cuBLAS from CUDA 12.9) runs on Hopper (SM 9.x) only; "
-                f"this GPU has {torch.cuda.get_device_capability(device)}, torch CUDA {torch.version.cuda}")
-    major, minor = recipe.native_capability
-    return f"it needs compute capability {major}.{minor}, this GPU has {torch.cuda.get_device_capability(device)}"
+                f"this GPU has {capability}, torch CUDA {torch.version.cuda}")
+    if capability < recipe.native_capability:
+        major, minor = recipe.native_capability
+        return f"it needs compute capability {major}.{minor}, this GPU has {capability[0]}.{capability[1]}"
+    if recipe.scaling in ("mx", "nvfp4"):
+        if recipe.scaling == "mx" and recipe.fwd_format == "e2m1":
+            return "torch's CUDA MXFP4 GEMM needs a build with FBGEMM GenAI kernels, which stock wheels lack"
+        return block_scaled.unavailable()
+    return None
+
+
+def _blockwise_gemm(capability: tuple[int, int]) -> bool:
+    """``F.scaled_mm``'s FP8 blockwise GEMM: Hopper (SM 9.x) with cuBLAS from CUDA 12.9 on."""
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return hasattr(torch.nn.functional, "scaled_mm") and cuda >= (12, 9) and capability[0] == 9
 
 
 BACKENDS = ("lpbench", "torchao")
-TORCHAO_RECIPES = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
 
 
 def _candidate_linears(model: nn.Module, recipe: Recipe):
@@ -69,45 +71,32 @@ def _candidate_linears(model: nn.Module, recipe: Recipe):
                 yield f"layers.{i}.{name}".rstrip("."), mod, not (mod.in_features % m or mod.out_features % m)
 
 
-def _apply_torchao(model: nn.Module, recipe: Recipe, device: torch.device) -> dict:
-    """torchao's Float8Linear on the same linears lpbench would quantize (the peer, side by side)."""
-    if recipe.name not in TORCHAO_RECIPES:
-        raise UsageError(f"--backend torchao runs {', '.join(TORCHAO_RECIPES)}; {recipe.name} is lpbench-only")
-    if not native_supported(recipe, device):
-        raise UsageError(f"--backend torchao needs a GPU with native {recipe.name} GEMMs; {device} has none")
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError:
-        raise UsageError("--backend torchao needs torchao: pip install 'lpbench[torchao]'") from None
-    chosen = {id(mod): name for name, mod, ok in _candidate_linears(model, recipe) if ok}
-    skipped = [name for name, _, ok in _candidate_linears(model, recipe) if not ok]
-    config = Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe.name])
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: id(mod) in chosen)
-    return {"path": "native", "quantized": list(chosen.values()), "skipped": skipped}
-
-
 def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device | str, emulate: bool,
                  backend: str = "lpbench") -> dict:
     """Swap every ``nn.Linear`` inside ``model.layers[i]`` (routers excepted) for a QuantizedLinear.
 
     ``emulate`` allows exact emulation where the device cannot run the recipe natively;
     without it such a recipe raises UsageError. ``backend="torchao"`` converts the same
-    linears with torchao's Float8Linear instead. Returns ``{"path": "native"|"emulated",
-    "quantized": [names], "skipped": [names left BF16 because their dims do not divide]}``.
+    linears with torchao's training linears instead (:mod:`lpbench.precision.torchao_backend`).
+    Returns ``{"path": "native"|"emulated", "quantized": [names], "skipped": [names left BF16
+    because their dims do not divide], "why_emulated": reason or None}``.
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     device = torch.device(device)
     if backend not in BACKENDS:
         raise UsageError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if backend == "torchao" and recipe.quantized:
-        return _apply_torchao(model, recipe, device)
-    native = native_supported(recipe, device)
-    result = {"path": "native" if native else "emulated", "quantized": [], "skipped": []}
+        from lpbench.precision import torchao_backend
+
+        return torchao_backend.apply(model, recipe, device, list(_candidate_linears(model, recipe)), emulate)
+    reason = why_emulated(recipe, device) if recipe.quantized else None
+    native = reason is None
+    result = {"path": "native" if native else "emulated", "quantized": [], "skipped": [], "why_emulated": reason}
     if not recipe.quantized:
         return result
     if not native and not emulate:
         raise UsageError(
-            f"precision {recipe.name} cannot run natively on {device}: {_why_not_native(recipe, device)}; "
+            f"precision {recipe.name} cannot run natively on {device}: {reason}; "
             "pass --emulate to run it with exact emulation (slower, same numerics)"
         )
     for full, mod, divides in list(_candidate_linears(model, recipe)):

@@ -136,6 +136,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
         f"[{precision_info['path']}] | device {device} ({result.env.get('gpu') or 'cpu'}){cpu_note} | "
         f"compile {'on' if use_compile else 'off'} | GBS {cfg.gbs} MBS {cfg.mbs} GA {cfg.grad_accum} "
         f"seq {cfg.seq_len} | peak LR {cfg.peak_lr:g} | {splits.source}")
+    if precision_info.get("why_emulated"):
+        log(f"lpbench: {cfg.precision} GEMMs emulated: {precision_info['why_emulated']}")
     if cfg.workload == "lora":
         log(describe_lora(cfg, workload_metrics))
     if world.size > 1:

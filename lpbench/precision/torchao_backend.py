@@ -1,0 +1,121 @@
+"""``--backend torchao``: torchao's training linears on the linears lpbench would quantize, as a peer.
+
+* fp8-tensorwise / fp8-rowwise / fp8-rowwise-gw-hp: ``torchao.float8``'s Float8Linear (native GEMMs,
+  compute capability 8.9 / 9.0 and up);
+* mxfp8: ``torchao.prototype.moe_training.mxfp8_linear.MXFP8Linear`` (E4M3, 1x32 blocks, RCEIL E8M0
+  scales): torchao's kernels (``KernelPreference.AUTO``) on compute capability 10.x, its emulation
+  (``EMULATED``: dequantize, then a BF16 GEMM) elsewhere, CPU included;
+* nvfp4: ``torchao.prototype.moe_training.nvfp4_training``'s NVFP4Linear (RHT on wgrad, stochastic
+  rounding of gradients, 16x16 weight blocks): native NVFP4 GEMMs and Triton kernels only, so
+  compute capability 10.x; it needs M, K and N multiples of 128.
+
+The recipe's layer policy (its BF16 first/last blocks) picks the same linears as lpbench's path.
+Written against torchao 0.18.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from lpbench.errors import UsageError
+from lpbench.precision.recipes import Recipe
+
+FLOAT8_RECIPES = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
+RECIPES = (*FLOAT8_RECIPES, "mxfp8", "nvfp4")
+NVFP4_MULTIPLE = 128  # torchao's NVFP4Linear: M, K and N multiples of 128
+BLACKWELL = (10, 0)
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def path(recipe: Recipe, device: torch.device) -> tuple[str, str | None]:
+    """("native" | "emulated", why emulated) of torchao's linear for ``recipe`` on ``device``; UsageError
+    (one line) where torchao cannot run the recipe there."""
+    if recipe.name not in RECIPES:
+        raise UsageError(f"--backend torchao runs {', '.join(RECIPES)}; {recipe.name} is lpbench-only")
+    cap = _capability(device)
+    where = f"compute capability {cap[0]}.{cap[1]}" if cap else device.type
+    if recipe.name in FLOAT8_RECIPES:
+        need = recipe.native_capability
+        if cap is None or cap < need:
+            raise UsageError(f"--backend torchao needs a GPU with native {recipe.name} GEMMs "
+                             f"(compute capability {need[0]}.{need[1]}); {device} has {where}")
+        return "native", None
+    if recipe.name == "nvfp4":
+        if cap is None or cap < BLACKWELL:
+            raise UsageError(f"--backend torchao runs nvfp4 only on compute capability 10.x (torchao's NVFP4Linear "
+                             f"has native NVFP4 GEMMs and no emulation); {device} has {where}: use --backend lpbench, "
+                             "which emulates it")
+        return "native", None
+    if cap is not None and cap >= BLACKWELL:
+        return "native", None
+    return "emulated", f"torchao's MXFP8Linear emulates MXFP8 (KernelPreference.EMULATED) on {where}"
+
+
+@functools.cache
+def _mxfp8_linear_class() -> type:
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear, _to_mxfp8_then_scaled_mm
+
+    class AutocastMXFP8Linear(MXFP8Linear):
+        """MXFP8Linear computing in the autocast dtype as lpbench's QuantizedLinear does: input and weight are
+        cast to it first (torchao's autograd function runs outside autocast, so it would compute in FP32)."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not torch.is_autocast_enabled(x.device.type):
+                return super().forward(x)
+            dtype = torch.get_autocast_dtype(x.device.type)
+            with torch.autocast(x.device.type, enabled=False):
+                y = _to_mxfp8_then_scaled_mm(x.to(dtype), self.weight.to(dtype), self.kernel_preference,
+                                             self.scale_calculation_mode, self.wgrad_with_hp)
+                return y if self.bias is None else y + self.bias.to(dtype)
+
+    return AutocastMXFP8Linear
+
+
+def _mxfp8_linear(linear: nn.Linear, native: bool) -> nn.Module:
+    """torchao's MXFP8Linear (RCEIL scales) sharing ``linear``'s parameters; its kernels if ``native``, else emulated."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    mod = _mxfp8_linear_class()(linear.in_features, linear.out_features, linear.bias is not None, device="meta",
+                                kernel_preference=KernelPreference.AUTO if native else KernelPreference.EMULATED,
+                                scale_calculation_mode=ScaleCalculationMode.RCEIL)
+    mod.weight, mod.bias = linear.weight, linear.bias
+    return mod
+
+
+def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: list, emulate: bool) -> dict:
+    """Convert ``candidates`` ((name, module, dims divide) of the recipe's linears) to torchao's linears."""
+    kind, reason = path(recipe, device)
+    if kind == "emulated" and not emulate:
+        raise UsageError(f"--backend torchao: {reason}; pass --emulate to run it")
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        raise UsageError("--backend torchao needs torchao: pip install 'lpbench[torchao]'") from None
+    multiple = NVFP4_MULTIPLE if recipe.name == "nvfp4" else recipe.dim_multiple
+    chosen = [(name, mod) for name, mod, _ in candidates if not (mod.in_features % multiple or mod.out_features % multiple)]
+    skipped = [name for name, mod, _ in candidates if name not in dict(chosen)]
+    result = {"path": kind, "quantized": [name for name, _ in chosen], "skipped": skipped, "why_emulated": reason}
+    if recipe.name in FLOAT8_RECIPES:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        ids = {id(mod) for _, mod in chosen}
+        config = Float8LinearConfig.from_recipe_name(FLOAT8_RECIPES[recipe.name])
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: id(mod) in ids)
+        return result
+    for name, mod in chosen:
+        if recipe.name == "mxfp8":
+            new = _mxfp8_linear(mod, native=kind == "native")
+        else:
+            from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
+
+            new = NVFP4Linear.from_linear(mod)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+    return result
