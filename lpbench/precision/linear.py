@@ -18,7 +18,9 @@ exactly on any device:
 * native path (CUDA, see ``NATIVE_SCALINGS``): ``torch._scaled_mm`` for FP8 tensorwise /
   delayed (SM89+; compiler-fused casts, ``kernels/fp8_linear.py``) and rowwise (SM90+);
   ``F.scaled_mm`` for blockwise (1x128 activations and gradients, 128x128 weights; Hopper,
-  cuBLAS 12.9+), for shapes it takes (:func:`blockwise_native_shape`), else emulated.
+  cuBLAS 12.9+), for shapes it takes (:func:`blockwise_native_shape`), else emulated;
+  ``F.scaled_mm`` for MXFP8 and NVFP4 on compute capability 10.x (``kernels/block_scaled.py``: the
+  same codes and scales as the emulation, packed, swizzled and padded as cuBLAS reads them).
   A recipe's ``fast_accum_fprop`` runs the native forward GEMM in Hopper's fast accumulation
   (as TE and torchao do; dgrad and wgrad accumulate in FP32): not bit-reproducible, so the
   emulation accumulates in FP32 throughout and the two differ there by more than summation order.
@@ -257,7 +259,8 @@ class QuantizedLinear(nn.Linear):
 
         NVFP4 with 1x16 blocks on a BF16 CUDA operand without tensor parallelism takes the fused
         quantizer (``kernels/nvfp4.py``, bit-exact with the reference): two reads of ``t`` for both
-        copies.
+        copies. The native path takes its codes and block scales as QTensors (it writes the emulation's
+        BF16 operands as well: one extra write, left until a Blackwell GPU can measure it).
         """
         recipe = self.recipe
         if recipe.scaling == "nvfp4" and self._tp_group(role) is None and (row or col):

@@ -129,17 +129,24 @@ def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
 
 @torch.library.custom_op("lpbench::block_scaled_mm", mutates_args=())
 def _block_scaled_mm_op(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
-                        global_a: torch.Tensor | None, global_b: torch.Tensor | None) -> torch.Tensor:
-    """:func:`scaled_mm` as a custom op, so that torch.compile keeps the layouts (inductor has no lowering
-    for these scalings)."""
-    return scaled_mm(a, scale_a, b, scale_b, global_a, global_b)
+                        global_a: torch.Tensor | None, global_b: torch.Tensor | None, dtype_a: str,
+                        dtype_b: str) -> torch.Tensor:
+    """:func:`scaled_mm` of bytes (data as ``dtype_a``/``dtype_b``, e.g. "float4_e2m1fn_x2"), as a custom op:
+    torch.compile keeps the layouts (inductor has no lowering for these scalings) and traces no FP4 or E8M0
+    tensors."""
+    scale_dtype = torch.float8_e8m0fnu if global_a is None else torch.float8_e4m3fn
+    return scaled_mm(a.view(getattr(torch, dtype_a)), scale_a.view(scale_dtype), b.view(getattr(torch, dtype_b)),
+                     scale_b.view(scale_dtype), global_a, global_b)
 
 
 @_block_scaled_mm_op.register_fake
-def _(a, scale_a, b, scale_b, global_a, global_b):
+def _(a, scale_a, b, scale_b, global_a, global_b, dtype_a, dtype_b):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
 
 
 def mm(a: QTensor, b: QTensor) -> torch.Tensor:
     """Native BF16 a · bᵀ of two MX or NVFP4 operands quantized along K (see :func:`takes`)."""
-    return _block_scaled_mm_op(*operands(a, b))
+    da, sa, db, sb, ga, gb = operands(a, b)
+    raw = [t.view(torch.uint8) for t in (da, sa, db, sb)]
+    return _block_scaled_mm_op(raw[0], raw[1], raw[2], raw[3], ga, gb, str(da.dtype).removeprefix("torch."),
+                               str(db.dtype).removeprefix("torch."))
