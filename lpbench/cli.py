@@ -299,8 +299,11 @@ def cmd_quant_error(args) -> int:
             raise UsageError(f"unknown distribution {dist!r}; valid: {', '.join(DISTRIBUTIONS)}")
     if len(args.shape) != 2 or min(args.shape) <= 0:
         raise UsageError("--shape takes two positive integers, e.g. --shape 512 1024")
-    rows = quant_error_table(recipes, args.role or ROLES, args.distribution or DISTRIBUTIONS,
-                             shape=tuple(args.shape), seed=args.seed)
+    try:
+        rows = quant_error_table(recipes, args.role or ROLES, args.distribution or DISTRIBUTIONS,
+                                 shape=tuple(args.shape), seed=args.seed)
+    except ValueError as exc:  # a block that does not divide --shape (NVFP4 pads; the others do not)
+        raise UsageError(f"{exc}; pick a --shape the recipes' blocks divide, or fewer --precision") from None
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -116,8 +116,8 @@ def test_nvfp4_scales():
     x = randn(32, 64, scale=5.0)
     q = quantize_nvfp4(x)
     amax = x.abs().max()
-    assert q.global_scale.item() == (amax / 2688).item()
     g_enc = torch.tensor(2688.0) / amax
+    assert q.global_scale.item() == (torch.ones(()) / g_enc).item()  # TE: the reciprocal of the encode scale
     block_amax = x.abs().reshape(32, 4, 16).amax(-1)
     ref_scale = (block_amax * (g_enc * torch.tensor(1 / 6))).to(torch.float8_e4m3fn)  # torch's RNE cast
     assert q.scale.dtype == torch.float8_e4m3fn and torch.equal(q.scale.float(), ref_scale.float())
@@ -178,10 +178,10 @@ def test_nonfinite_poisons_its_scaling_group(bad):
         lambda x: quantize_fp8(x, E4M3, (1, 128), pow2=True),
         lambda x: quantize_fp8(x, E4M3, (128, 128), pow2=True),
         lambda x: quantize_mx(x),
-        lambda x: quantize_nvfp4(x, block=(16, 16)),
     ],
 )
 def test_non_dividing_shapes_raise(fn):
+    """Only NVFP4 pads (tests/test_nvfp4_te.py)."""
     with pytest.raises(ValueError, match="not divisible"):
         fn(torch.ones(24, 136))
     with pytest.raises(ValueError, match="2-D"):
@@ -210,7 +210,6 @@ def test_hadamard_orthogonal():
     assert set(h.abs().unique().tolist()) == {0.25}
     r = rht_matrix()
     assert torch.allclose(r @ r.t(), torch.eye(16), atol=1e-6)
-    assert torch.equal(r, rht_matrix()) and not torch.equal(r, rht_matrix(seed=7))
     assert not torch.equal(r, h)  # the signs are not all +1
     with pytest.raises(ValueError):
         hadamard(12)
@@ -225,13 +224,14 @@ def test_rht_on_both_operands_leaves_product_unchanged():
 
 
 @pytest.mark.gpu
-def test_rht_of_bf16_on_cuda_equals_the_fp32_product():
-    """The tensor-core path (BF16 in, FP32 out) computes the FP32 matmul up to summation order."""
+def test_rht_of_bf16_on_cuda_equals_the_cpu_reference():
+    """The tensor-core path (BF16 in, FP32 sums, BF16 out) rounds as the CPU's exact sums do, but where a
+    sum's FP32 rounding in another order crosses a BF16 rounding boundary (rare)."""
     x = randn(256, 512, seed=3, scale=3.0).bfloat16()
-    want = (x.double().reshape(-1, 16) @ rht_matrix().double()).reshape(x.shape)
+    want = apply_rht(x)
     got = apply_rht(x.cuda())
-    assert got.dtype == torch.float32
-    assert torch.allclose(got.cpu().double(), want, rtol=1e-6, atol=1e-6)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert (got.cpu() != want).float().mean() < 1e-4
     assert torch.equal(torch.compile(apply_rht)(x.cuda()), got)
 
 

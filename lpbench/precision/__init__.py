@@ -83,7 +83,10 @@ def quant_error_table(
         x = sample_tensor(dist, shape, seed=seed)
         for name in recipes or RECIPES:
             for role in roles:
-                q = quantize_dequantize(x, name, role, generator=torch.Generator().manual_seed(seed))
+                try:
+                    q = quantize_dequantize(x, name, role, generator=torch.Generator().manual_seed(seed))
+                except ValueError as exc:
+                    raise ValueError(f"{name} {role}: {exc}") from None
                 rel = ((q.double() - x.double()).norm() / x.double().norm()).item()
                 sqnr = -20 * math.log10(rel) if rel > 0 else math.inf
                 rows.append({"recipe": name, "role": role, "distribution": dist, "rel_error": rel, "sqnr_db": sqnr})

@@ -24,6 +24,7 @@ whatever NCCL supports.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lpbench.precision.formats import pack_e2m1, unpack_e2m1
@@ -107,19 +108,22 @@ class FrozenQuantizedLinear(nn.Module):
         return getattr(self, name).view(dtype).reshape(shape)
 
     def _store(self, name: str, q: QTensor) -> None:
-        self._put(f"{name}_codes", q.codes if q.fmt.dtype is not None else pack_e2m1(q.codes).view(torch.uint8))
+        codes = q.codes
+        if q.fmt.dtype is None:  # an odd width (NVFP4 pads partial blocks) packs with a zero code at the end
+            codes = pack_e2m1(F.pad(codes, (0, codes.shape[1] % 2))).view(torch.uint8)
+        self._put(f"{name}_codes", codes)
         self._put(f"{name}_scale", q.scale)
         if q.global_scale is not None:
             self._put(f"{name}_global", q.global_scale)
-        self._blocks[name] = (q.block, q.fmt)
+        self._blocks[name] = (q.block, q.fmt, q.codes.shape[1])
 
     def weight_operand(self, gemm: str) -> QTensor:
         """The stored weight operand of ``gemm``: W for "fprop", Wᵀ for "dgrad" (quantized along the last dim)."""
         name = "w" if gemm == "fprop" or self.shared else "wt"
-        block, fmt = self._blocks[name]
+        block, fmt, width = self._blocks[name]
         codes = self._get(f"{name}_codes")
         if fmt.dtype is None:
-            codes = unpack_e2m1(codes)
+            codes = unpack_e2m1(codes)[:, :width]
         glob = self._get(f"{name}_global") if f"{name}_global" in self._layout else None
         if gemm == "fprop" or not self.shared:
             return QTensor(codes, self._get(f"{name}_scale"), block, fmt, glob)

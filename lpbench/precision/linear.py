@@ -267,7 +267,7 @@ class QuantizedLinear(nn.Linear):
             from lpbench.precision.kernels import nvfp4
 
             if recipe.block == nvfp4.BLOCK and nvfp4.available(t):
-                copies = nvfp4.quantize(t, row=row, col=col, rht=recipe.rht_wgrad,
+                copies = nvfp4.quantize(t, row=row, col=col, rht=recipe.rht_wgrad, signs=recipe.rht_signs,
                                         stochastic=recipe.operand(role, gemm).stochastic, with_codes=self.native)
                 if not self.native:
                     return copies
@@ -301,7 +301,7 @@ class QuantizedLinear(nn.Linear):
         """[tokens, C] → [C, tokens'] for the wgrad GEMM: zero-pad, transpose, optional RHT."""
         multiple = math.lcm(spec.block[1] or 1, RHT_SIZE if self.recipe.rht_wgrad else 1, 16 if self.native else 1)
         t = F.pad(t, (0, 0, 0, -t.shape[0] % multiple)).t()
-        return apply_rht(t) if self.recipe.rht_wgrad else t
+        return apply_rht(t, self.recipe.rht_signs) if self.recipe.rht_wgrad else t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):

@@ -3,7 +3,8 @@
 Hand-written and small on purpose: the whole policy is "quantize the linears inside the
 transformer blocks". Embeddings, lm_head, norms, attention BMMs and routers stay in the
 compute dtype; the recipe's first/last N blocks stay BF16; a linear whose in or out
-features do not divide the recipe's block is left BF16 with a warning naming it.
+features do not divide the recipe's block is left BF16 with a warning naming it (NVFP4 takes
+every width: its quantizer zero-pads partial blocks, as Transformer Engine does).
 """
 
 from __future__ import annotations

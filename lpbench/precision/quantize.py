@@ -8,13 +8,43 @@ Conventions:
 
 * quantizers take a 2-D tensor and scale blocks of ``(rows, cols)`` elements; ``None`` in a
   block means the whole dimension (``(None, None)`` tensorwise, ``(1, None)`` rowwise).
-  A shape that the block does not divide raises ``ValueError``.
+  NVFP4 zero-pads a shape that its block does not divide (as Transformer Engine does: a
+  partial block is scaled by the amax of its own elements; codes keep the tensor's shape, scales
+  the padded one's); the other block scalings raise ``ValueError`` on such a shape.
 * a :class:`QTensor` stores *decode* scales: value = code × block scale [× global scale].
 * amax == 0 gives zeros. A scaling group (tensor, row or block) whose amax is NaN or Inf
   gets a NaN scale, so all of it dequantizes to NaN and a NaN guard sees it.
 * a tensor split across ranks (tensor parallelism) is quantized as the whole tensor would be:
   ``amax_group`` all-reduces (MAX) the amaxes of scaling groups that span the split, and
   ``noise`` supplies stochastic rounding's uniform draws for this rank's part.
+
+NVFP4 follows Transformer Engine's arithmetic (``NVFP4BlockScaling``: its CUDA quantizers and
+its reference ``NVFP4QuantizerRef``) operation by operation, all in FP32 with round-to-nearest-even:
+
+* global encode scale S = min(6·448 / amax, FP32 max), and S = 1 where amax is 0 or S is 0
+  (amax Inf); global decode scale = 1 / S (correctly rounded), *not* amax / (6·448): the two
+  differ by an ulp for about a quarter of amaxes, which flips E2M1 ties;
+* block decode scale = E4M3(block_amax × (S × fp32(1/6))), saturating at 448;
+* block encode scale = min(1 / (block decode scale × global decode scale), FP32 max);
+* code = E2M1(x × block encode scale), saturating at ±6.
+* random Hadamard transform (:func:`apply_rht`): diag(signs) · H16 / 4 with TE's fixed sign
+  vector by default. A BF16 tensor's transform is rounded to BF16 (its FP32 sum, then
+  round-to-nearest-even), and that BF16 tensor is what the amax and the quantizer see, as in
+  TE's kernels (the Hadamard kernel's amax and the fused RHT-cast kernel both round the FP32
+  tensor-core sums to BF16). An FP32 tensor's transform stays FP32 (TE takes only BF16).
+
+Remaining choices, where TE's implementations disagree with each other or are undefined:
+
+* −0.0: a negative value that rounds to zero gets code 8 (−0), as ``cvt.rn.satfinite.e2m1``
+  keeps the sign; TE's Python reference gives code 0 for an input of exactly −0.0. Both decode
+  to zero, so products and sums are unaffected.
+* amax below 2688 / FP32 max (≈ 7.9e−36): S is capped at the FP32 max, so block scales use less
+  than E4M3's range (the global decode scale is then 1 / FP32 max, subnormal); TE caps alike.
+* NaN or Inf anywhere: our NaN policy above (global decode scale NaN), where TE would keep
+  S = 1 (Inf) or the FP32 max (NaN, through ``fminf``) and quantize the finite elements.
+* stochastic rounding draws uniforms (``noise`` / ``generator``) and rounds up with probability
+  equal to the fraction; TE's ``cvt.rs`` adds Philox bits to the truncated mantissa. Both are
+  unbiased; the draws themselves cannot match TE's.
 """
 
 from __future__ import annotations
@@ -23,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 
 from lpbench.precision.formats import (
@@ -38,7 +69,8 @@ from lpbench.precision.formats import (
 
 FP32_MAX = torch.finfo(torch.float32).max
 RHT_SIZE = 16
-RHT_SEED = 1234  # fixed: the same sign vector on every rank and every step
+# Transformer Engine's fixed random signs for the wgrad Hadamard transform (the NVFP4 recipe's default)
+TE_RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 Block = tuple[int | None, int | None]
 
 
@@ -47,7 +79,7 @@ class QTensor:
     """A quantized 2-D tensor: codes, one decode scale per block, optional FP32 global scale."""
 
     codes: torch.Tensor  # float8 tensor, or uint8 E2M1 codes (one per element)
-    scale: torch.Tensor  # [rows // block[0], cols // block[1]]: float32, float8_e8m0fnu or float8_e4m3fn
+    scale: torch.Tensor  # [⌈rows / block[0]⌉, ⌈cols / block[1]⌉]: float32, float8_e8m0fnu or float8_e4m3fn
     block: tuple[int, int]
     fmt: FloatFormat
     global_scale: torch.Tensor | None = None  # FP32 scalar (NVFP4)
@@ -58,7 +90,7 @@ class QTensor:
 
     def block_scales(self) -> torch.Tensor:
         """The decode scale of every element (FP32, the shape of ``codes``)."""
-        return _expand(scale_to_float(self.scale), self.block)
+        return _expand(scale_to_float(self.scale), self.block, self.codes.shape)
 
     def t(self) -> QTensor:
         """The transpose, codes contiguous: what quantizing the transposed tensor gives when the blocks
@@ -88,13 +120,20 @@ def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     return e8m0_to_float(scale) if scale.dtype == torch.float8_e8m0fnu else scale.float()
 
 
-def _resolve(x: torch.Tensor, block: Block) -> tuple[int, int]:
+def _resolve(x: torch.Tensor, block: Block, *, pad: bool = False) -> tuple[int, int]:
+    """The block's (rows, cols) for ``x``; a shape it does not divide raises unless ``pad``."""
     if x.dim() != 2:
         raise ValueError(f"quantizers take 2-D tensors, got shape {tuple(x.shape)}")
     br, bc = (d if b is None else b for b, d in zip(block, x.shape))
-    if x.shape[0] % br or x.shape[1] % bc:
+    if not pad and (x.shape[0] % br or x.shape[1] % bc):
         raise ValueError(f"shape {tuple(x.shape)} is not divisible by the {br}x{bc} quantization block")
     return br, bc
+
+
+def _pad(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``x`` zero-padded at the end of each dim to a multiple of the block (itself if it divides)."""
+    rows, cols = -x.shape[0] % block[0], -x.shape[1] % block[1]
+    return F.pad(x, (0, cols, 0, rows)) if rows or cols else x
 
 
 def all_reduce_max(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -107,9 +146,10 @@ def _block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return x.abs().reshape(m // br, br, k // bc, bc).amax(dim=(1, 3))
 
 
-def _expand(s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Per-block values to per-element values (shape [rows, cols])."""
-    return s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+def _expand(s: torch.Tensor, block: tuple[int, int], shape: torch.Size | None = None) -> torch.Tensor:
+    """Per-block values to per-element values (shape [rows, cols]; cut to ``shape`` if given)."""
+    out = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return out if shape is None else out[: shape[0], : shape[1]]
 
 
 def _floor_pow2(s: torch.Tensor) -> torch.Tensor:
@@ -236,13 +276,15 @@ def quantize_mx(
 
 
 def nvfp4_global_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4's FP32 scales from the tensor amax: (factor taking a block amax to its E4M3 scale, global
-    decode scale). Global encode scale = 6·448 / amax (1 for amax 0, capped at the FP32 max), the
-    factor is it times fp32(1/6) (TE's order); global decode scale = amax / (6·448)."""
-    top = E4M3.max * E2M1.max
-    g_enc = torch.where(amax > 0, _div(top, amax), torch.ones_like(amax)).clamp(max=FP32_MAX)
-    g_dec = torch.where(amax > 0, _div(amax, top), torch.ones_like(amax))
-    return g_enc * torch.tensor(1 / E2M1.max), g_dec
+    """NVFP4's FP32 scales from the tensor amax, in Transformer Engine's arithmetic: (factor taking a
+    block amax to its E4M3 scale, global decode scale).
+
+    Global encode scale S = min(6·448 / amax, FP32 max), 1 where amax is 0 or S is 0; the factor is
+    S × fp32(1/6) and the global decode scale is the FP32 reciprocal 1 / S, both rounded once.
+    """
+    s = _div(E4M3.max * E2M1.max, amax).clamp(max=FP32_MAX)
+    s = torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
+    return s * torch.tensor(1 / E2M1.max), _div(1.0, s)
 
 
 def quantize_nvfp4(
@@ -256,18 +298,22 @@ def quantize_nvfp4(
 ) -> QTensor:
     """NVFP4: E2M1 elements, E4M3 scale per 1×16 (or 16×16 weight) block, FP32 global scale.
 
-    global decode scale = amax / (6·448); per-block E4M3 scale = block_amax / 6 over the
-    global scale, computed as block_amax × (global encode scale × fp32(1/6)) in TE's order.
-    ``amax_group``: the global amax is all-reduced (MAX) over it first.
+    TE's arithmetic (module docstring): global decode scale = 1 / S with S = 6·448 / amax; block
+    scale = E4M3(block_amax × S × fp32(1/6)); code = E2M1(x / (block scale × global decode scale)).
+    A shape the block does not divide is zero-padded (``noise``: x's shape). ``amax_group``: the
+    global amax is all-reduced (MAX) over it first.
     """
     x = x.float().contiguous()
-    blk = _resolve(x, block)
+    blk = _resolve(x, block, pad=True)
+    xp = _pad(x, blk)
     amax = all_reduce_max(x.abs().amax(), amax_group)
     block_enc, g_dec = nvfp4_global_scales(amax)
-    scale = encode(_block_amax(x, blk) * block_enc, E4M3)
+    scale = encode(_block_amax(xp, blk) * block_enc, E4M3)
     enc = _div(1.0, scale.float() * g_dec).clamp(max=FP32_MAX)
-    codes = encode(x * _expand(enc, blk), E2M1, stochastic=stochastic, generator=generator, noise=noise)
-    return QTensor(codes, scale, blk, E2M1, global_scale=_poison(g_dec, amax))
+    noise = None if noise is None else _pad(noise, blk)
+    codes = encode(xp * _expand(enc, blk), E2M1, stochastic=stochastic, generator=generator, noise=noise)
+    return QTensor(codes[: x.shape[0], : x.shape[1]].contiguous(), scale, blk, E2M1,
+                   global_scale=_poison(g_dec, amax))
 
 
 def quantize(x: torch.Tensor, spec: QSpec, *, encode_scale=None, generator=None, noise=None,
@@ -298,30 +344,37 @@ def hadamard(n: int = RHT_SIZE) -> torch.Tensor:
     return h / n**0.5
 
 
-def rht_matrix(n: int = RHT_SIZE, seed: int = RHT_SEED) -> torch.Tensor:
-    """diag(s) · H with a fixed random sign vector s drawn from ``seed`` (orthogonal)."""
-    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
-    return signs.float()[:, None] * hadamard(n)
+def rht_matrix(signs: tuple[int, ...] = TE_RHT_SIGNS) -> torch.Tensor:
+    """diag(signs) · H / sqrt(n), n = len(signs) (orthogonal; FP32, entries exact in BF16 for n = 16)."""
+    if any(v not in (1, -1) for v in signs):
+        raise ValueError(f"Hadamard signs must be +1 or -1, got {signs}")
+    return torch.tensor(signs, dtype=torch.float32)[:, None] * hadamard(len(signs))
 
 
-def apply_rht(x: torch.Tensor, n: int = RHT_SIZE, seed: int = RHT_SEED) -> torch.Tensor:
-    """Random Hadamard transform of every chunk of ``n`` along the last dim (FP32 result).
+def apply_rht(x: torch.Tensor, signs: tuple[int, ...] = TE_RHT_SIGNS) -> torch.Tensor:
+    """Random Hadamard transform of every chunk of ``len(signs)`` along the last dim.
 
     Applied to both operands of a GEMM along its reduction dim it leaves the product
     unchanged: (A·R)(B·R)ᵀ = A·R·Rᵀ·Bᵀ = A·Bᵀ.
 
-    A BF16 tensor on CUDA is multiplied on the tensor cores with FP32 output: its products with
-    the ±1/sqrt(16) entries are exact and accumulate in FP32, so this equals the FP32 matmul up
-    to summation order, at a third of its cost (a 16-wide FP32 matmul runs on CUDA cores;
-    benchmarks/rht.py). Everything else takes the FP32 matmul.
+    A BF16 tensor gives BF16, as in Transformer Engine: each 16-term sum in FP32, rounded to
+    nearest-even BF16. On CUDA the FP32 sums come from the tensor cores (BF16 products with the
+    ±1/4 entries are exact; a third of an FP32 matmul's cost, benchmarks/rht.py), elsewhere from an
+    FP64 matmul rounded to FP32 (the exact sum correctly rounded, in every order alike). Any other
+    dtype gives the FP32 matmul.
     """
+    n = len(signs)
     if x.shape[-1] % n:
         raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the Hadamard size {n}")
-    m = (_RHT if (n, seed) == (RHT_SIZE, RHT_SEED) else rht_matrix(n, seed)).to(x.device)
+    m = (_RHT if signs == TE_RHT_SIGNS else rht_matrix(signs)).to(x.device)
     rows = x.reshape(-1, n)
-    if x.is_cuda and x.dtype == torch.bfloat16 and n == RHT_SIZE:  # ±1/4: exact in BF16
-        return torch.mm(rows, m.bfloat16(), out_dtype=torch.float32).reshape(x.shape)
-    return (rows.float() @ m).reshape(x.shape)
+    if x.dtype != torch.bfloat16:
+        return (rows.float() @ m).reshape(x.shape)
+    if x.is_cuda and n == RHT_SIZE:  # ±1/4: exact in BF16
+        sums = torch.mm(rows, m.bfloat16(), out_dtype=torch.float32)
+    else:
+        sums = (rows.double() @ m.double()).float()
+    return sums.bfloat16().reshape(x.shape)
 
 
-_RHT = rht_matrix()  # built once: torch.compile cannot trace a torch.Generator
+_RHT = rht_matrix()  # built once: the default, moved to the device per call

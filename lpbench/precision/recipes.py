@@ -15,7 +15,7 @@ import torch
 
 from lpbench.errors import UsageError
 from lpbench.precision.formats import FORMATS, FloatFormat
-from lpbench.precision.quantize import QSpec
+from lpbench.precision.quantize import RHT_SIZE, TE_RHT_SIGNS, QSpec
 
 SCALINGS = ("tensor", "delayed", "row", "block", "mx", "nvfp4")
 ROLES = ("input", "weight", "grad")
@@ -38,6 +38,7 @@ class Recipe:
     margin: int = 0  # delayed scaling: scale = FP8_MAX / amax / 2**margin
     wgrad_bf16: bool = False  # weight-gradient GEMM in the compute dtype
     rht_wgrad: bool = False  # 16×16 random Hadamard transform on both wgrad operands
+    rht_signs: tuple[int, ...] = TE_RHT_SIGNS  # its random sign vector (16 × ±1; Transformer Engine's by default)
     stochastic_grads: bool = False  # stochastic rounding of output gradients
     first_bf16_layers: int = 0  # transformer blocks kept in BF16 at the start ...
     last_bf16_layers: int = 0  # ... and at the end
@@ -56,6 +57,8 @@ class Recipe:
             raise ValueError(f"{self.name}: mx_scale_rounding must be 'rceil' or 'floor'")
         if self.fast_accum_fprop and self.scaling not in ("tensor", "delayed", "row"):
             raise ValueError(f"{self.name}: fast_accum_fprop needs tensor, delayed or row scaling")
+        if len(self.rht_signs) != RHT_SIZE or any(v not in (1, -1) for v in self.rht_signs):
+            raise ValueError(f"{self.name}: rht_signs must be {RHT_SIZE} values of +1 or -1, got {self.rht_signs}")
         if self.scaling == "block" and not self.pow2_scales:
             # Emulation folds block scales into BF16 operands, exact only for powers of two.
             raise ValueError(f"{self.name}: blockwise scaling needs pow2_scales=True")
@@ -73,8 +76,9 @@ class Recipe:
 
     @property
     def dim_multiple(self) -> int:
-        """What a linear's in and out features must divide by (the block, or 16 for FP8 GEMMs)."""
-        return self.block or 16
+        """What a linear's in and out features must divide by: the block, or 16 for FP8 GEMMs; 1 for
+        NVFP4, whose quantizer zero-pads partial blocks as Transformer Engine does."""
+        return 1 if self.scaling == "nvfp4" else self.block or 16
 
     def element_format(self, role: str) -> FloatFormat:
         """The element format of operand ``role``: the gradient's, or the forward one."""

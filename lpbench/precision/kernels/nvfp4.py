@@ -8,11 +8,14 @@ copy's after the RHT, computed in registers on the tensor cores) and once to wri
 emulation operands: the row-major copy for fprop or dgrad (1x16 blocks along its rows) and the
 transposed, Hadamard-transformed copy for wgrad (1x16 blocks along tokens, tokens zero-padded
 to a multiple of 16). An operand holds each element's code × E4M3 block scale in BF16 (exact);
-the FP32 global decode scale is applied to the GEMM output, as the hardware does.
+the FP32 global decode scale is applied to the GEMM output, as the hardware does. A row whose
+length 16 does not divide ends in a partial block, zero-padded as the reference pads it.
 
-The arithmetic is :func:`lpbench.precision.quantize.quantize_nvfp4` step by step (correctly
-rounded division, round-to-nearest-even casts, saturation, NaN handling), so codes and scales
-are bit-exact with the reference given the same RHT output and the same uniform draws
+The arithmetic is :func:`lpbench.precision.quantize.quantize_nvfp4` step by step, which is
+Transformer Engine's (correctly rounded division, round-to-nearest-even casts, saturation, NaN
+handling), and the RHT is :func:`lpbench.precision.quantize.apply_rht`'s: FP32 tensor-core sums
+rounded to BF16 before the amax and the quantization, as TE's kernels round them. So codes and
+scales are bit-exact with the reference given the same RHT sums and the same uniform draws
 (``gpu`` tests). Stochastic rounding draws 16-bit uniforms from Philox (``tl.randint4x``) keyed by
 a seed tensor and each block's index in its copy; :func:`uniform` materializes them for the tests.
 Rows and columns of a copy are independent streams (seed and seed + 1).
@@ -25,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch.library import triton_op, wrap_triton
 
-from lpbench.precision.quantize import _RHT, _poison, nvfp4_global_scales
+from lpbench.precision.quantize import _RHT, TE_RHT_SIGNS, _poison, nvfp4_global_scales, rht_matrix
 
 try:
     import triton
@@ -50,24 +53,27 @@ class Copy(NamedTuple):
 
 
 def available(x: torch.Tensor) -> bool:
-    """Whether :func:`quantize` takes ``x``: a 2-D BF16 CUDA tensor with a multiple of 16 columns."""
-    return (triton is not None and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
-            and x.shape[1] % BLOCK == 0)
+    """Whether :func:`quantize` takes ``x``: a 2-D BF16 CUDA tensor."""
+    return triton is not None and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
 
 
 def quantize(x: torch.Tensor, *, row: bool, col: bool, rht: bool, stochastic: bool,
-             seed: torch.Tensor | None = None, with_codes: bool = False) -> tuple[Copy | None, Copy | None]:
-    """NVFP4 copies of ``x`` [M, N]: row-major ([M, N], 1x16 blocks along N) if ``row``, and
-    transposed ([N, M'], M' = M rounded up to 16; 1x16 blocks along M; first Hadamard-transformed
-    in chunks of 16 along M if ``rht``) if ``col``; each quantized with its own global amax.
+             signs: tuple[int, ...] = TE_RHT_SIGNS, seed: torch.Tensor | None = None,
+             with_codes: bool = False) -> tuple[Copy | None, Copy | None]:
+    """NVFP4 copies of ``x`` [M, N]: row-major ([M, N], 1x16 blocks along N, the last one partial
+    if 16 does not divide N) if ``row``, and transposed ([N, M'], M' = M rounded up to 16; 1x16
+    blocks along M; first Hadamard-transformed in chunks of 16 along M with ``signs`` if ``rht``)
+    if ``col``; each quantized with its own global amax.
 
     ``stochastic``: stochastic rounding from ``seed`` (an int64 CUDA tensor of one element; drawn
-    from torch's generator when None). ``with_codes`` also returns codes and block scales.
+    from torch's generator when None). ``with_codes`` also returns codes and block scales
+    ([M, ⌈N/16⌉] and [N, M'/16]).
     """
     x = x.contiguous()
     if seed is None:
         seed = torch.randint(2**31 - 1, (1,), device=x.device) if stochastic else x.new_zeros(1, dtype=torch.int64)
-    tile, h = TILES[stochastic], _RHT_BF16.to(x.device)
+    h = (_RHT_BF16 if signs == TE_RHT_SIGNS else rht_matrix(signs).bfloat16()).to(x.device)
+    tile = TILES[stochastic]
     amax = _amax(x, h, row, col, rht, *tile)
     block_enc, g_dec = nvfp4_global_scales(amax)
     scales = torch.cat([block_enc, g_dec])  # [row block factor, col block factor, row g_dec, col g_dec]
@@ -106,7 +112,7 @@ def _quantize(x: torch.Tensor, h: torch.Tensor, scales: torch.Tensor, seed: torc
 
     rv, cv = empty(row, (m, n), torch.bfloat16), empty(col, (n, mp), torch.bfloat16)
     rc, cc = empty(row and with_codes, (m, n), torch.uint8), empty(col and with_codes, (n, mp), torch.uint8)
-    rs = empty(row and with_codes, (m, n // BLOCK), torch.float8_e4m3fn)
+    rs = empty(row and with_codes, (m, triton.cdiv(n, BLOCK)), torch.float8_e4m3fn)
     cs = empty(col and with_codes, (n, mp // BLOCK), torch.float8_e4m3fn)
     wrap_triton(_quantize_kernel)[(triton.cdiv(mp, bm), triton.cdiv(n, bn))](
         x, h, scales, seed, rv, cv, rc, cc, rs, cs, m, mp, n, ROW=row, COL=col, RHT=rht, SR=sr, CODES=with_codes,
@@ -135,12 +141,13 @@ if triton is not None:
     @triton.jit
     def _columns(x, h_ptr, RHT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         """The wgrad copy of a BF16 tile: [BN, BM] FP32, each 16 consecutive rows of x times the RHT matrix
-        (BF16 products are exact; FP32 accumulation on the tensor cores)."""
+        (BF16 products are exact; FP32 accumulation on the tensor cores), rounded to BF16 as TE rounds it."""
         xt = tl.trans(x)
         if RHT:
             k = tl.arange(0, 16)
             h = tl.load(h_ptr + k[:, None] * 16 + k[None, :])
-            return tl.reshape(tl.dot(tl.reshape(xt, (BN * BM // 16, 16)), h), (BN, BM))
+            sums = tl.reshape(tl.dot(tl.reshape(xt, (BN * BM // 16, 16)), h), (BN, BM))
+            return sums.to(tl.bfloat16).to(tl.float32)  # round to nearest even
         return xt.to(tl.float32)
 
     @triton.jit
@@ -194,8 +201,9 @@ if triton is not None:
 
     @triton.jit
     def _blocks(r, c0, COLS, R: tl.constexpr, C: tl.constexpr):
-        """Indices of the 1x16 blocks at rows r and columns c0 .. c0 + C of a copy with COLS columns: [R, C // 16]."""
-        return (r[:, None].to(tl.int64) * (COLS // 16) + (c0 // 16 + tl.arange(0, C // 16))[None, :]).to(tl.int32)
+        """Indices of the 1x16 blocks at rows r and columns c0 .. c0 + C of a copy with COLS columns (⌈COLS/16⌉
+        blocks a row): [R, C // 16]."""
+        return (r[:, None].to(tl.int64) * tl.cdiv(COLS, 16) + (c0 // 16 + tl.arange(0, C // 16))[None, :]).to(tl.int32)
 
     @triton.jit
     def _store_copy(v_ptr, c_ptr, s_ptr, val, code, scale, blocks, r, c, ROWS, COLS, CODES: tl.constexpr,
