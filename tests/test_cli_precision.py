@@ -22,10 +22,19 @@ def test_quant_error_orders_formats_by_precision(capsys):
     assert 25 < sqnr["fp8-tensorwise"] < 40
 
 
+def test_quant_error_pads_nvfp4_blocks(capsys):
+    """NVFP4 zero-pads a shape its blocks do not divide, as Transformer Engine does."""
+    assert main(["quant-error", "--precision", "nvfp4", "--shape", "100", "100", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 9 and all(0.02 < r["rel_error"] < 0.3 for r in rows)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["quant-error", "--precision", "fp9"], "unknown precision 'fp9'"),
     (["quant-error", "--role", "bias"], "unknown role 'bias'"),
     (["quant-error", "--shape", "3"], "--shape takes two positive integers"),
+    (["quant-error", "--precision", "mxfp8", "--shape", "100", "100"],
+     "mxfp8 input: shape (100, 100) is not divisible by the 1x32 quantization block"),
 ])
 def test_quant_error_bad_input(argv, message, capsys):
     assert main(argv) == 2

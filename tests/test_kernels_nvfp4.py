@@ -1,21 +1,23 @@
-"""The fused NVFP4 quantizer (``kernels/nvfp4.py``) against the reference ``quantize_nvfp4``.
+"""The fused NVFP4 quantizer (``kernels/nvfp4.py``) against the reference ``quantize_nvfp4``
+(itself checked against Transformer Engine's arithmetic in tests/test_nvfp4_te.py).
 
 Codes, E4M3 block scales, global scales and the BF16 emulation operands must be bit-exact for
-the same RHT output and the same uniform draws. The RHT runs on the tensor cores, whose
-summation order is not the reference's, so the bit-exact RHT cases use inputs whose Hadamard
-sums are exact in any order (small integers times a power of two per column); general inputs
-are compared by how many codes differ.
+the same RHT sums and the same uniform draws, on any shape (a partial last block is zero-padded).
+The RHT's FP32 sums come from the tensor cores, whose summation order is not the reference's
+(exact sums rounded once), so the bit-exact RHT cases use inputs whose Hadamard sums are exact in
+any order (small integers times a power of two per column); general inputs, whose sums are then
+rounded to BF16 as TE rounds them, must agree on at least 99.99 % of codes and scales.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lpbench.precision.quantize import _RHT, quantize_nvfp4
+from lpbench.precision.quantize import TE_RHT_SIGNS, apply_rht, quantize_nvfp4
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = [(256, 512), (1000, 304), (64, 4096), (4097, 128)]
+SHAPES = [(256, 512), (1000, 304), (64, 4096), (4097, 128), (37, 100), (130, 17)]
 
 
 def _general(shape, seed=0):
@@ -30,10 +32,11 @@ def _exact_sums(shape, seed=0):
     return (k * 2.0 ** torch.randint(-20, 21, (shape[1],), generator=g).float()).bfloat16()
 
 
-def _wgrad_input(x, rht):
-    """The reference's wgrad operand: tokens zero-padded to 16, transposed, optionally Hadamard-transformed."""
-    t = F.pad(x.float(), (0, 0, 0, -x.shape[0] % 16)).t()
-    return (t.reshape(-1, 16) @ _RHT).reshape(t.shape) if rht else t
+def _wgrad_input(x, rht, signs=TE_RHT_SIGNS):
+    """The reference's wgrad operand: tokens zero-padded to 16, transposed, optionally Hadamard-transformed
+    (BF16 x: the transform rounded to BF16)."""
+    t = F.pad(x, (0, 0, 0, -x.shape[0] % 16)).t().contiguous()
+    return apply_rht(t, signs) if rht else t
 
 
 def _assert_copy(got, ref):
@@ -44,13 +47,13 @@ def _assert_copy(got, ref):
     torch.testing.assert_close(got.global_scale.cpu(), ref.global_scale, rtol=0, atol=0, equal_nan=True)
 
 
-def _both(x, rht, stochastic):
+def _both(x, rht, stochastic, signs=TE_RHT_SIGNS):
     from lpbench.precision.kernels import nvfp4
 
     seed = torch.tensor([20261122], device="cuda")
-    row, col = nvfp4.quantize(x.cuda(), row=True, col=True, rht=rht, stochastic=stochastic, seed=seed,
+    row, col = nvfp4.quantize(x.cuda(), row=True, col=True, rht=rht, stochastic=stochastic, signs=signs, seed=seed,
                               with_codes=True)
-    t = _wgrad_input(x, rht)
+    t = _wgrad_input(x, rht, signs)
     noise_row = nvfp4.uniform(seed, *x.shape).cpu() if stochastic else None
     noise_col = nvfp4.uniform(seed + 1, *t.shape).cpu() if stochastic else None
     return (row, quantize_nvfp4(x.float(), stochastic=stochastic, noise=noise_row),
@@ -66,16 +69,27 @@ def test_fused_copies_are_bit_exact(shape, stochastic, rht):
     _assert_copy(row, row_ref)
     _assert_copy(col, col_ref)
     assert col.values.shape == (shape[1], -(-shape[0] // 16) * 16)
+    assert row.scale.shape == (shape[0], -(-shape[1] // 16))
+
+
+def test_fused_rht_takes_the_recipe_signs():
+    signs = (1, -1) * 8
+    x = _exact_sums((256, 128))
+    _, _, col, ref = _both(x, True, False, signs)
+    _assert_copy(col, ref)
+    _, _, default, _ = _both(x, True, False)
+    assert not torch.equal(col.codes, default.codes)
 
 
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_fused_rht_copy_of_general_input_is_close(stochastic):
-    """Only the RHT's summation order differs: a code flips where a sum lands on a rounding boundary."""
+    """Only the RHT's FP32 summation order differs, and the BF16 rounding hides it but where an FP32 sum
+    lands next to a BF16 rounding boundary: at least 99.99 % of codes and scales agree."""
     x = _general((2048, 1024))
     _, _, col, ref = _both(x, True, stochastic)
-    assert (col.codes.cpu() != ref.codes).float().mean() < 1e-3
-    assert (col.scale.cpu().float() != ref.scale.float()).float().mean() < 1e-3
-    torch.testing.assert_close(col.global_scale.cpu(), ref.global_scale, rtol=1e-6, atol=0)
+    assert (col.codes.cpu() != ref.codes).float().mean() < 1e-4
+    assert (col.scale.cpu().float() != ref.scale.float()).float().mean() < 1e-4
+    torch.testing.assert_close(col.global_scale.cpu(), ref.global_scale, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("case", ["zeros", "nan", "inf", "huge", "tiny"])
@@ -105,10 +119,12 @@ def test_stochastic_rounding_draws_from_the_seed():
     assert not torch.equal(a, rounded)
 
 
+@pytest.mark.parametrize("dims", [(512, 384), (520, 312)], ids=["dividing", "odd"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_linear_with_fused_quantizer_matches_reference_path(monkeypatch, precise_casts, compiled):
+def test_linear_with_fused_quantizer_matches_reference_path(monkeypatch, precise_casts, compiled, dims):
     """The emulated NVFP4 Linear gives the same results through the fused quantizer as through the
-    reference ops (without stochastic rounding; the RHT's summation order aside)."""
+    reference ops (without stochastic rounding; the RHT's summation order aside), also for widths
+    that 16 does not divide."""
     from lpbench.precision.kernels import nvfp4
     from lpbench.precision.linear import QuantizedLinear
     from lpbench.precision.recipes import get_recipe
@@ -116,10 +132,11 @@ def test_linear_with_fused_quantizer_matches_reference_path(monkeypatch, precise
     torch.manual_seed(0)
     torch._dynamo.reset()
     recipe = get_recipe("nvfp4-no-sr")
-    mods = [QuantizedLinear.from_linear(torch.nn.Linear(512, 384, device="cuda"), recipe) for _ in range(2)]
+    k, n = dims
+    mods = [QuantizedLinear.from_linear(torch.nn.Linear(k, n, device="cuda"), recipe) for _ in range(2)]
     mods[1].load_state_dict(mods[0].state_dict())
-    x = torch.randn(4, 256, 512, device="cuda")
-    dy = torch.randn(4, 256, 384, device="cuda").bfloat16()
+    x = torch.randn(4, 256, k, device="cuda")
+    dy = torch.randn(4, 256, n, device="cuda").bfloat16()
     outs = []
     for i, mod in enumerate(mods):
         if i == 1:
@@ -130,4 +147,4 @@ def test_linear_with_fused_quantizer_matches_reference_path(monkeypatch, precise
         y.backward(dy)
         outs.append((y.float(), xi.grad.float(), mod.weight.grad.float()))
     for got, want in zip(*outs):
-        assert (got - want).norm() / want.norm() < 1e-2
+        assert (got - want).norm() / want.norm() < 1e-3

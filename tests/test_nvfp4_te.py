@@ -259,3 +259,29 @@ def test_e4m3_table_rounding_agrees_with_the_cast():
     v = torch.cat([torch.logspace(-12, 10, 20001, base=2.0), torch.tensor(mid)]).float()
     np.testing.assert_array_equal(v.clamp(max=448).to(torch.float8_e4m3fn).float().numpy(), e4m3_rne(v.numpy()))
     assert e4m3_rne(np.array([1e30, 464.0], dtype=np.float32)).tolist() == [448.0, 448.0]
+
+
+def test_policy_quantizes_nvfp4_linears_of_any_width():
+    from dataclasses import replace
+
+    from lpbench.precision.policy import apply_recipe
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(40, 24), nn.Linear(24, 40)) for _ in range(2))
+
+    recipe = replace(get_recipe("nvfp4"), last_bf16_layers=0)
+    out = apply_recipe(Model(), recipe, device="cpu", emulate=True)
+    assert out["skipped"] == [] and len(out["quantized"]) == 4
+
+
+def test_frozen_nvfp4_weight_of_odd_width():
+    from lpbench.precision.frozen import FrozenQuantizedLinear
+
+    torch.manual_seed(0)
+    quantized = QuantizedLinear.from_linear(nn.Linear(33, 20).requires_grad_(False), get_recipe("nvfp4-no-sr"))
+    frozen = FrozenQuantizedLinear.from_linear(quantized)
+    x = torch.randn(5, 33)
+    assert torch.equal(frozen(x), quantized(x))
+    assert torch.equal(frozen.weight_operand("fprop").codes, quantize_nvfp4(quantized.weight, block=(16, 16)).codes)
