@@ -67,8 +67,8 @@ def takes(a: QTensor, b: QTensor) -> bool:
 
 
 def row_scales(q: QTensor) -> torch.Tensor:
-    """One scale per 1 x block of every row: [rows, K / block] (2-D blocks repeated over their rows)."""
-    return q.scale if q.block[0] == 1 else q.scale.repeat_interleave(q.block[0], 0)
+    """One scale per 1 x block of every row: [rows, ⌈K / block⌉] (2-D blocks repeated over their rows)."""
+    return q.scale if q.block[0] == 1 else q.scale.repeat_interleave(q.block[0], 0)[: q.codes.shape[0]]
 
 
 def swizzle(scale: torch.Tensor) -> torch.Tensor:
@@ -85,14 +85,16 @@ def swizzle(scale: torch.Tensor) -> torch.Tensor:
 
 
 def pad_k(q: QTensor, multiple: int) -> QTensor:
-    """``q`` with its reduction dim zero-padded to ``multiple`` (codes 0, block scales 0): the product is unchanged."""
-    pad = -q.codes.shape[1] % multiple
-    if not pad:
+    """``q`` with its reduction dim zero-padded to ``multiple`` (codes 0, block scales 0): the product is unchanged.
+    A partial last block (NVFP4 pads those) keeps its scale; its missing codes become zeros."""
+    k = q.codes.shape[1]
+    kp = -(-k // multiple) * multiple
+    if kp == k:
         return q
-    if pad % q.block[1]:
-        raise ValueError(f"cannot pad K={q.codes.shape[1]} to a multiple of {multiple} in whole {q.block[1]}-blocks")
-    codes = F.pad(q.codes.view(torch.uint8), (0, pad)).view(q.codes.dtype)
-    scale = F.pad(q.scale.view(torch.uint8), (0, pad // q.block[1])).view(q.scale.dtype)
+    if kp % q.block[1]:
+        raise ValueError(f"cannot pad K={k} to a multiple of {multiple} in whole {q.block[1]}-blocks")
+    codes = F.pad(q.codes.view(torch.uint8), (0, kp - k)).view(q.codes.dtype)
+    scale = F.pad(q.scale.view(torch.uint8), (0, kp // q.block[1] - q.scale.shape[1])).view(q.scale.dtype)
     return QTensor(codes, scale, q.block, q.fmt, q.global_scale)
 
 
