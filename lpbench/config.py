@@ -45,7 +45,7 @@ class RunConfig:
     lora_alpha: float = 32.0  # ... and scale alpha / rank (NeMo's and Megatron-Bridge's defaults)
     lora_targets: str = "qkv,o,mlp"  # adapted linears of every block (lpbench.models.lora.TARGETS)
     lora_base_storage: str = "bf16"  # frozen base in the compute dtype, or "quantized" once in the recipe's format
-    backend: str = "lpbench"  # "torchao": torchao's Float8Linear on the same linears (FP8 recipes)
+    backend: str = "lpbench"  # "torchao": torchao's training linears on the same linears (FP8, MXFP8, NVFP4)
     dp: int = 1  # data-parallel size = world size / tp (see with_world)
     tp: int = 1  # tensor-parallel size
     fsdp: bool = False  # shard the data-parallel dimension with FSDP2 instead of DDP
@@ -160,6 +160,11 @@ class RunConfig:
 
         if self.backend not in BACKENDS:
             raise UsageError(f"unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
+        if self.backend == "torchao":
+            from lpbench.precision.torchao_backend import run_problem
+
+            if problem := run_problem(self.precision, self.mbs * self.seq_len, self.tp):
+                raise UsageError(problem)
         if self.flops_formula not in FORMULAS:
             raise UsageError(f"unknown FLOP formula {self.flops_formula!r}; valid: {', '.join(FORMULAS)}")
         if self.fsdp_fp8_all_gather and not self.fsdp:

@@ -47,6 +47,26 @@ def test_cli_refuses_torchao_nvfp4_on_cpu_with_exit_2(capsys, tmp_path):
     assert len(err) == 1 and "runs nvfp4 only on compute capability 10.x" in err[0]
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--precision", "nvfp4", "--seq-len", "96", "--mbs", "1", "--gbs", "1"],
+     "--backend torchao nvfp4 needs MBS x seq len a multiple of 128 (its wgrad blocks run along the tokens), got 96"),
+    (["--precision", "mxfp8", "--seq-len", "48", "--mbs", "1", "--gbs", "1"], "a multiple of 32"),
+])
+def test_cli_refuses_torchao_mx_runs_it_cannot_shape(argv, message, capsys, tmp_path):
+    from lpbench.cli import main
+
+    assert main(["run", "--model", "tiny", "--backend", "torchao", *argv, "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_torchao_mx_runs_take_no_tensor_parallelism():
+    from lpbench.precision.torchao_backend import run_problem
+
+    assert run_problem("mxfp8", 4096, 2) == "--backend torchao runs mxfp8 without tensor parallelism (--tp 1)"
+    assert run_problem("nvfp4", 4096, 1) is None and run_problem("fp8-rowwise", 96, 2) is None
+
+
 def test_torchaos_mxfp8_cast_equals_lpbenchs_reference_bit_for_bit():
     pytest.importorskip("torchao")
     from torchao.prototype.mx_formats.config import ScaleCalculationMode

@@ -29,6 +29,20 @@ NVFP4_MULTIPLE = 128  # torchao's NVFP4Linear: M, K and N multiples of 128
 BLACKWELL = (10, 0)
 
 
+def run_problem(precision: str, tokens: int, tp: int) -> str | None:
+    """What a run of torchao's ``precision`` with ``tokens`` tokens per micro-batch and TP size ``tp`` cannot
+    do (None when it can): its MX linears quantize along the tokens for wgrad and take no TP split here."""
+    if precision not in ("mxfp8", "nvfp4"):
+        return None
+    if tp > 1:
+        return f"--backend torchao runs {precision} without tensor parallelism (--tp 1)"
+    multiple = NVFP4_MULTIPLE if precision == "nvfp4" else 32
+    if tokens % multiple:
+        return (f"--backend torchao {precision} needs MBS x seq len a multiple of {multiple} (its wgrad blocks "
+                f"run along the tokens), got {tokens}")
+    return None
+
+
 def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
