@@ -197,10 +197,25 @@ def test_a_bad_scale_layout_fails():
     assert not block_scaled.takes(x4, y4)
 
 
-def test_native_linear_hands_the_quantizers_codes_to_the_gemm(monkeypatch):
+def fake_scaled_mm(a, scale_a, b, scale_b, global_a=None, global_b=None):
+    """block_scaled.scaled_mm's arguments multiplied as cuBLAS reads them (all of K, padding included)."""
+    block = 32 if global_a is None else 16
+    assert scale_a.dtype == scale_b.dtype == (torch.float8_e8m0fnu if block == 32 else torch.float8_e4m3fn)
+    k = a.shape[1] * (2 if a.dtype == torch.float4_e2m1fn_x2 else 1)
+    (va, fa), (vb, fb) = (read_operand(a, scale_a, global_a, a.shape[0], k, block),
+                          read_operand(b, scale_b, global_b, b.shape[0], k, block))
+    return ((va @ vb.t()) * fa * fb).bfloat16()
+
+
+@pytest.mark.parametrize("replace,tokens", [("mm", 40), ("scaled_mm", 64)])
+def test_native_linear_hands_the_quantizers_codes_to_the_gemm(monkeypatch, replace, tokens):
     """A native QuantizedLinear (RHT, stochastic rounding, 16x16 weight blocks) computes each of its three GEMMs from
-    F.scaled_mm's operands: here the GEMM that reads them back, so the linear equals the emulated one bit for bit."""
-    monkeypatch.setattr(block_scaled, "mm", lambda a, b: gemm_of_packed(a, b).bfloat16())
+    F.scaled_mm's operands: here a GEMM that reads them back, so the linear equals the emulated one bit for bit.
+    ``mm`` replaced: 40 tokens, padded for wgrad; ``scaled_mm`` replaced: the bytes through the custom op too."""
+    if replace == "mm":
+        monkeypatch.setattr(block_scaled, "mm", lambda a, b: gemm_of_packed(a, b).bfloat16())
+    else:
+        monkeypatch.setattr(block_scaled, "scaled_mm", fake_scaled_mm)
     for name in ("mxfp8", "nvfp4"):
         recipe = get_recipe(name)
         torch.manual_seed(0)
@@ -208,10 +223,10 @@ def test_native_linear_hands_the_quantizers_codes_to_the_gemm(monkeypatch):
         outs = []
         for native in (True, False):
             mod = QuantizedLinear.from_linear(base, recipe, native=native)
-            x = _tensor(40, 64, 3).float().requires_grad_()  # 40 tokens: wgrad pads them
+            x = _tensor(tokens, 64, 3).float().requires_grad_()
             torch.manual_seed(1)  # the same stochastic-rounding draws for both
             y = mod(x)
-            (y.float() * _tensor(40, 96, 4).float()).sum().backward()
+            (y.float() * _tensor(tokens, 96, 4).float()).sum().backward()
             outs.append((y.detach(), x.grad, base.weight.grad.clone()))
             base.weight.grad = None
         for got, want in zip(*outs):  # native: each GEMM's output rounded to BF16, as F.scaled_mm returns it

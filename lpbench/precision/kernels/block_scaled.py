@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lpbench.precision.formats import pack_e2m1
 from lpbench.precision.quantize import QTensor
 
 TILE_ROWS, TILE_COLS = 128, 4  # scale tile of cuBLAS's block-scaling-factor layout
@@ -98,22 +97,32 @@ def pad_k(q: QTensor, multiple: int) -> QTensor:
     return QTensor(codes, scale, q.block, q.fmt, q.global_scale)
 
 
-def operand(q: QTensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(data, swizzled block scales, FP32 global scale or None) of ``q`` as ``F.scaled_mm`` takes it, K padded to ``k``."""
+def _operand_bytes(q: QTensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str]:
+    """(data bytes, swizzled scale bytes, FP32 global scale or None, data dtype name) of ``q``, K padded to ``k``.
+    Bytes, so that compiled code never holds FP4 tensors: E2M1 pairs packed as
+    :func:`lpbench.precision.formats.pack_e2m1` packs them."""
     q = pad_k(q, k)
-    data = pack_e2m1(q.codes) if q.codes.dtype == torch.uint8 else q.codes
+    if q.codes.dtype == torch.uint8:
+        data, dtype = q.codes[:, 0::2] | (q.codes[:, 1::2] << 4), "float4_e2m1fn_x2"
+    else:
+        data, dtype = q.codes.view(torch.uint8), str(q.codes.dtype).removeprefix("torch.")
     g = None if q.global_scale is None else q.global_scale.float().reshape(())
-    return data, swizzle(row_scales(q)), g
+    return data, swizzle(row_scales(q)).view(torch.uint8), g, dtype
 
 
-def operands(a: QTensor, b: QTensor) -> tuple[torch.Tensor, ...]:
-    """(data a, scales a, data b, scales b, global a, global b) for a · bᵀ, as :func:`scaled_mm` takes them."""
+def _operands_bytes(a: QTensor, b: QTensor) -> tuple:
     if not takes(a, b):
         raise ValueError(f"not a block-scaled GEMM this path runs: a {tuple(a.codes.shape)} {a.block} {a.scale.dtype}, "
                          f"b {tuple(b.codes.shape)} {b.block} {b.scale.dtype}")
     k = max(k_multiple(a), k_multiple(b))
-    (da, sa, ga), (db, sb, gb) = operand(a, k), operand(b, k)
-    return da, sa, db, sb, ga, gb
+    return _operand_bytes(a, k), _operand_bytes(b, k)
+
+
+def operands(a: QTensor, b: QTensor) -> tuple[torch.Tensor, ...]:
+    """(data a, scales a, data b, scales b, global a, global b) for a · bᵀ, typed as :func:`scaled_mm` takes them."""
+    (da, sa, ga, ta), (db, sb, gb, tb) = _operands_bytes(a, b)
+    scale_dtype = a.scale.dtype
+    return (da.view(getattr(torch, ta)), sa.view(scale_dtype), db.view(getattr(torch, tb)), sb.view(scale_dtype), ga, gb)
 
 
 def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
@@ -148,7 +157,5 @@ def _(a, scale_a, b, scale_b, global_a, global_b, dtype_a, dtype_b):
 
 def mm(a: QTensor, b: QTensor) -> torch.Tensor:
     """Native BF16 a · bᵀ of two MX or NVFP4 operands quantized along K (see :func:`takes`)."""
-    da, sa, db, sb, ga, gb = operands(a, b)
-    raw = [t.view(torch.uint8) for t in (da, sa, db, sb)]
-    return _block_scaled_mm_op(raw[0], raw[1], raw[2], raw[3], ga, gb, str(da.dtype).removeprefix("torch."),
-                               str(db.dtype).removeprefix("torch."))
+    (da, sa, ga, ta), (db, sb, gb, tb) = _operands_bytes(a, b)
+    return _block_scaled_mm_op(da, sa, db, sb, ga, gb, ta, tb)
