@@ -128,8 +128,8 @@ def qgemm(a: QTensor, b: QTensor, *, native: bool = False, fast_accum: bool = Fa
     native tensorwise/rowwise GEMM accumulates in Hopper's fast mode (the emulation cannot)."""
     if native and block_scaled.takes(a, b):
         return block_scaled.mm(a, b).float()
-    fp32_scales = a.scale.dtype == torch.float32
-    if native and fp32_scales and (a.block[1] == a.codes.shape[1] or blockwise_native_shape(a, b)):
+    # (not native: ``a`` may be a fused NVFP4 copy, which has no codes or scales, only BF16 values)
+    if native and a.scale.dtype == torch.float32 and (a.block[1] == a.codes.shape[1] or blockwise_native_shape(a, b)):
         return _scaled_mm(a, b, fast_accum).float()
     (va, sa), (vb, sb) = _operand(a), _operand(b)
     return mm_fp32(va, vb) * sa * (sb.t() if sb.dim() else sb)
