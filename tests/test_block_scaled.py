@@ -277,3 +277,43 @@ def test_dispatch_names_a_torch_without_block_scaled_gemms(capability, monkeypat
     monkeypatch.setattr(block_scaled, "unavailable", lambda: "torch 2.9 has no F.scaled_mm block scaling")
     info = apply_recipe(_toy(), "nvfp4", device="cuda", emulate=True)
     assert info == {**info, "path": "emulated", "why_emulated": "torch 2.9 has no F.scaled_mm block scaling"}
+
+
+# ---------------------------------------------------------------- on a Blackwell GPU (not yet run: none is lent)
+
+def _blackwell():
+    if torch.cuda.get_device_capability() < (10, 0):
+        pytest.skip("the block-scaled GEMMs need compute capability 10.x")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe,gemm,m,n,k", CASES)
+def test_native_gemm_matches_emulated_gemm_on_blackwell(recipe, gemm, m, n, k):
+    _blackwell()
+    a, b = _ops(recipe, gemm, m, n, k, seed=11)
+    a, b = (QTensor(q.codes.cuda(), q.scale.cuda(), q.block, q.fmt,
+                    None if q.global_scale is None else q.global_scale.cuda()) for q in (a, b))
+    got, want = qgemm(a, b, native=True), qgemm(a, b, native=False)
+    # the same operands: BF16 output and the summation order only
+    assert torch.equal(got, got.bfloat16().float())
+    assert ((got - want).norm() / want.norm()).item() < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_native_linear_matches_emulated_linear_on_blackwell(name, precise_casts):
+    _blackwell()
+    torch.manual_seed(0)
+    base = torch.nn.Linear(512, 1024, device="cuda")
+    outs = []
+    for native in (True, False):
+        mod = torch.compile(QuantizedLinear.from_linear(base, get_recipe(name), native=native))
+        x = _tensor(1000, 512, 3).cuda().requires_grad_()
+        torch.manual_seed(1)  # the same stochastic-rounding seeds for both
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = mod(x)
+        y.float().pow(2).mean().backward()
+        outs.append((y.float(), x.grad.float(), base.weight.grad.clone()))
+        base.weight.grad = None
+    for got, want in zip(*outs):  # the same codes and scales: BF16 outputs and the summation order only
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
