@@ -60,6 +60,16 @@ def test_cli_refuses_torchao_mx_runs_it_cannot_shape(argv, message, capsys, tmp_
     assert len(err) == 1 and message in err[0]
 
 
+def test_an_older_torchao_is_named(monkeypatch):
+    pytest.importorskip("torchao")
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if "moe_training" in name else find(name, *a))
+    with pytest.raises(UsageError, match=r"mxfp8 needs torchao 0.18 or later \(torchao.prototype.moe_training"):
+        apply_recipe(Toy(), "mxfp8", device="cpu", emulate=True, backend="torchao")
+
+
 def test_torchao_mx_runs_take_no_tensor_parallelism():
     from lpbench.precision.torchao_backend import run_problem
 

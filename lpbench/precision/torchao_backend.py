@@ -16,6 +16,7 @@ Written against torchao 0.18.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 from torch import nn
@@ -25,6 +26,8 @@ from lpbench.precision.recipes import Recipe
 
 FLOAT8_RECIPES = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
 RECIPES = (*FLOAT8_RECIPES, "mxfp8", "nvfp4")
+MODULES = {"mxfp8": "torchao.prototype.moe_training.mxfp8_linear",
+           "nvfp4": "torchao.prototype.moe_training.nvfp4_training.nvfp4_training"}
 NVFP4_MULTIPLE = 128  # torchao's NVFP4Linear: M, K and N multiples of 128
 BLACKWELL = (10, 0)
 
@@ -109,9 +112,13 @@ def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: li
     if kind == "emulated" and not emulate:
         raise UsageError(f"--backend torchao: {reason}; pass --emulate to run it")
     try:
-        import torchao  # noqa: F401
+        import torchao
     except ImportError:
         raise UsageError("--backend torchao needs torchao: pip install 'lpbench[torchao]'") from None
+    module = MODULES.get(recipe.name)
+    if module is not None and importlib.util.find_spec(module) is None:
+        raise UsageError(f"--backend torchao {recipe.name} needs torchao 0.18 or later ({module}); "
+                         f"torchao {torchao.__version__} is installed")
     multiple = NVFP4_MULTIPLE if recipe.name == "nvfp4" else recipe.dim_multiple
     chosen = [(name, mod) for name, mod, _ in candidates if not (mod.in_features % multiple or mod.out_features % multiple)]
     skipped = [name for name, mod, _ in candidates if name not in dict(chosen)]
