@@ -1,0 +1,181 @@
+"""One call, one table: lpbench BF16, every FP8 recipe, torchao, emulated MXFP8/NVFP4 and the
+Hugging Face + torch.compile baseline on the same work, each with where its step's time goes.
+
+Each lpbench row is a run of one sweep (its own process, compiled per block) that profiles its
+last two steps (``--profile-steps``; profiled steps are left out of the timing). The HF row is
+``benchmarks/hf_baseline.py`` with the same profiler. Printed last: a markdown table with
+tokens/s, model TFLOP/s, MFU, the ratio to lpbench BF16 of this call, and the profiled kernel time
+per step split into GEMM / quantize / attention / other (comm folded into other on one GPU),
+then each row's heaviest kernels.
+
+    python benchmarks/step_table.py --model llama3-8b --num-layers 16 --seq-len 8192 --mbs 1 \\
+        --results $OUT/table                  # the 8B-class table, one H100
+    python benchmarks/step_table.py --model llama3.2-1b --seq-len 4096 --mbs 2 \\
+        --rows bf16,fp8-tensorwise,torchao:fp8-tensorwise
+
+Rows (``--rows``, comma-separated): a recipe name (``mxfp8``/``nvfp4``/... run emulated where the
+GPU lacks them), ``torchao:RECIPE`` (torchao's Float8Linear), ``hf`` (the baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ROWS = ("bf16,fp8-tensorwise,fp8-delayed,fp8-rowwise,fp8-blockwise,torchao:fp8-tensorwise,"
+                "mxfp8,nvfp4,hf")
+PARTS = ("gemm", "quantize", "attention", "other")
+
+
+def spec_for(args, rows: list[str]) -> dict:
+    recipes = []
+    for row in rows:
+        backend, _, precision = row.rpartition(":")
+        point = {"precision": precision, "backend": backend or "lpbench"}
+        if precision in ("mxfp8", "mxfp4", "nvfp4", "fp8-blockwise"):
+            point["emulate"] = True  # native where the GPU has it, exact emulation where it does not
+        recipes.append(point)
+    spec = {"name": f"step-table-{time.strftime('%Y%m%d-%H%M%S')}", "timeout": args.timeout, "model": args.model,
+            "seq_len": args.seq_len, "mbs": args.mbs, "gbs": args.gbs or args.mbs, "steps": args.steps,
+            "warmup_steps": args.warmup_steps, "profile_steps": f"{args.steps - 1}:{args.steps}", "recipe": recipes}
+    if args.num_layers:
+        spec["num_layers"] = args.num_layers
+    return spec
+
+
+def top_kernels(trace: str | None, steps: int, n: int) -> list[tuple[str, float]]:
+    """The ``n`` kernels with the most device time per step in a Chrome trace (ms per step)."""
+    if not trace or not Path(trace).is_file():
+        return []
+    events = json.loads(Path(trace).read_text()).get("traceEvents", [])
+    per = Counter()
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            per[e["name"]] += e["dur"] / 1e3 / steps
+    return per.most_common(n)
+
+
+def run_hf(args, log_dir: Path) -> dict | None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "hf_baseline.py"), "--model", args.model,
+           "--seq-len", str(args.seq_len), "--mbs", str(args.mbs), "--steps", str(args.steps),
+           "--warmup-steps", str(args.warmup_steps), "--profile-steps", f"{args.steps - 1}:{args.steps}",
+           "--profile-dir", str(log_dir / "hf-profile")]
+    if args.num_layers:
+        cmd += ["--num-layers", str(args.num_layers)]
+    print("+", " ".join(cmd), flush=True)
+    with open(log_dir / "hf.log", "w") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, timeout=args.timeout,
+                                  env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
+        except subprocess.TimeoutExpired:
+            print("hf baseline: timed out", flush=True)
+            return None
+        log.write(proc.stdout)
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not found:
+        print(f"hf baseline failed (exit {proc.returncode}); see {log_dir / 'hf.log'}", flush=True)
+        return None
+    return json.loads(found[-1][len("RESULT "):])
+
+
+def table(rows: list[dict], bf16_tps: float | None) -> list[str]:
+    out = ["| row | path | step ms | tokens/s | model TFLOP/s | MFU | vs lpbench BF16 | GEMM | quantize | "
+           "attention | other | peak GB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("status") != "ok":
+            out.append(f"| {r['name']} | | | | | | {r.get('status')}: {r.get('error') or ''} | | | | | |")
+            continue
+        prof = r.get("profile") or {}
+        n = prof.get("n_steps") or 1
+        parts = [prof.get(f"{p}_ms") for p in PARTS]
+        if parts[3] is not None:
+            parts[3] += prof.get("comm_ms") or 0.0
+        cells = [f"{p / n:.1f}" if p is not None else "" for p in parts]
+        ratio = f"{r['tps'] / bf16_tps:.2f}x" if bf16_tps else ""
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else ""
+        peak = f"{r['peak_gb']:.1f}" if r.get("peak_gb") is not None else ""
+        out.append(f"| {r['name']} | {r['path']} | {r['step_ms']:.1f} | {r['tps']:,.0f} | {r['tflops']:.0f} | {mfu} | "
+                   f"{ratio} | {' | '.join(cells)} | {peak} |")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--mbs", type=int, default=1)
+    ap.add_argument("--gbs", type=int, default=None, help="default: MBS (one micro-batch a step)")
+    ap.add_argument("--steps", type=int, default=12, help="the last two are profiled (default 12)")
+    ap.add_argument("--warmup-steps", type=int, default=6)
+    ap.add_argument("--rows", default=DEFAULT_ROWS)
+    ap.add_argument("--results", default="lpbench-results/step-table")
+    ap.add_argument("--timeout", type=float, default=420.0, help="seconds per row (default 420)")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per row (default 12)")
+    args = ap.parse_args()
+    if args.steps - 2 <= args.warmup_steps:
+        ap.error("--steps must leave timed steps between the warm-up and the two profiled steps")
+
+    from lpbench.bench.store import ResultsStore
+    from lpbench.bench.sweep import run_sweep
+
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    lp_rows = [r for r in rows if r != "hf"]
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    out: list[dict] = []
+    if lp_rows:
+        spec = spec_for(args, lp_rows)
+        spec_path = results / f"{spec['name']}.yaml"
+        spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        run_sweep(str(spec_path), results=str(results))
+        for r in ResultsStore(results).runs("sweep_id = ?", (spec["name"],)):
+            m, cfg = r["metrics"], r["config"]
+            prof = dict(m.get("profile") or {})
+            first, _, last = str(prof.get("steps", "")).partition(":")
+            prof["n_steps"] = int(last) - int(first) + 1 if last else 1
+            name = cfg["precision"] + (f" ({r['backend']})" if r["backend"] != "lpbench" else "")
+            out.append({"name": name, "status": r["status"], "error": r.get("error"), "path": m.get("path", ""),
+                        "step_ms": (r.get("step_time_s") or 0) * 1e3, "tps": r.get("tokens_per_sec_per_gpu"),
+                        "tflops": r.get("tflops_per_gpu"), "mfu": r.get("mfu_bf16"),
+                        "peak_gb": r.get("peak_mem_allocated_gb"), "profile": prof, "model": r["model"],
+                        "gpu": r.get("gpu")})
+    if "hf" in rows:
+        res = run_hf(args, results)
+        if res is None:
+            out.append({"name": "hf-transformers + compile", "status": "error"})
+        else:
+            prof = res.get("profile") or {}
+            prof["n_steps"] = 2
+            out.append({"name": "hf-transformers + compile", "status": "ok", "path": "native",
+                        "step_ms": res["step_time_s"] * 1e3, "tps": res["tokens_per_sec_per_gpu"],
+                        "tflops": res["tflops_per_gpu"], "mfu": res.get("mfu"), "peak_gb": res.get("peak_mem_gb"),
+                        "profile": prof})
+    bf16 = next((r["tps"] for r in out if r["name"] == "bf16" and r["status"] == "ok"), None)
+    for r in out:
+        kernels = top_kernels((r.get("profile") or {}).get("trace"), (r.get("profile") or {}).get("n_steps", 1),
+                              args.top)
+        if kernels:
+            print(f"\n{r['name']}: heaviest kernels (ms per step)")
+            for name, ms in kernels:
+                print(f"  {ms:8.2f}  {name[:150]}")
+    label = next((r["model"] for r in out if r.get("model")), args.model)
+    gpu = next((r["gpu"] for r in out if r.get("gpu")), "?")
+    print(f"\n{label}, seq {args.seq_len}, MBS {args.mbs}, GBS {args.gbs or args.mbs}, {gpu}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; GEMM..other: profiled kernel ms per step")
+    print("\n".join(table(out, bf16)))
+    (results / "table.json").write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
