@@ -170,3 +170,26 @@ def test_clip_grad_norm_matches_torch_on_plain_parameters():
     theirs = torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
     assert float(ours) == pytest.approx(float(theirs)) and float(theirs) > 1.0
     assert all(torch.allclose(a, p.grad) for a, p in zip(ours_clipped, layer.parameters()))
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 1e6])  # clipping, and a norm under the limit
+def test_clip_folded_into_fused_adamw_gives_the_clipped_update(max_norm):
+    from lpbench.parallel.dp import clip_grad_norm_
+
+    def run(fold: bool, clip: bool = True) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(16, 8)
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
+        for step in range(3):
+            layer(torch.randn(5, 16) * 10).square().sum().backward()
+            if clip:
+                norm = clip_grad_norm_(list(layer.parameters()), max_norm, opt if fold else None)
+                assert float(norm) > 1.0
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in layer.parameters()]
+
+    folded, clipped, unclipped = run(True), run(False), run(True, clip=False)
+    for a, b, c in zip(folded, clipped, unclipped):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert (max_norm > 1e3) == torch.equal(a, c)  # the fold changed the update exactly when clipping

@@ -54,11 +54,17 @@ def grad_sync(model: nn.Module, enabled: bool):
             yield
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
+                    optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for parameters on several device meshes (and none).
 
     Plain, DTensor-on-the-TP-mesh and FSDP-sharded gradients are normed per mesh (DTensor
     reduces each over its shards) and combined; returns the global 2-norm, the same on all ranks.
+
+    With a fused ``optimizer`` (torch's fused Adam/AdamW) the gradients are not scaled here:
+    the optimizer's next step divides them by ``1 / clip coefficient`` (its ``grad_scale``, the
+    hook AMP's GradScaler uses) inside its one kernel, which saves a read and a write of every
+    gradient. The update equals clipping first up to the rounding of ``g / s`` against ``g · c``.
     """
     groups: dict = {}
     for p in params:
@@ -71,6 +77,10 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
     if not norms:
         return torch.zeros(())
     total = torch.stack(norms).square().sum().sqrt() if len(norms) > 1 else norms[0]
+    if optimizer is not None and optimizer.defaults.get("fused") and None in groups and len(groups) == 1:
+        # torch's clip coefficient, max_norm / (total + 1e-6) clamped to 1, as the divisor 1 / coefficient
+        optimizer.grad_scale = ((total.float() + 1e-6) / max_norm).clamp(min=1.0)
+        return total
     for group in groups.values():  # one call per mesh: foreach ops cannot mix plain and DTensor
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

@@ -161,7 +161,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                         loss = forward(*batch)  # input_ids, labels[, doc_ids]
                     (loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach()
-            grad_norm = clip_grad_norm_(params, cfg.grad_clip)
+            grad_norm = clip_grad_norm_(params, cfg.grad_clip, optimizer)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
