@@ -52,16 +52,17 @@ def spec_for(args, rows: list[str]) -> dict:
     return spec
 
 
-def top_kernels(trace: str | None, steps: int, n: int) -> list[tuple[str, float]]:
-    """The ``n`` kernels with the most device time per step in a Chrome trace (ms per step)."""
+def top_kernels(trace: str | None, steps: int, n: int) -> tuple[list[tuple[str, float]], float]:
+    """The ``n`` kernels with the most device time per step in a Chrome trace, and the kernel
+    total per step (ms): a check on the profile's breakdown, which sums the same kernels."""
     if not trace or not Path(trace).is_file():
-        return []
+        return [], 0.0
     events = json.loads(Path(trace).read_text()).get("traceEvents", [])
     per = Counter()
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
             per[e["name"]] += e["dur"] / 1e3 / steps
-    return per.most_common(n)
+    return per.most_common(n), sum(per.values())
 
 
 def run_hf(args, log_dir: Path) -> dict | None:
@@ -162,10 +163,10 @@ def main() -> int:
                         "profile": prof})
     bf16 = next((r["tps"] for r in out if r["name"] == "bf16" and r["status"] == "ok"), None)
     for r in out:
-        kernels = top_kernels((r.get("profile") or {}).get("trace"), (r.get("profile") or {}).get("n_steps", 1),
-                              args.top)
+        kernels, total = top_kernels((r.get("profile") or {}).get("trace"),
+                                     (r.get("profile") or {}).get("n_steps", 1), args.top)
         if kernels:
-            print(f"\n{r['name']}: heaviest kernels (ms per step)")
+            print(f"\n{r['name']}: heaviest kernels (ms per step; all kernels {total:.1f} ms per step)")
             for name, ms in kernels:
                 print(f"  {ms:8.2f}  {name[:150]}")
     label = next((r["model"] for r in out if r.get("model")), args.model)

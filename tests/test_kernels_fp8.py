@@ -207,3 +207,25 @@ def test_one_pass_amax_propagates_nan_and_inf_and_skips_when_told():
     x[100, 600] = float("nan")
     assert fp8_cast.cast_transpose(x, one, E4M3, True)[2].isnan()
     assert fp8_cast.amax_unless(x, torch.tensor(False, device="cuda")).isnan()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("role", ["input", "grad"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_tensorwise_one_pass_cast_matches_reference_on_cuda(shape, role, compiled):
+    """16-bit operands take the Triton cast-transpose after the amax: the reference's codes and scale."""
+    from lpbench.precision.kernels import fp8_cast
+    from lpbench.precision.kernels.fp8_linear import _quantize
+    from lpbench.precision.linear import QuantizedLinear
+    from lpbench.precision.recipes import get_recipe
+
+    recipe = get_recipe("fp8-tensorwise")
+    mod = QuantizedLinear.from_linear(torch.nn.Linear(16, 16, device="cuda"), recipe, native=True)
+    fmt = recipe.element_format(role)
+    x = _inputs(shape, torch.float32).clamp(-6e4, 6e4).to(torch.bfloat16)
+    assert fp8_cast.available(x.cuda())
+    torch._dynamo.reset()
+    fn = torch.compile(_quantize, dynamic=False) if compiled else _quantize
+    for write_t in (True, False):
+        _same(*fn(mod, role, x.cuda(), write_t), quantize_fp8(x, fmt))

@@ -74,7 +74,8 @@ def test_cuda_kernel_time_goes_to_the_launching_operators_category():
               _event("aten::abs", parent=quantize, kernels=[("vectorized_elementwise_kernel", 2.0)]),
               _event("nvjet_tst_64x8", "cuda", us=5.0), _event("vectorized_elementwise_kernel", "cuda", us=2.0),
               _event("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "cuda", us=3.0),  # launched by no recorded op
-              _event("ProfilerStep#2", "cuda", us=100.0, annotation=True)]  # a range, not a kernel
+              _event("ProfilerStep#2", "cuda", us=100.0, annotation=True),  # a range, not a kernel
+              _event("Stream Wait Event", "cuda", us=400.0), _event("Context Sync", "cuda", us=900.0)]  # waits
     parts = breakdown(labelled_times(events, "cuda"))
     assert {c: p["time"] for c, p in parts.items()} == {"gemm": 5.0, "quantize": 2.0, "attention": 0.0,
                                                         "comm": 3.0, "other": 0.0}

@@ -37,6 +37,9 @@ RULES = (  # (category, pattern) in order; the first match wins
                  r"|^triton_\w*fused\w*_to_copy\w*clamp"),  # torch.compile's saturating casts (FP8 codes)
 )
 _RULES = [(cat, re.compile(pattern, re.IGNORECASE)) for cat, pattern in RULES]
+# CUPTI's synchronization records (kineto category cuda_sync): device rows that span the time a
+# stream or the host waited, not work; counting them inflated "other" tenfold on an H200.
+SYNC_EVENTS = re.compile(r"^(Event Sync|Stream Wait Event|Stream Sync|Context Sync)$")
 
 
 def classify(name: str) -> str | None:
@@ -79,7 +82,7 @@ def labelled_times(events, device_type: str) -> list[tuple[str, float]]:
             pairs.append((label([k.name, *_chain(e)]), k.duration))
             linked[k.name] += k.duration
     for e in events:
-        if e.device_type != DeviceType.CPU and not e.is_user_annotation:
+        if e.device_type != DeviceType.CPU and not e.is_user_annotation and not SYNC_EVENTS.match(e.name):
             kernels[e.name] += e.time_range.elapsed_us()
     pairs += [(name, t - linked[name]) for name, t in kernels.items() if t - linked[name] > 0]  # unlinked
     return pairs
