@@ -175,7 +175,7 @@ def test_only_the_forward_gemm_accumulates_fast(monkeypatch, recipe, fprop_fast)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
 def test_one_pass_delayed_cast_matches_reference_on_cuda(shape, dtype, fmt):
     from lpbench.precision.kernels import fp8_cast
@@ -211,10 +211,11 @@ def test_one_pass_amax_propagates_nan_and_inf_and_skips_when_told():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("role", ["input", "grad"])
+@pytest.mark.parametrize("role, dtype", [("input", torch.bfloat16), ("grad", torch.bfloat16),
+                                         ("weight", torch.float32)])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_tensorwise_one_pass_cast_matches_reference_on_cuda(shape, role, compiled):
-    """16-bit operands take the Triton cast-transpose after the amax: the reference's codes and scale."""
+def test_tensorwise_one_pass_cast_matches_reference_on_cuda(shape, role, dtype, compiled):
+    """CUDA operands take the Triton cast-transpose after the amax: the reference's codes and scale."""
     from lpbench.precision.kernels import fp8_cast
     from lpbench.precision.kernels.fp8_linear import _quantize
     from lpbench.precision.linear import QuantizedLinear
@@ -223,7 +224,7 @@ def test_tensorwise_one_pass_cast_matches_reference_on_cuda(shape, role, compile
     recipe = get_recipe("fp8-tensorwise")
     mod = QuantizedLinear.from_linear(torch.nn.Linear(16, 16, device="cuda"), recipe, native=True)
     fmt = recipe.element_format(role)
-    x = _inputs(shape, torch.float32).clamp(-6e4, 6e4).to(torch.bfloat16)
+    x = _inputs(shape, torch.float32).clamp(-6e4, 6e4).to(dtype)
     assert fp8_cast.available(x.cuda())
     torch._dynamo.reset()
     fn = torch.compile(_quantize, dynamic=False) if compiled else _quantize

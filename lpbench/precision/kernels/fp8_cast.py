@@ -10,7 +10,7 @@ and NaN sorts above +inf, so a NaN anywhere gives NaN, as ``abs().amax()`` does)
 
 The first step has no history: the current amax stands in (``delayed_encode_scale``), so a
 separate amax kernel runs first; once the history holds an amax its loads are masked off by a
-device-side flag (no host sync). Used for 16-bit CUDA operands when Triton is present;
+device-side flag (no host sync). Used for 16-bit and FP32 CUDA operands when Triton is present;
 everything else takes the compiler-fused ops of ``fp8_linear.cast``, with which this is
 bit-exact (``gpu`` tests). The kernels are ``triton_op``s: torch.compile launches them from
 its generated code, without the Python dispatch of an opaque custom op on every call.
@@ -33,8 +33,12 @@ TILE = 64  # rows and columns per program of the cast
 
 
 def available(t: torch.Tensor) -> bool:
-    """Whether :func:`cast_transpose` runs the one-pass kernel for ``t``."""
-    return triton is not None and t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and t.dim() == 2
+    """Whether :func:`cast_transpose` runs the one-pass kernel for ``t`` (a plain 2-D CUDA tensor:
+    16-bit activations and gradients, FP32 master weights; a tensor-parallel DTensor is not one)."""
+    from torch.distributed.tensor import DTensor
+
+    return (triton is not None and t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and t.dim() == 2 and not isinstance(t, DTensor))
 
 
 @triton_op("lpbench::fp8_cast_transpose", mutates_args=())
@@ -60,7 +64,7 @@ def _amax_unless(x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
 
 def cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fmt: FloatFormat, write_t: bool):
     """(codes, transposed codes or empty, amax of x): saturating round-to-nearest-even cast of
-    x × encode_scale, in one read of x (CUDA, 16-bit x; see :func:`available`)."""
+    x × encode_scale, in one read of x (CUDA; see :func:`available`)."""
     return _cast_transpose(x.contiguous(), encode_scale.float().reshape(()), fmt.max, fmt.dtype, write_t)
 
 

@@ -9,14 +9,14 @@ summation order (and, where the recipe asks it, the forward GEMM's fast accumula
     wgrad  dW = dYᵀq · (Xᵀq)ᵀ   (both transposed copies)
 
 Tensorwise: the amax is a plain torch reduction, so torch.compile (on by default on CUDA)
-fuses it into the operand's producer (RMSNorm, SwiGLU, the previous GEMM's epilogue); 16-bit
-CUDA operands are then cast by the tiled Triton kernel of ``kernels/fp8_cast.py``, which writes
-the row-major and the transposed copy in one read (inductor's own transposed write made the
-casts of an llama3-8b@16L step take 2.4x the time of the delayed path's); FP32 operands (the
-master weights) take the compiler-fused ops. The scales are the reference's own functions (``quantize.fp8_encode_scale`` /
+fuses it into the operand's producer (RMSNorm, SwiGLU, the previous GEMM's epilogue); CUDA
+operands (16-bit activations and gradients, FP32 master weights) are then cast by the tiled
+Triton kernel of ``kernels/fp8_cast.py``, which writes the row-major and the transposed copy in
+one read (inductor's own transposed write made the casts of an llama3-8b@16L step take 2.4x the
+time of the delayed path's). The scales are the reference's own functions (``quantize.fp8_encode_scale`` /
 ``delayed_encode_scale`` / ``fp8_decode_scale``), whose division is exact eager or compiled,
 so codes and scales are bit-exact with the reference. Delayed scaling needs no amax before
-the cast (the scale comes from the history); for 16-bit CUDA operands one Triton kernel
+the cast (the scale comes from the history); for CUDA operands one Triton kernel
 (``kernels/fp8_cast.py``) casts, writes the transposed copy and reduces the amax recorded for
 the next step in a single read, which inductor cannot do.
 """
