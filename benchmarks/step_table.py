@@ -5,8 +5,8 @@ Each lpbench row is a run of one sweep (its own process, compiled per block) tha
 last two steps (``--profile-steps``; profiled steps are left out of the timing). The HF row is
 ``benchmarks/hf_baseline.py`` with the same profiler. Printed last: a markdown table with
 tokens/s, model TFLOP/s, MFU, the ratio to lpbench BF16 of this call, and the profiled kernel time
-per step split into GEMM / quantize / attention / other (comm folded into other on one GPU),
-then each row's heaviest kernels.
+per step split into GEMM / quantize / attention / other (other: the trace's kernel total less
+the first three, comm included) and the kernel total, then each row's heaviest kernels.
 
     python benchmarks/step_table.py --model llama3-8b --num-layers 16 --seq-len 8192 --mbs 1 \\
         --results $OUT/table                  # the 8B-class table, one H100
@@ -90,22 +90,25 @@ def run_hf(args, log_dir: Path) -> dict | None:
 
 def table(rows: list[dict], bf16_tps: float | None) -> list[str]:
     out = ["| row | path | step ms | tokens/s | model TFLOP/s | MFU | vs lpbench BF16 | GEMM | quantize | "
-           "attention | other | peak GB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "attention | other | kernels | peak GB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.get("status") != "ok":
-            out.append(f"| {r['name']} | | | | | | {r.get('status')}: {r.get('error') or ''} | | | | | |")
+            out.append(f"| {r['name']} | | | | | | {r.get('status')}: {r.get('error') or ''} | | | | | | |")
             continue
         prof = r.get("profile") or {}
         n = prof.get("n_steps") or 1
-        parts = [prof.get(f"{p}_ms") for p in PARTS]
+        parts = [prof[f"{p}_ms"] / n if f"{p}_ms" in prof else None for p in PARTS]
         if parts[3] is not None:
-            parts[3] += prof.get("comm_ms") or 0.0
-        cells = [f"{p / n:.1f}" if p is not None else "" for p in parts]
+            parts[3] += (prof.get("comm_ms") or 0.0) / n
+        if r.get("kernel_ms") and None not in parts:  # the trace's kernel total decides "other"
+            parts[3] = r["kernel_ms"] - sum(parts[:3])
+        cells = [f"{p:.1f}" if p is not None else "" for p in parts]
         ratio = f"{r['tps'] / bf16_tps:.2f}x" if bf16_tps else ""
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else ""
         peak = f"{r['peak_gb']:.1f}" if r.get("peak_gb") is not None else ""
+        kernel = f"{r['kernel_ms']:.1f}" if r.get("kernel_ms") else ""
         out.append(f"| {r['name']} | {r['path']} | {r['step_ms']:.1f} | {r['tps']:,.0f} | {r['tflops']:.0f} | {mfu} | "
-                   f"{ratio} | {' | '.join(cells)} | {peak} |")
+                   f"{ratio} | {' | '.join(cells)} | {kernel} | {peak} |")
     return out
 
 
@@ -165,6 +168,7 @@ def main() -> int:
     for r in out:
         kernels, total = top_kernels((r.get("profile") or {}).get("trace"),
                                      (r.get("profile") or {}).get("n_steps", 1), args.top)
+        r["kernel_ms"] = total
         if kernels:
             print(f"\n{r['name']}: heaviest kernels (ms per step; all kernels {total:.1f} ms per step)")
             for name, ms in kernels:
@@ -172,7 +176,7 @@ def main() -> int:
     label = next((r["model"] for r in out if r.get("model")), args.model)
     gpu = next((r["gpu"] for r in out if r.get("gpu")), "?")
     print(f"\n{label}, seq {args.seq_len}, MBS {args.mbs}, GBS {args.gbs or args.mbs}, {gpu}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; GEMM..other: profiled kernel ms per step")
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; GEMM..kernels: profiled kernel ms per step")
     print("\n".join(table(out, bf16)))
     (results / "table.json").write_text(json.dumps(out, indent=1, default=str))
     return 0

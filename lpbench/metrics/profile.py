@@ -33,12 +33,12 @@ RULES = (  # (category, pattern) in order; the first match wins
     ("gemm", r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|_grouped_mm|_scaled_grouped_mm)$"
              r"|gemm|cutlass|nvjet|xmma|wgmma|cublas|s16816"),
     ("other", r"softmax|cross_entropy"),  # their fused kernels name amax, which is not quantization here
-    ("quantize", r"quantiz|absmax|amax|float8|fp8|fp4|mxfp|hadamard"
+    ("quantize", r"quantiz|absmax|amax|float8|fp8|fp4|mxfp|hadamard|^_cast_kernel$"  # kernels/fp8_cast.py
                  r"|^triton_\w*fused\w*_to_copy\w*clamp"),  # torch.compile's saturating casts (FP8 codes)
 )
 _RULES = [(cat, re.compile(pattern, re.IGNORECASE)) for cat, pattern in RULES]
 # CUPTI's synchronization records (kineto category cuda_sync): device rows that span the time a
-# stream or the host waited, not work; counting them inflated "other" tenfold on an H200.
+# stream or the host waited, not work.
 SYNC_EVENTS = re.compile(r"^(Event Sync|Stream Wait Event|Stream Sync|Context Sync)$")
 
 
