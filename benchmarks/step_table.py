@@ -90,7 +90,7 @@ def run_hf(args, log_dir: Path) -> dict | None:
 
 def table(rows: list[dict], bf16_tps: float | None) -> list[str]:
     out = ["| row | path | step ms | tokens/s | model TFLOP/s | MFU | vs lpbench BF16 | GEMM | quantize | "
-           "attention | other | kernels | peak GB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "attention | other | kernels | peak GB |", "|---|---|" + "---:|" * 11]
     for r in rows:
         if r.get("status") != "ok":
             out.append(f"| {r['name']} | | | | | | {r.get('status')}: {r.get('error') or ''} | | | | | | |")

@@ -131,7 +131,8 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     if args.model is None:
         args.model = hf_label(args.hf_checkpoint) if args.hf_checkpoint else DEFAULTS.model
     fill_run_args(args)  # --gpu/--num-gpus defaults; flags left unset get RunConfig's defaults
-    base = RunConfig(model=args.model, num_layers=args.num_layers, seq_len=args.seq_len, mbs=args.mbs, gbs=args.gbs, steps=args.steps,
+    base = RunConfig(model=args.model, num_layers=args.num_layers, seq_len=args.seq_len, mbs=args.mbs,
+                     gbs=args.gbs, steps=args.steps,
                      warmup_steps=args.warmup_steps, lr=args.lr, data=args.data, backend=args.backend,
                      workload=args.workload, hf_checkpoint=args.hf_checkpoint, lora_rank=args.lora_rank,
                      lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
