@@ -16,7 +16,7 @@ from rich.table import Table
 
 from lpbench import __version__
 from lpbench.console import Parser, console, csv_list
-from lpbench.config import COMPILE_SCOPES, LORA_BASE_STORAGES, WORKLOADS, RunConfig
+from lpbench.config import RunConfig, add_config_args, config_kwargs
 from lpbench.errors import UsageError
 
 DEFAULTS = RunConfig()
@@ -24,126 +24,42 @@ DEFAULT_PRECISIONS = ["bf16", "fp8-tensorwise", "mxfp8", "nvfp4"]
 
 
 # ----------------------------------------------------------------------------- run
+RECOMMENDED = {k: f"the recommended config with --gpu, else {getattr(DEFAULTS, k)}"
+               for k in ("seq_len", "mbs", "gbs", "tp")}  # the flags --gpu fills
+
+
 def add_run_args(p: argparse.ArgumentParser) -> None:
-    d = DEFAULTS
-    p.add_argument("--model", default=None,
-                   help=f"model name from `lpbench models` (default {d.model}; with --hf-checkpoint: hf:<folder>, "
-                        "or a zoo model of the checkpoint's shape to label the run)")
-    p.add_argument("--num-layers", type=int, default=None, metavar="N",
-                   help="keep the model's first N blocks (widths and vocabulary unchanged), as Megatron's "
-                        "--num-layers: measures a large model's blocks on one GPU; labelled model@NL, FLOPs and "
-                        "parameters counted for what ran (default: all)")
     p.add_argument("--precision", type=csv_list, default=None,
                    help="comma-separated recipes from `lpbench recipes`, run one after another and compared "
                         f"against the first (default {','.join(DEFAULT_PRECISIONS)}, emulating what the device "
                         "lacks)")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help=f"sequence length (default: the recommended config with --gpu, else {d.seq_len})")
-    p.add_argument("--mbs", type=int, default=None,
-                   help=f"micro batch size per GPU (default: the recommended config with --gpu, else {d.mbs})")
-    p.add_argument("--gbs", type=int, default=None,
-                   help="global batch size; grad accumulation = GBS / (MBS x DP) "
-                        f"(default: the recommended config with --gpu, else {d.gbs})")
+    add_config_args(p, default_texts=RECOMMENDED)  # every RunConfig flag; unset ones stay None
     p.add_argument("--gpu", default=None,
                    help="take --seq-len/--mbs/--gbs/--tp defaults from lpbench's recommended config for this GPU "
                         "type (h100, h200, b200, gb200, cpu); explicit flags override")
     p.add_argument("--num-gpus", type=int, default=None,
                    help="GPU count of the recommended config to use with --gpu (default: the smallest listed)")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
-                   help=f"first steps excluded from timing (default {d.warmup_steps})")
-    p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default 3e-3 for the CPU-sized presets, 3e-4 otherwise)")
-    p.add_argument("--backend", default=d.backend,
-                   help="lpbench (default) or torchao: run fp8-tensorwise/-rowwise/-rowwise-gw-hp through torchao's "
-                        "convert_to_float8_training on the same linears (needs lpbench[torchao] and a GPU)")
-    p.add_argument("--data", default=d.data,
-                   help="mock (learnable random-walk tokens, default), mock-uniform (NeMo's uniform tokens), "
-                        "a text/JSONL/parquet file or folder, or a Megatron .bin/.idx prefix; for sft/lora: mock "
-                        "(prompt/response samples) or a JSONL/parquet file or folder of them")
-    p.add_argument("--workload", choices=WORKLOADS, default=d.workload,
-                   help="pretrain (default); sft: packed prompt/response samples, loss on responses, attention per "
-                        "sample; lora: sft with a frozen base and trained low-rank adapters")
-    p.add_argument("--hf-checkpoint", metavar="PATH", default=None,
-                   help="start from a local Hugging Face Llama/Qwen3 folder (config.json + *.safetensors): its "
-                        "architecture and weights instead of a randomly initialised --model")
-    p.add_argument("--lora-rank", type=int, default=d.lora_rank, help=f"LoRA adapter rank (default {d.lora_rank})")
-    p.add_argument("--lora-alpha", type=float, default=d.lora_alpha,
-                   help=f"LoRA alpha; adapters are scaled by alpha / rank (default {d.lora_alpha:g})")
-    p.add_argument("--lora-targets", default=d.lora_targets,
-                   help=f"linears of every block that get adapters: qkv, o, mlp (or gate_up, up, down) "
-                        f"(default {d.lora_targets})")
-    p.add_argument("--lora-base-storage", choices=LORA_BASE_STORAGES, default=d.lora_base_storage,
-                   help="frozen base weights in BF16, quantized by the recipe every step (default), or quantized "
-                        "once in the recipe's format with the BF16 copy freed (less memory, same numerics)")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"random seed for weights and data (default {d.seed})")
-    p.add_argument("--device", default=d.device, help="auto (GPU if present), cpu, cuda or cuda:N (default auto)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model (default: on for CUDA, off for CPU)")
-    p.add_argument("--compile-scope", choices=COMPILE_SCOPES, default=d.compile_scope,
-                   help="what one compiled graph holds: each block and the output head apart (default; "
-                        "compiles one block's code for all), or the whole model (one process or DDP: slower "
-                        "to compile, fuses across blocks)")
-    p.add_argument("--emulate", action=argparse.BooleanOptionalAction, default=None,
-                   help="allow exact emulation of formats the GPU lacks (default: on for CPU, off on GPU)")
-    p.add_argument("--flops-formula", default=d.flops_formula,
-                   help=f"model FLOPs formula: megatron, nemo-legacy or mha (default {d.flops_formula})")
-    p.add_argument("--log-interval", type=int, default=d.log_interval, help="print a log line every N steps")
-    p.add_argument("--tp", "-tp", type=int, default=None,
-                   help=f"tensor-parallel size (default: the recommended config's with --gpu, else {d.tp})")
-    p.add_argument("--dp", type=int, default=None,
-                   help="data-parallel size; DP = world size / TP, so only a check (default: derived)")
-    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
-                   help="shard the data-parallel dimension with FSDP2 (per-block groups, BF16 all-gather on "
-                        "CUDA, FP32 gradient reduce-scatter) instead of DDP (default off)")
-    p.add_argument("--fsdp-fp8-all-gather", action="store_true",
-                   help="with --fsdp and fp8-tensorwise/-delayed: all-gather the quantized linears' weights as "
-                        "FP8 codes (1 byte/element) under one scale for the whole weight, used as gathered")
-    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=d.sequence_parallel,
-                   help="with --tp > 1, split norms and residuals along the sequence (default on)")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="start N processes (one per GPU) on this machine through torchrun; not needed when "
                         "lpbench is started by torchrun or srun")
     p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
-    p.add_argument("--save-every", type=int, default=d.save_every, metavar="K",
-                   help="write a checkpoint every K steps (not at the end unless K divides --steps) as "
-                        "--save-dir/step-K; needs --save-dir and one --precision (default 0: never)")
-    p.add_argument("--save-dir", metavar="DIR", default=None,
-                   help="folder for --save-every's checkpoints (model, optimizer, LR schedule, data position, "
-                        "RNG; written atomically, an existing step-K is replaced)")
-    p.add_argument("--load", metavar="PATH", default=None,
-                   help="resume from a checkpoint: DIR/step-K, or DIR for its latest step-K; continues at step "
-                        "K+1 up to --steps, reproducing the uninterrupted run's losses; model, precision, shapes, "
-                        "parallel layout, data and seed must match the checkpoint's")
-    p.add_argument("--profile-steps", metavar="A:B", default=None,
-                   help="profile steps A..B (inclusive; pick them after warm-up) with torch.profiler: a Chrome "
-                        "trace in RESULTS/profiles/<run key>/ and a GEMM / quantize / attention / comm / other "
-                        "time table; profiled steps are left out of the timing")
 
 
 def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     """Validated configs, one per precision, for ``world_size`` ranks (default: this launch's)."""
-    from lpbench.bench.recommended import fill_run_args
-    from lpbench.parallel.launch import planned_world
+    from lpbench.bench.recommended import recommended_defaults
     from lpbench.models.hf import hf_label
+    from lpbench.parallel.launch import planned_world
     from lpbench.train.checkpoint import validated
 
-    if args.model is None:
-        args.model = hf_label(args.hf_checkpoint) if args.hf_checkpoint else DEFAULTS.model
-    fill_run_args(args)  # --gpu/--num-gpus defaults; flags left unset get RunConfig's defaults
-    base = RunConfig(model=args.model, num_layers=args.num_layers, seq_len=args.seq_len, mbs=args.mbs,
-                     gbs=args.gbs, steps=args.steps,
-                     warmup_steps=args.warmup_steps, lr=args.lr, data=args.data, backend=args.backend,
-                     workload=args.workload, hf_checkpoint=args.hf_checkpoint, lora_rank=args.lora_rank,
-                     lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
-                     lora_base_storage=args.lora_base_storage,
-                     seed=args.seed, device=args.device,
-                     compile=args.compile, compile_scope=args.compile_scope, emulate=args.emulate,
-                     flops_formula=args.flops_formula,
-                     log_interval=args.log_interval, tp=DEFAULTS.tp if args.tp is None else args.tp,
-                     fsdp=bool(args.fsdp), fsdp_fp8_all_gather=args.fsdp_fp8_all_gather,
-                     sequence_parallel=args.sequence_parallel, save_every=args.save_every, save_dir=args.save_dir,
-                     load=args.load, profile_steps=args.profile_steps)
+    explicit = config_kwargs(args)
+    if "model" not in explicit and args.hf_checkpoint:
+        explicit["model"] = hf_label(args.hf_checkpoint)
+    recommended = recommended_defaults(args.gpu, args.num_gpus, model=explicit.get("model", DEFAULTS.model),
+                                       workload=explicit.get("workload", DEFAULTS.workload),
+                                       precision=(args.precision or [None])[0], explicit=explicit,
+                                       world=planned_world(args.nproc_per_node))
+    base = RunConfig(**{**recommended, **explicit})  # explicit flags > the recommended config > RunConfig's defaults
     base = base.with_world(world_size or planned_world(args.nproc_per_node), dp=args.dp)
     if args.precision is None:  # the default comparison runs anywhere: emulate what the device lacks
         base = base.with_(emulate=True if args.emulate is None else args.emulate)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from lpbench.errors import UsageError
 from lpbench.metrics.flops import FORMULAS
@@ -17,49 +18,101 @@ LORA_BASE_STORAGES = ("bf16", "quantized")
 COMPILE_SCOPES = ("block", "model")  # lpbench/parallel/plan.py
 
 
+def arg(help: str, default_text: str | None = None, **argparse_kw) -> dict:
+    """Field metadata that makes a RunConfig field a command-line flag (:func:`add_config_args`).
+
+    ``help`` is the flag's help without its default; ``default_text`` replaces "default X" where
+    the default is not a plain value; ``argparse_kw`` go to ``add_argument`` (choices, metavar, aliases).
+    """
+    return {"help": help, "default_text": default_text, **argparse_kw}
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    model: str = "tiny"
-    num_layers: int | None = None  # keep the model's first N blocks (widths, vocabulary kept); labelled model@NL
-    precision: str = "bf16"
-    seq_len: int = 256
-    mbs: int = 8
-    gbs: int = 8
-    steps: int = 60
-    warmup_steps: int = 10  # excluded from timing
-    lr: float | None = None  # default: 3e-3 for CPU-sized presets (dim <= 512), else 3e-4
+    """One run. A field with ``arg(...)`` metadata is a flag of ``lpbench run`` (and, where named,
+    of ``lpbench converge``) and a key of sweep specs; the rest are set by code or sweep specs."""
+
+    model: str = field(default="tiny", metadata=arg(
+        "model name from `lpbench models` (with --hf-checkpoint: hf:<folder>, or a zoo model of the "
+        "checkpoint's shape to label the run)"))
+    num_layers: int | None = field(default=None, metadata=arg(
+        "keep the model's first N blocks (widths and vocabulary unchanged), as Megatron's --num-layers: measures "
+        "a large model's blocks on one GPU; labelled model@NL, FLOPs and parameters counted for what ran", "all",
+        metavar="N"))
+    precision: str = "bf16"  # one recipe; `lpbench run --precision a,b` makes one config per recipe
+    seq_len: int = field(default=256, metadata=arg("sequence length"))
+    mbs: int = field(default=8, metadata=arg("micro batch size per GPU"))
+    gbs: int = field(default=8, metadata=arg("global batch size; grad accumulation = GBS / (MBS x DP)"))
+    steps: int = field(default=60, metadata=arg("optimizer steps"))
+    warmup_steps: int = field(default=10, metadata=arg("first steps excluded from timing"))
+    lr: float | None = field(default=None, metadata=arg(
+        "peak learning rate", "3e-3 for the CPU-sized presets, 3e-4 otherwise"))
     min_lr_ratio: float = 0.1
     lr_warmup_steps: int | None = None  # default: 10% of steps
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    seed: int = 1234
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    compile: bool | None = None  # default: on for CUDA, off for CPU
-    compile_scope: str = "block"  # "block": each block and the head apart; "model": one whole-model graph
-    emulate: bool | None = None  # default: on for CPU; on GPU only when asked
-    flops_formula: str = "megatron"
-    data: str = "mock"
-    workload: str = "pretrain"  # pretrain | sft | lora (see lpbench/train/workload.py)
-    hf_checkpoint: str | None = None  # local HF Llama/Qwen3 folder: architecture and weights; model labels it
-    lora_rank: int = 32  # workload lora only: adapter rank ...
-    lora_alpha: float = 32.0  # ... and scale alpha / rank (NeMo's and Megatron-Bridge's defaults)
-    lora_targets: str = "qkv,o,mlp"  # adapted linears of every block (lpbench.models.lora.TARGETS)
-    lora_base_storage: str = "bf16"  # frozen base in the compute dtype, or "quantized" once in the recipe's format
-    backend: str = "lpbench"  # "torchao": torchao's training linears on the same linears (FP8, MXFP8, NVFP4)
-    dp: int = 1  # data-parallel size = world size / tp (see with_world)
-    tp: int = 1  # tensor-parallel size
-    fsdp: bool = False  # shard the data-parallel dimension with FSDP2 instead of DDP
-    fsdp_fp8_all_gather: bool = False  # FSDP2 all-gathers fp8-tensorwise/-delayed weights in FP8
-    sequence_parallel: bool = True  # with tp > 1: norms and residuals split along the sequence
-    log_interval: int = 1
+    seed: int = field(default=1234, metadata=arg("random seed for weights and data"))
+    device: str = field(default="auto", metadata=arg("auto (GPU if present), cpu, cuda or cuda:N"))
+    compile: bool | None = field(default=None, metadata=arg("torch.compile the model", "on for CUDA, off for CPU"))
+    compile_scope: str = field(default="block", metadata=arg(
+        "what one compiled graph holds: each block and the output head apart (compiles one block's code for "
+        "all), or the whole model (one process or DDP: slower to compile, fuses across blocks)",
+        choices=COMPILE_SCOPES))
+    emulate: bool | None = field(default=None, metadata=arg(
+        "allow exact emulation of formats the GPU lacks", "on for CPU, off on GPU"))
+    flops_formula: str = field(default="megatron", metadata=arg("model FLOPs formula: megatron, nemo-legacy or mha"))
+    data: str = field(default="mock", metadata=arg(
+        "mock (learnable random-walk tokens), mock-uniform (NeMo's uniform tokens), a text/JSONL/parquet file "
+        "or folder, or a Megatron .bin/.idx prefix; for sft/lora: mock (prompt/response samples) or a "
+        "JSONL/parquet file or folder of them"))
+    workload: str = field(default="pretrain", metadata=arg(
+        "pretrain; sft: packed prompt/response samples, loss on responses, attention per sample; lora: sft "
+        "with a frozen base and trained low-rank adapters", choices=WORKLOADS))
+    hf_checkpoint: str | None = field(default=None, metadata=arg(
+        "start from a local Hugging Face Llama/Qwen3 folder (config.json + *.safetensors): its architecture "
+        "and weights instead of a randomly initialised --model", "none", metavar="PATH"))
+    lora_rank: int = field(default=32, metadata=arg("LoRA adapter rank"))  # NeMo's and Megatron-Bridge's
+    lora_alpha: float = field(default=32.0, metadata=arg("LoRA alpha; adapters are scaled by alpha / rank"))
+    lora_targets: str = field(default="qkv,o,mlp", metadata=arg(
+        "linears of every block that get adapters: qkv, o, mlp (or gate_up, up, down)"))
+    lora_base_storage: str = field(default="bf16", metadata=arg(
+        "frozen base weights in BF16, quantized by the recipe every step, or quantized once in the "
+        "recipe's format with the BF16 copy freed (less memory, same numerics)", choices=LORA_BASE_STORAGES))
+    backend: str = field(default="lpbench", metadata=arg(  # torchao: its training linears (FP8, MXFP8, NVFP4)
+        "lpbench or torchao: run fp8-tensorwise/-rowwise/-rowwise-gw-hp through torchao's "
+        "convert_to_float8_training on the same linears (needs lpbench[torchao] and a GPU)"))
+    dp: int = field(default=1, metadata=arg(
+        "data-parallel size; DP = world size / TP, so only a check", "derived"))
+    tp: int = field(default=1, metadata=arg("tensor-parallel size", aliases=("-tp",)))
+    fsdp: bool = field(default=False, metadata=arg(
+        "shard the data-parallel dimension with FSDP2 (per-block groups, BF16 all-gather on CUDA, FP32 "
+        "gradient reduce-scatter) instead of DDP"))
+    fsdp_fp8_all_gather: bool = field(default=False, metadata=arg(
+        "with --fsdp and fp8-tensorwise/-delayed: all-gather the quantized linears' weights as FP8 codes "
+        "(1 byte/element) under one scale for the whole weight, used as gathered"))
+    sequence_parallel: bool = field(default=True, metadata=arg(
+        "with --tp > 1, split norms and residuals along the sequence"))
+    log_interval: int = field(default=1, metadata=arg("print a log line every N steps"))
     vocab_size: int | None = None  # overrides the zoo model's vocabulary (converge sizes it to the tokenizer)
-    eval_every: int = 0  # validation loss every K steps and at the last step (0: never)
-    eval_batches: int = 0  # micro-batches per evaluation (0: every full one of the validation split)
+    eval_every: int = field(default=0, metadata=arg(
+        "validation loss every K steps and at the last step", "0: never", metavar="K"))
+    eval_batches: int = field(default=0, metadata=arg(
+        "micro-batches per evaluation", "0: the whole validation split", metavar="N"))
     # How a run is executed and observed, not what it is: left out of key() (see NOT_IN_KEY).
-    save_every: int = 0  # write a checkpoint every K steps (0: never) ...
-    save_dir: str | None = None  # ... as save_dir/step-K (lpbench/train/checkpoint.py)
-    load: str | None = None  # resume from this checkpoint, or the latest step-K in this folder
-    profile_steps: str | None = None  # "A:B": torch.profiler over steps A..B (lpbench/metrics/profile.py)
+    save_every: int = field(default=0, metadata=arg(
+        "write a checkpoint every K steps (not at the end unless K divides --steps) as --save-dir/step-K; "
+        "needs --save-dir and one --precision", "0: never", metavar="K"))
+    save_dir: str | None = field(default=None, metadata=arg(
+        "folder for --save-every's checkpoints (model, optimizer, LR schedule, data position, RNG; written "
+        "atomically, an existing step-K is replaced)", "none", metavar="DIR"))
+    load: str | None = field(default=None, metadata=arg(
+        "resume from a checkpoint: DIR/step-K, or DIR for its latest step-K; continues at step K+1 up to "
+        "--steps, reproducing the uninterrupted run's losses; model, precision, shapes, parallel layout, "
+        "data and seed must match the checkpoint's", "none", metavar="PATH"))
+    profile_steps: str | None = field(default=None, metadata=arg(
+        "profile steps A..B (inclusive; pick them after warm-up) with torch.profiler: a Chrome trace in "
+        "RESULTS/profiles/<run key>/ and a GEMM / quantize / attention / comm / other time table; profiled "
+        "steps are left out of the timing", "none", metavar="A:B"))
 
     @property
     def grad_accum(self) -> int:
@@ -222,3 +275,47 @@ class RunConfig:
         if self.num_layers is None:  # the full model keeps the key it had before --num-layers existed
             del kept["num_layers"]
         return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def field_type(f) -> type:
+    """The type of a RunConfig field: its annotation without ``| None``."""
+    return {"int": int, "float": float, "bool": bool, "str": str}[str(f.type).split("|")[0].strip()]
+
+
+def flag_fields(names=None) -> list:
+    """The RunConfig fields that are flags (``arg`` metadata), or those of them in ``names``."""
+    return [f for f in fields(RunConfig) if "help" in f.metadata and (names is None or f.name in names)]
+
+
+def _shown(value) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) \
+        else str(value)
+
+
+def add_config_args(parser: argparse.ArgumentParser, names=None, defaults: dict | None = None,
+                    default_texts: dict | None = None) -> None:
+    """One flag per RunConfig field with ``arg`` metadata (or per field in ``names``), typed by its annotation.
+
+    Without ``defaults`` every flag defaults to None, so an explicit flag can be told from a default
+    (:func:`config_kwargs`); with it, a flag defaults to ``defaults.get(name, field default)``. The help
+    ends with the default: ``default_texts[name]``, else the field's ``default_text`` (unless ``defaults``
+    changes it), else the value.
+    """
+    for f in flag_fields(names):
+        meta = dict(f.metadata)
+        help_text, text, aliases = meta.pop("help"), meta.pop("default_text"), meta.pop("aliases", ())
+        value = (defaults or {}).get(f.name, f.default)
+        if f.name in (default_texts or {}) or f.name in (defaults or {}):  # the command's default, not the field's
+            text = (default_texts or {}).get(f.name)
+        meta["help"] = f"{help_text} (default {_shown(value)})" if text is None else f"{help_text} (default: {text})"
+        meta["default"] = value if defaults is not None else None
+        if field_type(f) is bool:
+            meta["action"] = argparse.BooleanOptionalAction
+        else:
+            meta["type"] = field_type(f)
+        parser.add_argument("--" + f.name.replace("_", "-"), *aliases, **meta)
+
+
+def config_kwargs(args: argparse.Namespace, names=None) -> dict:
+    """The RunConfig fields ``args`` sets (flags given, or with a default other than None)."""
+    return {f.name: getattr(args, f.name) for f in flag_fields(names) if getattr(args, f.name, None) is not None}

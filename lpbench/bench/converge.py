@@ -14,13 +14,12 @@ seed-to-seed noise that the recipes' gaps are to be read against.
 
 from __future__ import annotations
 
-import argparse
 import math
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lpbench.config import RunConfig
+from lpbench.config import RunConfig, add_config_args, config_kwargs
 from lpbench.console import csv_list
 from lpbench.errors import UsageError
 
@@ -175,11 +174,8 @@ def build_configs(args) -> tuple[list[RunConfig], list[str]]:
     if steps < 1:
         raise UsageError(f"--tokens {args.tokens:g} is less than one step of GBS x seq_len = {tokens_per_step}")
     eval_every = args.eval_every if args.eval_every is not None else max(1, steps // 10)
-    base = RunConfig(model=args.model, num_layers=args.num_layers, seq_len=args.seq_len, mbs=args.mbs,
-                     gbs=args.gbs, steps=steps,
-                     warmup_steps=min(RunConfig.warmup_steps, steps - 1), lr=args.lr, seed=args.seed,
-                     device=args.device, compile=args.compile, emulate=args.emulate,
-                     log_interval=args.log_interval, eval_every=eval_every, eval_batches=args.eval_batches)
+    base = RunConfig(**{**config_kwargs(args, CONFIG_FLAGS), "steps": steps, "eval_every": eval_every,
+                        "warmup_steps": min(RunConfig.warmup_steps, steps - 1)})
     base.validate()  # sizes and names, before the data is touched
     data, splits, lines = resolve_data(args, model_vocab)
     if splits.vocab_size != model_vocab:
@@ -278,51 +274,34 @@ def _plot_run(o: Outcome, cfg: RunConfig) -> dict:
             "val": [(s["step"] * per_step, s["val_loss"]) for s in o.steps if "val_loss" in s]}
 
 
+CONFIG_FLAGS = ("model", "num_layers", "data", "seq_len", "mbs", "gbs", "lr", "eval_every", "eval_batches", "seed",
+                "device", "compile", "emulate", "log_interval")  # the RunConfig fields that are converge's flags
+
+
 def add_parser(sub) -> None:
     """``lpbench converge`` on the CLI's sub-command parsers."""
-    d = RunConfig()
     p = sub.add_parser("converge", help="train several precisions on the same real data and compare their "
                                         "validation loss with the first (pass/fail per tolerance)",
                        description="Train several precisions from the same seed on the same data for the same "
                                    "number of tokens; compare each one's validation loss with the first's.")
-    p.add_argument("--model", default=d.model, help=f"model from `lpbench models` (default {d.model})")
-    p.add_argument("--num-layers", type=int, default=None, metavar="N",
-                   help="keep the model's first N blocks (labelled model@NL; default: all)")
     p.add_argument("--precision", type=csv_list, default=list(DEFAULT_PRECISIONS),
                    help=f"recipes; the first is the reference (default {','.join(DEFAULT_PRECISIONS)})")
     p.add_argument("--ablate", type=csv_list, default=None, metavar="A,B",
                    help="add one nvfp4 run per ingredient switched off: rht, sr, 2d, bf16-tail")
     p.add_argument("--tokens", type=float, default=100_000,
                    help="training tokens per recipe; steps = tokens / (GBS x seq_len) (default 1e5)")
-    p.add_argument("--data", default="mock",
-                   help="mock (default), a text/JSONL/parquet file or folder, or a Megatron .bin/.idx prefix")
+    add_config_args(p, CONFIG_FLAGS, defaults={"emulate": True, "log_interval": 10, "eval_every": None},
+                    default_texts={"eval_every": "steps / 10; 0: none, judge by train loss"})
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json for raw text, or 'byte' (default: train a byte-level BPE on the data)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary of the BPE trained on raw text (default: the model's)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help=f"sequence length (default {d.seq_len})")
-    p.add_argument("--mbs", type=int, default=d.mbs, help=f"micro batch size (default {d.mbs})")
-    p.add_argument("--gbs", type=int, default=d.gbs, help=f"global batch size (default {d.gbs})")
-    p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default 3e-3 for the CPU-sized presets, 3e-4 otherwise)")
-    p.add_argument("--eval-every", type=int, default=None, metavar="K",
-                   help="validation loss every K steps and at the last (default: steps / 10; 0: none, "
-                        "judge by train loss)")
-    p.add_argument("--eval-batches", type=int, default=0, metavar="N",
-                   help="micro-batches per evaluation (default 0: the whole validation split)")
     p.add_argument("--tolerance", default=None, metavar="NAME=PCT,...",
                    help="tolerated gap in %% by recipe or family prefix, over the defaults "
                         + ",".join(f"{k}={v:g}" for k, v in DEFAULT_TOLERANCES.items()))
-    p.add_argument("--seed", type=int, default=d.seed, help=f"seed of weights and data order (default {d.seed})")
     p.add_argument("--noise-seeds", type=int, default=0, metavar="K",
                    help="also run the reference with seeds SEED+1..SEED+K: its seed-to-seed gap is the noise "
                         "floor to read the other gaps against (default 0)")
-    p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default auto)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model (default: on for CUDA, off for CPU)")
-    p.add_argument("--emulate", action=argparse.BooleanOptionalAction, default=True,
-                   help="emulate formats the device lacks (default on)")
-    p.add_argument("--log-interval", type=int, default=10, help="a log line every N steps (default 10)")
     p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
     p.add_argument("--plot", default=None, metavar="FILE",
                    help="loss-curve PNG (default RESULTS/converge-<group>.png)")

@@ -5,7 +5,7 @@ dtype, GPU count) with NeMo's columns ``task,model,size,system,dtype,num_gpus,se
 pp,cp,ep,vp,mbs,gbs`` plus ``fsdp`` and ``source`` (where the row comes from; README's
 "Recommended configs" explains each source). ``lookup`` finds the row for a model on a
 GPU type and count; ``run_defaults`` turns it into RunConfig keyword arguments, keeping only
-the fields this RunConfig has (parallel sizes lpbench does not implement yet stay in the
+the fields RunConfig has (parallel sizes lpbench does not implement yet stay in the
 row, for the user to read).
 """
 
@@ -126,62 +126,36 @@ def lookup(model: str, gpu: str, num_gpus: int | None = None, task: str = "pretr
     return matches[0]
 
 
-def run_defaults(rec: Recommended, config_cls=None) -> dict:
-    """RunConfig keyword arguments from a recommended row: only fields ``config_cls`` has."""
-    if config_cls is None:
-        from lpbench.config import RunConfig as config_cls
-    out = {}
-    for f in fields(config_cls):
-        if f.name in RUN_FIELDS:
-            value = getattr(rec, f.name)
-            out[f.name] = bool(value) if isinstance(f.default, bool) else value  # e.g. fsdp: 0/1 -> flag
-    return out
-
-
-def _planned_world(args) -> int | None:
-    """The world size this ``lpbench run`` will have, where lpbench knows how to launch."""
-    try:
-        from lpbench.parallel.launch import planned_world
-    except ImportError:
-        return None
-    return planned_world(getattr(args, "nproc_per_node", None))
-
-
-def fill_run_args(args) -> Recommended | None:
-    """``lpbench run --gpu G [--num-gpus N]``: fill the run flags the user left unset (None).
-
-    Explicit flags win. Flags still unset afterwards get RunConfig's defaults. Returns the
-    row used, or None without ``--gpu``.
-    """
+def run_defaults(rec: Recommended) -> dict:
+    """RunConfig keyword arguments from a recommended row (the fields RunConfig has)."""
     from lpbench.config import RunConfig
 
-    rec = None
-    gpu, num_gpus = getattr(args, "gpu", None), getattr(args, "num_gpus", None)
+    return {f.name: bool(getattr(rec, f.name)) if isinstance(f.default, bool) else getattr(rec, f.name)
+            for f in fields(RunConfig) if f.name in RUN_FIELDS}  # e.g. fsdp: 0/1 -> flag
+
+
+def recommended_defaults(gpu: str | None, num_gpus: int | None, *, model: str, workload: str,
+                         precision: str | None, explicit: dict, world: int) -> dict:
+    """``lpbench run --gpu G [--num-gpus N]``: the recommended row's RunConfig keyword arguments for the
+    fields not in ``explicit`` ({} without ``--gpu``), for a launch of ``world`` processes.
+
+    Prints the row used on stderr.
+    """
     if num_gpus is not None and num_gpus <= 0:
         raise UsageError(f"--num-gpus must be positive, got {num_gpus}")
     if gpu is None and num_gpus is not None:
         raise UsageError("--num-gpus selects a recommended config and needs --gpu (e.g. --gpu h100 --num-gpus 8)")
-    if gpu is not None:
-        precisions = getattr(args, "precision", None) or [None]
-        rec = lookup(args.model, gpu, num_gpus, task=getattr(args, "workload", None) or "pretrain",
-                     precision=precisions[0])
-        filled = []
-        for key, value in run_defaults(rec, RunConfig).items():
-            if hasattr(args, key) and getattr(args, key) is None:
-                setattr(args, key, value)
-                filled.append(key)
-        world = _planned_world(args)
-        if world is not None and "tp" in filled and world % rec.tp:
-            raise UsageError(f"the recommended config for {rec.name} on {rec.num_gpus}x {rec.system} uses TP {rec.tp}, "
-                             f"but this launch has {world} process(es): start {rec.num_gpus} "
-                             f"(--nproc-per-node {rec.num_gpus}, torchrun or srun) or pass --tp")
-        note = ""
-        if world is not None and world < rec.num_gpus:
-            note = (f"; this launch has {world} process(es), so each accumulates more of the global batch "
-                    f"(--nproc-per-node {rec.num_gpus} to run it as listed)")
-        print(f"lpbench: recommended config: {rec.describe()}{note}", file=sys.stderr)
-    defaults = RunConfig()
-    for key in RUN_FIELDS:
-        if hasattr(args, key) and getattr(args, key) is None and hasattr(defaults, key):
-            setattr(args, key, getattr(defaults, key))
-    return rec
+    if gpu is None:
+        return {}
+    rec = lookup(model, gpu, num_gpus, task=workload, precision=precision)
+    filled = {k: v for k, v in run_defaults(rec).items() if k not in explicit}
+    if "tp" in filled and world % rec.tp:
+        raise UsageError(f"the recommended config for {rec.name} on {rec.num_gpus}x {rec.system} uses TP {rec.tp}, "
+                         f"but this launch has {world} process(es): start {rec.num_gpus} "
+                         f"(--nproc-per-node {rec.num_gpus}, torchrun or srun) or pass --tp")
+    note = ""
+    if world < rec.num_gpus:
+        note = (f"; this launch has {world} process(es), so each accumulates more of the global batch "
+                f"(--nproc-per-node {rec.num_gpus} to run it as listed)")
+    print(f"lpbench: recommended config: {rec.describe()}{note}", file=sys.stderr)
+    return filled

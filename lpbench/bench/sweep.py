@@ -102,21 +102,9 @@ def _coerce(key: str, value, run_fields: dict):
     """A YAML value as the type of RunConfig's field (or of the sweep setting)."""
     if value is None:
         return None
-    if key in ("num_gpus",):
-        kind = int
-    elif key in ("gpu", "workload", "backend"):
-        kind = str
-    else:
-        default = run_fields[key].default
-        hint = str(run_fields[key].type)
-        if isinstance(default, bool) or hint.startswith("bool"):
-            kind = bool
-        elif isinstance(default, int) or hint.startswith("int"):
-            kind = int
-        elif isinstance(default, float) or hint.startswith("float"):
-            kind = float
-        else:
-            kind = str
+    from lpbench.config import field_type
+
+    kind = {"num_gpus": int, "gpu": str}.get(key) or field_type(run_fields[key])
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -265,7 +253,7 @@ def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
 
         rec = lookup(settings.get("model", RunConfig().model), settings["gpu"], settings.get("num_gpus"),
                      task=settings.get("workload", "pretrain"))
-        for k, v in run_defaults(rec, RunConfig).items():
+        for k, v in run_defaults(rec).items():
             if k not in kwargs:
                 kwargs[k] = settings[k] = v
         settings.setdefault("num_gpus", rec.num_gpus)
@@ -275,14 +263,10 @@ def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
     if num_gpus is not None:
         if num_gpus <= 0:
             raise UsageError(f"num_gpus must be positive, got {num_gpus}")
-        if hasattr(cfg, "with_world"):
-            cfg = cfg.with_world(num_gpus, dp=kwargs.get("dp"))
-        elif num_gpus != 1:
-            raise UsageError("this lpbench runs on one process only (RunConfig has no world size)")
+        cfg = cfg.with_world(num_gpus, dp=kwargs.get("dp"))
     validated(cfg)
-    world = getattr(cfg, "world_size", 1)
     return SweepRun(index=0, config=cfg, settings=settings, workload=cfg.workload, backend=cfg.backend,
-                    num_gpus=world, recommended=rec_text)
+                    num_gpus=cfg.world_size, recommended=rec_text)
 
 
 # ----------------------------------------------------------------------------- the parent
@@ -416,13 +400,10 @@ def execute(run: SweepRun, store, results: Path, sweep_id: str, timeout: float, 
     err_path = log_dir / f"{run.index:03d}-{run.key}.err"
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env.update({PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
-    if run.num_gpus > 1:
-        try:  # the same launch environment as `lpbench run --nproc-per-node` (NVLink multicast off)
-            from lpbench.parallel.launch import launch_env
+    if run.num_gpus > 1:  # the same launch environment as `lpbench run --nproc-per-node` (NVLink multicast off)
+        from lpbench.parallel.launch import launch_env
 
-            env = launch_env(env)
-        except ImportError:
-            pass
+        env = launch_env(env)
     rc, timed_out = None, False
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen(child_command(run, results, sweep_id), stdout=out, stderr=err,
@@ -717,7 +698,7 @@ def child_main(argv: list[str] | None = None) -> int:
         store.add_run(config=cfg.to_dict(), status=result.status, error=result.error, metrics=result.metrics,
                       steps=result.steps, env=env, run_key=args.run_key, group_id=args.sweep_id,
                       sweep_id=args.sweep_id, workload=args.workload, backend=args.backend,
-                      num_gpus=int(result.metrics.get("num_gpus") or getattr(cfg, "world_size", 1)))
+                      num_gpus=int(result.metrics.get("num_gpus") or cfg.world_size))
         store.close()
     return 0 if result.status == "ok" else 1
 

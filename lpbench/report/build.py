@@ -37,22 +37,22 @@ def run_report(args) -> int:
     from lpbench.bench.store import ResultsStore
 
     store = ResultsStore(args.results, create=False)
-    runs = select_runs(store.runs(), getattr(args, "group", None))
+    runs = select_runs(store.runs(), args.group)
     rows = summary_rows(runs)
     plots: dict[str, bytes] = {}
     plot_files: list[Path] = []
-    if getattr(args, "plots", None) or getattr(args, "html", None):
+    if args.plots or args.html:
         from lpbench.report.plots import all_plots
 
         plots = all_plots(rows, {r["id"]: store.steps(r["id"]) for r in runs})
-    if getattr(args, "plots", None):
+    if args.plots:
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)
         for name, png in plots.items():
             (out / name).write_bytes(png)
             plot_files.append(out / name)
         print(f"lpbench report: {len(plot_files)} plots in {out}", file=sys.stderr)
-    if getattr(args, "html", None):
+    if args.html:
         from lpbench.report.html import render_page
 
         tables = workload_tables(rows) + time_to_train_tables(rows) if rows else []

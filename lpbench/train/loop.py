@@ -277,7 +277,7 @@ def summarize(steps: list[dict], cfg: RunConfig, fpt: float, gpu, precision_info
     step_time = statistics.median(timed)
     tps = cfg.gbs * cfg.seq_len / step_time / cfg.world_size
     tflops = fpt * tps / 1e12
-    gemm_class = "bf16" if precision_info["path"] == "emulated" else getattr(recipe, "gemm_class", "bf16")
+    gemm_class = "bf16" if precision_info["path"] == "emulated" else recipe.gemm_class
     out.update(step_time_dist(timed))
     out.update(step_time_s=step_time, last_step_time_s=timed[-1], tokens_per_sec_per_gpu=tps,
                tflops_per_gpu=tflops, mfu_bf16=mfu(tflops, peak_tflops(gpu, "bf16")),
