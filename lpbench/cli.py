@@ -70,11 +70,11 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
 
 
 def cmd_run(args) -> int:
+    from lpbench.bench.runner import execute, record
     from lpbench.bench.store import ResultsStore
     from lpbench.report.tables import summary_rows, to_rich
     from lpbench.parallel.env import detect_world, shutdown
     from lpbench.parallel.launch import needs_relaunch, relaunch
-    from lpbench.train.loop import RunResult, train
 
     configs = configs_from_args(args)  # validate every config before any work starts
     if needs_relaunch(args.nproc_per_node):
@@ -84,18 +84,10 @@ def cmd_run(args) -> int:
     group = uuid.uuid4().hex[:12]
     statuses = []
     for cfg in configs:
-        try:
-            result = train(cfg, log=lambda line: print(line, flush=True), results_dir=args.results)
-        except UsageError:
-            raise
-        except Exception as exc:  # one failing recipe must not take the others down
-            result = RunResult(config=cfg, status="error", error=f"{type(exc).__name__}: {exc}".splitlines()[0])
-            console.print(f"[red]lpbench: {cfg.precision} failed: {result.error}[/red]")
+        result = execute(cfg, results_dir=args.results)
         statuses.append(result.status)
         if store is not None:
-            store.add_run(config=cfg.to_dict(), status=result.status, error=result.error, metrics=result.metrics,
-                          steps=result.steps, env=result.env, run_key=cfg.key(), group_id=group, backend=cfg.backend,
-                          num_gpus=cfg.world_size, workload=cfg.workload)
+            record(store, result, group_id=group)
     shutdown()
     if store is None:
         return 0 if all(s == "ok" for s in statuses) else 1

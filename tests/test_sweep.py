@@ -105,16 +105,16 @@ def test_dry_run_lists_runs_and_writes_nothing(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- parent-side helpers
-def test_classify_and_parse_logs():
-    log = ("lpbench: tiny ...\n"
-           "iteration 1/5 | global_batch_size: 2 | lm loss: 7.7000 | elapsed time per iteration (ms): 10.0 | "
-           "train_step_timing in s: 0.0100 | TFLOPS_per_GPU: 1.0e-03 | tokens_per_sec_per_gpu: 6400 | "
-           "peak_mem_gb: 0.4 | lr: 3.000e-03 | grad_norm: 2.000\n"
-           "iteration 2/5 | global_batch_size: 2 | lm loss: nan | elapsed time per iteration (ms): 10.0 | "
-           "train_step_timing in s: 0.0100 | TFLOPS_per_GPU: 1.0e-03 | tokens_per_sec_per_gpu: 6400 | "
-           "peak_mem_gb: n/a | lr: 3.000e-03 | grad_norm: nan\n")
-    steps = sw.parse_steps(log)
+def test_classify_and_read_step_records(tmp_path):
+    records = tmp_path / "001-k.steps.jsonl"
+    records.write_text('{"step": 1, "loss": 7.7, "step_time_s": 0.01, "tokens_per_sec_per_gpu": 6400, '
+                       '"peak_mem_gb": 0.4, "lr": 0.003, "grad_norm": 2.0}\n'
+                       '{"step": 2, "loss": NaN, "step_time_s": 0.01, "tokens_per_sec_per_gpu": 6400, '
+                       '"peak_mem_gb": null, "lr": 0.003, "grad_norm": NaN}\n'
+                       '{"step": 3, "loss": 7.')  # the line a killed child left half-written
+    steps = sw.read_steps(records)
     assert [s["step"] for s in steps] == [1, 2] and steps[0]["loss"] == 7.7 and steps[1]["peak_mem_gb"] is None
+    assert sw.read_steps(tmp_path / "none.jsonl") == []
     assert sw.classify(1, False, 10, "", steps) == ("diverged", "loss became nan at step 2")
     assert sw.classify(None, True, 10, "", steps[:1])[0] == "timeout"
     trace = "Traceback (most recent call last):\n  File x\nValueError: bad shape (3, 4)\nsome warning after\n"

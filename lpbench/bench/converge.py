@@ -193,11 +193,11 @@ def build_configs(args) -> tuple[list[RunConfig], list[str]]:
 def cmd_converge(args) -> int:
     from rich.table import Table
 
+    from lpbench.bench.runner import execute, record
     from lpbench.bench.store import ResultsStore
     from lpbench.console import console
     from lpbench.report.plots import convergence_curves
     from lpbench.report.tables import precision_name
-    from lpbench.train import loop
 
     tolerances = parse_tolerances(args.tolerance)
     configs, data_lines = build_configs(args)
@@ -212,22 +212,14 @@ def cmd_converge(args) -> int:
     group = uuid.uuid4().hex[:12]
     outcomes = []
     for cfg in configs:
-        try:
-            result = loop.train(cfg, log=lambda line: print(line, flush=True), results_dir=args.results)
-        except UsageError:
-            raise
-        except Exception as exc:  # one failing recipe must not take the others down
-            result = loop.RunResult(config=cfg, status="error", error=f"{type(exc).__name__}: {exc}".splitlines()[0])
-            console.print(f"[red]lpbench: {cfg.precision} failed: {result.error}[/red]")
+        result = execute(cfg, results_dir=args.results)
         outcome = outcome_of(result)
         outcome.seed = cfg.seed if cfg.seed != first.seed else None
         outcomes.append(outcome)
         metrics = dict(result.metrics, diverged_step=outcome.diverged_step, train_loss=outcome.train_loss,
                        train_loss_steps=TRAIN_WINDOW,
                        val_losses=[[s["step"], s["val_loss"]] for s in result.steps if "val_loss" in s])
-        store.add_run(config=cfg.to_dict(), status=result.status, error=result.error, metrics=metrics,
-                      steps=result.steps, env=result.env, run_key=cfg.key(), group_id=group, workload="converge",
-                      backend=cfg.backend, num_gpus=cfg.world_size)
+        record(store, result, group_id=group, workload="converge", metrics=metrics)
         console.print(f"lpbench converge: {outcome.label}: {outcome.status_text}, train loss "
                       f"{_fmt(outcome.train_loss)}, validation loss {_fmt(outcome.val_loss)}", highlight=False)
     metric = judge(outcomes, tolerances)

@@ -16,7 +16,8 @@ Spec (YAML mapping; README "Sweeps" has the full story):
 Each run is ``python -m lpbench.bench.sweep --config JSON ...`` (this module's child entry
 point) with a per-run timeout; the child trains and writes its row, and when it cannot (a
 crash, a kill, a hang) the parent writes the row from the exit status, the last line of
-stderr and the steps the child logged. Rows are keyed by (sweep id, ``RunConfig.key()``)
+stderr and the step records the child wrote as JSON lines (``NNN-<key>.steps.jsonl`` beside its
+log; the human log lines are never parsed). Rows are keyed by (sweep id, ``RunConfig.key()``)
 with a UNIQUE constraint, so resuming never duplicates a run and skips every run that has a
 row, whatever its status.
 
@@ -37,7 +38,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -270,10 +270,12 @@ def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
 
 
 # ----------------------------------------------------------------------------- the parent
-def child_command(run: SweepRun, results: Path, sweep_id: str) -> list[str]:
+def child_command(run: SweepRun, results: Path, sweep_id: str, steps_file: Path | None = None) -> list[str]:
     args = ["-m", "lpbench.bench.sweep", "--results", str(results), "--sweep-id", sweep_id,
             "--run-key", run.key, "--workload", run.workload, "--backend", run.backend,
             "--config", json.dumps(run.config.to_dict(), sort_keys=True)]
+    if steps_file is not None:
+        args += ["--steps-file", str(steps_file)]
     if run.num_gpus > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={run.num_gpus}", *args]
@@ -311,25 +313,14 @@ def error_line(stderr: str) -> str | None:
     return lines[-1] if lines else None
 
 
-_STEP_KEYS = {"lm loss": "loss", "train_step_timing in s": "step_time_s", "tokens_per_sec_per_gpu":
-              "tokens_per_sec_per_gpu", "peak_mem_gb": "peak_mem_gb", "lr": "lr", "grad_norm": "grad_norm"}
-
-
-def parse_steps(log: str) -> list[dict]:
-    """Per-step records from a run's log lines (``iteration k/N | lm loss: ... | ...``)."""
+def read_steps(path: Path) -> list[dict]:
+    """The step records a child wrote (JSON lines; a line a killed child left half-written is skipped)."""
     steps: dict[int, dict] = {}
-    for line in log.splitlines():
-        m = re.search(r"iteration (\d+)/\d+", line)
-        if not m:
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
             continue
-        rec = {"step": int(m.group(1))}
-        for part in line[m.end():].split("|"):
-            name, _, value = part.partition(":")
-            if name.strip() in _STEP_KEYS:
-                try:
-                    rec[_STEP_KEYS[name.strip()]] = float(value.strip())
-                except ValueError:
-                    rec[_STEP_KEYS[name.strip()]] = None
         steps[rec["step"]] = rec
     return [steps[k] for k in sorted(steps)]
 
@@ -376,10 +367,12 @@ def _parent_env(run: SweepRun) -> dict:
 
 
 def _record_failure(store, run: SweepRun, sweep_id: str, rc, timed_out: bool, timeout: float,
-                    out_path: Path, err_path: Path) -> None:
-    log = out_path.read_text(errors="replace") if out_path.exists() else ""
+                    out_path: Path, err_path: Path, steps_path: Path) -> None:
+    from lpbench.bench.runner import record
+    from lpbench.train.loop import RunResult
+
     err = err_path.read_text(errors="replace") if err_path.exists() else ""
-    steps = parse_steps(log)
+    steps = read_steps(steps_path)
     status, message = classify(rc, timed_out, timeout, err, steps)
     metrics = {"recorded_by": "sweep", "logged_steps": len(steps), "num_gpus": run.num_gpus,
                "exit_code": rc, "log": str(out_path)}
@@ -388,9 +381,8 @@ def _record_failure(store, run: SweepRun, sweep_id: str, rc, timed_out: bool, ti
         if status == "diverged":
             metrics["diverged_step"] = next(s["step"] for s in steps if s.get("loss") is None
                                             or not math.isfinite(s["loss"]))
-    store.add_run(config=run.config.to_dict(), status=status, error=message, metrics=metrics, steps=steps,
-                  env=_parent_env(run), run_key=run.key, group_id=sweep_id, sweep_id=sweep_id,
-                  workload=run.workload, backend=run.backend, num_gpus=run.num_gpus)
+    record(store, RunResult(config=run.config, status=status, error=message, metrics=metrics, steps=steps,
+                            env=_parent_env(run)), group_id=sweep_id, sweep_id=sweep_id, workload=run.workload)
 
 
 def execute(run: SweepRun, store, results: Path, sweep_id: str, timeout: float, log_dir: Path) -> dict:
@@ -398,6 +390,7 @@ def execute(run: SweepRun, store, results: Path, sweep_id: str, timeout: float, 
     log_dir.mkdir(parents=True, exist_ok=True)
     out_path = log_dir / f"{run.index:03d}-{run.key}.log"
     err_path = log_dir / f"{run.index:03d}-{run.key}.err"
+    steps_path = log_dir / f"{run.index:03d}-{run.key}.steps.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env.update({PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
     if run.num_gpus > 1:  # the same launch environment as `lpbench run --nproc-per-node` (NVLink multicast off)
@@ -406,7 +399,7 @@ def execute(run: SweepRun, store, results: Path, sweep_id: str, timeout: float, 
         env = launch_env(env)
     rc, timed_out = None, False
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen(child_command(run, results, sweep_id), stdout=out, stderr=err,
+        proc = subprocess.Popen(child_command(run, results, sweep_id, steps_path), stdout=out, stderr=err,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
@@ -419,7 +412,7 @@ def execute(run: SweepRun, store, results: Path, sweep_id: str, timeout: float, 
             raise
     row = store.sweep_run(sweep_id, run.key)
     if row is None:
-        _record_failure(store, run, sweep_id, rc, timed_out, timeout, out_path, err_path)
+        _record_failure(store, run, sweep_id, rc, timed_out, timeout, out_path, err_path, steps_path)
         row = store.sweep_run(sweep_id, run.key)
     return row
 
@@ -670,12 +663,13 @@ def child_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-key", required=True)
     ap.add_argument("--workload", default="pretrain")
     ap.add_argument("--backend", default="lpbench")
+    ap.add_argument("--steps-file", default=None, help="append each step's record here (JSON lines)")
     args = ap.parse_args(argv)
     _watch_parent()
 
+    from lpbench.bench import runner
     from lpbench.bench.store import ResultsStore
     from lpbench.config import RunConfig
-    from lpbench.train.loop import RunResult, train
 
     cfg = RunConfig(**json.loads(args.config))
     if cfg.key() != args.run_key:
@@ -683,22 +677,22 @@ def child_main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     rank = int(os.environ.get("RANK", "0"))
-    try:
-        _install_fault(cfg)
-        result = train(cfg, log=lambda line: print(line, flush=True), results_dir=args.results)
-    except Exception as exc:  # UsageError included: the row says why
-        traceback.print_exc()
-        result = RunResult(config=cfg, status="error", error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+    steps_file = open(args.steps_file, "a") if args.steps_file and rank == 0 else None
+
+    def on_step(rec: dict) -> None:  # the parent reads them if this process dies before its row
+        steps_file.write(json.dumps(rec) + "\n")
+        steps_file.flush()
+
+    _install_fault(cfg)
+    result = runner.execute(cfg, results_dir=args.results, on_step=on_step if steps_file else None,
+                            record_usage_errors=True)
     if result.status == "diverged" and result.steps:
         result.metrics["diverged_step"] = result.steps[-1]["step"]
     if rank == 0:
         store = ResultsStore(args.results)
         env = result.env or {"lpbench": __import__("lpbench").__version__, "host": platform.node(),
                              "gpu": _gpu_name(cfg.device)}  # a failed run is reported with the machine's GPU
-        store.add_run(config=cfg.to_dict(), status=result.status, error=result.error, metrics=result.metrics,
-                      steps=result.steps, env=env, run_key=args.run_key, group_id=args.sweep_id,
-                      sweep_id=args.sweep_id, workload=args.workload, backend=args.backend,
-                      num_gpus=int(result.metrics.get("num_gpus") or cfg.world_size))
+        runner.record(store, result, group_id=args.sweep_id, sweep_id=args.sweep_id, env=env)
         store.close()
     return 0 if result.status == "ok" else 1
 

@@ -77,12 +77,14 @@ def format_log_lines(rec: dict, steps: int, gbs: int) -> list[str]:
             f"peak_mem_gb: {mem} | lr: {plain(rec['lr'])} | grad_norm: {rec['grad_norm']:.3f}"]
 
 
-def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str = "lpbench-results") -> RunResult:
+def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str = "lpbench-results",
+          on_step: Callable[[dict], None] | None = None) -> RunResult:
     """Train ``cfg`` and return its measurements. Bad configs raise UsageError before any work.
 
     Under torchrun or srun every rank calls this; rank 0 logs, and the result's metrics are
     global: loss averaged over data-parallel ranks, peak memory the maximum over ranks.
-    ``--profile-steps`` traces go to ``results_dir/profiles/<run key>/``.
+    ``--profile-steps`` traces go to ``results_dir/profiles/<run key>/``. ``on_step`` (rank 0) gets
+    each step's record as it is made: a sweep child writes them as JSON lines for its parent.
     """
     validated(cfg)
     device = resolve_device(cfg.device)
@@ -93,7 +95,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     if world.size > 1 and device.type == "cuda":
         device = torch.device("cuda", world.cuda_index)
     if not world.is_main:
-        log = _quiet
+        log, on_step = _quiet, None
     recipe = get_recipe(cfg.precision)
     model_cfg = cfg.model_config()
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
@@ -180,6 +182,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                 for line in format_log_lines(rec, cfg.steps, cfg.gbs):
                     log(line)
             profiler.end(step, rec)
+            if on_step is not None:
+                on_step(rec)
             if not math.isfinite(loss_value):
                 result.status, result.error = "diverged", f"loss became {loss_value} at step {step}"
                 log(f"lpbench: run diverged: {result.error}")

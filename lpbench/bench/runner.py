@@ -1,0 +1,45 @@
+"""One run from config to row: train it, turn a failure into a result, record it.
+
+``lpbench run``, ``lpbench converge`` and every sweep child train through :func:`execute` and
+write their row through :func:`record`; a sweep parent records a child that left no row through
+:func:`record` too, so a run's row is written in one place.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Callable
+
+from lpbench.console import console
+from lpbench.errors import UsageError
+from lpbench.train import loop
+from lpbench.train.loop import RunResult
+
+
+def execute(cfg, *, results_dir: str, on_step: Callable[[dict], None] | None = None,
+            record_usage_errors: bool = False) -> RunResult:
+    """Train ``cfg``, its log lines on stdout. An exception becomes an ``error`` result, so one failing
+    recipe does not take the others down: named on the console, or, for a sweep child (whose row must
+    say why even for bad input: ``record_usage_errors``), with its traceback on stderr."""
+    try:
+        return loop.train(cfg, log=lambda line: print(line, flush=True), results_dir=results_dir, on_step=on_step)
+    except Exception as exc:
+        if isinstance(exc, UsageError) and not record_usage_errors:
+            raise
+        result = RunResult(config=cfg, status="error", error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+        if record_usage_errors:
+            traceback.print_exc()
+        else:
+            console.print(f"[red]lpbench: {cfg.precision} failed: {result.error}[/red]")
+        return result
+
+
+def record(store, result: RunResult, *, group_id: str | None, sweep_id: str | None = None,
+           workload: str | None = None, metrics: dict | None = None, env: dict | None = None) -> int | None:
+    """``result``'s row and steps in ``store`` (``metrics``, ``env``, ``workload`` replace the result's)."""
+    cfg = result.config
+    return store.add_run(config=cfg.to_dict(), status=result.status, error=result.error,
+                         metrics=result.metrics if metrics is None else metrics, steps=result.steps,
+                         env=result.env if env is None else env, run_key=cfg.key(), group_id=group_id,
+                         sweep_id=sweep_id, workload=workload or cfg.workload, backend=cfg.backend,
+                         num_gpus=cfg.world_size)
