@@ -1,7 +1,7 @@
 """lpbench sweep: grid expansion, per-run subprocesses and their statuses, timeout, kill + resume.
 
 Children are real subprocesses training the tiny model for 3 steps; failures are injected
-with the test-only ``LPBENCH_FAULT`` hook the child reads.
+with the test-only ``LPBENCH_FAULT`` hook (tests/faults/sitecustomize.py, put on the children's path).
 """
 
 import json
@@ -17,12 +17,21 @@ import pytest
 import yaml
 
 from lpbench.bench import sweep as sw
+from lpbench.bench import sweep_child
 from lpbench.bench.store import ResultsStore
 from lpbench.cli import main
 from lpbench.errors import UsageError
 
 TINY = {"model": "tiny", "device": "cpu", "seq_len": 32, "mbs": 2, "gbs": 2, "steps": 3, "warmup_steps": 1}
 REPO = Path(__file__).resolve().parents[1]
+FAULTS = Path(__file__).resolve().parent / "faults"  # sitecustomize.py: LPBENCH_FAULT's hooks
+FAULT_ENV = "LPBENCH_FAULT"
+
+
+def _inject(monkeypatch, faults: str) -> None:
+    """Children started from now on fail as ``faults`` says."""
+    monkeypatch.setenv(FAULT_ENV, faults)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])))
 
 
 def _spec(tmp_path, name="s", **settings) -> Path:
@@ -128,8 +137,7 @@ def test_classify_and_read_step_records(tmp_path):
 # ----------------------------------------------------------------------------- real sweeps
 def test_sweep_records_ok_error_diverged_oom_and_crash(tmp_path, monkeypatch, capsys):
     # seed 1 trains; the others fail in the child in different ways (test-only hook).
-    monkeypatch.setenv(sw.FAULT_ENV, "seed=2:error@2;seed=3:diverge@2;seed=4:oom@1;seed=5:crash@1;"
-                                     "seed=6:oom-exit@1")
+    _inject(monkeypatch, "seed=2:error@2;seed=3:diverge@2;seed=4:oom@1;seed=5:crash@1;seed=6:oom-exit@1")
     spec = _spec(tmp_path, "faults", seed=[1, 2, 3, 4, 5, 6])
     rc = sw.run_sweep(str(spec), results=str(tmp_path))
     assert rc == 1  # not all ok
@@ -154,7 +162,7 @@ def test_sweep_records_ok_error_diverged_oom_and_crash(tmp_path, monkeypatch, ca
 
 
 def test_hanging_run_is_killed_and_recorded_as_timeout(tmp_path, monkeypatch):
-    monkeypatch.setenv(sw.FAULT_ENV, "hang@2")
+    _inject(monkeypatch, "hang@2")
     spec = _spec(tmp_path, "hang")
     t0 = time.time()
     assert sw.run_sweep(str(spec), results=str(tmp_path), timeout=15) == 1
@@ -183,7 +191,8 @@ def _children_of(pid: int) -> list[int]:
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 def test_sweep_killed_with_sigkill_resumes_with_one_row_per_run(tmp_path):
     spec = _spec(tmp_path, "resume", seed=[1, 2, 3])
-    env = {**os.environ, sw.FAULT_ENV: "seed=2:hang@1", "PYTHONPATH": str(REPO)}  # run 2 hangs: killed mid-way
+    env = {**os.environ, FAULT_ENV: "seed=2:hang@1",  # run 2 hangs: killed mid-way
+           "PYTHONPATH": os.pathsep.join([str(FAULTS), str(REPO)])}
     proc = subprocess.Popen([sys.executable, "-m", "lpbench", "sweep", str(spec), "--results", str(tmp_path)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     db = tmp_path / "results.db"
@@ -231,9 +240,9 @@ def test_a_run_that_fails_before_training_is_recorded_with_the_machines_gpu(tmp_
         raise RuntimeError("torchao missing")
 
     monkeypatch.setattr(loop, "train", fail)
-    monkeypatch.setattr(sw, "_gpu_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(sweep_child, "_gpu_name", lambda device: "NVIDIA H100 80GB HBM3")
     cfg = RunConfig(model="tiny", device="auto")
-    rc = sw.child_main(["--config", json.dumps(cfg.to_dict()), "--results", str(tmp_path), "--sweep-id", "g",
+    rc = sweep_child.child_main(["--config", json.dumps(cfg.to_dict()), "--results", str(tmp_path), "--sweep-id", "g",
                         "--run-key", cfg.key()])
     _, (row,) = _rows(tmp_path, "g")
     assert rc == 1 and row["status"] == "error" and "torchao missing" in row["error"]

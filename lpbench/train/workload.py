@@ -32,7 +32,6 @@ from torch import nn
 from lpbench.config import RunConfig
 from lpbench.data.loader import build_dataset
 from lpbench.data.sft import build_sft_dataset
-from lpbench.errors import UsageError
 from lpbench.metrics.flops import flops_per_token, lora_flops_per_token, packed_flops_per_token
 from lpbench.models.registry import ModelConfig
 from lpbench.precision.frozen import store_frozen_quantized
