@@ -5,7 +5,7 @@ from dataclasses import fields
 
 import pytest
 
-from lpbench.bench import sweep
+from lpbench.bench import sweep_spec
 from lpbench.cli import build_parser, configs_from_args
 from lpbench.config import RunConfig, add_config_args, config_kwargs, field_type, flag_fields
 from lpbench.errors import UsageError
@@ -60,11 +60,11 @@ def test_converge_flags_come_from_runconfig_with_its_own_defaults():
 
 def test_sweep_keys_are_coerced_to_the_fields_types():
     run_fields = {f.name: f for f in fields(RunConfig)}
-    assert sweep._coerce("steps", "12", run_fields) == 12
-    assert sweep._coerce("lr", "1e-3", run_fields) == 1e-3
-    assert sweep._coerce("compile", "off", run_fields) is False
-    assert sweep._coerce("model", 8, run_fields) == "8"
-    assert sweep._coerce("num_gpus", "2", run_fields) == 2
+    assert sweep_spec._coerce("steps", "12", run_fields) == 12
+    assert sweep_spec._coerce("lr", "1e-3", run_fields) == 1e-3
+    assert sweep_spec._coerce("compile", "off", run_fields) is False
+    assert sweep_spec._coerce("model", 8, run_fields) == "8"
+    assert sweep_spec._coerce("num_gpus", "2", run_fields) == 2
     with pytest.raises(UsageError, match="spec key seq_len: expected int"):
-        sweep._coerce("seq_len", "long", run_fields)
+        sweep_spec._coerce("seq_len", "long", run_fields)
     assert {field_type(f) for f in fields(RunConfig)} == {int, float, bool, str}
