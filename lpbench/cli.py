@@ -135,30 +135,35 @@ def cmd_flops(args) -> int:
 
 # ----------------------------------------------------------------------------- models / recipes
 def cmd_models(args) -> int:
-    from lpbench.models import MODELS, build_model, count_parameters
+    from lpbench.models import MODELS, build_model, count_active_parameters, count_parameters
 
     rows = []
     for cfg in MODELS.values():
-        params = count_parameters(build_model(cfg, device="meta"))
+        model = build_model(cfg, device="meta")
+        params, active = count_parameters(model), count_active_parameters(model)
         notes = [cfg.norm + "norm", cfg.activation, cfg.positions]
         notes += [f"rope {cfg.rope_fraction:.0%}"] if cfg.rope_fraction != 1 else []
         notes += ["qk-norm"] if cfg.qk_norm else []
         notes += ["tied"] if cfg.tie_embeddings else []
-        notes += [f"MoE {cfg.n_experts}x top-{cfg.top_k}"] if cfg.n_experts else []
+        notes += [f"MoE {cfg.n_experts}x top-{cfg.top_k} ({cfg.router} routing)"] if cfg.n_experts else []
         rows.append({"name": cfg.name, "layers": cfg.n_layers, "hidden": cfg.dim, "ffn": cfg.ffn_dim,
                      "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "head_dim": cfg.hd, "vocab": cfg.vocab_size,
-                     "max_seq_len": cfg.max_seq_len, "params": params, "notes": ", ".join(notes)})
+                     "max_seq_len": cfg.max_seq_len, "params": params, "active_params": active,
+                     "notes": ", ".join(notes)})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     table = Table(title="lpbench models (parameters counted on the meta device)")
-    for col in ("name", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "params", "notes"):
+    for col in ("name", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "params", "active",
+                "notes"):
         table.add_column(col)
+
+    def size(p):
+        return f"{p / 1e9:.2f} B" if p >= 1e8 else f"{p / 1e6:.1f} M"
+
     for r in rows:
-        p = r["params"]
         table.add_row(*(str(r[c]) for c in ("name", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim",
-                                            "vocab")), f"{p / 1e9:.2f} B" if p >= 1e8 else f"{p / 1e6:.1f} M",
-                      r["notes"])
+                                            "vocab")), size(r["params"]), size(r["active_params"]), r["notes"])
     console.print(table)
     return 0
 

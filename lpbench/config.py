@@ -69,7 +69,7 @@ class RunConfig:
         "pretrain; sft: packed prompt/response samples, loss on responses, attention per sample; lora: sft "
         "with a frozen base and trained low-rank adapters", choices=WORKLOADS))
     hf_checkpoint: str | None = field(default=None, metadata=arg(
-        "start from a local Hugging Face Llama/Qwen3 folder (config.json + *.safetensors): its architecture "
+        "start from a local Hugging Face Llama/Qwen3/Qwen3-MoE folder (config.json + *.safetensors): its architecture "
         "and weights instead of a randomly initialised --model", "none", metavar="PATH"))
     lora_rank: int = field(default=32, metadata=arg("LoRA adapter rank"))  # NeMo's and Megatron-Bridge's
     lora_alpha: float = field(default=32.0, metadata=arg("LoRA alpha; adapters are scaled by alpha / rank"))
@@ -80,7 +80,15 @@ class RunConfig:
         "recipe's format with the BF16 copy freed (less memory, same numerics)", choices=LORA_BASE_STORAGES))
     backend: str = field(default="lpbench", metadata=arg(  # torchao: its training linears (FP8, MXFP8, NVFP4)
         "lpbench or torchao: run fp8-tensorwise/-rowwise/-rowwise-gw-hp through torchao's "
-        "convert_to_float8_training on the same linears (needs lpbench[torchao] and a GPU)"))
+        "convert_to_float8_training on the same linears, MoE experts with fp8-rowwise through "
+        "torchao.prototype.moe_training (needs lpbench[torchao] and a GPU)"))
+    moe_aux_loss_coeff: float = field(default=0.0, metadata=arg(
+        "MoE load-balancing loss coefficient (Switch/Megatron: E x sum of token share x mean probability per "
+        "expert, per layer; e.g. 0.01), applied as router gradients: lm loss stays the cross-entropy"))
+    moe_z_loss_coeff: float = field(default=0.0, metadata=arg("MoE router z-loss coefficient (ST-MoE; e.g. 0.001)"))
+    ep: int = field(default=1, metadata=arg(
+        "expert-parallel size: each MoE layer's experts spread over this many data-parallel ranks, tokens "
+        "exchanged all-to-all; must divide the experts and the data-parallel size"))
     dp: int = field(default=1, metadata=arg(
         "data-parallel size; DP = world size / TP, so only a check", "derived"))
     tp: int = field(default=1, metadata=arg("tensor-parallel size", aliases=("-tp",)))
@@ -204,6 +212,17 @@ class RunConfig:
                         ("FFN width", model.ffn_dim)):
             if n % self.tp:
                 raise UsageError(f"--tp {self.tp} does not divide {self.model}'s {n} {what}")
+        if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
+            raise UsageError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
+        if (self.moe_aux_loss_coeff or self.moe_z_loss_coeff or self.ep > 1) and not model.n_experts:
+            raise UsageError(f"--ep and --moe-*-loss-coeff apply to mixture-of-experts models; {self.model} is dense")
+        if model.n_experts and self.tp > 1:
+            raise UsageError(f"--tp does not split {self.model}'s experts: spread them over ranks with --ep")
+        if self.ep < 1 or model.n_experts % self.ep or self.dp % self.ep:
+            raise UsageError(f"--ep {self.ep} must divide {self.model}'s {model.n_experts} experts and the "
+                             f"data-parallel size {self.dp}")
+        if self.ep > 1 and (self.save_every or self.load or self.workload == "lora"):
+            raise UsageError("--ep > 1 does not checkpoint or train LoRA yet")
         if self.tp > 1 and self.sequence_parallel and self.seq_len % self.tp:
             raise UsageError(f"sequence parallelism needs --seq-len ({self.seq_len}) divisible by --tp {self.tp} "
                              "(or --no-sequence-parallel)")

@@ -105,9 +105,9 @@ def test_targets():
     model = build_model(TINY, device="cpu", seed=0)
     assert apply_lora(model, rank=2, targets=["o"])["adapted"] == ["layers.0.attn.o", "layers.1.attn.o"]
     moe = build_model(dataclasses.replace(TINY, n_experts=2, top_k=1), device="cpu", seed=0)
-    info = apply_lora(moe, rank=2, targets="mlp")
-    assert "layers.0.mlp.experts.1.down" in info["adapted"] and not any("router" in n for n in info["adapted"])
-    assert not moe.layers[0].mlp.router.weight.requires_grad
+    info = apply_lora(moe, rank=2, targets="mlp,o")
+    assert info["adapted"] == ["layers.0.attn.o", "layers.1.attn.o"]  # stacked experts and routers: frozen only
+    assert not moe.layers[0].mlp.router.weight.requires_grad and not moe.layers[0].mlp.experts.down.requires_grad
     nogated = build_model(dataclasses.replace(TINY, activation="gelu"), device="cpu", seed=0)
     assert apply_lora(nogated, rank=2, targets="mlp")["adapted"][:2] == ["layers.0.mlp.up", "layers.0.mlp.down"]
 

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from lpbench.models import MODELS, build_model, count_parameters
+from lpbench.models import MODELS, build_model, count_active_parameters, count_parameters
 from lpbench.models.decoder import apply_rope, rope_tables
 
 
@@ -13,6 +13,14 @@ def test_parameter_counts_on_meta(name, billions):
     model = build_model(MODELS[name], device="meta")
     assert all(p.is_meta for p in model.parameters())
     assert round(count_parameters(model) / 1e9, 2 if billions < 10 else 1) == billions
+
+
+@pytest.mark.parametrize("name,total,active", [("mixtral-8x7b", 46.7, 12.9), ("qwen3-30b-a3b", 30.5, 3.3)])
+def test_moe_total_and_active_parameters(name, total, active):
+    """The published sizes: Mixtral 8x7B 46.7 B total / 12.9 B active, Qwen3-30B-A3B 30.5 B / 3.3 B."""
+    model = build_model(MODELS[name], device="meta")
+    assert round(count_parameters(model) / 1e9, 1) == total
+    assert abs(count_active_parameters(model) / 1e9 - active) < 0.06  # 3.35 B: Qwen writes 3.3 B
 
 
 def tiny_variant(**kw):

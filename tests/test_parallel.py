@@ -31,7 +31,8 @@ ARCHS = {  # tiny members of the other families: QK-norm + GQA, GPT (bias, learn
 SCENARIOS = {
     2: {"ddp": dict(mbs=4), "ddp-ga": dict(mbs=2), "fsdp": dict(mbs=4, fsdp=True), "fsdp-ga": dict(mbs=2, fsdp=True),
         "tp": dict(tp=2), "tp-no-sp": dict(tp=2, sequence_parallel=False, mbs=4),
-        **{f"tp-{name}": dict(tp=2, model=name) for name in ARCHS}},
+        **{f"tp-{name}": dict(tp=2, model=name) for name in ARCHS if not ARCHS[name].n_experts},
+        "ddp-test-moe": dict(mbs=4, model="test-moe"), "fsdp-test-moe": dict(mbs=4, fsdp=True, model="test-moe")},
     4: {"fsdp-tp": dict(mbs=2, tp=2, fsdp=True), "ddp-tp": dict(mbs=4, tp=2)},
 }
 

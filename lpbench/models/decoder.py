@@ -1,7 +1,8 @@
 """The one decoder implementation behind every architecture of the zoo.
 
 Llama 3 / Qwen3 / Nemotron4 / GPT3 / Mixtral differ only in data (``ModelConfig``): norm
-kind, MLP activation, RoPE fraction or learned positions, QK-norm, tied embeddings, MoE.
+kind, MLP activation, RoPE fraction or learned positions, QK-norm, tied embeddings, MoE
+(:mod:`lpbench.models.moe`).
 Linear layers are ``nn.Linear`` (:class:`Linear`, whose BF16 GEMMs take the CPU's fast route) with
 fused QKV and gate+up projections, so a precision recipe can swap them for quantized ones without
 touching this file.
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lpbench.models.moe import MoE
 from lpbench.models.registry import ModelConfig
 from lpbench.precision import gemm
 from lpbench.precision.tp_local import local_linear
@@ -139,31 +141,6 @@ class MLP(nn.Module):
         return self.down(hidden)
 
 
-class MoE(nn.Module):
-    """Top-k routed experts (Mixtral): softmax over the k selected router logits.
-
-    A plain loop over experts; each expert sees only its tokens.
-    """
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.top_k = cfg.top_k
-        self.router = Linear(cfg.dim, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_experts))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        weights, chosen = self.router(x).topk(self.top_k, dim=-1)
-        weights = weights.float().softmax(dim=-1).to(x.dtype)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            if token.numel():
-                out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
-        return out.reshape(shape)
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -205,7 +182,7 @@ class Decoder(nn.Module):
             if p.ndim == 1:
                 full.fill_(1.0 if name.endswith("weight") else 0.0)
             else:
-                full.normal_(0.0, out_std if name.endswith(("attn.o.weight", "down.weight")) else std, generator=gen)
+                full.normal_(0.0, out_std if name.endswith(("attn.o.weight", "down.weight", "experts.down")) else std, generator=gen)
             if write is None:
                 p.copy_(full)
             else:
@@ -304,6 +281,16 @@ def _flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
 def count_parameters(model: nn.Module) -> int:
     """Unique parameters (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def count_active_parameters(model: nn.Module) -> int:
+    """Parameters one token uses: in each MoE layer only ``top_k`` of its experts (tied weights once)."""
+    idle = 0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            per_expert = sum(p.numel() for p in m.experts.parameters()) // m.experts.n_experts
+            idle += (m.n_experts - m.top_k) * per_expert
+    return count_parameters(model) - idle
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "meta", seed: int = 0) -> Decoder:

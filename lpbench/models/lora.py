@@ -21,7 +21,8 @@ quantized once) fits the same slot; for merging it implements ``merge_lora_delta
 ``base.weight.add_(delta)``.
 
 **Targets** (``--lora-targets``): ``qkv``, ``o``, ``mlp`` (= ``gate_up``/``up`` and ``down``),
-or ``gate_up``, ``up``, ``down`` alone; MoE experts' MLPs are matched too, routers never.
+or ``gate_up``, ``up``, ``down`` alone. MoE layers: routers and the stacked expert weights are frozen,
+not adapted (a dense MLP's targets match nothing there).
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ class ModelConfig:
     bias: bool = False
     n_experts: int = 0  # 0 = dense MLP
     top_k: int = 1
+    router: str = "mixtral"  # MoE routing: "mixtral" | "qwen3" (lpbench.models.moe)
+    router_norm_topk: bool = True  # qwen3 routing: renormalise the top-k probabilities (HF norm_topk_prob)
     max_seq_len: int = 8192
     family: str = "llama"
 
@@ -72,6 +74,8 @@ MODELS: dict[str, ModelConfig] = {
                     max_seq_len=32768, family="mixtral"),
         ModelConfig("mixtral-8x22b", 56, 6144, 16384, 48, 8, 32000, rope_theta=1e6, n_experts=8, top_k=2,
                     max_seq_len=65536, family="mixtral"),
+        ModelConfig("qwen3-30b-a3b", 48, 2048, 768, 32, 4, 151936, head_dim=128, norm_eps=1e-6, qk_norm=True,
+                    rope_theta=1e6, n_experts=128, top_k=8, router="qwen3", max_seq_len=40960, family="qwen3"),
         ModelConfig("gpt3-175b", 96, 12288, 49152, 96, 96, 51200, norm="layer", activation="gelu",
                     positions="learned", tie_embeddings=True, bias=True, max_seq_len=2048, family="gpt3"),
         # CPU-sized llama-family presets for tests and the default run.

@@ -1,7 +1,7 @@
 """Tensor parallelism through DTensor: Megatron's column/row-wise linears and sequence-parallel norms.
 
 Per block: ``attn.qkv`` and ``mlp.gate_up|up`` column-wise, ``attn.o`` and ``mlp.down`` row-wise
-(MoE: every expert's MLP likewise, the router replicated). Vocabulary-parallel embedding and
+(MoE models are not split: their experts spread over ranks with ``--ep``). Vocabulary-parallel embedding and
 ``lm_head`` (a tied pair stays one parameter); the logits are gathered before the loss.
 With sequence parallelism the residual stream between the sublayers is split along the
 sequence (norms run on ``S / tp`` tokens; all-gather in, reduce-scatter out).
@@ -74,13 +74,10 @@ def split_linears(block: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
     attn = block.attn
     q, kv = attn.n_heads * attn.hd, attn.n_kv * attn.hd
     out = {"attn.qkv": (0, (q, kv, kv)), "attn.o": (1, (q,))}
-    experts = getattr(block.mlp, "experts", None)
-    mlps = [("mlp", block.mlp)] if experts is None else [(f"mlp.experts.{e}", m) for e, m in enumerate(experts)]
-    for prefix, mlp in mlps:
-        ffn = mlp.down.in_features
-        out[f"{prefix}.gate_up" if hasattr(mlp, "gate_up") else f"{prefix}.up"] = \
-            (0, (ffn, ffn) if hasattr(mlp, "gate_up") else (ffn,))
-        out[f"{prefix}.down"] = (1, (ffn,))
+    mlp = block.mlp
+    ffn = mlp.down.in_features
+    out["mlp.gate_up" if hasattr(mlp, "gate_up") else "mlp.up"] = (0, (ffn, ffn) if hasattr(mlp, "gate_up") else (ffn,))
+    out["mlp.down"] = (1, (ffn,))
     return out
 
 
@@ -100,14 +97,6 @@ def block_plan(block: nn.Module, sp: bool) -> dict:
         plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
                      "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),  # (x, rope, mask)
                                                 desired_input_layouts=(Replicate(), None, None))})
-    if hasattr(block.mlp, "experts"):  # experts see a token subset: all-reduce, then re-split the sequence
-        for e, expert in enumerate(block.mlp.experts):
-            plan.update(_mlp_plan(expert, f"mlp.experts.{e}", Replicate()))
-        if sp:
-            plan["mlp"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
-        return plan
     plan.update(_mlp_plan(block.mlp, "mlp", seq))
     if sp:
         plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))

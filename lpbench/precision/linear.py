@@ -187,26 +187,18 @@ def delayed_scale(mod: nn.Module, role: str, amax: torch.Tensor) -> torch.Tensor
     return scale
 
 
-class QuantizedLinear(nn.Linear):
-    """``nn.Linear`` whose three GEMMs follow a precision recipe (same parameters and names)."""
+class QuantizedGemms:
+    """The recipe's three GEMMs of ``x · weightᵀ`` on plain tensors (:meth:`_linear`), with the state they
+    keep (delayed-scaling histories, TP shard): the part of QuantizedLinear that does not own a weight,
+    shared with MoE experts (:class:`ExpertGemms`), whose weights are slices of a stacked parameter."""
 
-    tp_aware = True  # runs its GEMMs on tensor-parallel shards (local_linear)
     tp_shard = None  # lpbench.parallel.tp.TPShard when apply_tp split it: its group, split dim, sections
 
-    def __init__(self, in_features, out_features, bias=True, *, recipe: Recipe, native=False, device=None, dtype=None):
-        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+    def _init_gemms(self, recipe: Recipe, native: bool, device) -> None:
         if not recipe.quantized:
             raise ValueError(f"recipe {recipe.name} has no quantized GEMMs")
         self.recipe, self.native = recipe, native
-        self._init_histories(self.weight.device)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Recipe, *, native: bool = False) -> QuantizedLinear:
-        """A QuantizedLinear sharing ``linear``'s parameter objects."""
-        q = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe, native=native, device="meta")
-        q.weight, q.bias = linear.weight, linear.bias
-        q._init_histories(linear.weight.device)
-        return q
+        self._init_histories(device)
 
     def _init_histories(self, device):
         if self.recipe.scaling == "delayed":
@@ -303,11 +295,6 @@ class QuantizedLinear(nn.Linear):
         t = F.pad(t, (0, 0, 0, -t.shape[0] % multiple)).t()
         return apply_rht(t, self.recipe.rht_signs) if self.recipe.rht_wgrad else t
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
-        return local_linear(self, x, self._linear)
-
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The GEMMs on plain tensors (under TP, this rank's shards)."""
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
@@ -319,5 +306,40 @@ class QuantizedLinear(nn.Linear):
                 return fp8_linear.Fp8TensorwiseLinearFn.apply(x, weight, bias, self)
         return _QuantizedLinearFn.apply(x, weight, bias, self)
 
+
+
+class QuantizedLinear(QuantizedGemms, nn.Linear):
+    """``nn.Linear`` whose three GEMMs follow a precision recipe (same parameters and names)."""
+
+    tp_aware = True  # runs its GEMMs on tensor-parallel shards (local_linear)
+
+    def __init__(self, in_features, out_features, bias=True, *, recipe: Recipe, native=False, device=None, dtype=None):
+        nn.Linear.__init__(self, in_features, out_features, bias, device=device, dtype=dtype)
+        self._init_gemms(recipe, native, self.weight.device)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe, *, native: bool = False) -> QuantizedLinear:
+        """A QuantizedLinear sharing ``linear``'s parameter objects."""
+        q = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe, native=native, device="meta")
+        q.weight, q.bias = linear.weight, linear.bias
+        q._init_histories(linear.weight.device)
+        return q
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return local_linear(self, x, self._linear)
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, path={'native' if self.native else 'emulated'}"
+
+
+class ExpertGemms(QuantizedGemms, nn.Module):
+    """One MoE expert's projection: the recipe's GEMMs and their state, the weight passed in per call."""
+
+    def __init__(self, recipe: Recipe, native: bool = False, device=None):
+        nn.Module.__init__(self)
+        self._init_gemms(recipe, native, device)
+
+    def extra_repr(self) -> str:
+        return f"recipe={self.recipe.name}, path={'native' if self.native else 'emulated'}"

@@ -1,10 +1,11 @@
 """Which modules get which precision, and whether the GEMMs run natively or emulated.
 
 Hand-written and small on purpose: the whole policy is "quantize the linears inside the
-transformer blocks". Embeddings, lm_head, norms, attention BMMs and routers stay in the
-compute dtype; the recipe's first/last N blocks stay BF16; a linear whose in or out
-features do not divide the recipe's block is left BF16 with a warning naming it (NVFP4 takes
-every width: its quantizer zero-pads partial blocks, as Transformer Engine does).
+transformer blocks" (MoE experts' stacked weights included, :mod:`lpbench.models.moe`).
+Embeddings, lm_head, norms, attention BMMs and routers stay in the compute dtype (routers FP32);
+the recipe's first/last N blocks stay BF16; a linear whose in or out features do not divide the
+recipe's block is left BF16 with a warning naming it (NVFP4 takes every width: its quantizer
+zero-pads partial blocks, as Transformer Engine does).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lpbench.errors import UsageError
+from lpbench.models.moe import Experts
 from lpbench.precision import fp8_allgather
 from lpbench.precision.kernels import block_scaled
 from lpbench.precision.linear import NATIVE_SCALINGS, QuantizedLinear
@@ -70,6 +72,9 @@ def _candidate_linears(model: nn.Module, recipe: Recipe):
         for name, mod in layer.named_modules():
             if isinstance(mod, nn.Linear) and "router" not in name:
                 yield f"layers.{i}.{name}".rstrip("."), mod, not (mod.in_features % m or mod.out_features % m)
+            elif isinstance(mod, Experts):
+                _, dim, ffn = mod.down.shape
+                yield f"layers.{i}.{name}", mod, not (dim % m or ffn % m)
 
 
 def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device | str, emulate: bool,
@@ -104,8 +109,11 @@ def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device
         if not divides:
             result["skipped"].append(full)
             continue
-        parent, _, child = full.rpartition(".")
-        setattr(model.get_submodule(parent), child, QuantizedLinear.from_linear(mod, recipe, native=native))
+        if isinstance(mod, Experts):
+            mod.set_recipe(recipe, native)
+        else:
+            parent, _, child = full.rpartition(".")
+            setattr(model.get_submodule(parent), child, QuantizedLinear.from_linear(mod, recipe, native=native))
         result["quantized"].append(full)
     m, n = recipe.dim_multiple, len(model.layers)
     if result["skipped"]:

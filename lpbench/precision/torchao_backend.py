@@ -1,7 +1,8 @@
 """``--backend torchao``: torchao's training linears on the linears lpbench would quantize, as a peer.
 
 * fp8-tensorwise / fp8-rowwise / fp8-rowwise-gw-hp: ``torchao.float8``'s Float8Linear (native GEMMs,
-  compute capability 8.9 / 9.0 and up);
+  compute capability 8.9 / 9.0 and up); MoE experts (fp8-rowwise only) through
+  ``torchao.prototype.moe_training``'s FP8 row-wise grouped GEMMs (:meth:`lpbench.models.moe.Experts.set_torchao`);
 * mxfp8: ``torchao.prototype.moe_training.mxfp8_linear.MXFP8Linear`` (E4M3, 1x32 blocks, RCEIL E8M0
   scales): torchao's kernels (``KernelPreference.AUTO``) on compute capability 10.x, its emulation
   (``EMULATED``: dequantize, then a BF16 GEMM) elsewhere, CPU included;
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from lpbench.errors import UsageError
+from lpbench.models.moe import Experts
 from lpbench.precision.recipes import Recipe
 
 FLOAT8_RECIPES = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
@@ -119,6 +121,13 @@ def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: li
     if module is not None and importlib.util.find_spec(module) is None:
         raise UsageError(f"--backend torchao {recipe.name} needs torchao 0.18 or later ({module}); "
                          f"torchao {torchao.__version__} is installed")
+    experts = [(name, mod) for name, mod, ok in candidates if isinstance(mod, Experts)]
+    if experts and recipe.name != "fp8-rowwise":
+        raise UsageError(f"--backend torchao runs MoE experts through torchao.prototype.moe_training's FP8 "
+                         f"row-wise grouped GEMMs: precision fp8-rowwise, not {recipe.name}")
+    if any(not ok for _, mod, ok in candidates if isinstance(mod, Experts)):
+        raise UsageError("--backend torchao: the experts' widths must be multiples of 16")
+    candidates = [c for c in candidates if not isinstance(c[1], Experts)]
     multiple = NVFP4_MULTIPLE if recipe.name == "nvfp4" else recipe.dim_multiple
     chosen = [(name, mod) for name, mod, _ in candidates if not (mod.in_features % multiple or mod.out_features % multiple)]
     skipped = [name for name, mod, _ in candidates if name not in dict(chosen)]
@@ -129,6 +138,9 @@ def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: li
         ids = {id(mod) for _, mod in chosen}
         config = Float8LinearConfig.from_recipe_name(FLOAT8_RECIPES[recipe.name])
         convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: id(mod) in ids)
+        for name, mod in experts:
+            mod.set_torchao()
+            result["quantized"].append(name)
         return result
     for name, mod in chosen:
         if recipe.name == "mxfp8":

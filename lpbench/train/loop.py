@@ -21,6 +21,7 @@ from lpbench.metrics.hardware import detect_gpu, mfu, peak_tflops
 from lpbench.metrics.profile import StepProfiler
 from lpbench.models import build_model, count_parameters
 from lpbench.models.hf import load_hf_checkpoint
+from lpbench.models.moe import configure_moe, take_moe_stats
 from lpbench.parallel.dp import clip_grad_norm_, grad_sync
 from lpbench.parallel.env import all_reduce, init_distributed
 from lpbench.parallel.plan import parallelize
@@ -112,6 +113,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
         build_model(model_cfg, device="meta" if meta else device, seed=cfg.seed)
     n_params = count_parameters(model)
     precision_info, workload_metrics = prepare_model(model, cfg, recipe, device=device, emulate=emulate)
+    configure_moe(model, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff, 1.0 / cfg.grad_accum)
     if use_compile:  # runs in one process (several precisions, converge) each get Dynamo's full recompile budget
         torch._dynamo.reset()
     par = parallelize(model, cfg, device, recipe.compute_dtype, use_compile)
@@ -177,10 +179,17 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                    "grad_norm": float(grad_norm), "tokens_per_sec_per_gpu": tps,
                    "tflops_per_gpu": fpt * tps / 1e12,
                    "peak_mem_gb": None if peak is None else all_reduce([peak], "max", device)[0]}
+            moe = moe_step_stats(par.module, device, world.size, cfg.grad_accum)
+            if moe is not None:
+                rec.update(moe["step"])
+                expert_tokens = moe["tokens"] if step == start + 1 else [
+                    [a + b for a, b in zip(old, new)] for old, new in zip(expert_tokens, moe["tokens"])]
             result.steps.append(rec)
             if step % cfg.log_interval == 0 or step == cfg.steps:
                 for line in format_log_lines(rec, cfg.steps, cfg.gbs):
                     log(line)
+                if moe is not None:
+                    log(format_moe_line(rec))
             profiler.end(step, rec)
             if on_step is not None:
                 on_step(rec)
@@ -191,6 +200,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
             if n_eval and (step % cfg.eval_every == 0 or step == cfg.steps):
                 rec["val_loss"] = evaluate(par.module, splits.valid_batches(cfg.mbs, par.dp_rank, cfg.dp),
                                            n_eval, device, autocast)
+                take_moe_stats(par.module)  # the next step's MoE statistics count training forwards only
                 log(f"validation loss at iteration {step} | lm loss value: {rec['val_loss']:.6E} | "
                     f"lm loss PPL: {math.exp(min(rec['val_loss'], 700)):.6E} |")
             checkpointer.maybe_save(step)
@@ -201,6 +211,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     result.metrics = summarize(result.steps, cfg, fpt, gpu, precision_info, device)
     if start:
         result.metrics["resumed_from_step"] = start
+    if model_cfg.n_experts and result.steps:
+        result.metrics["tokens_per_expert"] = expert_tokens  # per layer, summed over the run's steps
     if profile:
         result.metrics["profile"] = profile
     result.metrics.update(_max_over_ranks(memory.summary(device), device))
@@ -208,6 +220,27 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                           world_size=world.size, dp=cfg.dp, tp=cfg.tp, fsdp=cfg.dp if cfg.fsdp else 1,
                           sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel, **workload_metrics)
     return result
+
+
+def moe_step_stats(module, device, world_size: int, grad_accum: int) -> dict | None:
+    """One step's MoE log values (aux and z-loss as the loss sees them: averaged over micro-batches and
+    ranks; expert load = the busiest expert's tokens over the mean, worst layer) and per-layer token counts."""
+    stats = take_moe_stats(module)
+    if stats is None:
+        return None
+    tokens = stats["tokens_per_expert"]
+    flat = all_reduce([float(c) for layer in tokens for c in layer] + [stats["aux_loss"], stats["z_loss"]], "sum",
+                      device)
+    n_layers, n_exp = len(tokens), len(tokens[0])
+    tokens = [[int(c) for c in flat[i * n_exp:(i + 1) * n_exp]] for i in range(n_layers)]
+    load = max(max(layer) * n_exp / max(sum(layer), 1) for layer in tokens)
+    return {"tokens": tokens, "step": {"moe_aux_loss": flat[-2] / world_size, "moe_z_loss": flat[-1] / world_size,
+                                       "expert_load_max": load}}
+
+
+def format_moe_line(rec: dict) -> str:
+    return (f"moe | load_balancing_loss: {rec['moe_aux_loss']:.4f} | z_loss: {rec['moe_z_loss']:.4f} | "
+            f"max expert load (x mean, worst layer): {rec['expert_load_max']:.2f}")
 
 
 def _quiet(line: str) -> None:

@@ -1,0 +1,196 @@
+"""Mixture-of-experts layer: router, dropless dispatch, grouped expert GEMMs, combine.
+
+Routing (``ModelConfig.router``), in FP32 and never quantized:
+
+* ``mixtral``: softmax over the k largest router logits;
+* ``qwen3``: softmax over all experts, the k largest probabilities, divided by their sum when
+  ``router_norm_topk`` (Qwen3-MoE's ``norm_topk_prob``; the same weights as ``mixtral`` then).
+
+Auxiliary losses, per layer, summed over layers (Megatron's definitions; T tokens, E experts):
+
+* load balancing: ``E · Σ_e f_e · P_e`` with f_e the share of the T·k routed slots that went to
+  expert e and P_e the mean router probability of e (1 when perfectly balanced);
+* router z-loss: ``mean_t logsumexp(logits_t)²``.
+
+Their coefficients (``MoE.aux_coeff`` / ``z_coeff``, ``--moe-aux-loss-coeff`` / ``--moe-z-loss-coeff``)
+scale gradients attached to the layer's output, as Megatron's ``MoEAuxLossAutoScaler`` does: the
+loss the model returns stays the language-model cross-entropy. ``grad_scale`` is the factor the
+training loop divides its loss by (gradient accumulation). Each layer accumulates its per-expert
+token counts and loss values in ``stats`` for the log.
+
+Dispatch: every (token, expert) pair sorted by expert (stable, so tokens keep their order) into
+the padded buffer of :class:`lpbench.precision.grouped.Groups`; no token is dropped. Expert
+parallelism (``ep``, :mod:`lpbench.parallel.ep`) exchanges the sorted pairs all-to-all between the
+sort and the GEMMs, and back before the combine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lpbench.models.registry import ModelConfig
+from lpbench.precision.grouped import GROUPED_FP8_SCALINGS, Groups, fp8_grouped, grouped_linear, looped
+
+ROUTERS = ("mixtral", "qwen3")
+
+
+def route(logits: torch.Tensor, top_k: int, router: str, norm_topk: bool = True):
+    """(weights [T, k] FP32, chosen experts [T, k], probabilities [T, E]) from FP32 router logits."""
+    probs = logits.softmax(dim=-1)
+    if router == "mixtral":
+        top, chosen = logits.topk(top_k, dim=-1)
+        return top.softmax(dim=-1), chosen, probs
+    weights, chosen = probs.topk(top_k, dim=-1)
+    if norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, chosen, probs
+
+
+def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``E · Σ_e f_e · P_e``: f_e = counts[e] / (T·k), P_e = mean of probs[:, e]."""
+    T, E = probs.shape
+    return E * (counts.float() / (T * top_k) * probs.mean(0)).sum()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """``mean_t logsumexp(logits_t)²`` (ST-MoE's router z-loss)."""
+    return logits.logsumexp(dim=-1).square().mean()
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on ``out``; in backward, ``loss`` gets gradient ``scale`` (so it is minimised)."""
+
+    @staticmethod
+    def forward(ctx, out, loss, scale: float):
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, device=grad.device), None
+
+
+class Experts(nn.Module):
+    """E expert MLPs as stacked weights: ``gate_up`` [E, 2F, D] (or ``up`` [E, F, D]) and ``down`` [E, D, F].
+
+    ``forward(x, groups)`` takes the expert-sorted buffer. The precision recipe comes from
+    :meth:`set_recipe` (``lpbench.precision.policy``); without one the GEMMs run in the autocast dtype.
+    Under expert parallelism a rank holds experts ``[first, first + len)`` of the model's E.
+    """
+
+    def __init__(self, cfg: ModelConfig, n_local: int | None = None):
+        super().__init__()
+        E, D, Fd = n_local or cfg.n_experts, cfg.dim, cfg.ffn_dim
+        self.activation, self.n_experts, self.first = cfg.activation, E, 0
+        self.in_name = "gate_up" if cfg.gated else "up"
+        setattr(self, self.in_name, nn.Parameter(torch.empty(E, (2 if cfg.gated else 1) * Fd, D)))
+        self.down = nn.Parameter(torch.empty(E, D, Fd))
+        self.recipe = None
+        self.gemms = None  # ModuleDict of per-expert ExpertGemms (looped recipes)
+
+    def set_recipe(self, recipe, native: bool) -> None:
+        from lpbench.precision.linear import ExpertGemms
+
+        self.recipe, self.native = recipe, native
+        if recipe.scaling not in GROUPED_FP8_SCALINGS:
+            device = self.down.device
+            self.gemms = nn.ModuleDict({name: nn.ModuleList(ExpertGemms(recipe, native, device)
+                                                            for _ in range(self.n_experts))
+                                        for name in (self.in_name, "down")})
+
+    def _project(self, name: str, x: torch.Tensor, groups: Groups) -> torch.Tensor:
+        w = getattr(self, name)
+        if self.recipe is None:
+            return grouped_linear(x, w, groups)
+        if self.gemms is None:
+            return fp8_grouped(x, w, groups, self.recipe, self.native)
+        return looped(x, w, groups, self.gemms[name])
+
+    def forward(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        h = self._project(self.in_name, x, groups)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.activation == "sqrelu":
+            h = F.relu(h).square()
+        else:
+            h = F.gelu(h)
+        return self._project("down", h, groups)
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (see the module doc)."""
+
+    aux_coeff = 0.0  # load-balancing loss coefficient (set per run)
+    z_coeff = 0.0  # router z-loss coefficient
+    grad_scale = 1.0  # 1 / gradient accumulation steps
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.n_experts = cfg.top_k, cfg.n_experts
+        self.router_kind, self.norm_topk = cfg.router, cfg.router_norm_topk
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg)
+        self.ep = None  # lpbench.parallel.ep.ExpertParallel when experts are spread over ranks
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts), persistent=False)
+        self.register_buffer("loss_sums", torch.zeros(3), persistent=False)  # aux, z, forwards
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.router.weight.float())
+            weights, chosen, probs = route(logits, self.top_k, self.router_kind, self.norm_topk)
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)
+        token, expert = order // self.top_k, flat[order]
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        aux, zl = load_balancing_loss(probs, counts, self.top_k), z_loss(logits)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(counts.float())
+            self.loss_sums.add_(torch.stack([aux.detach(), zl.detach(), torch.ones_like(zl)]))
+        if self.ep is None:
+            ys = self._experts(x[token], expert, self.n_experts)
+        else:
+            ys = self.ep.exchange(x[token], expert, counts, self._experts)
+        out = torch.zeros_like(x).index_add_(0, token, ys * weights.flatten()[order, None].to(x.dtype))
+        if self.training and (self.aux_coeff or self.z_coeff):
+            out = _AttachLoss.apply(out, self.aux_coeff * aux + self.z_coeff * zl, self.grad_scale)
+        return out.reshape(shape)
+
+    def _experts(self, xs: torch.Tensor, expert: torch.Tensor, n_experts: int) -> torch.Tensor:
+        """Rows ``xs`` (sorted by ``expert``) through their experts, in the same order."""
+        groups, dest = Groups.of(expert, n_experts)
+        buf = xs.new_zeros(groups.rows, xs.shape[1]).index_put((dest,), xs)
+        return self.experts(buf, groups)[dest]
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def configure_moe(model: nn.Module, aux_coeff: float = 0.0, z_coeff: float = 0.0, grad_scale: float = 1.0) -> None:
+    """Set the auxiliary-loss coefficients and the loss scale of every MoE layer of ``model``."""
+    for m in moe_layers(model):
+        m.aux_coeff, m.z_coeff, m.grad_scale = aux_coeff, z_coeff, grad_scale
+
+
+@torch.no_grad()
+def take_moe_stats(model: nn.Module) -> dict | None:
+    """Per-layer token counts per expert and mean aux / z-loss since the last call (then reset); None without MoE."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    counts = torch.stack([m.tokens_per_expert for m in layers]).cpu()
+    sums = torch.stack([m.loss_sums for m in layers]).cpu()
+    for m in layers:
+        m.tokens_per_expert.zero_()
+        m.loss_sums.zero_()
+    n = sums[:, 2].clamp(min=1)
+    return {"tokens_per_expert": counts.long().tolist(), "aux_loss": (sums[:, 0] / n).sum().item(),
+            "z_loss": (sums[:, 1] / n).sum().item()}

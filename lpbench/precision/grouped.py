@@ -1,0 +1,210 @@
+"""Grouped expert GEMMs: every expert's ``x_e · W_eᵀ`` in one call, tokens sorted by expert.
+
+Layout (:class:`Groups`): the rows of ``x`` [M, K] are sorted by expert; expert e's ``counts[e]`` rows
+start at ``starts[e]``, a multiple of ``ALIGN`` (the FP8 grouped GEMM's requirement), and the rows
+between groups are zeros; ``offs`` are the groups' padded ends (int32), as torch's grouped-mm ops
+take them. Weights are stacked ``[E, N, K]`` (nn.Linear's layout per expert).
+
+Paths, each giving every expert's tokens the numbers the dense linear of its recipe gives them:
+
+* compute dtype (BF16/FP32): ``torch._grouped_mm`` on CUDA (BF16, SM90+), else one matmul per
+  expert (the same products, the same accumulation).
+* FP8 row-wise and tensor-wise (:func:`fp8_grouped`): hand-written because torch has the GEMM
+  (``torch._scaled_grouped_mm``, Hopper) but not the quantization of grouped operands: rows are
+  quantized per token, the weights per expert row; tensor-wise takes one scale per expert's
+  tokens; the weight gradient quantizes along each expert's tokens (one scale per expert and
+  column). Codes and scales are those of ``QuantizedLinear`` on that expert's tokens; on other
+  devices the GEMM is emulated per expert exactly as the dense linear's emulation.
+* everything else (delayed scaling with its per-expert histories, blockwise, MX, NVFP4) runs each
+  expert's tokens through the dense quantized linear's own GEMMs (:class:`ExpertGemms`): exact by
+  construction; emulation is about the numbers, not speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from lpbench.precision.formats import decode, encode
+from lpbench.precision.linear import _mm_fp32
+from lpbench.precision.quantize import fp8_decode_scale, fp8_encode_scale
+
+ALIGN = 16
+GROUPED_FP8_SCALINGS = ("row", "tensor")  # FP8 scalings with a grouped GEMM (fp8_grouped)
+
+
+@dataclass
+class Groups:
+    """Where each expert's rows are in a sorted, padded buffer (see the module doc)."""
+
+    counts: torch.Tensor  # [E] int64: tokens per expert
+    starts: torch.Tensor  # [E] int64: first row of each expert, multiples of ALIGN
+    offs: torch.Tensor  # [E] int32: padded end of each expert's rows
+    rows: int  # buffer rows (static: an upper bound of the padded total)
+
+    @classmethod
+    def of(cls, group: torch.Tensor, n_groups: int) -> tuple["Groups", torch.Tensor]:
+        """The layout of items whose group ids ``group`` [P] are sorted ascending, and each item's row."""
+        counts = torch.zeros(n_groups, dtype=torch.long, device=group.device).scatter_add_(
+            0, group, torch.ones_like(group))
+        padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+        ends = padded.cumsum(0)
+        starts = ends - padded
+        first = counts.cumsum(0) - counts
+        dest = starts[group] + torch.arange(group.numel(), device=group.device) - first[group]
+        rows = group.numel() + n_groups * ALIGN
+        return cls(counts, starts, ends.to(torch.int32), rows), dest
+
+    @cached_property
+    def host(self) -> list[tuple[int, int]]:
+        """(start, count) of every expert on the host (synchronises a GPU)."""
+        return list(zip(self.starts.tolist(), self.counts.tolist()))
+
+    @cached_property
+    def row_group(self) -> torch.Tensor:
+        """[rows] int64: the expert each buffer row belongs to (padding to the expert before it)."""
+        row = torch.arange(self.rows, device=self.starts.device)
+        return (torch.searchsorted(self.offs.long(), row, right=True)).clamp(max=self.counts.numel() - 1)
+
+    def clear_tail(self, y: torch.Tensor) -> torch.Tensor:
+        """``y`` with the rows after the last expert's zeroed (a grouped GEMM leaves them unwritten)."""
+        keep = torch.arange(self.rows, device=y.device) < self.offs[-1]
+        return torch.where(keep[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+    def pieces(self, parts: list[torch.Tensor], width: int, like: torch.Tensor) -> torch.Tensor:
+        """The buffer [rows, width] holding ``parts[e]`` at expert e's rows, zeros elsewhere."""
+        out, at = [], 0
+        for (start, count), part in zip(self.host, parts):
+            if start > at:
+                out.append(like.new_zeros(start - at, width))
+            out.append(part)
+            at = start + count
+        out.append(like.new_zeros(self.rows - at, width))
+        return torch.cat(out)
+
+
+def _native_grouped(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """``x_e · w_eᵀ`` for every expert in ``x``'s dtype (w cast to it): rows of ``x`` [rows, K] by ``groups``."""
+    w = w.to(x.dtype)
+    if _native_grouped(x) and x.dtype == torch.bfloat16:
+        return groups.clear_tail(torch._grouped_mm(x, w.transpose(1, 2), offs=groups.offs))
+    parts = [F.linear(x[s:s + c], w[e]) for e, (s, c) in enumerate(groups.host)]
+    return groups.pieces(parts, w.shape[1], x)
+
+
+def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_rows: bool = False):
+    """FP8 codes of ``t`` [R, C] and FP32 decode scales, as the dense linear quantizes each group's rows.
+
+    Along C (``along_rows`` False): a scale per row (row-wise) or per group (tensor-wise), returned
+    [R]. Along the rows of each group (the weight-gradient GEMM's reduction over tokens): a scale per
+    group and column (row-wise) or per group, returned [n_groups, C].
+    """
+    t = t.float()
+    mag = t.abs()
+    if spec.scaling == "tensor":
+        amax_g = mag.new_zeros(n_groups).scatter_reduce(0, group, mag.amax(1), "amax")
+        amax = amax_g[group][:, None] if not along_rows else amax_g[:, None].expand(n_groups, t.shape[1])
+    elif along_rows:
+        amax = mag.new_zeros(n_groups, t.shape[1]).scatter_reduce(0, group[:, None].expand_as(mag), mag, "amax")
+    else:
+        amax = mag.amax(1, keepdim=True)
+    enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
+    codes = encode(t * (enc[group] if along_rows else enc), spec.fmt)
+    dec = fp8_decode_scale(enc, amax)
+    return codes, (dec if along_rows else dec[:, 0])
+
+
+def _scaled_grouped(a, sa, b, sb, groups: Groups, native: bool, fast_accum: bool, out_dtype) -> torch.Tensor:
+    """Grouped ``a · bᵀ`` of FP8 codes with FP32 decode scales applied to the output.
+
+    2-D × 3-D (forward, data gradient): a [rows, K], sa [rows], b [E, N, K], sb [E, N] -> [rows, N].
+    2-D × 2-D (weight gradient; ``b`` 2-D): a [N, rows], sa [E, N], b [K, rows], sb [E, K] -> [E, N, K],
+    each expert reducing over its own rows.
+    """
+    wgrad = b.dim() == 2
+    if native:
+        if wgrad:
+            return torch._scaled_grouped_mm(a, b.t(), sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(),
+                                            offs=groups.offs, out_dtype=out_dtype)
+        return groups.clear_tail(torch._scaled_grouped_mm(a, b.transpose(1, 2), sa.contiguous(), sb.contiguous(),
+                                                          offs=groups.offs, out_dtype=out_dtype,
+                                                          use_fast_accum=fast_accum))
+    va, vb = decode(a, _fmt(a)), decode(b, _fmt(b))
+    if wgrad:
+        out = [(_mm_fp32(va[:, s:s + c].contiguous(), vb[:, s:s + c].contiguous()) * sa[e][:, None]) * sb[e][None, :]
+               for e, (s, c) in enumerate(groups.host)]
+        return torch.stack(out).to(out_dtype)
+    parts = [((_mm_fp32(va[s:s + c], vb[e]) * sa[s:s + c, None]) * sb[e][None, :]).to(out_dtype)
+             for e, (s, c) in enumerate(groups.host)]
+    return groups.pieces(parts, vb.shape[1], parts[0] if parts else va.to(out_dtype))
+
+
+def _fmt(codes: torch.Tensor):
+    from lpbench.precision.formats import E4M3, E5M2
+
+    return E4M3 if codes.dtype == torch.float8_e4m3fn else E5M2
+
+
+class _Fp8GroupedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, groups: Groups, recipe, native: bool):
+        E, N, K = w.shape
+        with torch.autocast(x.device.type, enabled=False):
+            gid = groups.row_group
+            xq, sx = _group_fp8(x, recipe.operand("input", "fprop"), gid, E)
+            wq, sw = _group_fp8(w.reshape(E * N, K), recipe.operand("weight", "fprop"),
+                                torch.arange(E, device=w.device).repeat_interleave(N), E)
+            y = _scaled_grouped(xq, sx, wq.view(E, N, K), sw.view(E, N), groups, native, recipe.fast_accum_fprop,
+                                x.dtype)
+        ctx.save_for_backward(x, w)
+        ctx.groups, ctx.recipe, ctx.native = groups, recipe, native
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        groups, recipe, native = ctx.groups, ctx.recipe, ctx.native
+        E, N, K = w.shape
+        gid = groups.row_group
+        dx = dw = None
+        with torch.autocast(dy.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                gq, sg = _group_fp8(dy, recipe.operand("grad", "dgrad"), gid, E)
+                wt = w.transpose(1, 2).reshape(E * K, N)
+                wtq, swt = _group_fp8(wt, recipe.operand("weight", "dgrad"),
+                                      torch.arange(E, device=w.device).repeat_interleave(K), E)
+                dx = _scaled_grouped(gq, sg, wtq.view(E, K, N), swt.view(E, K), groups, native, False, x.dtype)
+            if ctx.needs_input_grad[1]:
+                if recipe.operand("grad", "wgrad") is None:  # weight gradient in the compute dtype
+                    dw = torch.stack([_hp_wgrad(dy[s:s + c], x[s:s + c]) for s, c in groups.host])
+                else:
+                    gq, sg = _group_fp8(dy, recipe.operand("grad", "wgrad"), gid, E, along_rows=True)
+                    xq, sx = _group_fp8(x, recipe.operand("input", "wgrad"), gid, E, along_rows=True)
+                    dw = _scaled_grouped(gq.t().contiguous(), sg, xq.t().contiguous(), sx, groups, native, False,
+                                         torch.float32)
+                dw = dw.to(w.dtype)
+        return dx, dw, None, None, None
+
+
+def _hp_wgrad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    from lpbench.precision.linear import _hp_gemm
+
+    return _hp_gemm(dy.t(), x.t(), x.dtype)
+
+
+def fp8_grouped(x: torch.Tensor, w: torch.Tensor, groups: Groups, recipe, native: bool) -> torch.Tensor:
+    """FP8 row-wise / tensor-wise grouped ``x_e · w_eᵀ`` (x in the compute dtype, w the master weight)."""
+    return _Fp8GroupedFn.apply(x, w, groups, recipe, native)
+
+
+def looped(x: torch.Tensor, w: torch.Tensor, groups: Groups, gemms) -> torch.Tensor:
+    """Each expert's rows through its dense quantized GEMMs (``gemms[e]``, an ExpertGemms)."""
+    parts = [gemms[e]._linear(x[s:s + c], w[e], None) for e, (s, c) in enumerate(groups.host)]
+    return groups.pieces(parts, w.shape[1], x)

@@ -1,0 +1,144 @@
+"""MoE: grouped expert GEMMs == the per-expert loop (outputs and gradients) for every recipe, routing, losses."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lpbench.models.moe import MoE, load_balancing_loss, route, z_loss
+from lpbench.models.registry import ModelConfig
+from lpbench.precision.linear import QuantizedLinear
+from lpbench.precision.recipes import RECIPES, get_recipe
+
+CFG = ModelConfig("moe-test", 1, 32, 64, 2, 2, 64, n_experts=4, top_k=2)
+
+
+def loop_reference(moe: MoE, x: torch.Tensor, recipe=None) -> torch.Tensor:
+    """The per-expert loop: each expert's tokens (in token order) through dense linears of its weights
+    (a QuantizedLinear of the recipe, or F.linear in the autocast dtype), gated, summed in expert order."""
+    x2 = x.reshape(-1, x.shape[-1])
+    with torch.autocast(x.device.type, enabled=False):
+        weights, chosen, _ = route(F.linear(x2.float(), moe.router.weight.float()), moe.top_k, moe.router_kind,
+                                   moe.norm_topk)
+    exp = moe.experts
+    out = torch.zeros_like(x2)
+    for e in range(moe.n_experts):
+        token, slot = (chosen == e).nonzero(as_tuple=True)
+        if not token.numel():
+            continue
+        xe = x2[token].to(torch.bfloat16)
+
+        def lin(name):
+            w = getattr(exp, name)[e]
+            if recipe is None or not recipe.quantized:
+                return lambda t: F.linear(t, w.to(t.dtype))
+            q = QuantizedLinear(w.shape[1], w.shape[0], bias=False, recipe=recipe, device="meta")
+            q._init_histories("cpu")
+            return lambda t: q._linear(t, w, None)
+
+        gate, up = lin("gate_up")(xe).chunk(2, dim=-1)
+        ye = lin("down")(F.silu(gate) * up)
+        out.index_add_(0, token, ye * weights[token, slot, None].to(x2.dtype))
+    return out.reshape(x.shape)
+
+
+def _moe(seed=0, **kw):
+    torch.manual_seed(seed)
+    moe = MoE(dataclasses.replace(CFG, **kw))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return moe
+
+
+def _compare(moe, recipe, x):
+    if recipe.quantized:
+        moe.experts.set_recipe(recipe, native=False)
+    xa = x.clone().requires_grad_()
+    xb = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya = moe(xa)
+        yb = loop_reference(moe, xb, recipe)
+    torch.manual_seed(1)
+    dy = torch.randn_like(ya)
+    ga = torch.autograd.grad(ya, [xa, moe.experts.gate_up, moe.experts.down], dy)
+    gb = torch.autograd.grad(yb, [xb, moe.experts.gate_up, moe.experts.down], dy)
+    assert torch.equal(ya, yb)
+    for a, b in zip(ga, gb):
+        assert torch.equal(a, b)
+
+
+QUANTIZED = [n for n, r in RECIPES.items() if r.quantized]
+CASES = ("random", "idle-experts", "one-expert")
+
+
+def _case_moe(case: str, recipe):
+    """A tiny MoE whose dims fit the recipe's block, and inputs that route as ``case`` says."""
+    width = max(32, recipe.block or 0)
+    moe = _moe(dim=width, ffn_dim=width, top_k=1 if case == "one-expert" else 2)
+    x = torch.randn(2, 24, width)
+    if case != "random":  # positive inputs; experts 1 (and 2) win every token, 0 and 3 get none
+        x = x.abs()
+        w = moe.router.weight.data
+        w[0], w[1], w[2] = -1.0, 1.0, 0.5
+        w[3] = w[3] * 0.01
+    return moe, x
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("recipe", ["bf16", *QUANTIZED, "nvfp4-no-sr"])
+def test_grouped_equals_loop(recipe, case):
+    r = get_recipe(recipe)
+    if r.stochastic_grads:
+        pytest.skip("stochastic rounding draws in another order; nvfp4-no-sr covers the rest of nvfp4")
+    moe, x = _case_moe(case, r)
+    with torch.no_grad():
+        _, chosen, _ = route(F.linear(x.reshape(-1, x.shape[-1]), moe.router.weight), moe.top_k, "mixtral")
+    used = set(chosen.unique().tolist())
+    assert used == ({1} if case == "one-expert" else {1, 2} if case == "idle-experts" else used)
+    _compare(moe, r, x)
+
+
+def test_routing_mixtral_and_qwen3():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 0.5, 0.25]])
+    w_mix, c_mix, probs = route(logits, 2, "mixtral")
+    assert c_mix.tolist() == [[0, 1], [1, 2]]
+    e = math.exp(1.0)
+    assert torch.allclose(w_mix[0], torch.tensor([e / (e + 1), 1 / (e + 1)]))
+    w_q, c_q, _ = route(logits, 2, "qwen3")
+    assert torch.equal(c_q, c_mix) and torch.allclose(w_q, w_mix)  # normalised top-k == softmax of top-k logits
+    w_raw, _, _ = route(logits, 2, "qwen3", norm_topk=False)
+    assert torch.allclose(w_raw, probs.gather(1, c_q)) and (w_raw.sum(1) < 1).all()
+
+
+def test_aux_and_z_loss_by_hand():
+    # 2 tokens, 2 experts, top-1: token 0 -> expert 0 (p 0.75), token 1 -> expert 0 (p 0.5 / 0.5 tie -> 0)
+    logits = torch.tensor([[math.log(3.0), 0.0], [0.0, 0.0]])
+    _, chosen, probs = route(logits, 1, "mixtral")
+    counts = torch.bincount(chosen.flatten(), minlength=2)
+    assert counts.tolist() == [2, 0]
+    # E * sum_e f_e * P_e = 2 * (1.0 * mean(0.75, 0.5) + 0 * mean(0.25, 0.5)) = 1.25
+    assert load_balancing_loss(probs, counts, 1).item() == pytest.approx(1.25)
+    # mean of logsumexp^2: lse0 = log(4), lse1 = log(2)
+    assert z_loss(logits).item() == pytest.approx((math.log(4) ** 2 + math.log(2) ** 2) / 2)
+
+
+def test_aux_losses_reach_the_router_only_through_their_coefficients():
+    """With coefficients, the router's gradient is that of output·dy + coeff_aux·aux + coeff_z·z (x 1/GA)."""
+    from lpbench.models.moe import configure_moe
+
+    moe = _moe()
+    x = torch.randn(1, 16, 32)
+    y = moe(x)
+    g0 = torch.autograd.grad(y.sum(), moe.router.weight)[0]
+    configure_moe(moe, aux_coeff=0.1, z_coeff=0.01, grad_scale=0.5)
+    y = moe(x)
+    assert torch.equal(y, moe(x))  # the output itself is unchanged
+    g1 = torch.autograd.grad(y.sum(), moe.router.weight)[0]
+    logits = F.linear(x.reshape(-1, 32), moe.router.weight)
+    _, chosen, probs = route(logits, 2, "mixtral")
+    counts = torch.bincount(chosen.flatten(), minlength=4)
+    extra = 0.5 * (0.1 * load_balancing_loss(probs, counts, 2) + 0.01 * z_loss(logits))
+    g_extra = torch.autograd.grad(extra, moe.router.weight)[0]
+    assert torch.allclose(g1, g0 + g_extra, atol=1e-6)
