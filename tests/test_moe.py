@@ -142,3 +142,32 @@ def test_aux_losses_reach_the_router_only_through_their_coefficients():
     extra = 0.5 * (0.1 * load_balancing_loss(probs, counts, 2) + 0.01 * z_loss(logits))
     g_extra = torch.autograd.grad(extra, moe.router.weight)[0]
     assert torch.allclose(g1, g0 + g_extra, atol=1e-6)
+
+
+def test_training_logs_expert_load_and_counts_every_routed_token(monkeypatch):
+    import lpbench.train.loop as loop
+    from lpbench.config import RunConfig
+    from lpbench.models.registry import MODELS
+
+    monkeypatch.setitem(MODELS, "moe-test", dataclasses.replace(CFG, n_layers=2, max_seq_len=64))
+    cfg = RunConfig(model="moe-test", precision="fp32", seq_len=16, mbs=2, gbs=4, steps=2, warmup_steps=1,
+                    device="cpu", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    lines = []
+    result = loop.train(cfg, log=lines.append)
+    assert result.status == "ok"
+    moe_lines = [line for line in lines if line.startswith("moe | load_balancing_loss:")]
+    assert len(moe_lines) == 2
+    counts = result.metrics["tokens_per_expert"]
+    assert len(counts) == 2 and all(sum(layer) == 2 * 4 * 16 * 2 for layer in counts)  # steps x GBS x seq x top-k
+    assert all(s["moe_aux_loss"] >= 2 * 0.99 for s in result.steps)  # >= 1 per layer (1 = balanced), 2 layers
+
+
+def test_bad_moe_flags_exit_2(capsys):
+    from lpbench.cli import main
+
+    assert main(["run", "--model", "mixtral-8x7b", "--ep", "3", "--steps", "2", "--warmup-steps", "1"]) == 2
+    assert "--ep 3 must divide" in capsys.readouterr().err
+    assert main(["run", "--model", "tiny", "--moe-aux-loss-coeff", "0.01"]) == 2
+    assert "dense" in capsys.readouterr().err
+    assert main(["run", "--model", "mixtral-8x7b", "--tp", "2", "--nproc-per-node", "2"]) == 2
+    assert "--ep" in capsys.readouterr().err
