@@ -189,3 +189,37 @@ def test_export_rejects_what_hf_llama_cannot_hold(tmp_path):
     with pytest.raises(UsageError, match="LayerNorm"):
         export_hf_checkpoint(build_model(MODELS["nemotron4-15b"].__class__(
             **{**MODELS["tiny"].__dict__, "norm": "layer", "activation": "sqrelu"}), device="cpu"), tmp_path)
+
+
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_qwen3_moe_checkpoint_loads_with_identical_logits(norm_topk, tmp_path):
+    """A tiny random Qwen3-MoE (8 experts, top-2) saved by transformers: lpbench's logits are HF's."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(**{**TINY, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
+                                         "num_experts_per_tok": 2, "norm_topk_prob": norm_topk,
+                                         "tie_word_embeddings": False})
+    ref = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.ndim == 1:
+                p.copy_(torch.randn_like(p) * 0.2 + 1.0)
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_hf_checkpoint(tmp_path / "hf")
+    assert model.cfg.n_experts == 8 and model.cfg.top_k == 2 and model.cfg.router == "qwen3"
+    assert model.cfg.router_norm_topk == norm_topk and model.cfg.qk_norm and model.cfg.ffn_dim == 32
+    with torch.no_grad():
+        got = model(INPUT)
+    expected = hf_logits(ref, INPUT)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert expected.std() > 0.1
+
+
+def test_config_from_hf_qwen3_30b_a3b_matches_the_zoo():
+    hf = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+          "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+          "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+          "rope_theta": 1e6, "max_position_embeddings": 40960, "tie_word_embeddings": False, "num_experts": 128,
+          "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    assert config_from_hf(hf, name="qwen3-30b-a3b") == MODELS["qwen3-30b-a3b"]
+    with pytest.raises(UsageError, match="mlp_only_layers"):
+        config_from_hf({**hf, "mlp_only_layers": [0]})

@@ -32,8 +32,11 @@ SCENARIOS = {
     2: {"ddp": dict(mbs=4), "ddp-ga": dict(mbs=2), "fsdp": dict(mbs=4, fsdp=True), "fsdp-ga": dict(mbs=2, fsdp=True),
         "tp": dict(tp=2), "tp-no-sp": dict(tp=2, sequence_parallel=False, mbs=4),
         **{f"tp-{name}": dict(tp=2, model=name) for name in ARCHS if not ARCHS[name].n_experts},
-        "ddp-test-moe": dict(mbs=4, model="test-moe"), "fsdp-test-moe": dict(mbs=4, fsdp=True, model="test-moe")},
-    4: {"fsdp-tp": dict(mbs=2, tp=2, fsdp=True), "ddp-tp": dict(mbs=4, tp=2)},
+        "ddp-test-moe": dict(mbs=4, model="test-moe"), "ep2-test-moe": dict(mbs=4, model="test-moe", ep=2),
+        "ep2-fsdp-test-moe": dict(mbs=2, model="test-moe", ep=2, fsdp=True)},
+    4: {"fsdp-tp": dict(mbs=2, tp=2, fsdp=True), "ddp-tp": dict(mbs=4, tp=2),
+        "ep4-test-moe": dict(mbs=2, model="test-moe", ep=4), "ep2-fsdp-test-moe": dict(mbs=2, model="test-moe", ep=2,
+                                                                                       fsdp=True)},
 }
 
 
@@ -131,9 +134,11 @@ def test_two_ranks_train_like_one_process(name, world2, reference):
 
 @pytest.mark.parametrize("name", list(SCENARIOS[4]))
 def test_fsdp_and_ddp_times_tp_on_a_2d_mesh(name, world4, reference):
-    _assert_same_training(world4[0][name], reference["tiny"])
+    _assert_same_training(world4[0][name], reference[SCENARIOS[4][name].get("model", "tiny")])
     m = world4[0][name]["metrics"]
-    assert (m["world_size"], m["dp"], m["tp"], m["fsdp"]) == (4, 2, 2, 2 if "fsdp" in name else 1)
+    tp, ep = SCENARIOS[4][name].get("tp", 1), SCENARIOS[4][name].get("ep", 1)
+    assert (m["world_size"], m["dp"], m["tp"], m["ep"]) == (4, 4 // tp, tp, ep)
+    assert m["fsdp"] == (4 // tp if "fsdp" in name else 1)
 
 
 def test_only_rank_0_logs_and_metrics_are_per_gpu(world2):

@@ -178,7 +178,8 @@ class Decoder(nn.Module):
         gen = torch.Generator(device=device).manual_seed(seed)
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
-            full = torch.empty(p.shape, dtype=p.dtype, device=device)
+            shape = (self.cfg.n_experts, *p.shape[1:]) if ".experts." in name else p.shape  # all experts (EP)
+            full = torch.empty(shape, dtype=p.dtype, device=device)
             if p.ndim == 1:
                 full.fill_(1.0 if name.endswith("weight") else 0.0)
             else:

@@ -1,7 +1,8 @@
-"""Hugging Face interop: Llama / Qwen3 checkpoints (``config.json`` + ``*.safetensors``) in and out.
+"""Hugging Face interop: Llama / Qwen3 checkpoints (``config.json`` + ``*.safetensors``) in and out,
+Qwen3-MoE checkpoints in.
 
 Local folders only (no hub access). The architecture comes from ``config.json``
-(``LlamaForCausalLM`` or ``Qwen3ForCausalLM``); weights from ``model.safetensors`` or the shards
+(``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM``); weights from ``model.safetensors`` or the shards
 listed in ``model.safetensors.index.json``. Tensor names, HF → lpbench (``i`` = layer)::
 
     model.embed_tokens.weight                        tok_embeddings.weight
@@ -12,6 +13,9 @@ listed in ``model.safetensors.index.json``. Tensor names, HF → lpbench (``i`` 
     model.layers.i.post_attention_layernorm.weight   layers.i.mlp_norm.weight
     model.layers.i.mlp.{gate,up}_proj.{weight,bias}  layers.i.mlp.gate_up.*  rows [gate; up]
     model.layers.i.mlp.down_proj.{weight,bias}       layers.i.mlp.down.*
+    model.layers.i.mlp.gate.weight                   layers.i.mlp.router.weight        (Qwen3-MoE)
+    model.layers.i.mlp.experts.e.{gate,up}_proj.weight  layers.i.mlp.experts.gate_up[e]  rows [gate; up]
+    model.layers.i.mlp.experts.e.down_proj.weight    layers.i.mlp.experts.down[e]
     model.norm.weight                                norm.weight
     lm_head.weight                                   lm_head.weight   (absent when tied)
 
@@ -35,11 +39,12 @@ from lpbench.models.registry import ModelConfig, get_model_config
 
 PathLike = str | os.PathLike
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 # transformers' class defaults for keys a config.json may omit
 _DEFAULTS = {
     "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "max_position_embeddings": 2048, "head_dim": None},
     "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "max_position_embeddings": 32768, "head_dim": 128},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "max_position_embeddings": 32768, "head_dim": 128},
 }
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -134,7 +139,18 @@ def config_from_hf(path_or_config: PathLike | dict, name: str | None = None) -> 
     if attn_bias != mlp_bias:
         raise UsageError(f"{where}: attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported "
                          f"(lpbench has one bias flag for every linear)")
-    if family == "qwen3":
+    moe = {}
+    if family == "qwen3_moe":
+        ffn = need("moe_intermediate_size")
+        experts = hf.get("num_experts", hf.get("num_local_experts"))
+        if not isinstance(experts, int) or experts < 1:
+            raise UsageError(f"{where}: num_experts must be a positive integer, got {experts!r}")
+        top_k = need("num_experts_per_tok")
+        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+            raise UsageError(f"{where}: dense layers between MoE layers (mlp_only_layers, decoder_sparse_step) "
+                             "are not supported")
+        moe = dict(n_experts=experts, top_k=top_k, router="qwen3", router_norm_topk=bool(hf.get("norm_topk_prob")))
+    if family in ("qwen3", "qwen3_moe"):
         if hf.get("use_sliding_window"):
             raise UsageError(f"{where}: use_sliding_window=true is not supported")
         types = set(hf.get("layer_types") or ["full_attention"])
@@ -148,11 +164,12 @@ def config_from_hf(path_or_config: PathLike | dict, name: str | None = None) -> 
         norm_eps=float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
         rope_theta=theta,
         rope_scaling=scaling,
-        qk_norm=family == "qwen3",
+        qk_norm=family != "llama",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bias=attn_bias,
         max_seq_len=int(hf.get("max_position_embeddings", defaults["max_position_embeddings"])),
-        family=family,
+        family="qwen3" if family == "qwen3_moe" else family,
+        **moe,
     )
 
 
@@ -242,10 +259,25 @@ def hf_weight_map(cfg: ModelConfig) -> dict[str, tuple[str, int | None, int | No
             m[f"{hf}self_attn.k_proj.{s}"] = (f"{lp}attn.qkv.{s}", q, q + kv)
             m[f"{hf}self_attn.v_proj.{s}"] = (f"{lp}attn.qkv.{s}", q + kv, q + 2 * kv)
             m[f"{hf}self_attn.o_proj.{s}"] = (f"{lp}attn.o.{s}", None, None)
+            if cfg.n_experts:
+                continue
             m[f"{hf}mlp.gate_proj.{s}"] = (f"{lp}mlp.gate_up.{s}", 0, ffn)
             m[f"{hf}mlp.up_proj.{s}"] = (f"{lp}mlp.gate_up.{s}", ffn, 2 * ffn)
             m[f"{hf}mlp.down_proj.{s}"] = (f"{lp}mlp.down.{s}", None, None)
+        if cfg.n_experts:
+            m[hf + "mlp.gate.weight"] = (lp + "mlp.router.weight", None, None)
+            for e in range(cfg.n_experts):
+                x = f"{hf}mlp.experts.{e}."
+                m[x + "gate_proj.weight"] = (f"{lp}mlp.experts.gate_up[{e}]", 0, ffn)
+                m[x + "up_proj.weight"] = (f"{lp}mlp.experts.gate_up[{e}]", ffn, 2 * ffn)
+                m[x + "down_proj.weight"] = (f"{lp}mlp.experts.down[{e}]", None, None)
     return m
+
+
+def _param_view(params: dict, name: str) -> torch.Tensor:
+    """The parameter (or one expert's slice of a stacked one, ``name[e]``) a weight-map entry names."""
+    base, _, index = name.partition("[")
+    return params[base] if not index else params[base][int(index[:-1])]
 
 
 def safetensors_files(path: PathLike) -> list[Path]:
@@ -288,9 +320,9 @@ def load_hf_weights(model: Decoder, path: PathLike) -> Decoder:
     cfg = model.cfg
     wmap = hf_weight_map(cfg)
     params = dict(model.named_parameters(remove_duplicate=False))
-    covered = {lp for lp, _, _ in wmap.values()}
+    covered = {lp.partition("[")[0] for lp, _, _ in wmap.values()}
     expected_params = {n for n in params if not (cfg.tie_embeddings and n == "lm_head.weight")}
-    if covered != expected_params:  # the model is not a plain Decoder (LoRA wrappers, MoE ...)
+    if covered != expected_params:  # the model is not a plain Decoder (LoRA wrappers ...)
         raise UsageError(f"{cfg.name}: cannot load HF weights into this model: parameters "
                          f"{sorted(expected_params ^ covered)[:4]} do not match a Llama/Qwen3 layout")
     loaded: set[str] = set()
@@ -305,7 +337,7 @@ def load_hf_weights(model: Decoder, path: PathLike) -> Decoder:
                         unexpected.append(key)
                         continue
                     lp, lo, hi = wmap[key]
-                    dst = params[lp] if lo is None else params[lp][lo:hi]
+                    dst = _param_view(params, lp) if lo is None else _param_view(params, lp)[lo:hi]
                     t = fh.get_tensor(key)
                     if tuple(t.shape) != tuple(dst.shape):
                         raise UsageError(f"{f.name}: tensor {key} has shape {tuple(t.shape)}, expected "

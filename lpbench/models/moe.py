@@ -100,8 +100,19 @@ class Experts(nn.Module):
                                                             for _ in range(self.n_experts))
                                         for name in (self.in_name, "down")})
 
+    def set_torchao(self) -> None:
+        """Run the GEMMs through torchao's FP8 row-wise grouped GEMMs (``--backend torchao``, Hopper)."""
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+        self.torchao = _to_fp8_rowwise_then_scaled_grouped_mm
+
+    torchao = None
+
     def _project(self, name: str, x: torch.Tensor, groups: Groups) -> torch.Tensor:
         w = getattr(self, name)
+        if self.torchao is not None:  # groups padded to 16 rows, as torchao requires
+            return groups.clear_tail(self.torchao(x, w.transpose(1, 2), groups.offs, x.dtype,
+                                                  pad_token_groups_for_grouped_mm=False))
         if self.recipe is None:
             return grouped_linear(x, w, groups)
         if self.gemms is None:

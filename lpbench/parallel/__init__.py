@@ -3,6 +3,7 @@
 - :mod:`~lpbench.parallel.env`: rank/world from torchrun or srun, process group, reductions.
 - :mod:`~lpbench.parallel.tp`: column/row-wise + sequence-parallel plans; each split linear's ``tp_shard``.
   The quantized linear's own TP and FSDP hooks live in precision (``tp_local``, ``fp8_allgather``).
+- :mod:`~lpbench.parallel.ep`: expert parallelism (MoE experts spread over data-parallel ranks, all-to-all).
 - :mod:`~lpbench.parallel.dp`: DDP / FSDP2 wrapping, gradient-sync control, grad-norm clipping.
 - :mod:`~lpbench.parallel.plan`: ``parallelize`` (TP -> compile -> FSDP/DDP on a ``(dp, tp)`` mesh), and
   ``materialize`` for models built on the meta device.

@@ -12,6 +12,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lpbench.parallel.ep import expert_params
+
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None) -> nn.Module:
     """FSDP2: one ``fully_shard`` group per transformer block and one for the root (embeddings, head).
@@ -20,9 +22,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     gradients reduce-scattered in FP32; the sharded master weights stay FP32.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    ignored = set(expert_params(model)[0]) or None  # expert parallel: each rank's own experts
     for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    return fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+    return fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Module:
@@ -35,6 +38,10 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Mo
         for block in model.layers:
             replicate(block, mesh=mesh)
         return replicate(model, mesh=mesh)
+    ignored = {id(p) for p in expert_params(model)[0]}  # expert parallel: each rank's own experts
+    if ignored:
+        DDP._set_params_and_buffers_to_ignore_for_model(
+            model, [name for name, p in model.named_parameters() if id(p) in ignored])
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh.get_group(),
                find_unused_parameters=model.cfg.n_experts > 0)  # an MoE expert may get no token on a rank
 
@@ -55,24 +62,33 @@ def grad_sync(model: nn.Module, enabled: bool):
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
-                    optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+                    optimizer: torch.optim.Optimizer | None = None,
+                    spread: tuple[list, object] = ([], None)) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for parameters on several device meshes (and none).
 
     Plain, DTensor-on-the-TP-mesh and FSDP-sharded gradients are normed per mesh (DTensor
-    reduces each over its shards) and combined; returns the global 2-norm, the same on all ranks.
+    reduces each over its shards) and combined; ``spread`` (params, group): plain parameters that
+    differ across the ranks of group (expert parallelism), their squares summed over it. Returns
+    the global 2-norm, the same on all ranks.
 
     With a fused ``optimizer`` (torch's fused Adam/AdamW) the gradients are not scaled here:
     the optimizer's next step divides them by ``1 / clip coefficient`` (its ``grad_scale``, the
     hook AMP's GradScaler uses) inside its one kernel, which saves a read and a write of every
     gradient. The update equals clipping first up to the rounding of ``g / s`` against ``g · c``.
     """
+    spread_ids = {id(p) for p in spread[0]}
     groups: dict = {}
     for p in params:
         if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+            key = "spread" if id(p) in spread_ids else p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
     norms = []
-    for group in groups.values():
+    for key, group in groups.items():
         n = torch.nn.utils.get_total_norm([p.grad for p in group])
+        if key == "spread":
+            n = n.square()
+            torch.distributed.all_reduce(n, group=spread[1])
+            n = n.sqrt()
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
     if not norms:
         return torch.zeros(())

@@ -1,7 +1,8 @@
 """``parallelize``: one model, one config -> the module to train on a ``(dp, tp)`` device mesh.
 
-Order (torchtitan's): tensor parallel on the ``tp`` mesh, ``torch.compile``, then FSDP2 or DDP
-on the ``dp`` mesh. A model built on the meta device (no memory) is sharded first, then
+Order (torchtitan's): tensor parallel on the ``tp`` mesh, expert parallel (``--ep``, the experts
+of each MoE layer spread over data-parallel ranks, :mod:`lpbench.parallel.ep`), ``torch.compile``,
+then FSDP2 or DDP on the ``dp`` mesh over the other weights. A model built on the meta device (no memory) is sharded first, then
 allocated and initialised (:func:`materialize`: after FSDP, else before DDP, which needs the
 values): every rank keeps its shard of the very weights a single process would build from the
 same seed, so all layouts start from identical weights.
@@ -20,7 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lpbench.config import RunConfig
+from lpbench.models.moe import Experts
 from lpbench.parallel.dp import apply_ddp, apply_fsdp
+from lpbench.parallel.ep import apply_ep
 from lpbench.precision.policy import apply_fp8_all_gather
 from lpbench.parallel.tp import apply_tp, interleave
 
@@ -63,6 +66,8 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
     fsdp = cfg.dp > 1 and cfg.fsdp
     if cfg.tp > 1:
         apply_tp(model, mesh["tp"], cfg.sequence_parallel)
+    if cfg.ep > 1:
+        apply_ep(model, cfg.ep, device.type)
     if not fsdp:
         materialize(model, device, cfg.seed)
     if by_block:
@@ -112,8 +117,12 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     for buffer in model.buffers():
         buffer.zero_()
     splits = {name: m.tp_shard for name, m in model.named_modules() if getattr(m, "tp_shard", None) is not None}
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
 
     def write(name: str, param: torch.Tensor, full: torch.Tensor) -> None:
+        owner = experts.get(name.rpartition(".")[0])
+        if owner is not None:  # expert parallelism: this rank's experts
+            full = full[owner.first:owner.first + owner.n_experts]
         split = splits.get(name.rpartition(".")[0])
         if split is not None and split.dim == 0 and len(split.sections) > 1:
             full = interleave(full, split.sections, split.size)

@@ -95,6 +95,11 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Te
     w = w.to(x.dtype)
     if _native_grouped(x) and x.dtype == torch.bfloat16:
         return groups.clear_tail(torch._grouped_mm(x, w.transpose(1, 2), offs=groups.offs))
+    return _per_expert_linear(x, w, groups)
+
+
+@torch.compiler.disable  # per-expert shapes: run eagerly, never specialised and recompiled on the counts
+def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
     parts = [F.linear(x[s:s + c], w[e]) for e, (s, c) in enumerate(groups.host)]
     return groups.pieces(parts, w.shape[1], x)
 
@@ -136,6 +141,12 @@ def _scaled_grouped(a, sa, b, sb, groups: Groups, native: bool, fast_accum: bool
         return groups.clear_tail(torch._scaled_grouped_mm(a, b.transpose(1, 2), sa.contiguous(), sb.contiguous(),
                                                           offs=groups.offs, out_dtype=out_dtype,
                                                           use_fast_accum=fast_accum))
+    return _emulated_scaled_grouped(a, sa, b, sb, groups, out_dtype)
+
+
+@torch.compiler.disable
+def _emulated_scaled_grouped(a, sa, b, sb, groups: Groups, out_dtype) -> torch.Tensor:
+    wgrad = b.dim() == 2
     va, vb = decode(a, _fmt(a)), decode(b, _fmt(b))
     if wgrad:
         out = [(_mm_fp32(va[:, s:s + c].contiguous(), vb[:, s:s + c].contiguous()) * sa[e][:, None]) * sb[e][None, :]
@@ -183,7 +194,7 @@ class _Fp8GroupedFn(torch.autograd.Function):
                 dx = _scaled_grouped(gq, sg, wtq.view(E, K, N), swt.view(E, K), groups, native, False, x.dtype)
             if ctx.needs_input_grad[1]:
                 if recipe.operand("grad", "wgrad") is None:  # weight gradient in the compute dtype
-                    dw = torch.stack([_hp_wgrad(dy[s:s + c], x[s:s + c]) for s, c in groups.host])
+                    dw = _hp_wgrad(dy, x, groups)
                 else:
                     gq, sg = _group_fp8(dy, recipe.operand("grad", "wgrad"), gid, E, along_rows=True)
                     xq, sx = _group_fp8(x, recipe.operand("input", "wgrad"), gid, E, along_rows=True)
@@ -193,10 +204,12 @@ class _Fp8GroupedFn(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def _hp_wgrad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+@torch.compiler.disable
+def _hp_wgrad(dy: torch.Tensor, x: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Every expert's ``dy_eᵀ · x_e`` in the compute dtype with FP32 accumulation, as the dense linear."""
     from lpbench.precision.linear import _hp_gemm
 
-    return _hp_gemm(dy.t(), x.t(), x.dtype)
+    return torch.stack([_hp_gemm(dy[s:s + c].t(), x[s:s + c].t(), x.dtype) for s, c in groups.host])
 
 
 def fp8_grouped(x: torch.Tensor, w: torch.Tensor, groups: Groups, recipe, native: bool) -> torch.Tensor:
@@ -204,6 +217,7 @@ def fp8_grouped(x: torch.Tensor, w: torch.Tensor, groups: Groups, recipe, native
     return _Fp8GroupedFn.apply(x, w, groups, recipe, native)
 
 
+@torch.compiler.disable
 def looped(x: torch.Tensor, w: torch.Tensor, groups: Groups, gemms) -> torch.Tensor:
     """Each expert's rows through its dense quantized GEMMs (``gemms[e]``, an ExpertGemms)."""
     parts = [gemms[e]._linear(x[s:s + c], w[e], None) for e, (s, c) in enumerate(groups.host)]

@@ -23,6 +23,7 @@ from lpbench.models import build_model, count_parameters
 from lpbench.models.hf import load_hf_checkpoint
 from lpbench.models.moe import configure_moe, take_moe_stats
 from lpbench.parallel.dp import clip_grad_norm_, grad_sync
+from lpbench.parallel.ep import expert_params, sync_expert_grads
 from lpbench.parallel.env import all_reduce, init_distributed
 from lpbench.parallel.plan import parallelize
 from lpbench.precision import gemm
@@ -120,6 +121,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     workload_metrics["weight_bytes"] = weight_bytes(par.module)
     forward = par.forward
     params = [p for p in par.module.parameters() if p.requires_grad]
+    spread = expert_params(par.module)  # expert parallel: each rank's own experts
     optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda")
     scheduler = build_scheduler(optimizer, cfg)
     memory.reset_peak(device)  # after building, sharding and initialising the model
@@ -147,7 +149,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     if world.size > 1:
         dp_kind = ("fsdp, fp8 all-gather" if cfg.fsdp_fp8_all_gather else "fsdp") if cfg.fsdp else "ddp"
         log(f"lpbench: {world.size} ranks ({world.launcher}) | dp {cfg.dp} ({dp_kind}) "
-            f"x tp {cfg.tp}{' + sequence parallel' if cfg.tp > 1 and cfg.sequence_parallel else ''}")
+            f"x tp {cfg.tp}{' + sequence parallel' if cfg.tp > 1 and cfg.sequence_parallel else ''}"
+            f"{f' | experts over ep {cfg.ep} ranks' if cfg.ep > 1 else ''}")
 
     checkpointer = Checkpointer(cfg, par.module, optimizer, scheduler, data, device, log)
     start = checkpointer.resume()  # 0 without --load
@@ -165,7 +168,9 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                         loss = forward(*batch)  # input_ids, labels[, doc_ids]
                     (loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach()
-            grad_norm = clip_grad_norm_(params, cfg.grad_clip, optimizer)
+            if cfg.ep > 1:
+                sync_expert_grads(par.module, cfg.dp)
+            grad_norm = clip_grad_norm_(params, cfg.grad_clip, optimizer, spread)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
@@ -217,7 +222,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
         result.metrics["profile"] = profile
     result.metrics.update(_max_over_ranks(memory.summary(device), device))
     result.metrics.update(params=n_params, compile=use_compile, gpu_peaks=gpu.name if gpu else None,
-                          world_size=world.size, dp=cfg.dp, tp=cfg.tp, fsdp=cfg.dp if cfg.fsdp else 1,
+                          world_size=world.size, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep, fsdp=cfg.dp if cfg.fsdp else 1,
                           sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel, **workload_metrics)
     return result
 

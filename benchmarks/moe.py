@@ -1,0 +1,83 @@
+"""MoE throughput on one GPU: grouped expert GEMMs against the per-expert loop, FP8 against BF16, lpbench
+against torchao's MoE path, on zoo MoE models cut with --num-layers.
+
+    python benchmarks/moe.py [--seq-len 4096] [--steps 10] [--warmup 4] [--out DIR]
+
+Per model, in one process and one after another: ``bf16`` (grouped, ``torch._grouped_mm``),
+``bf16-loop`` (one GEMM per expert: the grouped op replaced by its per-expert fallback),
+``fp8-rowwise`` (lpbench's grouped FP8, ``torch._scaled_grouped_mm``) and ``fp8-rowwise/torchao``
+(``--backend torchao``: ``torchao.prototype.moe_training``). Tokens/s, model TFLOP/s (Megatron's
+count on the active experts) and MFU against the BF16 dense peak; ratios against the same model's
+grouped BF16 run. Each result is also written as one JSON line to ``DIR/moe.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+import torch
+
+import lpbench.precision.grouped as grouped
+from lpbench.config import RunConfig
+from lpbench.train.loop import train
+
+MODELS = (("qwen3-30b-a3b", 2), ("mixtral-8x7b", 2))
+VARIANTS = (("bf16", "bf16", "lpbench", False), ("fp8-rowwise", "fp8-rowwise", "lpbench", False),
+            ("fp8-rowwise/torchao", "fp8-rowwise", "torchao", False), ("bf16-loop", "bf16", "lpbench", True))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--models", default=",".join(f"{m}:{n}" for m, n in MODELS), help="NAME:LAYERS,...")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    native = grouped._native_grouped
+    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | seq {args.seq_len} MBS 1 GBS 1 | "
+          f"steps {args.steps} (first {args.warmup} untimed) | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+          flush=True)
+    for spec in args.models.split(","):
+        name, layers = spec.split(":")
+        base = None
+        for label, precision, backend, loop in VARIANTS:
+            grouped._native_grouped = (lambda x: False) if loop else native
+            cfg = RunConfig(model=name, num_layers=int(layers), precision=precision, backend=backend,
+                            seq_len=args.seq_len, mbs=1, gbs=1, steps=args.steps, warmup_steps=args.warmup,
+                            log_interval=args.steps)
+            t0 = time.time()
+            try:
+                r = train(cfg, log=lambda line: print("   ", line, flush=True))
+                m = r.metrics
+                row = {"model": f"{name}@{layers}L", "variant": label, "status": r.status,
+                       "tokens_per_s": m.get("tokens_per_sec_per_gpu"), "step_ms": 1e3 * m.get("step_time_s", 0),
+                       "tflops": m.get("tflops_per_gpu"), "mfu_bf16": m.get("mfu_bf16"),
+                       "peak_gb": m.get("peak_mem_allocated_gb"), "wall_s": time.time() - t0}
+            except Exception as exc:  # one failing variant must not hide the others
+                traceback.print_exc()
+                row = {"model": f"{name}@{layers}L", "variant": label, "status": f"error: {exc}".splitlines()[0]}
+            finally:
+                grouped._native_grouped = native
+                torch.cuda.empty_cache()
+            if label == "bf16" and row.get("tokens_per_s"):
+                base = row["tokens_per_s"]
+            if row.get("tokens_per_s") and base:
+                row["vs_grouped_bf16"] = row["tokens_per_s"] / base
+            with open(os.path.join(args.out, "moe.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if row.get("tokens_per_s"):
+                print(f"RESULT {row['model']:20s} {label:22s} {row['tokens_per_s']:9.0f} tok/s  "
+                      f"{row['step_ms']:8.1f} ms  {row['tflops']:6.1f} TFLOP/s  MFU {row['mfu_bf16']:.3f}  "
+                      f"peak {row['peak_gb']:.1f} GB  {row.get('vs_grouped_bf16', float('nan')):.2f}x grouped bf16  "
+                      f"(wall {row['wall_s']:.0f} s)", flush=True)
+            else:
+                print(f"RESULT {row['model']:20s} {label:22s} {row['status']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
