@@ -30,6 +30,36 @@ VARIANTS = (("bf16", "bf16", "lpbench", False), ("fp8-rowwise", "fp8-rowwise", "
             ("fp8-rowwise/torchao", "fp8-rowwise", "torchao", False), ("bf16-loop", "bf16", "lpbench", True))
 
 
+def check_native(device: str = "cuda") -> None:
+    """Native grouped GEMMs against their emulation (the path the CPU tests prove equal to the per-expert
+    loop) on one tiny MoE layer: outputs and gradients, relative error per variant."""
+    from lpbench.models.moe import MoE
+    from lpbench.models.registry import ModelConfig
+    from lpbench.precision.recipes import get_recipe
+
+    cfg = ModelConfig("check", 1, 256, 512, 2, 2, 64, n_experts=8, top_k=2)
+    torch.manual_seed(0)
+    x = torch.randn(4, 500, 256, device=device)
+    for precision in ("bf16", "fp8-rowwise", "fp8-tensorwise", "fp8-rowwise-gw-hp"):
+        outs = []
+        for native in (True, False):
+            torch.manual_seed(1)
+            moe = MoE(cfg).to(device)
+            for p in moe.parameters():
+                torch.nn.init.normal_(p, std=0.05)
+            if precision != "bf16":
+                moe.experts.set_recipe(get_recipe(precision), native=native)
+            grouped._native_grouped = (lambda t: t.is_cuda) if native else (lambda t: False)
+            xi = x.clone().requires_grad_()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = moe(xi)
+            y.float().square().sum().backward()
+            outs.append([y.float(), xi.grad.float(), moe.experts.gate_up.grad, moe.experts.down.grad])
+        rel = [((a - b).norm() / b.norm()).item() for a, b in zip(*outs)]
+        print(f"check {precision:18s} native vs emulated, rel. error y / dx / dW_gate_up / dW_down: "
+              + " / ".join(f"{r:.2e}" for r in rel), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=4096)
@@ -39,6 +69,12 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     native = grouped._native_grouped
+    try:
+        check_native()
+    except Exception:
+        traceback.print_exc()
+    finally:
+        grouped._native_grouped = native
     print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | seq {args.seq_len} MBS 1 GBS 1 | "
           f"steps {args.steps} (first {args.warmup} untimed) | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
           flush=True)

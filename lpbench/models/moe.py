@@ -94,7 +94,8 @@ class Experts(nn.Module):
         from lpbench.precision.linear import ExpertGemms
 
         self.recipe, self.native = recipe, native
-        if recipe.scaling not in GROUPED_FP8_SCALINGS:
+        # torch's grouped FP8 GEMM takes E4M3 operands only: E5M2 gradients run natively per expert
+        if recipe.scaling not in GROUPED_FP8_SCALINGS or (native and recipe.grad_format != "e4m3"):
             device = self.down.device
             self.gemms = nn.ModuleDict({name: nn.ModuleList(ExpertGemms(recipe, native, device)
                                                             for _ in range(self.n_experts))

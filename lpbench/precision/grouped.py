@@ -14,7 +14,9 @@ Paths, each giving every expert's tokens the numbers the dense linear of its rec
   quantized per token, the weights per expert row; tensor-wise takes one scale per expert's
   tokens; the weight gradient quantizes along each expert's tokens (one scale per expert and
   column). Codes and scales are those of ``QuantizedLinear`` on that expert's tokens; on other
-  devices the GEMM is emulated per expert exactly as the dense linear's emulation.
+  devices the GEMM is emulated per expert exactly as the dense linear's emulation. The native GEMM
+  takes E4M3 operands only, so recipes with E5M2 gradients (fp8-tensorwise) run natively per
+  expert (below).
 * everything else (delayed scaling with its per-expert histories, blockwise, MX, NVFP4) runs each
   expert's tokens through the dense quantized linear's own GEMMs (:class:`ExpertGemms`): exact by
   construction; emulation is about the numbers, not speed.
@@ -198,8 +200,10 @@ class _Fp8GroupedFn(torch.autograd.Function):
                 else:
                     gq, sg = _group_fp8(dy, recipe.operand("grad", "wgrad"), gid, E, along_rows=True)
                     xq, sx = _group_fp8(x, recipe.operand("input", "wgrad"), gid, E, along_rows=True)
+                    # FP32 when emulated; natively BF16 (the only output the grouped FP8 GEMM has, as the dense
+                    # native GEMM's BF16 output)
                     dw = _scaled_grouped(gq.t().contiguous(), sg, xq.t().contiguous(), sx, groups, native, False,
-                                         torch.float32)
+                                         torch.bfloat16 if native else torch.float32)
                 dw = dw.to(w.dtype)
         return dx, dw, None, None, None
 
