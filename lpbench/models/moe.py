@@ -80,9 +80,9 @@ class Experts(nn.Module):
     Under expert parallelism a rank holds experts ``[first, first + len)`` of the model's E.
     """
 
-    def __init__(self, cfg: ModelConfig, n_local: int | None = None):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        E, D, Fd = n_local or cfg.n_experts, cfg.dim, cfg.ffn_dim
+        E, D, Fd = cfg.n_experts, cfg.dim, cfg.ffn_dim
         self.activation, self.n_experts, self.first = cfg.activation, E, 0
         self.in_name = "gate_up" if cfg.gated else "up"
         setattr(self, self.in_name, nn.Parameter(torch.empty(E, (2 if cfg.gated else 1) * Fd, D)))
