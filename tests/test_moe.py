@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from lpbench.models.moe import MoE, load_balancing_loss, route, z_loss
 from lpbench.models.registry import ModelConfig
+from lpbench.precision import gemm
 from lpbench.precision.linear import QuantizedLinear
 from lpbench.precision.recipes import RECIPES, get_recipe
 
@@ -32,8 +33,8 @@ def loop_reference(moe: MoE, x: torch.Tensor, recipe=None) -> torch.Tensor:
 
         def lin(name):
             w = getattr(exp, name)[e]
-            if recipe is None or not recipe.quantized:
-                return lambda t: F.linear(t, w.to(t.dtype))
+            if recipe is None or not recipe.quantized:  # the dense Linear's GEMM (its CPU route included)
+                return lambda t: gemm.linear(t, w.to(t.dtype))
             q = QuantizedLinear(w.shape[1], w.shape[0], bias=False, recipe=recipe, device="meta")
             q._init_histories("cpu")
             return lambda t: q._linear(t, w, None)

@@ -8,7 +8,8 @@ take them. Weights are stacked ``[E, N, K]`` (nn.Linear's layout per expert).
 Paths, each giving every expert's tokens the numbers the dense linear of its recipe gives them:
 
 * compute dtype (BF16/FP32): ``torch._grouped_mm`` on CUDA (BF16, SM90+), else one matmul per
-  expert (the same products, the same accumulation).
+  expert (the same products, the same accumulation; :func:`lpbench.precision.gemm.linear`, the
+  dense linears' CPU route).
 * FP8 row-wise and tensor-wise (:func:`fp8_grouped`): hand-written because torch has the GEMM
   (``torch._scaled_grouped_mm``, Hopper) but not the quantization of grouped operands: rows are
   quantized per token, the weights per expert row; tensor-wise takes one scale per expert's
@@ -28,10 +29,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-import torch.nn.functional as F
 
 from lpbench.precision.formats import decode, encode
-from lpbench.precision.linear import _mm_fp32
+from lpbench.precision.gemm import hp_mm, linear, mm_fp32
 from lpbench.precision.quantize import fp8_decode_scale, fp8_encode_scale
 
 ALIGN = 16
@@ -102,7 +102,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Te
 
 @torch.compiler.disable  # per-expert shapes: run eagerly, never specialised and recompiled on the counts
 def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
-    parts = [F.linear(x[s:s + c], w[e]) for e, (s, c) in enumerate(groups.host)]
+    parts = [linear(x[s:s + c], w[e]) for e, (s, c) in enumerate(groups.host)]
     return groups.pieces(parts, w.shape[1], x)
 
 
@@ -151,10 +151,10 @@ def _emulated_scaled_grouped(a, sa, b, sb, groups: Groups, out_dtype) -> torch.T
     wgrad = b.dim() == 2
     va, vb = decode(a, _fmt(a)), decode(b, _fmt(b))
     if wgrad:
-        out = [(_mm_fp32(va[:, s:s + c].contiguous(), vb[:, s:s + c].contiguous()) * sa[e][:, None]) * sb[e][None, :]
+        out = [(mm_fp32(va[:, s:s + c].contiguous(), vb[:, s:s + c].contiguous()) * sa[e][:, None]) * sb[e][None, :]
                for e, (s, c) in enumerate(groups.host)]
         return torch.stack(out).to(out_dtype)
-    parts = [((_mm_fp32(va[s:s + c], vb[e]) * sa[s:s + c, None]) * sb[e][None, :]).to(out_dtype)
+    parts = [((mm_fp32(va[s:s + c], vb[e]) * sa[s:s + c, None]) * sb[e][None, :]).to(out_dtype)
              for e, (s, c) in enumerate(groups.host)]
     return groups.pieces(parts, vb.shape[1], parts[0] if parts else va.to(out_dtype))
 
@@ -211,9 +211,7 @@ class _Fp8GroupedFn(torch.autograd.Function):
 @torch.compiler.disable
 def _hp_wgrad(dy: torch.Tensor, x: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Every expert's ``dy_eᵀ · x_e`` in the compute dtype with FP32 accumulation, as the dense linear."""
-    from lpbench.precision.linear import _hp_gemm
-
-    return torch.stack([_hp_gemm(dy[s:s + c].t(), x[s:s + c].t(), x.dtype) for s, c in groups.host])
+    return torch.stack([hp_mm(dy[s:s + c].t(), x[s:s + c].t(), x.dtype) for s, c in groups.host])
 
 
 def fp8_grouped(x: torch.Tensor, w: torch.Tensor, groups: Groups, recipe, native: bool) -> torch.Tensor:

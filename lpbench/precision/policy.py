@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lpbench.errors import UsageError
-from lpbench.models.moe import Experts
 from lpbench.precision import fp8_allgather
 from lpbench.precision.kernels import block_scaled
 from lpbench.precision.linear import NATIVE_SCALINGS, QuantizedLinear
@@ -61,7 +60,8 @@ BACKENDS = ("lpbench", "torchao")
 
 
 def _candidate_linears(model: nn.Module, recipe: Recipe):
-    """(full name, module, dims divide) of every linear the recipe may quantize, in order."""
+    """(full name, module, dims divide) of every linear (and MoE experts module) the recipe may quantize, in order."""
+    from lpbench.models.moe import Experts  # the model package imports precision: import here
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError("apply_recipe needs the transformer blocks in model.layers (an nn.ModuleList)")
@@ -105,6 +105,8 @@ def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device
             f"precision {recipe.name} cannot run natively on {device}: {reason}; "
             "pass --emulate to run it with exact emulation (slower, same numerics)"
         )
+    from lpbench.models.moe import Experts
+
     for full, mod, divides in list(_candidate_linears(model, recipe)):
         if not divides:
             result["skipped"].append(full)
