@@ -165,8 +165,8 @@ def _damage(kind: str, ckpt: Path, tmp_path: Path) -> Path:
     ("no-metadata", "corrupt checkpoint (lpbench.json is missing)"),
     ("garbled-metadata", "corrupt checkpoint (lpbench.json is garbled)"),
     ("no-dcp-metadata", "corrupt checkpoint (DCP's .metadata is missing)"),
-    ("missing-shards", "corrupt checkpoint (FileNotFoundError: "),
-    ("garbled-shards", "corrupt checkpoint ("),
+    ("missing-shards", "corrupt checkpoint (__0_0.distcp is missing)"),
+    ("garbled-shards", "corrupt checkpoint (__0_0.distcp has "),
 ])
 def test_a_bad_checkpoint_is_refused_with_exit_2(kind, message, saved, tmp_path, capsys):
     path = _damage(kind, saved, tmp_path)
@@ -216,6 +216,128 @@ def test_cli_saves_and_resumes(tmp_path, capsys):
     assert f"resumed from {ckpt / 'step-2'} at step 2" in out
     resumed = [line.split("lm loss: ")[1].split(" ")[0] for line in out.splitlines() if line.startswith("iteration")]
     assert resumed == straight[2:] and len(resumed) == 2
+
+
+class _Evil:
+    """Unpickling this runs code: it creates the file ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+def _rewrite_metadata(ckpt: Path, payload: bytes) -> None:
+    """Replace DCP's .metadata and update the manifest to match, as a crafted checkpoint would."""
+    import hashlib
+
+    (ckpt / ".metadata").write_bytes(payload)
+    meta = json.loads((ckpt / META_FILE).read_text())
+    meta["files"][".metadata"] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    (ckpt / META_FILE).write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("craft", ["code", "outside-file"])
+def test_loading_a_crafted_checkpoint_runs_no_code(craft, saved, tmp_path, capsys):
+    import pickle
+
+    ckpt = tmp_path / "step-2"
+    shutil.copytree(saved, ckpt)
+    marker = tmp_path / "code-ran"
+    if craft == "code":
+        payload = pickle.dumps(_Evil(marker))
+    else:  # genuine metadata types, but pointing DCP at a file the checkpoint never wrote
+        metadata = FileSystemReader(str(saved)).read_metadata()
+        for info in metadata.storage_data.values():
+            info.relative_path = "../../elsewhere.distcp"
+        payload = pickle.dumps(metadata)
+    _rewrite_metadata(ckpt, payload)
+    assert main([*CLI, "--load", str(ckpt), "--results", str(tmp_path / "results")]) == 2
+    err = capsys.readouterr().err
+    assert "corrupt checkpoint" in err and len(err.strip().splitlines()) == 1, err
+    assert ("not checkpoint metadata" if craft == "code" else "outside the manifest") in err
+    assert not marker.exists()
+
+
+def test_a_checkpoint_altered_after_saving_is_refused(saved, tmp_path, capsys):
+    ckpt = tmp_path / "step-2"
+    shutil.copytree(saved, ckpt)
+    data = bytearray((ckpt / ".metadata").read_bytes())
+    data[-2] ^= 1  # same size, different bytes
+    (ckpt / ".metadata").write_bytes(bytes(data))
+    assert main([*CLI, "--load", str(ckpt), "--results", str(tmp_path / "results")]) == 2
+    assert "corrupt checkpoint (.metadata differs from what was saved (SHA-256))" in capsys.readouterr().err
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs (no except clause of lpbench catches a BaseException)."""
+
+
+def test_replacing_a_step_is_atomic_under_a_kill_at_any_instant(tmp_path, monkeypatch):
+    """A kill before or after any filesystem step of a save over step-K leaves a loadable step-K."""
+    import lpbench.train.checkpoint as ckpt
+
+    first = BASE.with_(steps=2, save_every=2)
+    for kill_at in range(1, 20):
+        root = tmp_path / str(kill_at)
+        _train(first.with_(save_dir=str(root)))
+        calls = []
+        real = {name: getattr(os, name) for name in ("rename", "replace")} | {"rmtree": shutil.rmtree}
+
+        def step(name):
+            def call(*args, **kw):
+                calls.append(name)
+                if len(calls) == kill_at:
+                    raise _Killed
+                return real[name](*args, **kw)
+            return call
+
+        with monkeypatch.context() as m:
+            m.setattr(os, "rename", step("rename"))
+            m.setattr(os, "replace", step("replace"))
+            m.setattr(shutil, "rmtree", step("rmtree"))
+            if hasattr(ckpt, "_exchange"):
+                real["exchange"] = ckpt._exchange
+                m.setattr(ckpt, "_exchange", step("exchange"))
+            try:  # DCP turns a kill inside its own save into an error the run ends with
+                result = loop.train(first.with_(save_dir=str(root), seed=7), log=lambda line: None)
+                finished = result.status == "ok"
+                assert finished or "_Killed" in result.error
+            except _Killed:
+                finished = False
+        assert find_checkpoint(root) == root / "step-2", (kill_at, calls, os.listdir(root))
+        meta = ckpt.read_metadata(root / "step-2")  # complete: every file as saved
+        assert meta["config"]["seed"] == (7 if finished else meta["config"]["seed"])
+        if finished:
+            break
+    assert finished and kill_at > 2  # the save took several steps, each one survived
+
+
+def test_a_full_disk_while_saving_keeps_the_measured_steps(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import lpbench.train.checkpoint as ckpt
+    from lpbench.bench.store import ResultsStore
+
+    real_save = ckpt.dcp.save
+
+    def save(state, checkpoint_id, **kw):
+        if state["train"]["step"] == 4:
+            Path(checkpoint_id, "__0_0.distcp").write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(state, checkpoint_id=checkpoint_id, **kw)
+
+    monkeypatch.setattr(ckpt.dcp, "save", save)
+    results = tmp_path / "results"
+    assert main([*CLI, "--steps", "6", "--save-every", "2", "--save-dir", str(tmp_path / "ckpt"),
+                 "--results", str(results)]) == 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    [run] = ResultsStore(results).runs()
+    assert run["status"] == "error" and "disk full" in run["error"] and "step-4" in run["error"]
+    assert [s["step"] for s in ResultsStore(results).steps(run["id"])] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-2"]  # no half-written folder left
 
 
 # ----------------------------------------------------------------------------- two ranks (gloo)

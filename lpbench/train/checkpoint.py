@@ -9,14 +9,29 @@ through ``get_state_dict``/``set_state_dict``, so one process, DDP and FSDP2 sav
 (each rank writes its shards; the folder must be on a filesystem all ranks see).
 
 Saving is atomic: every rank writes into ``SAVE_DIR/.step-K.tmp-PID`` (PID: rank 0's), rank 0
-adds ``lpbench.json`` and renames the folder to ``step-K`` (replacing an older ``step-K``). A run
-killed mid-save leaves only the temporary folder, which ``--load`` ignores (delete it at leisure).
+adds ``lpbench.json`` and renames the folder to ``step-K``. An existing ``step-K`` is swapped
+with the new folder in one ``renameat2(RENAME_EXCHANGE)`` (Linux), so a kill at any instant
+leaves the old or the new ``step-K`` under its name; filesystems without it fall back to two
+renames. A run killed mid-save leaves only the temporary folder, which ``--load`` ignores. A save
+that fails (a full disk ...) removes its temporary folder and ends the run with the cause named;
+the steps measured so far are kept.
+
+Loading runs no code from the checkpoint. ``lpbench.json`` (JSON) lists every file with its size
+and the SHA-256 of DCP's ``.metadata``; ``--load`` checks them before reading anything else. DCP
+pickles ``.metadata``: it is read by ``_MetadataUnpickler``, which admits only DCP's metadata
+types, torch dtypes/sizes/layouts and paths, and may reference no file outside the manifest. The
+shards are read by DCP with ``torch.load(weights_only=True)``, which builds tensors only. Only
+the metadata is hashed: hashing every shard would cost seconds per GB at each save.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -30,6 +45,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -69,6 +86,9 @@ def read_metadata(ckpt: Path) -> dict:
         raise UsageError(f"--load {ckpt}: corrupt checkpoint ({META_FILE} is garbled)") from None
     if not (ckpt / ".metadata").is_file():
         raise UsageError(f"--load {ckpt}: corrupt checkpoint (DCP's .metadata is missing)")
+    problem = _manifest_problem(ckpt, meta.get("files"))
+    if problem:
+        raise UsageError(f"--load {ckpt}: corrupt checkpoint ({problem})")
     return meta
 
 
@@ -78,6 +98,87 @@ def validated(cfg):
     if cfg.load is not None:
         check_resumable(cfg)
     return cfg
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _manifest(folder: Path) -> dict:
+    """Every file of a saved checkpoint folder: its size, and the SHA-256 of DCP's ``.metadata``."""
+    files = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name != META_FILE:
+            files[path.name] = {"bytes": path.stat().st_size}
+            if path.name == ".metadata":
+                files[path.name]["sha256"] = _sha256(path)
+    return files
+
+
+def _manifest_problem(ckpt: Path, files) -> str | None:
+    """What in ``ckpt`` differs from the manifest ``files`` written at save time, or None."""
+    if not isinstance(files, dict) or not isinstance(files.get(".metadata"), dict):
+        return f"{META_FILE} has no file manifest"
+    for name, entry in files.items():
+        path = ckpt / str(name)
+        if not isinstance(entry, dict) or os.sep in str(name) or str(name) in (".", ".."):
+            return f"bad manifest entry {name!r}"
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry.get("bytes"):
+            return f"{name} has {path.stat().st_size} bytes, {entry.get('bytes')} were saved"
+        if "sha256" in entry and _sha256(path) != entry["sha256"]:
+            return f"{name} differs from what was saved (SHA-256)"
+    return None
+
+
+def _metadata_types() -> set[tuple[str, str]]:
+    """(module, name) of the globals a DCP ``.metadata`` pickle may reference: data types only."""
+    allowed = {(dcp_metadata.__name__, name) for name, obj in vars(dcp_metadata).items()
+               if isinstance(obj, type) and obj.__module__ == dcp_metadata.__name__}
+    allowed |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+    allowed |= {("torch", name) for name, obj in vars(torch).items() if isinstance(obj, torch.dtype)}
+    allowed |= {(module, cls) for module in ("pathlib", "pathlib._local")
+                for cls in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")}
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` admitting only checkpoint metadata types: no code runs."""
+
+    allowed = _metadata_types()
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.allowed:
+            raise pickle.UnpicklingError(f".metadata references {module}.{name}, which is not checkpoint metadata")
+        return super().find_class(module, name)
+
+
+class _VerifiedReader(FileSystemReader):
+    """DCP's file reader with ``.metadata`` read by ``_MetadataUnpickler``, shards only from the manifest."""
+
+    def __init__(self, path: Path, files: dict):
+        super().__init__(str(path))
+        self.folder, self.files = Path(path), set(files)
+
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")
+        with open(self.folder / (".metadata" if rank is None else f"__{rank}.metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP metadata")
+        shards = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+        if not shards <= self.files:
+            raise pickle.UnpicklingError(f".metadata names files outside the manifest: {sorted(map(str, shards - self.files))}")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
 
 
 def check_resumable(cfg) -> tuple[Path, dict]:
@@ -165,7 +266,7 @@ class Checkpointer:
         state = self._state(0)
         try:
             with _single_process_ok():
-                dcp.load(state, checkpoint_id=ckpt, no_dist=self.world == 1)
+                dcp.load(state, storage_reader=_VerifiedReader(ckpt, meta["files"]), no_dist=self.world == 1)
         except (Exception, CheckpointException) as exc:  # damaged files: unpickling, I/O, missing keys ...
             raise UsageError(f"--load {ckpt}: corrupt checkpoint ({_cause(exc)})") from None
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
@@ -189,38 +290,81 @@ class Checkpointer:
             return None
         root = Path(self.cfg.save_dir)
         final, tmp = root / f"step-{step}", root / f".step-{step}.tmp-{self.pid}"
-        tmp.mkdir(parents=True, exist_ok=True)
         try:
+            tmp.mkdir(parents=True, exist_ok=True)
             with _single_process_ok():
                 dcp.save(self._state(step), checkpoint_id=tmp, no_dist=self.world == 1)
-        except CheckpointException as exc:  # a BaseException: make it an error the run is recorded with
-            raise RuntimeError(f"checkpoint {final} not saved: {_cause(exc)}") from None
-        if self.rank == 0:
-            keys = {k: getattr(self.cfg, k) for k in MATCH_FIELDS}
-            meta = {"lpbench": __version__, "step": step, "steps": self.cfg.steps, "world_size": self.world,
-                    "config": keys, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-            with open(tmp / META_FILE, "w") as f:
-                json.dump(meta, f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
-            old = root / f".step-{step}.old-{self.pid}"
-            if final.exists():  # an earlier run's step-K: move it aside, then drop it
-                os.rename(final, old)
-            os.rename(tmp, final)
-            _fsync_dir(root)
-            shutil.rmtree(old, ignore_errors=True)
+            if self.rank == 0:
+                keys = {k: getattr(self.cfg, k) for k in MATCH_FIELDS}
+                meta = {"lpbench": __version__, "step": step, "steps": self.cfg.steps, "world_size": self.world,
+                        "config": keys, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": _manifest(tmp)}
+                with open(tmp / META_FILE, "w") as f:
+                    json.dump(meta, f, indent=2)
+                    f.flush()
+                    os.fsync(f.fileno())
+                _publish(tmp, final)
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # a failed save must not fill the disk further
+            raise CheckpointSaveError(f"checkpoint {final} not saved: {_cause(exc)}") from None
         if self.world > 1:
             dist.barrier()
         self.log(f"lpbench: saved checkpoint {final}")
         return final
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the run ends with this error and keeps its measured steps."""
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished ``tmp`` to ``final``, atomically replacing an existing ``final``."""
+    root = final.parent
+    if not final.exists():
+        os.rename(tmp, final)
+    elif _exchange(tmp, final):  # one step: the new folder is step-K, the old one is at tmp
+        _fsync_dir(root)
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:  # no atomic exchange on this filesystem: move the old one aside, then the new one in
+        old = root / tmp.name.replace(".tmp-", ".old-")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(root)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+_ERRNO_CAUSES = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
+                 errno.EROFS: "read-only filesystem", errno.EACCES: "permission denied"}
+
+
 def _cause(exc: BaseException) -> str:
     """One line on what went wrong (the first rank's exception inside DCP's CheckpointException)."""
     if isinstance(exc, CheckpointException):
         exc = next(iter(exc.failures.values()))[0]
+    seen = exc
+    while seen is not None and not isinstance(seen, OSError):  # DCP may wrap the OSError
+        seen = seen.__cause__ or seen.__context__
+    named = _ERRNO_CAUSES.get(getattr(seen, "errno", None))
     detail = (str(exc).strip().splitlines() or [""])[0][:120]
-    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+    text = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+    return f"{named} ({text})" if named else text
 
 
 @contextmanager

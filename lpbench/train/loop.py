@@ -28,7 +28,7 @@ from lpbench.parallel.env import all_reduce, init_distributed
 from lpbench.parallel.plan import parallelize
 from lpbench.precision import gemm
 from lpbench.precision.recipes import get_recipe
-from lpbench.train.checkpoint import Checkpointer, validated
+from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError, validated
 from lpbench.train.workload import (build_data, describe_lora, forward_args, prepare_model, run_flops_per_token,
                                     weight_bytes)
 from lpbench.train.optim import build_optimizer, build_scheduler
@@ -208,7 +208,12 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                 take_moe_stats(par.module)  # the next step's MoE statistics count training forwards only
                 log(f"validation loss at iteration {step} | lm loss value: {rec['val_loss']:.6E} | "
                     f"lm loss PPL: {math.exp(min(rec['val_loss'], 700)):.6E} |")
-            checkpointer.maybe_save(step)
+            try:
+                checkpointer.maybe_save(step)
+            except CheckpointSaveError as exc:  # the steps measured so far are the run's result
+                result.status, result.error = "error", str(exc)
+                log(f"lpbench: {exc}")
+                break
     except torch.OutOfMemoryError as exc:
         result.status, result.error = "oom", str(exc).splitlines()[0]
     finally:
