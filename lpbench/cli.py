@@ -91,7 +91,7 @@ def cmd_run(args) -> int:
     shutdown()
     if store is None:
         return 0 if all(s == "ok" for s in statuses) else 1
-    rows = summary_rows(store.runs("group_id = ?", (group,)))
+    rows = summary_rows(store.runs("group_id = ?", (group,)) + [r for r in store.kept if r["group_id"] == group])
     console.print(to_rich(rows, title=f"lpbench run {group} -> {store.path}"))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 

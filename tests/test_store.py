@@ -1,3 +1,5 @@
+import json
+import os
 import sqlite3
 
 import pytest
@@ -87,3 +89,84 @@ def test_version_1_database_is_migrated_in_place(tmp_path):
     (old,) = store.runs()
     assert old["run_key"] == "old" and old["sweep_id"] is None
     assert _add(store, sweep_id="s") is not None and _add(store, sweep_id="s") is None
+
+
+@pytest.fixture
+def quick_retries(monkeypatch):
+    import lpbench.bench.store as store_module
+
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(store_module, "RETRY_DELAYS_S", (0.01, 0.02))
+
+
+def test_a_run_the_locked_database_cannot_take_is_kept_and_imported_later(tmp_path, quick_retries, capsys):
+    store = ResultsStore(tmp_path)
+    other = sqlite3.connect(tmp_path / "results.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock throughout
+    assert _add(store, run_key="kept") is None
+    err = capsys.readouterr().err
+    assert "database is locked" in err and "the run is kept in" in err and len(err.strip().splitlines()) == 1
+    [kept] = (tmp_path / "pending-runs").glob("*.json")
+    assert store.kept[0]["run_key"] == "kept" and store.runs() == []
+    other.execute("ROLLBACK")
+
+    again = ResultsStore(tmp_path, create=False)  # the next command (e.g. lpbench report) imports it
+    assert "imported 1 run(s) kept in" in capsys.readouterr().err
+    [run] = again.runs()
+    assert run["run_key"] == "kept" and run["metrics"]["tokens_per_sec_per_gpu"] == 123.0
+    assert [s["loss"] for s in again.steps(run["id"])] == [2.0, 1.5]
+    assert not kept.exists() and len(ResultsStore(tmp_path).runs()) == 1  # imported once
+
+
+def test_a_full_disk_keeps_the_run_aside(tmp_path, quick_retries, monkeypatch, capsys):
+    store = ResultsStore(tmp_path)
+    tries = []
+
+    def full(*args, **kw):
+        tries.append(1)
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "_insert", full)
+    assert _add(store) is None
+    assert len(tries) == 3  # retried with backoff before giving up
+    assert "database or disk is full" in capsys.readouterr().err
+    assert len(list((tmp_path / "pending-runs").glob("*.json"))) == 1
+    assert not list((tmp_path / "pending-runs").glob(".*"))  # no temporary file left
+
+
+def test_report_reads_a_read_only_database(tmp_path, monkeypatch, capsys):
+    import lpbench.bench.store as store_module
+    from lpbench.cli import main
+
+    _add(ResultsStore(tmp_path))
+    for path in [*tmp_path.iterdir(), tmp_path]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    if os.geteuid() == 0:  # root writes through permissions: open every read-write connection read-only instead
+        real = sqlite3.connect
+
+        def read_only(target, *args, **kw):
+            if kw.get("uri"):
+                return real(target, *args, **kw)
+            return real(f"file:{target}?mode=ro", *args, uri=True, **kw)
+
+        monkeypatch.setattr(store_module.sqlite3, "connect", read_only)
+    try:
+        assert main(["report", "--results", str(tmp_path), "--format", "json"]) == 0
+    finally:
+        for path in [tmp_path, *tmp_path.iterdir()]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    out = capsys.readouterr()
+    assert json.loads(out.out)[0]["model"] == "tiny" and "Traceback" not in out.err
+
+
+def test_a_diverged_run_stores_standard_json(tmp_path):
+    store = ResultsStore(tmp_path)
+    _add(store, status="diverged", metrics={"final_loss": float("nan"), "losses": [1.0, float("inf")]},
+         config={"model": "tiny", "lr": float("nan")}, env={"x": float("-inf")})
+    row = store.conn.execute("SELECT config_json, env_json, metrics_json FROM runs").fetchone()
+
+    def refuse(token):
+        raise ValueError(f"bare {token} in stored JSON")
+
+    parsed = [json.loads(text, parse_constant=refuse) for text in row]
+    assert parsed[2] == {"final_loss": None, "losses": [1.0, None]} and parsed[0]["lr"] is None

@@ -8,13 +8,25 @@ Sweep runs carry a ``sweep_id``; ``UNIQUE(sweep_id, run_key)`` makes "record thi
 this sweep" idempotent: a second insert (a resumed sweep, or the sweep parent writing the
 row of a child that died) is skipped, never duplicated. Rows without a sweep id (plain
 ``lpbench run``) are not constrained.
+
+A finished run is never lost: a write that fails (the database locked by another process
+beyond SQLite's busy timeout, a full disk) is retried with backoff, and if it still fails the run
+is kept as JSON in ``pending-runs/`` beside the database (one line on stderr says so). The next
+command that opens the database for writing (``run``, ``sweep``, ``converge``, ``report``)
+imports those files and says so in one line. A database that cannot be written at all (a
+read-only file or folder) is still read by ``report``.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import sqlite3
+import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from lpbench.errors import UsageError
@@ -22,6 +34,9 @@ from lpbench.models.registry import model_label
 
 SCHEMA_VERSION = 2  # 2: runs.sweep_id + UNIQUE(sweep_id, run_key)
 DB_NAME = "results.db"
+PENDING_DIR = "pending-runs"  # runs that could not be written, imported by the next writer
+BUSY_TIMEOUT_S = 30.0  # SQLite waits this long for another writer's lock ...
+RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)  # ... then lpbench retries after each of these pauses
 
 # Summary columns copied from a run's metrics (or config) for querying.
 METRIC_COLUMNS = ("path", "step_time_s", "last_step_time_s", "tokens_per_sec_per_gpu", "tflops_per_gpu",
@@ -71,40 +86,115 @@ STEP_COLUMNS = ("step", "loss", "step_time_s", "lr", "grad_norm", "tokens_per_se
 
 
 def _finite_or_none(v):
-    return v if not isinstance(v, float) or v == v and abs(v) != float("inf") else None
+    return v if not isinstance(v, float) or math.isfinite(v) else None
+
+
+def _json_safe(value):
+    """``value`` with every NaN/inf float replaced by None, so its JSON is standard JSON."""
+    if isinstance(value, float):
+        return _finite_or_none(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def strict_json(value, **kw) -> str:
+    """Standard JSON (no bare NaN or Infinity: non-finite numbers become null)."""
+    return json.dumps(_json_safe(value), allow_nan=False, **kw)
+
+
+def run_row(*, config: dict, status: str, error: str | None, metrics: dict, env: dict, run_key: str,
+            group_id: str | None = None, workload: str = "pretrain", backend: str = "lpbench", num_gpus: int = 1,
+            sweep_id: str | None = None) -> dict:
+    """A finished run as ``ResultsStore.runs`` returns it (without an id): columns plus config/env/metrics."""
+    cols = {c: config.get(c) for c in CONFIG_COLUMNS}
+    cols["model"] = model_label(config.get("model"), config.get("num_layers"))  # llama3-8b@16L
+    cols.update({c: _finite_or_none(metrics.get(c)) for c in METRIC_COLUMNS})
+    return dict(id=None, run_key=run_key, group_id=group_id, sweep_id=sweep_id,
+                created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), status=status, error=error, workload=workload,
+                backend=backend, num_gpus=num_gpus, gpu=env.get("gpu"), **cols,
+                config=_json_safe(config), env=_json_safe(env), metrics=_json_safe(metrics))
+
+
+_TRANSIENT = ("locked", "busy", "disk is full", "disk i/o error")
+
+
+def _retrying(write):
+    """``write()``, retried with backoff while SQLite reports a lock, a full disk or an I/O error."""
+    for delay in (*RETRY_DELAYS_S, None):
+        try:
+            return write()
+        except sqlite3.OperationalError as exc:
+            if delay is None or not any(t in str(exc).lower() for t in _TRANSIENT):
+                raise
+            time.sleep(delay)
 
 
 class ResultsStore:
     """``ResultsStore(dir)`` opens (or creates) ``dir/results.db``."""
 
     def __init__(self, directory: str | Path, create: bool = True):
+        """``create=False`` (reports): the database must exist; one that cannot be written is read as is."""
         self.path = Path(directory) / DB_NAME
         if not create and not self.path.exists():
             raise UsageError(f"no results database at {self.path} (run `lpbench run` first, or pass --results DIR)")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.kept: list[dict] = []  # rows this process could not write (kept in PENDING_DIR)
+        self.read_only = False
         try:
-            self.conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+            if create:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
             self.conn.row_factory = sqlite3.Row
             self.conn.execute("PRAGMA foreign_keys = ON")
-            self.conn.execute("PRAGMA journal_mode = WAL")
-            with self.transaction():
-                for stmt in _SCHEMA.split(";"):
-                    if stmt.strip():
-                        self.conn.execute(stmt)
-                self.conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-                version = int(self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
-                if version == 1:  # written by lpbench before sweeps: add the column, keep every row
-                    self.conn.execute("ALTER TABLE runs ADD COLUMN sweep_id TEXT")
-                    self.conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
-                    version = SCHEMA_VERSION
-                if version == SCHEMA_VERSION:
-                    for stmt in _INDEXES.split(";"):
-                        if stmt.strip():
-                            self.conn.execute(stmt)
+            _retrying(lambda: self.conn.execute("PRAGMA journal_mode = WAL"))
+            version = _retrying(self._set_up)
+        except sqlite3.OperationalError as exc:
+            if create or not any(t in str(exc).lower() for t in ("readonly", "read-only", "unable to open")):
+                raise UsageError(f"{self.path} is not a readable lpbench results database ({exc})") from None
+            version = self._open_read_only()
         except sqlite3.DatabaseError as exc:
             raise UsageError(f"{self.path} is not a readable lpbench results database ({exc})") from None
         if version != SCHEMA_VERSION:
             raise UsageError(f"{self.path} has schema version {version}; this lpbench reads {SCHEMA_VERSION}")
+        if not self.read_only:
+            self.import_kept()
+
+    def _open_read_only(self) -> int:
+        """Read a database this process may not write (read-only file or folder); returns its schema version."""
+        from urllib.parse import quote
+
+        self.read_only = True
+        uri = f"file:{quote(str(self.path.resolve()))}"
+        for mode in ("?mode=ro", "?immutable=1"):  # immutable: a WAL database whose folder is read-only
+            try:
+                self.conn = sqlite3.connect(uri + mode, uri=True, isolation_level=None)
+                self.conn.row_factory = sqlite3.Row
+                return int(self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+            except sqlite3.OperationalError as exc:
+                error = exc
+            except (sqlite3.DatabaseError, TypeError) as exc:
+                raise UsageError(f"{self.path} is not a readable lpbench results database ({exc})") from None
+        raise UsageError(f"{self.path} is not a readable lpbench results database ({error})") from None
+
+    def _set_up(self) -> int:
+        """Create or migrate the schema; returns the schema version."""
+        with self.transaction():
+            for stmt in _SCHEMA.split(";"):
+                if stmt.strip():
+                    self.conn.execute(stmt)
+            self.conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            version = int(self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+            if version == 1:  # written by lpbench before sweeps: add the column, keep every row
+                self.conn.execute("ALTER TABLE runs ADD COLUMN sweep_id TEXT")
+                self.conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+                version = SCHEMA_VERSION
+            if version == SCHEMA_VERSION:
+                for stmt in _INDEXES.split(";"):
+                    if stmt.strip():
+                        self.conn.execute(stmt)
+        return version
 
     def transaction(self):
         return _Transaction(self.conn)
@@ -115,27 +205,77 @@ class ResultsStore:
         """Insert a finished run and its steps atomically; returns the run id.
 
         With a ``sweep_id``, a run already recorded for (sweep_id, run_key) is left as it is
-        and None is returned: recording a sweep's run twice is a no-op, not a duplicate.
+        and None is returned: recording a sweep's run twice is a no-op, not a duplicate. A run
+        the database cannot take after the retries is kept in ``PENDING_DIR`` (None returned,
+        the row appended to ``kept``).
         """
-        cols = {c: config.get(c) for c in CONFIG_COLUMNS}
-        cols["model"] = model_label(config.get("model"), config.get("num_layers"))  # llama3-8b@16L
-        cols.update({c: _finite_or_none(metrics.get(c)) for c in METRIC_COLUMNS})
-        row = dict(run_key=run_key, group_id=group_id, sweep_id=sweep_id,
-                   created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), status=status, error=error, workload=workload,
-                   backend=backend, num_gpus=num_gpus, gpu=env.get("gpu"), **cols,
-                   config_json=json.dumps(config, sort_keys=True),
-                   env_json=json.dumps(env, sort_keys=True), metrics_json=json.dumps(metrics, sort_keys=True))
+        row = run_row(config=config, status=status, error=error, metrics=metrics, env=env, run_key=run_key,
+                      group_id=group_id, workload=workload, backend=backend, num_gpus=num_gpus, sweep_id=sweep_id)
+        try:
+            return _retrying(lambda: self._insert(row, steps))
+        except sqlite3.OperationalError as exc:
+            self.kept.append(row)
+            path = keep_run(self.path.parent, row, steps)
+            print(f"lpbench: could not write {self.path} ({exc}); the run is kept in {path} and imported by "
+                  "the next lpbench command on this results folder", file=sys.stderr, flush=True)
+            return None
+
+    def _insert(self, row: dict, steps: list[dict], kept: bool = False) -> int | None:
+        """Insert ``row`` (as ``run_row`` makes it) and its steps in one transaction."""
+        values = {k: v for k, v in row.items() if k not in ("id", "config", "env", "metrics")}
+        values.update({f"{k}_json": strict_json(row[k], sort_keys=True) for k in ("config", "env", "metrics")})
         with self.transaction():
-            if sweep_id is not None and self.conn.execute(
-                    "SELECT 1 FROM runs WHERE sweep_id=? AND run_key=?", (sweep_id, run_key)).fetchone():
+            if row["sweep_id"] is not None and self.conn.execute(
+                    "SELECT 1 FROM runs WHERE sweep_id=? AND run_key=?", (row["sweep_id"], row["run_key"])).fetchone():
                 return None  # BEGIN IMMEDIATE holds the write lock: nobody can insert between check and insert
-            cur = self.conn.execute(
-                f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", tuple(row.values()))
+            if kept and self.conn.execute(  # imported before (its file outlived the import)
+                    "SELECT 1 FROM runs WHERE run_key=? AND group_id IS ? AND created_at=? AND metrics_json=?",
+                    (row["run_key"], row["group_id"], row["created_at"], values["metrics_json"])).fetchone():
+                return None
+            cur = self.conn.execute(f"INSERT INTO runs ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
+                                    tuple(values.values()))
             run_id = cur.lastrowid
             self.conn.executemany(
                 f"INSERT INTO steps (run_id, {', '.join(STEP_COLUMNS)}) VALUES (?{', ?' * len(STEP_COLUMNS)})",
                 [(run_id, *(_finite_or_none(s.get(c)) for c in STEP_COLUMNS)) for s in steps])
         return run_id
+
+    def import_kept(self) -> int:
+        """Insert the runs kept in ``PENDING_DIR`` and delete their files; returns how many were imported."""
+        folder = self.path.parent / PENDING_DIR
+        files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+        imported, unreadable = 0, []
+        for path in files:
+            try:
+                kept = json.loads(path.read_text())
+                row, steps = kept["row"], kept["steps"]
+            except (OSError, ValueError, KeyError, TypeError):
+                unreadable.append(path.name)
+                continue
+            try:
+                _retrying(lambda: self._insert(row, steps, kept=True))
+                path.unlink()
+            except (sqlite3.OperationalError, OSError):
+                return imported  # still not writable: the files stay for the next command
+            imported += 1
+        if imported:
+            print(f"lpbench: imported {imported} run(s) kept in {folder} when {self.path} could not be written",
+                  file=sys.stderr, flush=True)
+        if unreadable:
+            print(f"lpbench: {folder}: not a kept run, left as is: {', '.join(unreadable)}", file=sys.stderr)
+        return imported
+
+    def kept_run(self, sweep_id: str, run_key: str) -> dict | None:
+        """The run of ``run_key`` in sweep ``sweep_id`` kept in ``PENDING_DIR`` (not yet imported), or None."""
+        folder = self.path.parent / PENDING_DIR
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                row = json.loads(path.read_text())["row"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if row.get("sweep_id") == sweep_id and row.get("run_key") == run_key:
+                return row
+        return None
 
     def runs(self, where: str = "1", params: tuple = ()) -> list[dict]:
         rows = self.conn.execute(f"SELECT * FROM runs WHERE {where} ORDER BY id", params).fetchall()
@@ -164,6 +304,42 @@ class ResultsStore:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def keep_run(directory: Path, row: dict, steps: list[dict]) -> Path:
+    """Write a run the database could not take to ``directory/PENDING_DIR`` (else the temp folder)."""
+    text = strict_json({"row": row, "steps": _json_safe(steps)})
+    name = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.json"
+    error = None
+    for folder in (Path(directory) / PENDING_DIR, Path(tempfile.gettempdir()) / f"lpbench-{PENDING_DIR}"):
+        tmp = folder / f".{name}.tmp"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, folder / name)
+            return folder / name
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            error = exc
+    raise error
+
+
+class AsideStore:
+    """Stands in for a database that cannot even be opened: ``add_run`` keeps the run in ``PENDING_DIR``."""
+
+    def __init__(self, directory: str | Path, reason: str):
+        self.directory, self.reason = Path(directory), reason
+
+    def add_run(self, *, steps: list[dict], **row) -> None:
+        path = keep_run(self.directory, run_row(**row), steps)
+        print(f"lpbench: {self.reason}; the run is kept in {path} and imported by the next lpbench command on "
+              "this results folder", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
 
 
 class _Transaction:

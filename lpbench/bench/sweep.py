@@ -161,10 +161,10 @@ def execute(run: SweepRun, store, results: Path, sweep_id: str, timeout: float, 
         except BaseException:  # Ctrl-C / SIGTERM of the sweep: leave no run behind
             _kill_group(proc)
             raise
-    row = store.sweep_run(sweep_id, run.key)
+    row = store.sweep_run(sweep_id, run.key) or store.kept_run(sweep_id, run.key)  # the child's, if it wrote one
     if row is None:
         _record_failure(store, run, sweep_id, rc, timed_out, timeout, out_path, err_path, steps_path)
-        row = store.sweep_run(sweep_id, run.key)
+        row = store.sweep_run(sweep_id, run.key) or store.kept_run(sweep_id, run.key)
     return row
 
 

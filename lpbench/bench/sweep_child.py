@@ -79,7 +79,8 @@ def child_main(argv: list[str] | None = None) -> int:
     _watch_parent()
 
     from lpbench.bench import runner
-    from lpbench.bench.store import ResultsStore
+    from lpbench.bench.store import AsideStore, ResultsStore
+    from lpbench.errors import UsageError
     from lpbench.config import RunConfig
 
     cfg = RunConfig(**json.loads(args.config))
@@ -99,7 +100,10 @@ def child_main(argv: list[str] | None = None) -> int:
     if result.status == "diverged" and result.steps:
         result.metrics["diverged_step"] = result.steps[-1]["step"]
     if rank == 0:
-        store = ResultsStore(args.results)
+        try:
+            store = ResultsStore(args.results)  # retries, and keeps the run aside if a write still fails
+        except UsageError as exc:  # not even openable (locked throughout): the run is kept aside
+            store = AsideStore(args.results, str(exc))
         env = result.env or {"lpbench": __import__("lpbench").__version__, "host": platform.node(),
                              "gpu": _gpu_name(cfg.device)}  # a failed run is reported with the machine's GPU
         runner.record(store, result, group_id=args.sweep_id, sweep_id=args.sweep_id, env=env)
