@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import uuid
@@ -18,6 +19,7 @@ from lpbench import __version__
 from lpbench.console import Parser, console, csv_list
 from lpbench.config import RunConfig, add_config_args, config_kwargs
 from lpbench.errors import UsageError
+from lpbench.paths import check_dir, check_file, write_file
 
 DEFAULTS = RunConfig()
 DEFAULT_PRECISIONS = ["bf16", "fp8-tensorwise", "mxfp8", "nvfp4"]
@@ -77,19 +79,23 @@ def cmd_run(args) -> int:
     from lpbench.parallel.launch import needs_relaunch, relaunch
 
     configs = configs_from_args(args)  # validate every config before any work starts
+    check_dir(args.results, "--results")
+    if args.save_dir:
+        check_dir(args.save_dir, "--save-dir")
     if needs_relaunch(args.nproc_per_node):
         return relaunch(args.nproc_per_node)
     is_main = detect_world().is_main  # only rank 0 writes the database and prints the table
-    store = ResultsStore(args.results) if is_main else None
+    store = None  # opened at the first result: a run rejected on the way creates no database
     group = uuid.uuid4().hex[:12]
     statuses = []
     for cfg in configs:
         result = execute(cfg, results_dir=args.results)
         statuses.append(result.status)
-        if store is not None:
+        if is_main:
+            store = store or ResultsStore(args.results)
             record(store, result, group_id=group)
     shutdown()
-    if store is None:
+    if not is_main:
         return 0 if all(s == "ok" for s in statuses) else 1
     rows = summary_rows(store.runs("group_id = ?", (group,)) + [r for r in store.kept if r["group_id"] == group])
     console.print(to_rich(rows, title=f"lpbench run {group} -> {store.path}"))
@@ -236,6 +242,7 @@ def cmd_slurm(args) -> int:
 
     if args.nodes <= 0 or args.gpus_per_node <= 0:
         raise UsageError("--nodes and --gpus-per-node must be positive")
+    check_file(args.output, "--output")
     run_args = [a for i, a in enumerate(args.run_args) if not (i == 0 and a == "--")]
     if any(a.startswith("--nproc-per-node") for a in run_args):
         raise UsageError("leave --nproc-per-node out of the run flags: the script launches the processes")
@@ -245,7 +252,7 @@ def cmd_slurm(args) -> int:
     script = sbatch_script(run_args, nodes=args.nodes, gpus_per_node=args.gpus_per_node, launcher=args.launcher,
                            container=args.container, container_mounts=args.container_mounts,
                            job_name=args.job_name, time=args.time, partition=args.partition, account=args.account)
-    Path(args.output).write_text(script)
+    write_file(args.output, script)
     print(f"wrote {args.output}: {args.nodes} node(s) x {args.gpus_per_node} GPU(s), {args.launcher} launch\n"
           f"submit it with: sbatch {shlex.quote(args.output)}")
     return 0
@@ -341,6 +348,14 @@ def build_parser() -> Parser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, scancel, a timeout): ends the command as Ctrl-C does, and says so."""
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -352,14 +367,26 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:  # sub-parsers that raise on bad arguments (lpbench data ...)
         print(f"{exc} (see --help)", file=sys.stderr)
         return 2
+    import signal
+    import threading
+
+    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         return args.func(args)
     except UsageError as exc:
-        print(f"lpbench {args.command}: error: {exc}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank of a launch has the same bad input: say it once
+            print(f"lpbench {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("lpbench: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("lpbench: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

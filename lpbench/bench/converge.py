@@ -22,6 +22,7 @@ from pathlib import Path
 from lpbench.config import RunConfig, add_config_args, config_kwargs
 from lpbench.console import csv_list
 from lpbench.errors import UsageError
+from lpbench.paths import check_dir, check_file, write_file
 
 DEFAULT_PRECISIONS = ("bf16", "fp8-tensorwise", "mxfp8", "nvfp4")
 # Tolerated relative gap of the final loss to the reference, in %, by recipe name or family prefix.
@@ -200,6 +201,9 @@ def cmd_converge(args) -> int:
     from lpbench.report.tables import precision_name
 
     tolerances = parse_tolerances(args.tolerance)
+    check_dir(args.results, "--results")
+    if args.plot:
+        check_file(args.plot, "--plot")
     configs, data_lines = build_configs(args)
     first = configs[0]
     tokens = first.steps * first.gbs * first.seq_len
@@ -248,8 +252,7 @@ def cmd_converge(args) -> int:
     png = convergence_curves([_plot_run(o, first) for o in outcomes], tolerances=tolerances,
                              title=f"{first.label} · {tokens:,} tokens per recipe · "
                                    f"GBS {first.gbs} × seq {first.seq_len} · seed {first.seed}")
-    plot.parent.mkdir(parents=True, exist_ok=True)
-    plot.write_bytes(png)
+    write_file(plot, png)
     console.print(f"plot: {plot}\nresults: {store.path} (group {group}; `lpbench report --results "
                   f"{args.results} --group {group}`)", highlight=False)
     return 0 if all(o.verdict in ("reference", "pass", "no tolerance", "seed noise") for o in outcomes) else 1

@@ -27,6 +27,7 @@ from pathlib import Path
 from lpbench.bench.sweep_child import PARENT_ENV, _gpu_name
 from lpbench.bench.sweep_spec import DEFAULT_TIMEOUT_S, SweepRun, expand, load_spec
 from lpbench.errors import UsageError
+from lpbench.paths import check_dir
 
 # Launcher variables the child must not inherit: each run's world is the one the sweep launches.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
@@ -204,7 +205,7 @@ def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = 
             raise UsageError(f"--timeout must be positive, got {timeout:g}")
         sweep.timeout = timeout
     sweep_id = sweep.name if resume else f"{sweep.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    results_dir = Path(results)
+    results_dir = check_dir(results, "--results")
 
     done: set[str] = set()
     store = None

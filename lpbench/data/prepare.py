@@ -19,6 +19,7 @@ from lpbench.data import indexed, sources
 from lpbench.data.tokenizer import (DEFAULT_EOS, Tokenizer, fingerprint, get_tokenizer,
                                     train_tokenizer)
 from lpbench.errors import UsageError
+from lpbench.paths import check_file, write_file
 
 METADATA_SUFFIX = ".lpbench.json"
 
@@ -49,10 +50,7 @@ def write_documents(docs: Iterable[str], tokenizer: Tokenizer, output_prefix: st
             "dtype_code": indexed.CODE_OF_DTYPE[np.dtype(dtype)], "append_eos": append_eos,
             "tokenizer": tokenizer.description, "tokenizer_fingerprint": fingerprint(tokenizer),
             "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
-    path = os.fspath(output_prefix) + METADATA_SUFFIX
-    with open(f"{path}.tmp{os.getpid()}", "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(f"{path}.tmp{os.getpid()}", path)
+    write_file(os.fspath(output_prefix) + METADATA_SUFFIX, json.dumps(meta, indent=1))
     return meta
 
 
@@ -74,6 +72,8 @@ def prepare_dataset(input: str | os.PathLike, output_prefix: str | os.PathLike,
     out = os.fspath(output_prefix)
     if out.endswith((".bin", ".idx")):
         raise UsageError(f"--output-prefix {out}: give the prefix, without .bin/.idx")
+    for suffix in (".bin", ".idx", METADATA_SUFFIX):
+        check_file(out + suffix, "--output-prefix")
     tok = get_tokenizer(tokenizer, eos_token)
     source = sources.describe_source(input)
     docs = sources.iter_documents(input, text_key=text_key, text_unit=text_unit)
@@ -88,6 +88,7 @@ def build_tokenizer(input: str | os.PathLike, vocab_size: int, output: str | os.
                     eos_token: str = DEFAULT_EOS, min_frequency: int = 2):
     """Train a byte-level BPE on the documents under ``input`` and save it as ``output``."""
     sources.list_files(input)  # fail fast on a bad path
+    check_file(output, "--output")
     docs = sources.iter_documents(input, text_key=text_key, text_unit=text_unit)
     return train_tokenizer(docs, vocab_size, eos_token=eos_token,
                            min_frequency=min_frequency, output=output)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable, Protocol
 
 from lpbench.errors import UsageError
+from lpbench.paths import write_file
 
 DEFAULT_EOS = "<|endoftext|>"
 # Tried in order when a tokenizer.json is loaded without an explicit EOS token
@@ -82,10 +83,7 @@ class HFTokenizer:
 
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        self.tok.save(str(tmp))
-        os.replace(tmp, path)
+        write_file(path, self.tok.to_str(pretty=True))
         return path
 
 

@@ -9,7 +9,6 @@ those variables.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 from lpbench.errors import UsageError
@@ -37,10 +36,29 @@ def needs_relaunch(nproc_per_node: int | None) -> bool:
 
 
 def relaunch(nproc_per_node: int, argv: list[str] | None = None) -> int:
-    """Run ``lpbench <argv>`` (default: this command line) as ``nproc_per_node`` torchrun workers."""
+    """Run ``lpbench <argv>`` (default: this command line) as ``nproc_per_node`` torchrun workers.
+
+    torchrun's launcher runs in this process (``elastic_launch``, as ``torchrun --standalone``)
+    with its logging silenced: a worker's failure is reported by the worker (one line for bad
+    input), not by torchrun's traceback, and its exit code is the command's.
+    """
+    import logging
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     argv = sys.argv[1:] if argv is None else argv
     if not any(a.startswith("--nproc-per-node") for a in argv):
         raise UsageError("--nproc-per-node re-launches the lpbench command line; from Python, start torchrun yourself")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-           "-m", "lpbench", *argv]
-    return subprocess.run(cmd, env=launch_env()).returncode
+    os.environ.update(launch_env())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several workers
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
+                          rdzv_endpoint="localhost:0", rdzv_backend="c10d", max_restarts=0)
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "lpbench", *argv)
+    except ChildFailedError as exc:
+        code = exc.get_first_failure()[1].exitcode
+        return 128 - code if code < 0 else code  # killed by a signal: the shell's 128 + N
+    return 0

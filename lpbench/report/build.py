@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from lpbench.errors import UsageError
+from lpbench.paths import check_dir, check_file, write_file
 from lpbench.report.tables import summary_rows, time_to_train_tables, to_csv, to_json, workload_tables
 
 
@@ -36,6 +37,10 @@ def report_markdown(rows: list[dict], plot_files: list[Path] = ()) -> str:
 def run_report(args) -> int:
     from lpbench.bench.store import ResultsStore
 
+    if getattr(args, "html", None):
+        check_file(args.html, "--html")
+    if getattr(args, "plots", None):
+        check_dir(args.plots, "--plots")
     store = ResultsStore(args.results, create=False)
     runs = select_runs(store.runs(), args.group)
     rows = summary_rows(runs)
@@ -47,9 +52,8 @@ def run_report(args) -> int:
         plots = all_plots(rows, {r["id"]: store.steps(r["id"]) for r in runs})
     if args.plots:
         out = Path(args.plots)
-        out.mkdir(parents=True, exist_ok=True)
         for name, png in plots.items():
-            (out / name).write_bytes(png)
+            write_file(out / name, png)
             plot_files.append(out / name)
         print(f"lpbench report: {len(plot_files)} plots in {out}", file=sys.stderr)
     if args.html:
@@ -62,8 +66,7 @@ def run_report(args) -> int:
                 + ", ".join(f"{s} {sum(r['status'] == s for r in rows)}"
                             for s in dict.fromkeys(r["status"] for r in rows))]
         page = Path(args.html)
-        page.parent.mkdir(parents=True, exist_ok=True)
-        page.write_text(render_page(tables, plots, meta=meta))
+        write_file(page, render_page(tables, plots, meta=meta))
         print(f"lpbench report: wrote {page}", file=sys.stderr)
     render = {"md": lambda r: report_markdown(r, plot_files), "csv": to_csv, "json": to_json}[args.format]
     text = render(rows)
