@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
 import uuid
-from pathlib import Path
 
 from rich.table import Table
 
@@ -114,7 +114,7 @@ def cmd_flops(args) -> int:
     from lpbench.metrics.flops import days_to_train, flops_per_token, tflops_per_gpu
     from lpbench.models.registry import first_blocks, get_model_config, model_label
 
-    if args.seq_len <= 0 or args.num_gpus <= 0 or args.tokens <= 0:
+    if args.seq_len <= 0 or args.num_gpus <= 0 or not (math.isfinite(args.tokens) and args.tokens > 0):
         raise UsageError("--seq-len, --num-gpus and --tokens must be positive")
     model = first_blocks(get_model_config(args.model), args.num_layers)
     label = model_label(args.model, args.num_layers)
@@ -122,7 +122,7 @@ def cmd_flops(args) -> int:
     out = {"model": label, "seq_len": args.seq_len, "formula": args.formula, "flops_per_token": fpt,
            "flops_per_sample": fpt * args.seq_len}
     if args.tokens_per_sec_per_gpu is not None:
-        if args.tokens_per_sec_per_gpu <= 0:
+        if not (math.isfinite(args.tokens_per_sec_per_gpu) and args.tokens_per_sec_per_gpu > 0):
             raise UsageError("--tokens-per-sec-per-gpu must be positive")
         out.update(tokens_per_sec_per_gpu=args.tokens_per_sec_per_gpu, num_gpus=args.num_gpus,
                    tflops_per_gpu=tflops_per_gpu(fpt, args.tokens_per_sec_per_gpu), tokens=args.tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from lpbench.errors import UsageError
@@ -16,6 +17,23 @@ NOT_IN_KEY = ("save_every", "save_dir", "load", "profile_steps")  # see RunConfi
 WORKLOADS = ("pretrain", "sft", "lora")  # lpbench/train/workload.py
 LORA_BASE_STORAGES = ("bf16", "quantized")
 COMPILE_SCOPES = ("block", "model")  # lpbench/parallel/plan.py
+MAX_SIZE = 2**31 - 1  # sizes, counts and steps: what int32 indexing and the data pipeline hold
+MAX_SEED = 2**63 - 1  # torch, numpy and random all take a seed below 2**63
+
+
+def check_number(name: str, value, kind: type) -> None:
+    """One numeric setting (flag or sweep-spec value) is usable: finite, and integers in range."""
+    flag = f"--{name.replace('_', '-')}"
+    if value is None:
+        return
+    if kind is float and not (isinstance(value, (int, float)) and math.isfinite(value)):
+        raise UsageError(f"{flag} must be a finite number, got {value!r}")
+    if kind is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise UsageError(f"{flag} must be an integer, got {value!r}")
+        top = MAX_SEED if name == "seed" else MAX_SIZE
+        if not -top <= value <= top:
+            raise UsageError(f"{flag} {value} is out of range (at most {top:,})")
 
 
 def arg(help: str, default_text: str | None = None, **argparse_kw) -> dict:
@@ -180,6 +198,10 @@ class RunConfig:
 
         if self.lora_rank <= 0:
             raise UsageError(f"--lora-rank must be positive, got {self.lora_rank}")
+        width = self.model_config().dim
+        if self.lora_rank > width:
+            raise UsageError(f"--lora-rank {self.lora_rank} exceeds {self.model}'s width {width}: an adapter of "
+                             "that rank is no longer low-rank")
         if not self.lora_alpha > 0:
             raise UsageError(f"--lora-alpha must be positive, got {self.lora_alpha}")
         expand_targets(self.lora_targets)
@@ -195,6 +217,11 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         if self.num_layers is not None and self.hf_checkpoint is not None:
             raise UsageError("--num-layers cuts a zoo model; a --hf-checkpoint keeps its own blocks")
+        for f in fields(self):
+            if field_type(f) in (int, float):
+                check_number(f.name, getattr(self, f.name), field_type(f))
+        if self.seed < 0:
+            raise UsageError(f"--seed must be >= 0, got {self.seed}")
         model = self.model_config()
         get_recipe(self.precision)
         for name in ("seq_len", "mbs", "gbs", "steps", "dp", "tp", "log_interval"):

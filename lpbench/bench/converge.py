@@ -66,7 +66,7 @@ def parse_tolerances(text: str | None) -> dict[str, float]:
             pct = float(value.rstrip("%"))
         except ValueError:
             pct = -1.0
-        if not sep or not key.strip() or not pct >= 0:
+        if not sep or not key.strip() or not 0 <= pct < math.inf:
             raise UsageError(f"--tolerance takes NAME=PERCENT pairs (e.g. fp8=0.5,nvfp4=1.5), got {item!r}")
         out[key.strip()] = pct
     return out
@@ -160,8 +160,8 @@ def build_configs(args) -> tuple[list[RunConfig], list[str]]:
     from lpbench.precision.recipes import get_recipe
     from lpbench.train.loop import eval_batch_count, resolve_device
 
-    if args.tokens <= 0:
-        raise UsageError(f"--tokens must be positive, got {args.tokens}")
+    if not (math.isfinite(args.tokens) and args.tokens > 0):
+        raise UsageError(f"--tokens must be a positive number, got {args.tokens}")
     if args.noise_seeds < 0:
         raise UsageError(f"--noise-seeds must be >= 0, got {args.noise_seeds}")
     model_vocab = get_model_config(args.model).vocab_size
@@ -192,7 +192,9 @@ def build_configs(args) -> tuple[list[RunConfig], list[str]]:
 
 
 def cmd_converge(args) -> int:
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     from lpbench.bench.runner import execute, record
     from lpbench.bench.store import ResultsStore
@@ -207,11 +209,11 @@ def cmd_converge(args) -> int:
     configs, data_lines = build_configs(args)
     first = configs[0]
     tokens = first.steps * first.gbs * first.seq_len
-    console.print(f"lpbench converge: {first.label}, {len(configs)} runs x {first.steps} steps x "
+    console.print(f"lpbench converge: {escape(first.label)}, {len(configs)} runs x {first.steps} steps x "
                   f"{first.gbs * first.seq_len:,} tokens = {tokens:,} tokens each (asked {args.tokens:,.0f}); "
                   f"same seed ({first.seed}), same data order", highlight=False)
     for line in data_lines:
-        console.print(f"  {line}", highlight=False)
+        console.print(f"  {escape(line)}", highlight=False)
     store = ResultsStore(args.results)
     group = uuid.uuid4().hex[:12]
     outcomes = []
@@ -224,18 +226,18 @@ def cmd_converge(args) -> int:
                        train_loss_steps=TRAIN_WINDOW,
                        val_losses=[[s["step"], s["val_loss"]] for s in result.steps if "val_loss" in s])
         record(store, result, group_id=group, workload="converge", metrics=metrics)
-        console.print(f"lpbench converge: {outcome.label}: {outcome.status_text}, train loss "
+        console.print(f"lpbench converge: {escape(outcome.label)}: {escape(outcome.status_text)}, train loss "
                       f"{_fmt(outcome.train_loss)}, validation loss {_fmt(outcome.val_loss)}", highlight=False)
     metric = judge(outcomes, tolerances)
     ref = precision_name(outcomes[0].precision)
-    table = Table(title=f"lpbench converge {group}: {first.label}, {tokens:,} tokens per recipe")
+    table = Table(title=Text(f"lpbench converge {group}: {first.label}, {tokens:,} tokens per recipe"))
     window = min(TRAIN_WINDOW, first.steps)
     for col in ("recipe", "path", "status", f"train loss (last {window})", "val loss",
                 f"gap vs {ref}", "tolerance", "verdict"):
         table.add_column(col, justify="right" if "loss" in col or col in ("gap vs " + ref, "tolerance") else "left")
     for o in outcomes:
         colour = {"pass": "green", "fail": "red"}.get(o.verdict, "red" if o.status != "ok" else "")
-        table.add_row(o.label, o.path or "-", o.status_text, _fmt(o.train_loss), _fmt(o.val_loss),
+        table.add_row(Text(o.label), o.path or "-", Text(o.status_text), _fmt(o.train_loss), _fmt(o.val_loss),
                       "-" if o.gap_pct is None else f"{o.gap_pct:+.2f}%",
                       "-" if o.tolerance is None else f"{o.tolerance:g}%",
                       f"[{colour}]{o.verdict}[/{colour}]" if colour else o.verdict)
@@ -253,8 +255,8 @@ def cmd_converge(args) -> int:
                              title=f"{first.label} · {tokens:,} tokens per recipe · "
                                    f"GBS {first.gbs} × seq {first.seq_len} · seed {first.seed}")
     write_file(plot, png)
-    console.print(f"plot: {plot}\nresults: {store.path} (group {group}; `lpbench report --results "
-                  f"{args.results} --group {group}`)", highlight=False)
+    console.print(escape(f"plot: {plot}\nresults: {store.path} (group {group}; `lpbench report --results "
+                         f"{args.results} --group {group}`)"), highlight=False)
     return 0 if all(o.verdict in ("reference", "pass", "no tolerance", "seed noise") for o in outcomes) else 1
 
 

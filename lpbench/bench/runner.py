@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import traceback
 from typing import Callable
+from rich.markup import escape
 
 from lpbench.console import console
 from lpbench.errors import UsageError
@@ -30,7 +31,7 @@ def execute(cfg, *, results_dir: str, on_step: Callable[[dict], None] | None = N
         if record_usage_errors:
             traceback.print_exc()
         else:
-            console.print(f"[red]lpbench: {cfg.precision} failed: {result.error}[/red]")
+            console.print(f"[red]lpbench: {escape(cfg.precision)} failed: {escape(result.error)}[/red]")
         return result
 
 

@@ -191,6 +191,7 @@ def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = 
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
     from rich.table import Table
+    from rich.text import Text
 
     from lpbench.bench.store import ResultsStore
     from lpbench.report.tables import summary_rows, to_rich
@@ -201,8 +202,8 @@ def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = 
         spec["name"] = name
     sweep = expand(spec)
     if timeout is not None:
-        if timeout <= 0:
-            raise UsageError(f"--timeout must be positive, got {timeout:g}")
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise UsageError(f"--timeout must be a positive number of seconds, got {timeout:g}")
         sweep.timeout = timeout
     sweep_id = sweep.name if resume else f"{sweep.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     results_dir = check_dir(results, "--results")
@@ -231,7 +232,7 @@ def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = 
             table.add_column(c)
         for r in sweep.runs:
             state = "done" if r.key in done else "to run"
-            table.add_row(str(r.index), *(str(r.settings.get(c, getattr(r.config, c, ""))) for c in cols),
+            table.add_row(str(r.index), *(Text(str(r.settings.get(c, getattr(r.config, c, "")))) for c in cols),
                           str(r.num_gpus), r.key, state)
         console.print(table)
         recs = sorted({r.recommended for r in sweep.runs if r.recommended})
@@ -244,7 +245,8 @@ def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = 
         there = {r.get("gpu") for r in store.runs("sweep_id = ?", (sweep_id,))}
         if there != {here}:
             console.print(f"[yellow]resuming sweep {sweep_id}: its finished runs were measured on "
-                          f"{', '.join(sorted(str(g or 'cpu') for g in there))}, this machine has {here or 'cpu'}; "
+                          f"{escape(', '.join(sorted(str(g or 'cpu') for g in there)))}, this machine has "
+                          f"{escape(here or 'cpu')}; "
                           "use --no-resume (or --name) to measure them here too[/]")
 
     log_dir = results_dir / "sweeps" / sweep_id
@@ -270,7 +272,7 @@ def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = 
     keys = {r.key for r in sweep.runs}
     rows = [r for r in store.runs("sweep_id = ?", (sweep_id,)) if r["run_key"] in keys]
     console.print(to_rich(summary_rows(rows), title=f"lpbench sweep {sweep_id} -> {store.path}"))
-    console.print(f"logs: {log_dir}   report: lpbench report --results {results_dir} --group {sweep_id}")
+    console.print(escape(f"logs: {log_dir}   report: lpbench report --results {results_dir} --group {sweep_id}"))
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         console.print(f"[red]{len(failed)} of {len(rows)} runs did not finish ok[/]")

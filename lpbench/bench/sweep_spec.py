@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -67,6 +68,22 @@ def _norm_key(key, run_fields: dict | None = None) -> str:
     return k if run_fields and k in run_fields else ALIASES.get(k, k)
 
 
+def _normalized(mapping: dict, run_fields: dict) -> dict:
+    """``mapping`` with its keys normalized; two keys naming one setting (``model`` and ``models``) are an error."""
+    out, given = {}, {}
+    for key, value in mapping.items():
+        k = _norm_key(key, run_fields)
+        if k in out:
+            raise UsageError(f"spec sets {k} twice (as {given[k]!r} and {key!r})")
+        out[k], given[k] = value, key
+    return out
+
+
+def sweep_id_of(name) -> str:
+    """A sweep id: letters, digits, '.', '_' and '-', not starting with '.' or '-' (a folder name in sweeps/)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(name)).lstrip(".-").rstrip("-") or "sweep"
+
+
 def _run_fields() -> dict:
     from lpbench.config import RunConfig
 
@@ -77,7 +94,7 @@ def _coerce(key: str, value, run_fields: dict):
     """A YAML value as the type of RunConfig's field (or of the sweep setting)."""
     if value is None:
         return None
-    from lpbench.config import field_type
+    from lpbench.config import check_number, field_type
 
     kind = {"num_gpus": int, "gpu": str}.get(key) or field_type(run_fields[key])
     if kind is bool:
@@ -89,18 +106,42 @@ def _coerce(key: str, value, run_fields: dict):
             return False
     elif kind is int and not isinstance(value, bool):
         try:
-            if float(value) == int(float(value)):
-                return int(float(value))
-        except (TypeError, ValueError):
-            pass
+            number = value if isinstance(value, int) else float(value)
+            whole = int(number) if number == int(number) else None
+        except (TypeError, ValueError, OverflowError):
+            whole = None
+        if whole is not None:
+            check_number(key, whole, int)  # the same check as the flag's
+            return whole
     elif kind is float and not isinstance(value, bool):
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             pass
+        else:
+            check_number(key, number, float)
+            return number
     elif kind is str and not isinstance(value, (dict, list)):
         return str(value)
     raise UsageError(f"spec key {key}: expected {kind.__name__}, got {value!r}")
+
+
+def _yaml_loader():
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
 
 
 def load_spec(path: str | Path) -> dict:
@@ -110,7 +151,9 @@ def load_spec(path: str | Path) -> dict:
     if not path.is_file():
         raise UsageError(f"no sweep spec at {path}")
     try:
-        spec = yaml.safe_load(path.read_text())
+        spec = yaml.load(path.read_text(encoding="utf-8"), Loader=_yaml_loader())
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path} is not UTF-8 text (byte {exc.start}); a sweep spec is a YAML file") from None
     except yaml.YAMLError as exc:
         raise UsageError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(spec, dict) or not spec:
@@ -127,15 +170,15 @@ def expand(spec: dict) -> Sweep:
 
     run_fields = _run_fields()
     valid = sorted(set(run_fields) - set(RUN_ONLY) | set(EXTRA_KEYS))
-    spec = {_norm_key(k, run_fields): v for k, v in spec.items()}
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(spec.pop("name", "sweep"))).strip("-") or "sweep"
+    spec = _normalized(spec, run_fields)
+    name = sweep_id_of(spec.pop("name", "sweep"))
     timeout = spec_timeout = spec.pop("timeout", DEFAULT_TIMEOUT_S)
     spec.pop("description", None)
     try:
         timeout = float(timeout)
     except (TypeError, ValueError):
         timeout = -1.0
-    if not timeout > 0:
+    if not (math.isfinite(timeout) and timeout > 0):
         raise UsageError(f"spec key timeout: expected seconds > 0, got {spec_timeout!r}")
 
     fixed: dict = {}
@@ -159,7 +202,7 @@ def expand(spec: dict) -> Sweep:
             if not value:
                 raise UsageError(f"spec key {key}: an empty list gives no runs")
             if all(isinstance(v, dict) for v in value):  # settings swept together
-                points = [{_norm_key(k, run_fields): v for k, v in point.items()} for point in value]
+                points = [_normalized(point, run_fields) for point in value]
                 for setting in dict.fromkeys(k for p in points for k in p):
                     claim(setting, key)
                 axes.append([{k: _coerce(k, v, run_fields) for k, v in p.items()} for p in points])

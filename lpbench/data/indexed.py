@@ -152,6 +152,8 @@ class IndexedDataset:
         if code not in DTYPE_CODES:
             raise UsageError(f"{ipath}: unknown dtype code {code}")
         self.dtype = np.dtype(DTYPE_CODES[code])
+        if self.dtype.kind == "f":
+            raise UsageError(f"{ipath}: token ids stored as {self.dtype} (dtype code {code}); token ids are integers")
         need = 34 + n_seq * (4 + 8) + n_doc * 8
         if os.path.getsize(ipath) < need:
             raise UsageError(f"{ipath}: truncated ({os.path.getsize(ipath)} < {need} bytes)")

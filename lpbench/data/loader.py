@@ -148,6 +148,8 @@ def _num_valid(n_tokens: int, seq_len: int, val_fraction: float, val_sequences: 
 def _splits(tokens, doc_starts, seq_len, seed, vocab, eos_id, source, tok, n_docs,
             val_fraction, val_sequences, notes) -> DataSplits:
     top = int(tokens.max()) if len(tokens) else -1
+    if len(tokens) and tokens.dtype.kind == "i" and int(tokens.min()) < 0:
+        raise UsageError(f"{source}: negative token id {int(tokens.min())}: not a token dataset")
     if top >= vocab:
         what = tok.description if tok is not None else f"vocab_size {vocab}"
         raise UsageError(f"{source}: token id {top} >= vocab size {vocab}: the data was "

@@ -59,8 +59,15 @@ def read_metadata(prefix: str | os.PathLike) -> dict | None:
     path = os.fspath(prefix) + METADATA_SUFFIX
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path}: not readable JSON ({exc})") from None
+    vocab = meta.get("vocab_size") if isinstance(meta, dict) else None
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise UsageError(f"{path}: not lpbench's dataset note (vocab_size must be a positive integer, got {vocab!r})")
+    return meta
 
 
 def prepare_dataset(input: str | os.PathLike, output_prefix: str | os.PathLike,

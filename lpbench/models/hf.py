@@ -27,6 +27,7 @@ RoPE type, missing tensor, wrong shape) raises :class:`lpbench.errors.UsageError
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import fields
 from pathlib import Path
@@ -68,12 +69,34 @@ def read_hf_config(path: PathLike) -> dict:
     return cfg
 
 
+_MISSING = object()
+
+
+def _field(hf: dict, key: str, kind: type, where: str, default=_MISSING):
+    """``hf[key]`` as ``kind`` (int, float, bool, str or list): missing or null gives ``default`` (required
+    without one); a value of another type, or a non-finite number, is a UsageError naming the field."""
+    value = hf.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise UsageError(f"{where}: {key} is missing")
+        return default
+    ok = {int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+          bool: isinstance(value, bool), str: isinstance(value, str),
+          list: isinstance(value, list) and all(isinstance(v, str) for v in value)}[kind]
+    if not ok:
+        what = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string",
+                list: "a list of strings"}[kind]
+        raise UsageError(f"{where}: {key} must be {what}, got {value!r}")
+    return float(value) if kind is float else value
+
+
 def _arch(hf: dict, where: str) -> str:
-    archs = hf.get("architectures") or []
+    archs = _field(hf, "architectures", list, where, [])
     for a in archs:
         if a in ARCHITECTURES:
             return ARCHITECTURES[a]
-    if not archs and hf.get("model_type") in ARCHITECTURES.values():
+    if not archs and _field(hf, "model_type", str, where, None) in ARCHITECTURES.values():
         return hf["model_type"]
     got = ", ".join(archs) or f"model_type {hf.get('model_type')!r}"
     raise UsageError(f"{where}: unsupported architecture {got}; lpbench reads {', '.join(ARCHITECTURES)}")
@@ -90,18 +113,18 @@ def _rope(hf: dict, family: str, where: str) -> tuple[float, tuple | None]:
     if not isinstance(legacy, dict):
         raise UsageError(f"{where}: rope_scaling must be an object, got {legacy!r}")
     merged = {**legacy, **params}
-    theta = float(merged.get("rope_theta", hf.get("rope_theta", _DEFAULTS[family]["rope_theta"])))
-    if float(merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+    top = {k: hf.get(k) for k in ("rope_theta", "partial_rotary_factor") if hf.get(k) is not None}
+    merged = {**top, **{k: v for k, v in merged.items() if v is not None}}
+    theta = _field(merged, "rope_theta", float, where, _DEFAULTS[family]["rope_theta"])
+    if _field(merged, "partial_rotary_factor", float, where, 1.0) != 1.0:
         raise UsageError(f"{where}: partial_rotary_factor != 1 is not supported for {family}")
-    kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+    kind = _field(merged, "rope_type", str, where, None) or _field(merged, "type", str, where, "default")
     if kind == "default":
         return theta, None
     if kind == "llama3":
-        try:
-            scaling = (float(merged["factor"]), float(merged["low_freq_factor"]),
-                       float(merged["high_freq_factor"]), int(merged["original_max_position_embeddings"]))
-        except KeyError as exc:
-            raise UsageError(f"{where}: llama3 rope scaling lacks {exc.args[0]!r}") from None
+        scaling = (_field(merged, "factor", float, where), _field(merged, "low_freq_factor", float, where),
+                   _field(merged, "high_freq_factor", float, where),
+                   _field(merged, "original_max_position_embeddings", int, where))
         if scaling[1] == scaling[2]:
             raise UsageError(f"{where}: llama3 rope scaling needs low_freq_factor != high_freq_factor")
         return theta, scaling
@@ -117,43 +140,44 @@ def config_from_hf(path_or_config: PathLike | dict, name: str | None = None) -> 
     family = _arch(hf, where)
     defaults = _DEFAULTS[family]
 
-    def need(key):
-        v = hf.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+    def need(key, default=_MISSING):
+        v = _field(hf, key, int, where, default)
+        if v is not None and v < 1:
             raise UsageError(f"{where}: {key} must be a positive integer, got {v!r}")
         return v
 
     dim, ffn, layers = need("hidden_size"), need("intermediate_size"), need("num_hidden_layers")
     heads, vocab = need("num_attention_heads"), need("vocab_size")
-    kv = hf.get("num_key_value_heads") or heads
+    kv = need("num_key_value_heads", heads)
     if heads % kv:
         raise UsageError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-    head_dim = hf.get("head_dim", defaults["head_dim"]) or dim // heads
+    head_dim = None if "head_dim" in hf and hf["head_dim"] is None else need("head_dim", defaults["head_dim"])
+    head_dim = head_dim or dim // heads  # null: dim // heads, as transformers
     if family == "llama" and head_dim * heads == dim:
         head_dim = None  # the default (dim // heads), as in the zoo
-    act = hf.get("hidden_act", "silu")
+    act = _field(hf, "hidden_act", str, where, "silu")
     if act != "silu":
         raise UsageError(f"{where}: hidden_act {act!r} is not supported (lpbench's gated MLP is SwiGLU)")
-    attn_bias = bool(hf.get("attention_bias", False))
-    mlp_bias = bool(hf.get("mlp_bias", False)) if family == "llama" else False
+    attn_bias = _field(hf, "attention_bias", bool, where, False)
+    mlp_bias = _field(hf, "mlp_bias", bool, where, False) if family == "llama" else False
     if attn_bias != mlp_bias:
         raise UsageError(f"{where}: attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported "
                          f"(lpbench has one bias flag for every linear)")
     moe = {}
     if family == "qwen3_moe":
         ffn = need("moe_intermediate_size")
-        experts = hf.get("num_experts", hf.get("num_local_experts"))
-        if not isinstance(experts, int) or experts < 1:
-            raise UsageError(f"{where}: num_experts must be a positive integer, got {experts!r}")
+        experts = need("num_experts", None) or need("num_local_experts", None)
+        if experts is None:
+            raise UsageError(f"{where}: num_experts must be a positive integer, got None")
         top_k = need("num_experts_per_tok")
-        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        if hf.get("mlp_only_layers") or need("decoder_sparse_step", 1) != 1:
             raise UsageError(f"{where}: dense layers between MoE layers (mlp_only_layers, decoder_sparse_step) "
                              "are not supported")
-        moe = dict(n_experts=experts, top_k=top_k, router="qwen3", router_norm_topk=bool(hf.get("norm_topk_prob")))
+        moe = dict(n_experts=experts, top_k=top_k, router="qwen3", router_norm_topk=_field(hf, "norm_topk_prob", bool, where, False))
     if family in ("qwen3", "qwen3_moe"):
-        if hf.get("use_sliding_window"):
+        if _field(hf, "use_sliding_window", bool, where, False):
             raise UsageError(f"{where}: use_sliding_window=true is not supported")
-        types = set(hf.get("layer_types") or ["full_attention"])
+        types = set(_field(hf, "layer_types", list, where, None) or ["full_attention"])
         if types != {"full_attention"}:
             raise UsageError(f"{where}: layer_types {sorted(types)} are not supported (full attention only)")
     theta, scaling = _rope(hf, family, where)
@@ -161,13 +185,13 @@ def config_from_hf(path_or_config: PathLike | dict, name: str | None = None) -> 
         name or f"hf:{Path(str(path_or_config)).name if not isinstance(path_or_config, dict) else family}",
         layers, dim, ffn, heads, kv, vocab,
         head_dim=head_dim,
-        norm_eps=float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
+        norm_eps=_field(hf, "rms_norm_eps", float, where, defaults["rms_norm_eps"]),
         rope_theta=theta,
         rope_scaling=scaling,
         qk_norm=family != "llama",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=_field(hf, "tie_word_embeddings", bool, where, False),
         bias=attn_bias,
-        max_seq_len=int(hf.get("max_position_embeddings", defaults["max_position_embeddings"])),
+        max_seq_len=need("max_position_embeddings", defaults["max_position_embeddings"]),
         family="qwen3" if family == "qwen3_moe" else family,
         **moe,
     )

@@ -9,6 +9,7 @@ image with the submit directory mounted and used as the working directory.
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 
@@ -16,6 +17,18 @@ from lpbench.errors import UsageError
 from lpbench.parallel.env import NO_MULTICAST_ENV
 
 LAUNCHERS = ("torchrun", "srun")
+_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|\d+-\d+|UNLIMITED|INFINITE")  # Slurm's --time formats
+_PLAIN = re.compile(r"[A-Za-z0-9._:%@+,=/-]+")  # needs no quoting in an #SBATCH line
+
+
+def _directive_value(flag: str, value) -> str:
+    """``value`` for an ``#SBATCH --flag=value`` line: as is when plain, else in double quotes, which
+    sbatch strips; a newline, a double quote or a backslash (which sbatch's line parser cannot carry) is
+    refused."""
+    text = str(value)
+    if not text or any(c in text for c in '"\\') or any(ord(c) < 32 for c in text):
+        raise UsageError(f"--{flag} {text!r}: empty, or holds a newline, a control character, '\"' or '\\'")
+    return text if _PLAIN.fullmatch(text) else f'"{text}"'
 
 
 def sbatch_script(run_args: list[str], *, nodes: int, gpus_per_node: int, launcher: str = "torchrun",
@@ -24,13 +37,19 @@ def sbatch_script(run_args: list[str], *, nodes: int, gpus_per_node: int, launch
     """The sbatch script's text (``run_args``: the ``lpbench run`` flags, passed through verbatim)."""
     if launcher not in LAUNCHERS:
         raise UsageError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
+    if time is not None and not _TIME.fullmatch(time):
+        raise UsageError(f"--time {time!r}: not a Slurm time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)")
+    for what, value in (("--container", container), ("--container-mounts", container_mounts),
+                        *(("the run flag", a) for a in run_args)):
+        if value is not None and any(ord(c) < 32 for c in value):
+            raise UsageError(f"{what} {value!r} holds a newline or a control character")
     tasks = 1 if launcher == "torchrun" else gpus_per_node
     sbatch = {"job-name": job_name, "nodes": nodes, "ntasks-per-node": tasks, "gpus-per-node": gpus_per_node,
               "exclusive": None, "output": f"{job_name}-%j.log", "time": time, "partition": partition,
               "account": account}
     lines = ["#!/bin/bash"]
-    lines += [f"#SBATCH --{k}" if k == "exclusive" else f"#SBATCH --{k}={v}" for k, v in sbatch.items()
-              if v is not None or k == "exclusive"]
+    lines += [f"#SBATCH --{k}" if k == "exclusive" else f"#SBATCH --{k}={_directive_value(k, v)}"
+              for k, v in sbatch.items() if v is not None or k == "exclusive"]
     lines += ["", "set -euo pipefail",
               'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
               "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))"]

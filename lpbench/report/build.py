@@ -8,7 +8,7 @@ from pathlib import Path
 
 from lpbench.errors import UsageError
 from lpbench.paths import check_dir, check_file, write_file
-from lpbench.report.tables import summary_rows, time_to_train_tables, to_csv, to_json, workload_tables
+from lpbench.report.tables import md_escape, summary_rows, time_to_train_tables, to_csv, to_json, workload_tables
 
 
 def select_runs(runs: list[dict], groups: list[str] | None) -> list[dict]:
@@ -30,7 +30,7 @@ def report_markdown(rows: list[dict], plot_files: list[Path] = ()) -> str:
     blocks = [t.to_markdown() for t in workload_tables(rows)]
     blocks += [t.to_markdown(level=3) for t in time_to_train_tables(rows)]
     if plot_files:
-        blocks.append("## Plots\n\n" + "\n".join(f"![{p.stem}]({p})" for p in plot_files))
+        blocks.append("## Plots\n\n" + "\n".join(f"![{md_escape(p.stem)}](<{p}>)" for p in plot_files))
     return "\n\n".join(blocks)
 
 

@@ -32,7 +32,9 @@ def _plt():
 
     plt.rcParams.update({"figure.dpi": 110, "savefig.dpi": 110, "axes.grid": True, "grid.alpha": 0.3,
                          "axes.spines.top": False, "axes.spines.right": False, "font.size": 9,
-                         "axes.titlesize": 10, "legend.fontsize": 8, "legend.frameon": False})
+                         "axes.titlesize": 10, "legend.fontsize": 8, "legend.frameon": False,
+                         "text.parse_math": False})  # labels hold names and paths: a '$' is a dollar sign
+
     return plt
 
 

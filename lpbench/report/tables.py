@@ -209,18 +209,30 @@ def _cell(row: dict, key: str, fmt: str) -> str:
 
 
 def to_rich(rows: list[dict], title: str | None = None) -> Table:
-    table = Table(title=title, caption=NOT_GPU_SPEED if any(r.get("not_gpu_speed") for r in rows) else None)
+    """The flat table for the console; every text is literal (a ``[`` in a path or error is no markup)."""
+    from rich.text import Text
+
+    table = Table(title=None if title is None else Text(title),
+                  caption=NOT_GPU_SPEED if any(r.get("not_gpu_speed") for r in rows) else None)
     for _, header, _ in COLUMNS:
         table.add_column(header, justify="left" if header in ("model", "precision", "path", "status") else "right")
     for row in rows:
-        table.add_row(*(_cell(row, k, f) for k, _, f in COLUMNS))
+        table.add_row(*(Text(_cell(row, k, f)) for k, _, f in COLUMNS))
     return table
+
+
+_MARKDOWN_SPECIAL = "\\`*_[]<>|"
+
+
+def md_escape(text) -> str:
+    """``text`` as literal markdown inside a table cell: specials backslash-escaped, newlines as spaces."""
+    return "".join("\\" + c if c in _MARKDOWN_SPECIAL else c for c in " ".join(str(text).splitlines()))
 
 
 def to_markdown(rows: list[dict]) -> str:
     """The flat table (one row per run) as markdown."""
     lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(r, k, f).replace("|", "\\|") for k, _, f in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(md_escape(_cell(r, k, f)) for k, _, f in COLUMNS) + " |" for r in rows]
     if any(r.get("not_gpu_speed") for r in rows):
         lines += ["", NOT_GPU_SPEED]
     return "\n".join(lines)
@@ -256,8 +268,8 @@ class TextTable:
     group_starts: set[int] = field(default_factory=set)  # row indexes that open a comparison group
 
     def to_markdown(self, level: int = 2) -> str:
-        esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
-        out = [f"{'#' * level} {self.title}", ""]
+        esc = md_escape
+        out = [f"{'#' * level} {esc(self.title)}", ""]
         if self.caption:
             out += [f"> {self.caption}", ""]
         out.append("| " + " | ".join(esc(c) for c in self.columns) + " |")
