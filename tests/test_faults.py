@@ -4,7 +4,6 @@ Checkpoint faults are in test_checkpoint.py, store faults in test_store.py, spec
 test_sweep.py.
 """
 
-import os
 import signal
 import subprocess
 import sys

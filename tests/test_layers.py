@@ -14,7 +14,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lpbench"
 # Bottom to top; a module belongs to the longest prefix that names it.
 LAYERS = [
-    ["lpbench", "lpbench.errors", "lpbench.console", "lpbench.configs", "lpbench.threads"],
+    ["lpbench", "lpbench.errors", "lpbench.console", "lpbench.configs", "lpbench.threads", "lpbench.paths"],
     ["lpbench.models", "lpbench.data", "lpbench.precision", "lpbench.metrics"],
     ["lpbench.config"],
     ["lpbench.parallel"],
