@@ -18,7 +18,7 @@ from rich.table import Table
 from lpbench import __version__
 from lpbench.console import Parser, console, csv_list
 from lpbench.config import RunConfig, add_config_args, config_kwargs
-from lpbench.errors import UsageError
+from lpbench.errors import Terminated, UsageError, raise_terminated
 from lpbench.paths import check_dir, check_file, write_file
 
 DEFAULTS = RunConfig()
@@ -348,14 +348,6 @@ def build_parser() -> Parser:
     return parser
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (kill, scancel, a timeout): ends the command as Ctrl-C does, and says so."""
-
-
-def _terminate(signum, frame):
-    raise Terminated
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -370,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     import signal
     import threading
 
-    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
+    previous = signal.signal(signal.SIGTERM, raise_terminated) if threading.current_thread() is threading.main_thread() \
         else None
     try:
         return args.func(args)

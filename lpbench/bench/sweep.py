@@ -26,7 +26,7 @@ from pathlib import Path
 
 from lpbench.bench.sweep_child import PARENT_ENV, _gpu_name
 from lpbench.bench.sweep_spec import DEFAULT_TIMEOUT_S, SweepRun, expand, load_spec
-from lpbench.errors import UsageError
+from lpbench.errors import UsageError, raise_terminated
 from lpbench.paths import check_dir
 
 # Launcher variables the child must not inherit: each run's world is the one the sweep launches.
@@ -251,7 +251,7 @@ def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = 
 
     log_dir = results_dir / "sweeps" / sweep_id
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None  # e.g. scancel
+    previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None  # e.g. scancel
     try:
         with Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[sweep]}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
@@ -277,10 +277,6 @@ def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = 
     if failed:
         console.print(f"[red]{len(failed)} of {len(rows)} runs did not finish ok[/]")
     return 0 if not failed and len(rows) == len(keys) else 1
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def add_parser(sub) -> None:
