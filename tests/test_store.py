@@ -170,3 +170,15 @@ def test_a_diverged_run_stores_standard_json(tmp_path):
 
     parsed = [json.loads(text, parse_constant=refuse) for text in row]
     assert parsed[2] == {"final_loss": None, "losses": [1.0, None]} and parsed[0]["lr"] is None
+
+
+def test_a_sweep_parent_finds_the_run_its_child_kept_aside(tmp_path, quick_retries, capsys):
+    store = ResultsStore(tmp_path)
+    other = sqlite3.connect(tmp_path / "results.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    assert _add(store, sweep_id="sw", run_key="k1") is None  # the child's write, kept aside
+    assert store.sweep_run("sw", "k1") is None and store.kept_run("sw", "k1")["status"] == "ok"
+    assert store.kept_run("sw", "k2") is None
+    other.execute("ROLLBACK")
+    assert ResultsStore(tmp_path).sweep_run("sw", "k1")["status"] == "ok"  # imported: the parent's failure row loses
+    capsys.readouterr()
