@@ -9,9 +9,10 @@ those variables.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
-from lpbench.errors import UsageError
+from lpbench.errors import Terminated, UsageError
 from lpbench.parallel.env import NO_MULTICAST_ENV, detect_world
 
 
@@ -45,6 +46,7 @@ def relaunch(nproc_per_node: int, argv: list[str] | None = None) -> int:
     import logging
     import uuid
 
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -53,7 +55,8 @@ def relaunch(nproc_per_node: int, argv: list[str] | None = None) -> int:
         raise UsageError("--nproc-per-node re-launches the lpbench command line; from Python, start torchrun yourself")
     os.environ.update(launch_env())
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several workers
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # each has its own level: silence them one by one
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
                           rdzv_endpoint="localhost:0", rdzv_backend="c10d", max_restarts=0)
     try:
@@ -61,4 +64,6 @@ def relaunch(nproc_per_node: int, argv: list[str] | None = None) -> int:
     except ChildFailedError as exc:
         code = exc.get_first_failure()[1].exitcode
         return 128 - code if code < 0 else code  # killed by a signal: the shell's 128 + N
+    except SignalException as exc:  # the launcher stopped the workers on Ctrl-C or SIGTERM: say which
+        raise (Terminated if exc.sigval == signal.SIGTERM else KeyboardInterrupt)() from None
     return 0
