@@ -195,14 +195,14 @@ def test_a_mismatched_checkpoint_is_refused_with_exit_2(flags, message, saved, t
     (["--save-every", "-1", "--save-dir", "{dir}"], "--save-every must be >= 0"),
     (["--precision", "bf16,fp8-delayed", "--save-every", "2", "--save-dir", "{dir}"],
      "--save-dir and --load take a single --precision"),
-    (["--save-every", "2", "--save-dir", "{file}/ckpt"], "cannot create it (Not a directory)"),
+    (["--save-every", "2", "--save-dir", "{file}/ckpt"], "cannot create it ({file} is a file, not a folder)"),
 ])
 def test_checkpoint_flags_are_validated(flags, message, tmp_path, capsys):
     (tmp_path / "file").write_text("")
     flags = [f.format(dir=tmp_path / "ckpt", file=tmp_path / "file") for f in flags]
     assert main([*CLI, *flags, "--results", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert message in err and len(err.strip().splitlines()) == 1
+    assert message.format(file=tmp_path / "file") in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "ckpt").exists()
 
 

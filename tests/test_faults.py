@@ -223,7 +223,7 @@ def test_markdown_cells_and_plot_labels_take_any_text():
     rows = summary_rows([_row(), _row(id=2, precision="fp8-tensorwise", seq_len=64)])
     line = to_markdown(rows).splitlines()[2]
     assert line.count(" | ") == to_markdown(rows).splitlines()[0].count(" | ")  # no cell split by the '|'
-    assert "\\[/x\\]" in line and "a\\|b\\*c\\_d" in line
+    assert "[/x] [bold]$x^$ a\\|b\\*c\\_d" in line
     plots = all_plots(rows, {1: [{"step": 1, "loss": 2.0}], 2: [{"step": 1, "loss": 2.1}]})  # unbalanced '$'
     assert plots and all(png.startswith(b"\x89PNG") for png in plots.values())
 

@@ -221,12 +221,14 @@ def to_rich(rows: list[dict], title: str | None = None) -> Table:
     return table
 
 
-_MARKDOWN_SPECIAL = "\\`*_[]<>|"
+_MARKDOWN_SPECIAL = "\\`*_<>|"
 
 
 def md_escape(text) -> str:
-    """``text`` as literal markdown inside a table cell: specials backslash-escaped, newlines as spaces."""
-    return "".join("\\" + c if c in _MARKDOWN_SPECIAL else c for c in " ".join(str(text).splitlines()))
+    """``text`` as literal markdown inside a table cell: emphasis, code, HTML and '|' escaped, no link
+    (``](`` broken), newlines as spaces. Brackets stay as they are: footnote marks read ``[1]``."""
+    text = "".join("\\" + c if c in _MARKDOWN_SPECIAL else c for c in " ".join(str(text).splitlines()))
+    return text.replace("](", "]\\(")
 
 
 def to_markdown(rows: list[dict]) -> str:
