@@ -3,13 +3,19 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true",
+                     help="also run the tests marked slow (minutes each on a 2-core CPU; left out by default)")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_slow = pytest.mark.skip(reason="slow: run with --run-slow")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
+            item.add_marker(skip_slow)
 
 
 @pytest.fixture

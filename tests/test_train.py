@@ -11,12 +11,12 @@ TINY = RunConfig(model="tiny", seq_len=64, mbs=4, gbs=4, steps=10, warmup_steps=
 
 
 def test_tiny_run_lowers_its_loss():
-    result = loop.train(TINY.with_(seq_len=256, mbs=8, gbs=8, steps=60, precision="bf16"), log=lambda line: None)
+    result = loop.train(TINY.with_(seq_len=256, mbs=8, gbs=8, steps=40, precision="bf16"), log=lambda line: None)
     losses = [s["loss"] for s in result.steps]
-    assert result.status == "ok" and len(losses) == 60
-    assert losses[-1] < losses[0] - 1.0
+    assert result.status == "ok" and len(losses) == 40
+    assert losses[-1] < losses[0] - 0.8  # ln(2048) = 7.6 at the start; 6.5 after 40 steps
     m = result.metrics
-    assert m["timed_steps"] == 58 and m["tokens_per_sec_per_gpu"] > 0
+    assert m["timed_steps"] == 38 and m["tokens_per_sec_per_gpu"] > 0
     assert m["tokens_per_sec_per_gpu"] == pytest.approx(8 * 256 / m["step_time_s"])
     assert m["mfu_bf16"] is None  # no peak on a CPU
     assert m["step_time_min_s"] <= m["step_time_p25_s"] <= m["step_time_s"] <= m["step_time_p75_s"] <= m["step_time_max_s"]
