@@ -5,7 +5,8 @@ import textwrap
 import pytest
 
 from lpbench.cli import main
-from lpbench.data.corpus import assemble, python_documents, reflow, strip_roff
+from lpbench.corpus.build import assemble, python_documents, reflow
+from lpbench.corpus.roff import strip_roff
 
 SHARED = ("Every command of this suite reads its configuration from the same file and honours the same "
           "environment variables, described in the overview page.")

@@ -138,7 +138,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     data.set_defaults(func=_missing_command)
     sub = data.add_subparsers(dest="data_command", metavar="{corpus,prepare,tokenizer}",
                               parser_class=_UsageParser)
-    from lpbench.data.corpus import add_corpus_parser
+    from lpbench.corpus.build import add_corpus_parser
 
     add_corpus_parser(sub)
 

@@ -1,0 +1,1 @@
+"""The corpus builder: documentation installed on this machine as English text (``lpbench data corpus``)."""
