@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from lpbench.errors import UsageError
 from lpbench.metrics.flops import FORMULAS
 from lpbench.models.registry import ModelConfig, first_blocks, get_model_config, model_label, with_overrides
+from lpbench.precision.quantize import Scaling
 from lpbench.precision.recipes import get_recipe
 
 NOT_IN_KEY = ("save_every", "save_dir", "load", "profile_steps")  # see RunConfig.key
@@ -268,7 +269,7 @@ class RunConfig:
             raise UsageError(f"unknown FLOP formula {self.flops_formula!r}; valid: {', '.join(FORMULAS)}")
         if self.fsdp_fp8_all_gather and not self.fsdp:
             raise UsageError("--fsdp-fp8-all-gather needs --fsdp")
-        if self.fsdp_fp8_all_gather and (get_recipe(self.precision).scaling not in ("tensor", "delayed")
+        if self.fsdp_fp8_all_gather and (get_recipe(self.precision).scaling not in (Scaling.TENSOR, Scaling.DELAYED)
                                          or self.backend != "lpbench"):
             raise UsageError(f"--fsdp-fp8-all-gather needs precision fp8-tensorwise or fp8-delayed on the lpbench "
                              f"backend, not {self.precision} ({self.backend})")

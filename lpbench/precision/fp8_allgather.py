@@ -27,11 +27,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lpbench.precision.quantize import (all_reduce_max, delayed_encode_scale, fp8_encode_scale, quantize,
+from lpbench.precision.quantize import (Scaling, all_reduce_max, delayed_encode_scale, fp8_encode_scale, quantize,
                                        update_amax_history)
 
 aten = torch.ops.aten
-SCALINGS = ("tensor", "delayed")  # recipes whose weight has one scale: the ones this module serves
 # Ops that FSDP (sharding, padding, to_empty) and DTensor apply to a parameter, kept in the subclass.
 _KEEP_SUBCLASS = {aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor, aten.split.Tensor,
                   aten.copy_.default, aten.view.default, aten.as_strided.default, aten._to_copy.default,
@@ -81,7 +80,7 @@ class Fp8AllGatherWeight(torch.Tensor):
         w = F.pad(w, (0, 0, 0, rows - w.shape[0]))
         amax = module.reduce_amax("weight", all_reduce_max(w.abs().amax().float(), mesh.get_group()))
         spec, recipe = module.recipe.operand("weight", "fprop"), module.recipe
-        if recipe.scaling == "delayed":
+        if recipe.scaling is Scaling.DELAYED:
             enc = delayed_encode_scale(module.amax_history_weight, amax, spec.fmt, recipe.margin)
         else:
             enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
@@ -144,6 +143,6 @@ def gathered(module: nn.Module, weight: torch.Tensor) -> tuple[torch.Tensor, tor
     """
     if not isinstance(weight, Fp8Weight):
         return None
-    if module.recipe.scaling == "delayed":
+    if module.recipe.scaling is Scaling.DELAYED:
         update_amax_history(module.amax_history_weight, weight._amax)
     return weight._codes, weight._dec

@@ -29,7 +29,7 @@ from torch import nn
 
 from lpbench.precision.formats import pack_e2m1, unpack_e2m1
 from lpbench.precision.linear import QuantizedLinear, delayed_scale, qgemm
-from lpbench.precision.quantize import QTensor, delayed_encode_scale, quantize
+from lpbench.precision.quantize import QTensor, Scaling, delayed_encode_scale, quantize
 from lpbench.precision.recipes import Recipe
 
 
@@ -74,13 +74,13 @@ class FrozenQuantizedLinear(nn.Module):
         self.shared = spec_f == spec_d and spec_f.block[0] == spec_f.block[1]
         w = weight.detach()
         enc = None
-        if recipe.scaling == "delayed":  # the scale a history holding only this weight's amax gives
+        if recipe.scaling is Scaling.DELAYED:  # the scale a history holding only this weight's amax gives
             amax = w.abs().amax().float()
             enc = delayed_encode_scale(torch.zeros_like(amax), amax, recipe.element_format("weight"), recipe.margin)
         self._store("w", quantize(w, spec_f, encode_scale=enc))
         if not self.shared:
             self._store("wt", quantize(w.t(), spec_d, encode_scale=enc))
-        if recipe.scaling == "delayed":
+        if recipe.scaling is Scaling.DELAYED:
             for role in ("input", "grad"):
                 self.register_buffer(f"amax_history_{role}", torch.zeros(recipe.amax_history_len, device=w.device))
 
@@ -88,14 +88,14 @@ class FrozenQuantizedLinear(nn.Module):
     def from_linear(cls, linear: QuantizedLinear) -> FrozenQuantizedLinear:
         """The stored form of ``linear`` (its recipe, path and delayed-scaling histories)."""
         new = cls(linear.weight, linear.bias, linear.recipe, native=linear.native)
-        if linear.recipe.scaling == "delayed":
+        if linear.recipe.scaling is Scaling.DELAYED:
             for role in ("input", "grad"):
                 getattr(new, f"amax_history_{role}").copy_(getattr(linear, f"amax_history_{role}"))
         return new
 
     def _delayed_scale(self, role: str, t: torch.Tensor) -> torch.Tensor | None:
         """Delayed scaling, as QuantizedLinear: the encode scale from ``role``'s history, then record t's amax."""
-        if self.recipe.scaling != "delayed":
+        if self.recipe.scaling is not Scaling.DELAYED:
             return None
         return delayed_scale(self, role, t.detach().abs().amax().float())
 

@@ -32,10 +32,10 @@ import torch
 
 from lpbench.precision.formats import decode, encode
 from lpbench.precision.gemm import hp_mm, linear, mm_fp32
-from lpbench.precision.quantize import fp8_decode_scale, fp8_encode_scale
+from lpbench.precision.quantize import Scaling, fp8_decode_scale, fp8_encode_scale
 
 ALIGN = 16
-GROUPED_FP8_SCALINGS = ("row", "tensor")  # FP8 scalings with a grouped GEMM (fp8_grouped)
+GROUPED_FP8_SCALINGS = (Scaling.ROW, Scaling.TENSOR)  # FP8 scalings with a grouped GEMM (fp8_grouped)
 
 
 @dataclass
@@ -115,7 +115,7 @@ def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_
     """
     t = t.float()
     mag = t.abs()
-    if spec.scaling == "tensor":
+    if spec.scaling is Scaling.TENSOR:
         amax_g = mag.new_zeros(n_groups).scatter_reduce(0, group, mag.amax(1), "amax")
         amax = amax_g[group][:, None] if not along_rows else amax_g[:, None].expand(n_groups, t.shape[1])
     elif along_rows:

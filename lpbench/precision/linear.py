@@ -56,6 +56,7 @@ from lpbench.precision.tp_local import local_linear
 from lpbench.precision.quantize import (
     RHT_SIZE,
     QSpec,
+    Scaling,
     QTensor,
     all_reduce_max,
     apply_rht,
@@ -201,13 +202,13 @@ class QuantizedGemms:
         self._init_histories(device)
 
     def _init_histories(self, device):
-        if self.recipe.scaling == "delayed":
+        if self.recipe.scaling is Scaling.DELAYED:
             for role in ("input", "weight", "grad"):
                 self.register_buffer(f"amax_history_{role}", torch.zeros(self.recipe.amax_history_len, device=device))
 
     def _delayed_scale(self, role: str, t: torch.Tensor) -> torch.Tensor | None:
         """Delayed scaling: the encode scale from ``role``'s history, then record t's amax."""
-        if self.recipe.scaling != "delayed":
+        if self.recipe.scaling is not Scaling.DELAYED:
             return None
         return delayed_scale(self, role, self.reduce_amax(role, t.detach().abs().amax().float()))
 
@@ -242,7 +243,7 @@ class QuantizedGemms:
             shape = list(t.shape)
             shape[dim] = sum(tp.sections)
             noise = torch.rand(shape, device=t.device).index_select(dim, tp.index(t.device))
-        spans = spec.scaling == "nvfp4" or spec.block[dim] is None
+        spans = spec.scaling is Scaling.NVFP4 or spec.block[dim] is None
         return quantize(t, spec, encode_scale=encode_scale, noise=noise, amax_group=group if spans else None)
 
     def _operands(self, t: torch.Tensor, role: str, gemm: str, row: bool, col: bool, encode_scale=None):
@@ -255,7 +256,7 @@ class QuantizedGemms:
         BF16 operands as well: one extra write, left until a Blackwell GPU can measure it).
         """
         recipe = self.recipe
-        if recipe.scaling == "nvfp4" and self._tp_group(role) is None and (row or col):
+        if recipe.scaling is Scaling.NVFP4 and self._tp_group(role) is None and (row or col):
             from lpbench.precision.kernels import nvfp4
 
             if recipe.block == nvfp4.BLOCK and nvfp4.available(t):
@@ -299,7 +300,7 @@ class QuantizedGemms:
         """The GEMMs on plain tensors (under TP, this rank's shards)."""
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
             return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))  # no FLOPs
-        if self.native and self.recipe.scaling in ("tensor", "delayed"):
+        if self.native and self.recipe.scaling.per_tensor:
             from lpbench.precision.kernels import fp8_linear
 
             if fp8_linear.supported(x, weight):

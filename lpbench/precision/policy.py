@@ -20,6 +20,7 @@ from lpbench.errors import UsageError
 from lpbench.precision import fp8_allgather
 from lpbench.precision.kernels import block_scaled
 from lpbench.precision.linear import NATIVE_SCALINGS, QuantizedLinear
+from lpbench.precision.quantize import Scaling
 from lpbench.precision.recipes import Recipe, get_recipe
 
 
@@ -37,14 +38,14 @@ def why_emulated(recipe: Recipe, device: torch.device | str) -> str | None:
     if recipe.scaling not in NATIVE_SCALINGS or recipe.native_capability is None:
         return f"lpbench has no native kernel for {recipe.scaling} scaling yet"
     capability = torch.cuda.get_device_capability(device)
-    if recipe.scaling == "block" and not _blockwise_gemm(capability):
+    if recipe.scaling is Scaling.BLOCK and not _blockwise_gemm(capability):
         return (f"its native GEMM (torch's F.scaled_mm, cuBLAS from CUDA 12.9) runs on Hopper (SM 9.x) only; "
                 f"this GPU has {capability}, torch CUDA {torch.version.cuda}")
     if capability < recipe.native_capability:
         major, minor = recipe.native_capability
         return f"it needs compute capability {major}.{minor}, this GPU has {capability[0]}.{capability[1]}"
-    if recipe.scaling in ("mx", "nvfp4"):
-        if recipe.scaling == "mx" and recipe.fwd_format == "e2m1":
+    if recipe.scaling in (Scaling.MX, Scaling.NVFP4):
+        if recipe.scaling is Scaling.MX and recipe.fwd_format == "e2m1":
             return "torch's CUDA MXFP4 GEMM needs a build with FBGEMM GenAI kernels, which stock wheels lack"
         return block_scaled.unavailable()
     return None
@@ -138,7 +139,7 @@ def apply_fp8_all_gather(model: nn.Module) -> int:
     FSDP2 all-gathers it in FP8 (:mod:`lpbench.precision.fp8_allgather`); returns the count."""
     n = 0
     for mod in model.modules():
-        if isinstance(mod, QuantizedLinear) and mod.recipe.scaling in fp8_allgather.SCALINGS:
+        if isinstance(mod, QuantizedLinear) and mod.recipe.scaling.per_tensor:
             w = mod.weight
             if isinstance(w, DTensor):  # tensor parallel: wrap the local shard
                 new = DTensor.from_local(fp8_allgather.Fp8AllGatherWeight(w.to_local()), w.device_mesh,

@@ -50,6 +50,7 @@ Remaining choices, where TE's implementations disagree with each other or are un
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,25 @@ RHT_SIZE = 16
 # Transformer Engine's fixed random signs for the wgrad Hadamard transform (the NVFP4 recipe's default)
 TE_RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 Block = tuple[int | None, int | None]
+
+
+class Scaling(str, Enum):
+    """How a recipe scales its quantized operands. A ``str``: recipes, rows and reports hold the value."""
+
+    TENSOR = "tensor"  # one FP32 scale per tensor from its current amax
+    DELAYED = "delayed"  # one FP32 scale per tensor from an amax history (an operand's QSpec says TENSOR)
+    ROW = "row"  # one FP32 scale per row along the reduction dim
+    BLOCK = "block"  # one FP32 scale per block (1 x N, or N x N weight tiles)
+    MX = "mx"  # E8M0 scales of 1 x 32 blocks (OCP MX)
+    NVFP4 = "nvfp4"  # E4M3 scales of 1 x 16 blocks and an FP32 global scale
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def per_tensor(self) -> bool:
+        """One scale per tensor (tensor or delayed): what FSDP's FP8 all-gather and the fused FP8 linear serve."""
+        return self in (Scaling.TENSOR, Scaling.DELAYED)
 
 
 @dataclass(frozen=True)
@@ -108,7 +128,7 @@ class QTensor:
 class QSpec:
     """How one GEMM operand is quantized along its last dimension (derived from a Recipe)."""
 
-    scaling: str  # "tensor" | "row" | "block" | "mx" | "nvfp4"
+    scaling: Scaling  # never DELAYED: a delayed operand is TENSOR with an encode scale given
     fmt: FloatFormat
     block: Block = (None, None)
     pow2: bool = False  # FP32 scales rounded down to a power of two (tensor/row/block)
@@ -324,12 +344,12 @@ def quantize(x: torch.Tensor, spec: QSpec, *, encode_scale=None, generator=None,
     over it, for a tensor split across its ranks along a dim that a scaling group spans.
     """
     sr = {"stochastic": spec.stochastic, "generator": generator, "noise": noise}
-    if spec.scaling in ("tensor", "row", "block"):
+    if spec.scaling in (Scaling.TENSOR, Scaling.ROW, Scaling.BLOCK):
         return quantize_fp8(x, spec.fmt, spec.block, pow2=spec.pow2, encode_scale=encode_scale,
                             amax_group=amax_group, **sr)
-    if spec.scaling == "mx":
+    if spec.scaling is Scaling.MX:
         return quantize_mx(x, spec.fmt, block=spec.block[1], rounding=spec.mx_rounding, **sr)
-    if spec.scaling == "nvfp4":
+    if spec.scaling is Scaling.NVFP4:
         return quantize_nvfp4(x, block=spec.block, amax_group=amax_group, **sr)
     raise ValueError(f"unknown scaling {spec.scaling!r}")
 

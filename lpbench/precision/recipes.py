@@ -15,9 +15,8 @@ import torch
 
 from lpbench.errors import UsageError
 from lpbench.precision.formats import FORMATS, FloatFormat
-from lpbench.precision.quantize import RHT_SIZE, TE_RHT_SIGNS, QSpec
+from lpbench.precision.quantize import RHT_SIZE, TE_RHT_SIGNS, QSpec, Scaling
 
-SCALINGS = ("tensor", "delayed", "row", "block", "mx", "nvfp4")
 ROLES = ("input", "weight", "grad")
 GEMMS = ("fprop", "dgrad", "wgrad")
 
@@ -27,7 +26,7 @@ class Recipe:
     name: str
     description: str
     compute_dtype: torch.dtype = torch.bfloat16  # autocast dtype of everything not quantized
-    scaling: str | None = None  # None: no quantized GEMM; else one of SCALINGS
+    scaling: Scaling | None = None  # None: no quantized GEMM; a string value is made a Scaling
     fwd_format: str = "e4m3"  # inputs and weights
     grad_format: str = "e4m3"  # output gradients ("e5m2": the hybrid FP8 recipe)
     block: int | None = None  # block length along the reduction dim (block, mx, nvfp4)
@@ -46,20 +45,22 @@ class Recipe:
     native_capability: tuple[int, int] | None = None  # compute capability with native GEMMs
 
     def __post_init__(self):
-        if self.scaling is not None and self.scaling not in SCALINGS:
-            raise ValueError(f"{self.name}: unknown scaling {self.scaling!r}; valid: {', '.join(SCALINGS)}")
+        if self.scaling is not None:
+            if self.scaling not in {s.value for s in Scaling}:
+                raise ValueError(f"{self.name}: unknown scaling {self.scaling!r}; valid: {', '.join(Scaling)}")
+            object.__setattr__(self, "scaling", Scaling(self.scaling))
         for fmt in (self.fwd_format, self.grad_format):
             if fmt not in FORMATS:
                 raise ValueError(f"{self.name}: unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
-        if self.scaling in ("block", "mx", "nvfp4") and not self.block:
+        if self.scaling in (Scaling.BLOCK, Scaling.MX, Scaling.NVFP4) and not self.block:
             raise ValueError(f"{self.name}: {self.scaling} scaling needs a block size")
         if self.mx_scale_rounding not in ("rceil", "floor"):
             raise ValueError(f"{self.name}: mx_scale_rounding must be 'rceil' or 'floor'")
-        if self.fast_accum_fprop and self.scaling not in ("tensor", "delayed", "row"):
+        if self.fast_accum_fprop and self.scaling not in (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW):
             raise ValueError(f"{self.name}: fast_accum_fprop needs tensor, delayed or row scaling")
         if len(self.rht_signs) != RHT_SIZE or any(v not in (1, -1) for v in self.rht_signs):
             raise ValueError(f"{self.name}: rht_signs must be {RHT_SIZE} values of +1 or -1, got {self.rht_signs}")
-        if self.scaling == "block" and not self.pow2_scales:
+        if self.scaling is Scaling.BLOCK and not self.pow2_scales:
             # Emulation folds block scales into BF16 operands, exact only for powers of two.
             raise ValueError(f"{self.name}: blockwise scaling needs pow2_scales=True")
 
@@ -78,7 +79,7 @@ class Recipe:
     def dim_multiple(self) -> int:
         """What a linear's in and out features must divide by: the block, or 16 for FP8 GEMMs; 1 for
         NVFP4, whose quantizer zero-pads partial blocks as Transformer Engine does."""
-        return 1 if self.scaling == "nvfp4" else self.block or 16
+        return 1 if self.scaling is Scaling.NVFP4 else self.block or 16
 
     def element_format(self, role: str) -> FloatFormat:
         """The element format of operand ``role``: the gradient's, or the forward one."""
@@ -94,10 +95,10 @@ class Recipe:
             raise ValueError(f"role must be one of {ROLES} and gemm one of {GEMMS}, got {role!r}, {gemm!r}")
         if not self.quantized or (gemm == "wgrad" and self.wgrad_bf16):
             return None
-        kind = "tensor" if self.scaling == "delayed" else self.scaling
-        if kind == "tensor":
+        kind = Scaling.TENSOR if self.scaling.per_tensor else self.scaling
+        if kind is Scaling.TENSOR:
             block = (None, None)
-        elif kind == "row":
+        elif kind is Scaling.ROW:
             block = (1, None)
         elif role == "weight" and self.weight_block_2d:
             block = (self.block, self.block)

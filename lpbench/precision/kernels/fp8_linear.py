@@ -29,7 +29,7 @@ from lpbench.precision import fp8_allgather
 from lpbench.precision.formats import FloatFormat
 from lpbench.precision.kernels import fp8_cast
 from lpbench.precision.kernels.fp8 import update_amax_history
-from lpbench.precision.quantize import delayed_encode_scale, fp8_decode_scale, fp8_encode_scale
+from lpbench.precision.quantize import Scaling, delayed_encode_scale, fp8_decode_scale, fp8_encode_scale
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -58,7 +58,7 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool):
     fmt = recipe.element_format(role)
     if role == "weight" and (pre := fp8_allgather.gathered(mod, t)) is not None:  # FSDP all-gathered it in FP8
         return pre[0], pre[0].t().contiguous() if write_t else pre[0].new_empty((0,)), pre[1]
-    if recipe.scaling != "delayed":
+    if recipe.scaling is not Scaling.DELAYED:
         amax = mod.reduce_amax(role, t.detach().abs().amax().float())
         enc = fp8_encode_scale(amax, fmt)
         if fp8_cast.available(t):  # one tiled pass writes both copies (inductor's transposed write is slow)
