@@ -2,8 +2,9 @@
 Qwen3-MoE checkpoints in.
 
 Local folders only (no hub access). The architecture comes from ``config.json``
-(``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM``); weights from ``model.safetensors`` or the shards
-listed in ``model.safetensors.index.json``. Tensor names, HF → lpbench (``i`` = layer)::
+(``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM``); weights from
+``model.safetensors`` or the shards listed in ``model.safetensors.index.json``. Tensor names,
+HF → lpbench (``i`` = layer)::
 
     model.embed_tokens.weight                        tok_embeddings.weight
     model.layers.i.input_layernorm.weight            layers.i.attn_norm.weight

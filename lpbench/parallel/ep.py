@@ -27,7 +27,8 @@ from lpbench.models.moe import MoE
 
 
 class _AllToAll(torch.autograd.Function):
-    """Rows of ``x`` split by ``send`` to the ranks of ``group``; ``recv`` rows arrive from each (and back in backward)."""
+    """Rows of ``x`` split by ``send`` to the ranks of ``group``; ``recv`` rows arrive from each
+    (and back in backward)."""
 
     @staticmethod
     def forward(ctx, x, send: list[int], recv: list[int], group):

@@ -38,6 +38,12 @@ ALIGN = 16
 GROUPED_FP8_SCALINGS = (Scaling.ROW, Scaling.TENSOR)  # FP8 scalings with a grouped GEMM (fp8_grouped)
 
 
+def is_experts(mod: torch.nn.Module) -> bool:
+    """An MoE layer's stacked experts (:class:`lpbench.models.moe.Experts`, known by its ``set_recipe``: the
+    models package imports precision, so precision does not import it)."""
+    return not isinstance(mod, torch.nn.Linear) and callable(getattr(mod, "set_recipe", None))
+
+
 @dataclass
 class Groups:
     """Where each expert's rows are in a sorted, padded buffer (see the module doc)."""

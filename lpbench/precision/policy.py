@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from lpbench.errors import UsageError
 from lpbench.precision import fp8_allgather
+from lpbench.precision.grouped import is_experts
 from lpbench.precision.kernels import block_scaled
 from lpbench.precision.linear import NATIVE_SCALINGS, QuantizedLinear
 from lpbench.precision.quantize import Scaling
@@ -62,7 +63,6 @@ BACKENDS = ("lpbench", "torchao")
 
 def _candidate_linears(model: nn.Module, recipe: Recipe):
     """(full name, module, dims divide) of every linear (and MoE experts module) the recipe may quantize, in order."""
-    from lpbench.models.moe import Experts  # the model package imports precision: import here
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError("apply_recipe needs the transformer blocks in model.layers (an nn.ModuleList)")
@@ -73,7 +73,7 @@ def _candidate_linears(model: nn.Module, recipe: Recipe):
         for name, mod in layer.named_modules():
             if isinstance(mod, nn.Linear) and "router" not in name:
                 yield f"layers.{i}.{name}".rstrip("."), mod, not (mod.in_features % m or mod.out_features % m)
-            elif isinstance(mod, Experts):
+            elif is_experts(mod):
                 _, dim, ffn = mod.down.shape
                 yield f"layers.{i}.{name}", mod, not (dim % m or ffn % m)
 
@@ -106,13 +106,11 @@ def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device
             f"precision {recipe.name} cannot run natively on {device}: {reason}; "
             "pass --emulate to run it with exact emulation (slower, same numerics)"
         )
-    from lpbench.models.moe import Experts
-
     for full, mod, divides in list(_candidate_linears(model, recipe)):
         if not divides:
             result["skipped"].append(full)
             continue
-        if isinstance(mod, Experts):
+        if is_experts(mod):
             mod.set_recipe(recipe, native)
         else:
             parent, _, child = full.rpartition(".")

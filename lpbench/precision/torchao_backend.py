@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lpbench.errors import UsageError
-from lpbench.models.moe import Experts
+from lpbench.precision.grouped import is_experts
 from lpbench.precision.recipes import Recipe
 
 FLOAT8_RECIPES = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
@@ -121,13 +121,13 @@ def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: li
     if module is not None and importlib.util.find_spec(module) is None:
         raise UsageError(f"--backend torchao {recipe.name} needs torchao 0.18 or later ({module}); "
                          f"torchao {torchao.__version__} is installed")
-    experts = [(name, mod) for name, mod, ok in candidates if isinstance(mod, Experts)]
+    experts = [(name, mod) for name, mod, ok in candidates if is_experts(mod)]
     if experts and recipe.name != "fp8-rowwise":
         raise UsageError(f"--backend torchao runs MoE experts through torchao.prototype.moe_training's FP8 "
                          f"row-wise grouped GEMMs: precision fp8-rowwise, not {recipe.name}")
-    if any(not ok for _, mod, ok in candidates if isinstance(mod, Experts)):
+    if any(not ok for _, mod, ok in candidates if is_experts(mod)):
         raise UsageError("--backend torchao: the experts' widths must be multiples of 16")
-    candidates = [c for c in candidates if not isinstance(c[1], Experts)]
+    candidates = [c for c in candidates if not is_experts(c[1])]
     multiple = NVFP4_MULTIPLE if recipe.name == "nvfp4" else recipe.dim_multiple
     chosen = [(name, mod) for name, mod, _ in candidates if not (mod.in_features % multiple or mod.out_features % multiple)]
     skipped = [name for name, mod, _ in candidates if name not in dict(chosen)]
