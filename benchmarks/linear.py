@@ -20,7 +20,7 @@ import torch._inductor.config
 from torch import nn
 
 from lpbench.precision.linear import QuantizedLinear
-from lpbench.precision.policy import native_supported
+from lpbench.precision.capability import native_supported
 from lpbench.precision.recipes import RECIPES, get_recipe
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]

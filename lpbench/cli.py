@@ -179,7 +179,7 @@ def cmd_recipes(args) -> int:
 
     import torch
 
-    from lpbench.precision.policy import native_supported
+    from lpbench.precision.capability import native_supported
     from lpbench.precision.recipes import RECIPES
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -16,10 +16,11 @@ from lpbench.precision import apply_recipe, get_recipe
 from lpbench.precision.formats import E2M1, decode, encode, pack_e2m1, unpack_e2m1
 from lpbench.precision.kernels import block_scaled
 from lpbench.precision.linear import QuantizedLinear, qgemm
-from lpbench.precision.policy import why_emulated
+from lpbench.precision import capability as caps
+from lpbench.precision.capability import why_emulated
 from lpbench.precision.quantize import QTensor, apply_rht, quantize, scale_to_float
 
-pytestmark = pytest.mark.skipif(block_scaled.unavailable() is not None, reason=str(block_scaled.unavailable()))
+pytestmark = pytest.mark.skipif(caps.block_scaled_unavailable() is not None, reason=str(caps.block_scaled_unavailable()))
 
 
 # ---------------------------------------------------------------- independent layout (cuBLAS's description)
@@ -274,7 +275,7 @@ def test_dispatch_on_a_faked_hopper_emulates_with_the_reason(capability):
 
 def test_dispatch_names_a_torch_without_block_scaled_gemms(capability, monkeypatch):
     capability((10, 0))
-    monkeypatch.setattr(block_scaled, "unavailable", lambda: "torch 2.9 has no F.scaled_mm block scaling")
+    monkeypatch.setattr(caps, "block_scaled_unavailable", lambda: "torch 2.9 has no F.scaled_mm block scaling")
     info = apply_recipe(_toy(), "nvfp4", device="cuda", emulate=True)
     assert info == {**info, "path": "emulated", "why_emulated": "torch 2.9 has no F.scaled_mm block scaling"}
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from lpbench.precision.linear import QuantizedLinear, blockwise_native_shape, qgemm
+from lpbench.precision.capability import blockwise_shape
+from lpbench.precision.linear import QuantizedLinear, qgemm
 from lpbench.precision.quantize import quantize
 from lpbench.precision.recipes import get_recipe
 
@@ -22,11 +23,11 @@ def _operand(rows: int, cols: int, role: str, gemm: str, device: str = "cpu", se
 def test_native_shapes_are_the_ones_cublas_takes():
     act, wt = _operand(256, 512, "input", "fprop"), _operand(1024, 512, "weight", "fprop")
     assert (act.block, wt.block) == ((1, 128), (128, 128))
-    assert blockwise_native_shape(act, wt)
-    assert blockwise_native_shape(act, _operand(256, 512, "input", "wgrad"))  # 1x128 x 1x128
+    assert blockwise_shape(act, wt)
+    assert blockwise_shape(act, _operand(256, 512, "input", "wgrad"))  # 1x128 x 1x128
     # 128x128 operand with K/128 = 3 scale columns: cuBLAS pads them to 4, so not the plain layout
-    assert not blockwise_native_shape(_operand(256, 384, "input", "fprop"), _operand(1024, 384, "weight", "fprop"))
-    assert not blockwise_native_shape(_operand(200, 512, "input", "fprop"), wt)  # M not a multiple of 128
+    assert not blockwise_shape(_operand(256, 384, "input", "fprop"), _operand(1024, 384, "weight", "fprop"))
+    assert not blockwise_shape(_operand(200, 512, "input", "fprop"), wt)  # M not a multiple of 128
 
 
 @pytest.mark.gpu
@@ -37,7 +38,7 @@ def test_native_blockwise_gemm_matches_emulated(gemm):
     role_b = "input" if gemm == "wgrad" else "weight"
     a = _operand(512, 1024, "grad" if gemm != "fprop" else "input", gemm, "cuda", seed=1)
     b = _operand(768, 1024, role_b, gemm, "cuda", seed=2)
-    assert blockwise_native_shape(a, b)
+    assert blockwise_shape(a, b)
     got, want = qgemm(a, b, native=True), qgemm(a, b, native=False)
     # same codes and scales: BF16 output and another summation order only
     assert ((got - want).norm() / want.norm()).item() < 4e-3

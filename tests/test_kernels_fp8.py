@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from lpbench.precision import capability
 from lpbench.precision.formats import E4M3, E5M2
 from lpbench.precision.kernels.fp8_linear import cast
 from lpbench.precision.quantize import delayed_encode_scale, fp8_encode_scale, quantize_fp8, update_amax_history
@@ -87,11 +88,10 @@ def _fwd_bwd(mod, weight, bias, step, device):
 def test_compiled_fast_linear_equals_eager_on_cpu(monkeypatch, precise_casts, recipe):
     """torch.compile of the fast path (CPU ``_scaled_mm``) computes the eager fast path's codes:
     the BF16 rounding of the autocast input is kept (``emulate_precision_casts``, as ``run`` sets)."""
-    from lpbench.precision.kernels import fp8_linear
     from lpbench.precision.linear import QuantizedLinear
     from lpbench.precision.recipes import get_recipe
 
-    monkeypatch.setattr(fp8_linear, "supported", lambda x, w: True)
+    monkeypatch.setattr(capability, "fused_fp8_linear", lambda x, w: True)
     torch._dynamo.reset()
     mods = [QuantizedLinear.from_linear(torch.nn.Linear(256, 384), get_recipe(recipe), native=True)
             for _ in range(2)]
@@ -156,7 +156,6 @@ def test_fast_linear_matches_emulated_reference(precise_casts, recipe, compiled)
                                                 ("fp8-tensorwise-no-fast-accum", False)])
 def test_only_the_forward_gemm_accumulates_fast(monkeypatch, recipe, fprop_fast):
     """As TE and torchao: fast accumulation in fprop only; dgrad and wgrad accumulate in FP32."""
-    from lpbench.precision.kernels import fp8_linear
     from lpbench.precision.linear import QuantizedLinear
     from lpbench.precision.recipes import get_recipe
 
@@ -166,7 +165,7 @@ def test_only_the_forward_gemm_accumulates_fast(monkeypatch, recipe, fprop_fast)
         calls.append(use_fast_accum)
         return scaled_mm(*args, use_fast_accum=use_fast_accum, **kwargs)
 
-    monkeypatch.setattr(fp8_linear, "supported", lambda x, w: True)
+    monkeypatch.setattr(capability, "fused_fp8_linear", lambda x, w: True)
     monkeypatch.setattr(torch, "_scaled_mm", recording)
     mod = QuantizedLinear.from_linear(torch.nn.Linear(256, 384), get_recipe(recipe), native=True)
     _fwd_bwd(mod, mod.weight, mod.bias, 0, "cpu")
@@ -225,7 +224,7 @@ def test_tensorwise_one_pass_cast_matches_reference_on_cuda(shape, role, dtype, 
     mod = QuantizedLinear.from_linear(torch.nn.Linear(16, 16, device="cuda"), recipe, native=True)
     fmt = recipe.element_format(role)
     x = _inputs(shape, torch.float32).clamp(-6e4, 6e4).to(dtype)
-    assert fp8_cast.available(x.cuda())
+    assert capability.fp8_cast_kernel(x.cuda())
     torch._dynamo.reset()
     fn = torch.compile(_quantize, dynamic=False) if compiled else _quantize
     for write_t in (True, False):

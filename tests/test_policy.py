@@ -11,7 +11,7 @@ from torch import nn
 from lpbench.errors import UsageError
 from lpbench.precision import RECIPES, apply_recipe, get_recipe
 from lpbench.precision.linear import QuantizedLinear
-from lpbench.precision.policy import native_supported
+from lpbench.precision.capability import native_supported
 from lpbench.precision.recipes import Recipe
 
 

@@ -156,7 +156,7 @@ def resolve_data(args, model_vocab: int):
 def build_configs(args) -> tuple[list[RunConfig], list[str]]:
     """Validated configs, one per recipe, and the data description."""
     from lpbench.models import get_model_config
-    from lpbench.precision.policy import native_supported
+    from lpbench.precision.capability import native_supported
     from lpbench.precision.recipes import get_recipe
     from lpbench.train.loop import eval_batch_count, resolve_device
 

@@ -30,6 +30,7 @@ from functools import cached_property
 
 import torch
 
+from lpbench.precision import capability
 from lpbench.precision.formats import decode, encode
 from lpbench.precision.gemm import hp_mm, linear, mm_fp32
 from lpbench.precision.quantize import Scaling, fp8_decode_scale, fp8_encode_scale
@@ -94,14 +95,10 @@ class Groups:
         return torch.cat(out)
 
 
-def _native_grouped(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
-
-
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
     """``x_e · w_eᵀ`` for every expert in ``x``'s dtype (w cast to it): rows of ``x`` [rows, K] by ``groups``."""
     w = w.to(x.dtype)
-    if _native_grouped(x) and x.dtype == torch.bfloat16:
+    if capability.grouped_gemm(x) and x.dtype == torch.bfloat16:
         return groups.clear_tail(torch._grouped_mm(x, w.transpose(1, 2), offs=groups.offs))
     return _per_expert_linear(x, w, groups)
 

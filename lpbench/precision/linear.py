@@ -15,10 +15,10 @@ exactly on any device:
   to the FP32 output, as the hardware does. Equal to a native GEMM up to summation order.
   NVFP4 activations and gradients on CUDA come from the fused quantizer (``kernels/nvfp4.py``,
   bit-exact with the reference) already in this form: BF16 values and a global scale.
-* native path (CUDA, see ``NATIVE_SCALINGS``): ``torch._scaled_mm`` for FP8 tensorwise /
+* native path (CUDA, see ``capability.NATIVE``): ``torch._scaled_mm`` for FP8 tensorwise /
   delayed (SM89+; compiler-fused casts, ``kernels/fp8_linear.py``) and rowwise (SM90+);
   ``F.scaled_mm`` for blockwise (1x128 activations and gradients, 128x128 weights; Hopper,
-  cuBLAS 12.9+), for shapes it takes (:func:`blockwise_native_shape`), else emulated;
+  cuBLAS 12.9+), for shapes it takes (:func:`lpbench.precision.capability.blockwise_shape`), else emulated;
   ``F.scaled_mm`` for MXFP8 and NVFP4 on compute capability 10.x (``kernels/block_scaled.py``: the
   same codes and scales as the emulation, packed, swizzled and padded as cuBLAS reads them).
   A recipe's ``fast_accum_fprop`` runs the native forward GEMM in Hopper's fast accumulation
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lpbench.precision import fp8_allgather
+from lpbench.precision import capability, fp8_allgather
 from lpbench.precision.formats import E2M1
 from lpbench.precision.gemm import hp_mm, mm_fp32
 from lpbench.precision.kernels import block_scaled
@@ -67,9 +67,6 @@ from lpbench.precision.quantize import (
 )
 from lpbench.precision.recipes import Recipe
 
-NATIVE_SCALINGS = ("tensor", "delayed", "row", "block", "mx", "nvfp4")  # scalings with a native GEMM in lpbench
-
-
 def _operand(q) -> tuple[torch.Tensor, torch.Tensor]:
     """BF16-exact GEMM operand and the factor its GEMM output rows get ([rows, 1] or scalar), of a
     QTensor or of a copy that the fused NVFP4 quantizer (``kernels/nvfp4.py``) made."""
@@ -79,15 +76,6 @@ def _operand(q) -> tuple[torch.Tensor, torch.Tensor]:
     if q.block[1] == q.codes.shape[1]:  # one scale across the reduction dim: apply to the output
         return q.values(), scale_to_float(q.scale).repeat_interleave(q.block[0], 0) * g
     return q.values() * q.block_scales(), g
-
-
-def blockwise_native_shape(a: QTensor, b: QTensor) -> bool:
-    """Whether ``F.scaled_mm`` takes blockwise a · bᵀ: 1x128 blocks for a, 1x128 or 128x128 for b,
-    every dim a multiple of 128, and (128x128 b) a multiple of 4 scale columns, so that cuBLAS's
-    padded scale layout is the plain one."""
-    (m, k), n = a.codes.shape, b.codes.shape[0]
-    ok = a.block == (1, 128) and b.block in ((1, 128), (128, 128)) and not (m % 128 or n % 128 or k % 128)
-    return ok and (b.block[0] == 1 or (k // 128) % 4 == 0)
 
 
 @torch.library.custom_op("lpbench::blockwise_mm", mutates_args=())
@@ -130,7 +118,7 @@ def qgemm(a: QTensor, b: QTensor, *, native: bool = False, fast_accum: bool = Fa
     if native and block_scaled.takes(a, b):
         return block_scaled.mm(a, b).float()
     # (not native: ``a`` may be a fused NVFP4 copy, which has no codes or scales, only BF16 values)
-    if native and a.scale.dtype == torch.float32 and (a.block[1] == a.codes.shape[1] or blockwise_native_shape(a, b)):
+    if native and a.scale.dtype == torch.float32 and (a.block[1] == a.codes.shape[1] or capability.blockwise_shape(a, b)):
         return _scaled_mm(a, b, fast_accum).float()
     (va, sa), (vb, sb) = _operand(a), _operand(b)
     return mm_fp32(va, vb) * sa * (sb.t() if sb.dim() else sb)
@@ -259,7 +247,7 @@ class QuantizedGemms:
         if recipe.scaling is Scaling.NVFP4 and self._tp_group(role) is None and (row or col):
             from lpbench.precision.kernels import nvfp4
 
-            if recipe.block == nvfp4.BLOCK and nvfp4.available(t):
+            if recipe.block == nvfp4.BLOCK and capability.nvfp4_kernel(t):
                 copies = nvfp4.quantize(t, row=row, col=col, rht=recipe.rht_wgrad, signs=recipe.rht_signs,
                                         stochastic=recipe.operand(role, gemm).stochastic, with_codes=self.native)
                 if not self.native:
@@ -303,7 +291,7 @@ class QuantizedGemms:
         if self.native and self.recipe.scaling.per_tensor:
             from lpbench.precision.kernels import fp8_linear
 
-            if fp8_linear.supported(x, weight):
+            if capability.fused_fp8_linear(x, weight):
                 return fp8_linear.Fp8TensorwiseLinearFn.apply(x, weight, bias, self)
         return _QuantizedLinearFn.apply(x, weight, bias, self)
 

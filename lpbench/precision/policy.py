@@ -18,44 +18,10 @@ from torch.distributed.tensor import DTensor
 
 from lpbench.errors import UsageError
 from lpbench.precision import fp8_allgather
+from lpbench.precision.capability import why_emulated
 from lpbench.precision.grouped import is_experts
-from lpbench.precision.kernels import block_scaled
-from lpbench.precision.linear import NATIVE_SCALINGS, QuantizedLinear
-from lpbench.precision.quantize import Scaling
+from lpbench.precision.linear import QuantizedLinear
 from lpbench.precision.recipes import Recipe, get_recipe
-
-
-def native_supported(recipe: Recipe, device: torch.device | str) -> bool:
-    """True when ``device`` runs the recipe's GEMMs natively (lpbench has the kernel and the GPU the format)."""
-    return not recipe.quantized or why_emulated(recipe, device) is None
-
-
-def why_emulated(recipe: Recipe, device: torch.device | str) -> str | None:
-    """Why ``device`` cannot run the quantized recipe's GEMMs natively; None when it can. The one place that
-    decides: every quantized recipe whose check passes here runs lpbench's native kernels."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"{device.type} has no low-precision GEMMs"
-    if recipe.scaling not in NATIVE_SCALINGS or recipe.native_capability is None:
-        return f"lpbench has no native kernel for {recipe.scaling} scaling yet"
-    capability = torch.cuda.get_device_capability(device)
-    if recipe.scaling is Scaling.BLOCK and not _blockwise_gemm(capability):
-        return (f"its native GEMM (torch's F.scaled_mm, cuBLAS from CUDA 12.9) runs on Hopper (SM 9.x) only; "
-                f"this GPU has {capability}, torch CUDA {torch.version.cuda}")
-    if capability < recipe.native_capability:
-        major, minor = recipe.native_capability
-        return f"it needs compute capability {major}.{minor}, this GPU has {capability[0]}.{capability[1]}"
-    if recipe.scaling in (Scaling.MX, Scaling.NVFP4):
-        if recipe.scaling is Scaling.MX and recipe.fwd_format == "e2m1":
-            return "torch's CUDA MXFP4 GEMM needs a build with FBGEMM GenAI kernels, which stock wheels lack"
-        return block_scaled.unavailable()
-    return None
-
-
-def _blockwise_gemm(capability: tuple[int, int]) -> bool:
-    """``F.scaled_mm``'s FP8 blockwise GEMM: Hopper (SM 9.x) with cuBLAS from CUDA 12.9 on."""
-    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-    return hasattr(torch.nn.functional, "scaled_mm") and cuda >= (12, 9) and capability[0] == 9
 
 
 BACKENDS = ("lpbench", "torchao")

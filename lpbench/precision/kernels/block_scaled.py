@@ -34,15 +34,6 @@ TILE_ROWS, TILE_COLS = 128, 4  # scale tile of cuBLAS's block-scaling-factor lay
 SCALE_DTYPES = {32: torch.float8_e8m0fnu, 16: torch.float8_e4m3fn}  # block length -> scale dtype
 
 
-def unavailable() -> str | None:
-    """Why this torch cannot call the block-scaled GEMMs (None when it can)."""
-    kinds = getattr(getattr(F, "ScalingType", None), "BlockWise1x16", None)
-    if not hasattr(F, "scaled_mm") or kinds is None or not hasattr(F, "SwizzleType"):
-        return (f"torch {torch.__version__} has no F.scaled_mm with 1x32/1x16 block scaling "
-                "(ScalingType.BlockWise1x32/1x16, SwizzleType.SWIZZLE_32_4_4)")
-    return None
-
-
 def k_multiple(q: QTensor) -> int:
     """What the GEMM needs the reduction dim to divide by: 32 for packed E2M1, 16 for FP8."""
     return 32 if q.codes.dtype == torch.uint8 else 16

@@ -32,15 +32,6 @@ except ImportError:  # CPU-only torch ships without Triton
 TILE = 64  # rows and columns per program of the cast
 
 
-def available(t: torch.Tensor) -> bool:
-    """Whether :func:`cast_transpose` runs the one-pass kernel for ``t`` (a plain 2-D CUDA tensor:
-    16-bit activations and gradients, FP32 master weights; a tensor-parallel DTensor is not one)."""
-    from torch.distributed.tensor import DTensor
-
-    return (triton is not None and t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and t.dim() == 2 and not isinstance(t, DTensor))
-
-
 @triton_op("lpbench::fp8_cast_transpose", mutates_args=())
 def _cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
                     write_t: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,7 +55,7 @@ def _amax_unless(x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
 
 def cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fmt: FloatFormat, write_t: bool):
     """(codes, transposed codes or empty, amax of x): saturating round-to-nearest-even cast of
-    x × encode_scale, in one read of x (CUDA; see :func:`available`)."""
+    x × encode_scale, in one read of x (CUDA; see :func:`lpbench.precision.capability.fp8_cast_kernel`)."""
     return _cast_transpose(x.contiguous(), encode_scale.float().reshape(()), fmt.max, fmt.dtype, write_t)
 
 

@@ -25,17 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from lpbench.precision import fp8_allgather
+from lpbench.precision import capability, fp8_allgather
 from lpbench.precision.formats import FloatFormat
 from lpbench.precision.kernels import fp8_cast
 from lpbench.precision.kernels.fp8 import update_amax_history
 from lpbench.precision.quantize import Scaling, delayed_encode_scale, fp8_decode_scale, fp8_encode_scale
-
-
-def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Shapes ``torch._scaled_mm`` takes: every GEMM dim a multiple of 16."""
-    tokens = x.numel() // x.shape[-1]
-    return x.is_cuda and tokens % 16 == 0 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
 def cast(t: torch.Tensor, amax: torch.Tensor, enc: torch.Tensor, fmt: FloatFormat, write_t: bool):
@@ -61,12 +55,12 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool):
     if recipe.scaling is not Scaling.DELAYED:
         amax = mod.reduce_amax(role, t.detach().abs().amax().float())
         enc = fp8_encode_scale(amax, fmt)
-        if fp8_cast.available(t):  # one tiled pass writes both copies (inductor's transposed write is slow)
+        if capability.fp8_cast_kernel(t):  # one tiled pass writes both copies (inductor's transposed write is slow)
             q, qt, _ = fp8_cast.cast_transpose(t.detach(), enc, fmt, write_t)
             return q, qt, fp8_decode_scale(enc, amax)
         return cast(t, amax, enc, fmt, write_t)
     history = getattr(mod, f"amax_history_{role}")
-    if fp8_cast.available(t):  # one read of t; the current amax only while the history is empty
+    if capability.fp8_cast_kernel(t):  # one read of t; the current amax only while the history is empty
         first = mod.reduce_amax(role, fp8_cast.amax_unless(t.detach(), history.max() > 0))
         enc = delayed_encode_scale(history, first, fmt, recipe.margin)
         q, qt, amax = fp8_cast.cast_transpose(t.detach(), enc, fmt, write_t)

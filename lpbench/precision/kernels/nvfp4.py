@@ -52,11 +52,6 @@ class Copy(NamedTuple):
     scale: torch.Tensor | None = None  # E4M3 block scales, one per 16 elements (``with_codes``)
 
 
-def available(x: torch.Tensor) -> bool:
-    """Whether :func:`quantize` takes ``x``: a 2-D BF16 CUDA tensor."""
-    return triton is not None and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
-
-
 def quantize(x: torch.Tensor, *, row: bool, col: bool, rht: bool, stochastic: bool,
              signs: tuple[int, ...] = TE_RHT_SIGNS, seed: torch.Tensor | None = None,
              with_codes: bool = False) -> tuple[Copy | None, Copy | None]:
