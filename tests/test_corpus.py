@@ -175,3 +175,18 @@ def test_corpus_cli_rejects_bad_input_in_one_line(argv, message, tmp_path, capsy
     assert main(["data", "corpus", "--out", str(tmp_path)] + argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("bound", [10, 25, 40])
+def test_max_words_is_a_bound(corpus, tmp_path, bound):
+    _, _, full, _, roots = corpus
+    assert full["words"] > bound  # the whole corpus would overshoot every bound here
+    stats = assemble(tmp_path, ["man", "info", "doc", "python"], roots, min_words=8, max_words=bound,
+                     log=lambda line: None)
+    words = sum(len(json.loads(line)["text"].split()) for line in (tmp_path / "corpus.jsonl").read_text().splitlines())
+    assert words == stats["words"] and bound - 8 < words <= bound
+
+
+def test_max_words_below_min_words_is_refused(tmp_path, capsys):
+    assert main(["data", "corpus", "--out", str(tmp_path), "--min-words", "20", "--max-words", "5"]) == 2
+    assert "--max-words (5) must be at least --min-words (20)" in capsys.readouterr().err

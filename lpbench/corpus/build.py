@@ -237,13 +237,25 @@ class Deduplicator:
         return "\n\n".join(kept)
 
 
+def first_words(text: str, n: int) -> str:
+    """The first ``n`` words of ``text``, keeping its paragraphs (the last one may be cut)."""
+    kept, left = [], n
+    for para in text.split("\n\n"):
+        words = para.split()
+        if left <= 0 or not words:
+            continue
+        kept.append(para if len(words) <= left else " ".join(words[:left]))
+        left -= min(len(words), left)
+    return "\n\n".join(kept)
+
+
 def assemble(out_dir: str | os.PathLike, sources: list[str] | None = None,
              roots: dict[str, list[str]] | None = None, *, min_words: int = 20,
              max_words: int | None = None, seed: int = 0, log: Callable[[str], None] = print) -> dict:
     """Write ``out_dir/corpus.jsonl`` and ``out_dir/corpus.stats.json``; return the stats.
 
-    ``roots`` re-points sources (``{"man": ["/tmp/man"]}``); ``max_words`` stops reading once
-    that many words are kept (sources in the order given).
+    ``roots`` re-points sources (``{"man": ["/tmp/man"]}``); ``max_words`` bounds the words kept
+    (sources in the order given; the document that reaches the bound is cut to it).
     """
     names = list(sources or DEFAULT_SOURCES)
     for n in names:
@@ -254,6 +266,8 @@ def assemble(out_dir: str | os.PathLike, sources: list[str] | None = None,
             raise UsageError(f"--root {n}=...: {n!r} is not among the sources ({', '.join(names)})")
     if min_words < 1:
         raise UsageError(f"--min-words must be >= 1, got {min_words}")
+    if max_words is not None and max_words < min_words:
+        raise UsageError(f"--max-words ({max_words}) must be at least --min-words ({min_words})")
     dedup = Deduplicator()
     records: list[str] = []
     stats: dict = {"sources": {}, "seed": seed, "min_words": min_words, "dedup_min_words": DEDUP_MIN_WORDS}
@@ -277,6 +291,9 @@ def assemble(out_dir: str | os.PathLike, sources: list[str] | None = None,
                     continue
                 text = dedup(text).strip()
                 n = len(text.split())
+                if max_words and total_words + n > max_words:  # a bound: the last document is cut to fit
+                    text = first_words(text, max_words - total_words)
+                    n = len(text.split())
                 if n < min_words:
                     s["dropped_short_or_duplicate"] += 1
                     continue
@@ -287,12 +304,12 @@ def assemble(out_dir: str | os.PathLike, sources: list[str] | None = None,
                 total_words += n
                 if max_words and total_words >= max_words:
                     break
-            if max_words and total_words >= max_words:
+            if max_words and total_words + min_words > max_words:  # no further document would fit
                 break
         stats["sources"][name] = s
         log(f"lpbench data corpus: {name}: {s['documents']:,} documents, {s['words']:,} words, "
             f"{s['bytes'] / 1e6:.1f} MB from {s['files']:,} files")
-        if max_words and total_words >= max_words:
+        if max_words and total_words + min_words > max_words:
             break
     if not records:
         raise UsageError("no documents found in the chosen sources")
@@ -330,7 +347,7 @@ def add_corpus_parser(sub) -> None:
     p.add_argument("--min-words", type=int, default=20, metavar="N",
                    help="drop documents with fewer words after deduplication (default 20)")
     p.add_argument("--max-words", type=int, default=None, metavar="N",
-                   help="stop once N words are kept (default: everything)")
+                   help="keep at most N words: the document that reaches N is cut to it (default: everything)")
     p.add_argument("--seed", type=int, default=0, help="seed of the document shuffle (default 0)")
     p.set_defaults(func=_cmd_corpus)
 

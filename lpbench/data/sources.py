@@ -140,7 +140,7 @@ def open_parquet(path: PathLike):
     try:
         import pyarrow.parquet as pq
     except ModuleNotFoundError:
-        raise UsageError("reading parquet needs pyarrow: pip install 'lpbench[data]'") from None
+        raise UsageError("reading parquet needs pyarrow: pip install pyarrow") from None
     try:
         return pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for a bad file

@@ -91,7 +91,7 @@ def _tokenizers():
     try:
         import tokenizers
     except ModuleNotFoundError:
-        raise UsageError("tokenizer.json files need HF tokenizers: pip install 'lpbench[data]' "
+        raise UsageError("tokenizer.json files need HF tokenizers: pip install tokenizers "
                          "(or use the byte-level tokenizer)") from None
     return tokenizers
 
