@@ -57,12 +57,12 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     explicit = config_kwargs(args)
     if "model" not in explicit and args.hf_checkpoint:
         explicit["model"] = hf_label(args.hf_checkpoint)
+    world = world_size or planned_world(args.nproc_per_node)
     recommended = recommended_defaults(args.gpu, args.num_gpus, model=explicit.get("model", DEFAULTS.model),
                                        workload=explicit.get("workload", DEFAULTS.workload),
-                                       precision=(args.precision or [None])[0], explicit=explicit,
-                                       world=planned_world(args.nproc_per_node))
+                                       precision=(args.precision or [None])[0], explicit=explicit, world=world)
     base = RunConfig(**{**recommended, **explicit})  # explicit flags > the recommended config > RunConfig's defaults
-    base = base.with_world(world_size or planned_world(args.nproc_per_node), dp=args.dp)
+    base = base.with_world(world, dp=args.dp)
     if args.precision is None:  # the default comparison runs anywhere: emulate what the device lacks
         base = base.with_(emulate=True if args.emulate is None else args.emulate)
     precisions = args.precision or DEFAULT_PRECISIONS

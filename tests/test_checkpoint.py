@@ -216,6 +216,10 @@ def test_cli_saves_and_resumes(tmp_path, capsys):
     assert f"resumed from {ckpt / 'step-2'} at step 2" in out
     resumed = [line.split("lm loss: ")[1].split(" ")[0] for line in out.splitlines() if line.startswith("iteration")]
     assert resumed == straight[2:] and len(resumed) == 2
+    assert "ok (resumed from step 2)" in out  # the summary table says the run did not start here
+    assert main(["report", "--results", results, "--format", "md"]) == 0
+    md = capsys.readouterr().out
+    assert md.count("resumed from step 2") == 1  # the resumed run is marked; the one that saved is not
 
 
 class _Evil:

@@ -59,3 +59,19 @@ def test_model_scope_is_refused_under_fsdp_and_tp(argv, message, capsys, tmp_pat
     assert main(["run", "--model", "tiny", *argv, "--results", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_run_records_the_compile_scope_that_ran(tmp_path):
+    from lpbench.bench.store import ResultsStore
+    from lpbench.report.tables import summary_rows
+    from lpbench.train.loop import train
+
+    cfg = RunConfig(model="tiny", seq_len=16, mbs=1, gbs=1, steps=2, warmup_steps=1, precision="fp32",
+                    device="cpu", compile_scope="model")  # compile defaults to off on CPU: nothing compiled
+    result = train(cfg, log=lambda line: None)
+    assert result.metrics["compile"] is False and result.metrics["compile_scope"] == "off"
+    store = ResultsStore(tmp_path)
+    store.add_run(config=cfg.to_dict(), status="ok", error=None, metrics=result.metrics, steps=result.steps,
+                  env=result.env, run_key=cfg.key(), group_id="g", workload="pretrain")
+    (row,) = summary_rows(store.runs())
+    assert row["compile_scope"] == "off" and row["compile"] is False

@@ -94,7 +94,7 @@ def test_markdown_has_one_nemo_style_table_per_workload(store):
 
 
 def test_time_to_train_follows_the_nemotron4_formula(store):
-    (pre, sft) = time_to_train_tables(summary_rows(store.runs()))
+    (pre,) = time_to_train_tables(summary_rows(store.runs()))  # pre-training only: not the SFT group
     assert pre.columns[-9:] == [f"{n} GPUs" for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048)]
     bf16 = next(r for r in pre.rows if r[2] == "BF16")
     assert bf16[4] == "10,000"  # the best BF16 rate (seq 8192 beats 4096)
@@ -104,6 +104,19 @@ def test_time_to_train_follows_the_nemotron4_formula(store):
     # the recipe's own example: 389,371 tokens/s on 64 GPUs is 29.7 days
     from lpbench.report.tables import time_to_train
     assert time_to_train(389371 / 64, 64) == pytest.approx(29.7, abs=0.05)
+
+
+def test_time_to_train_only_for_gpu_pretraining(tmp_path):
+    s = ResultsStore(tmp_path)
+    _run(s, "bf16", 900.0, gpu=None)  # a CPU run
+    _run(s, "bf16", 5000.0, group="g2", workload="sft")
+    _run(s, "bf16", 8000.0, group="g3", workload="lora")
+    rows = summary_rows(s.runs())
+    assert time_to_train_tables(rows) == []
+    assert "Time to train" not in report_markdown(rows)
+    _run(s, "bf16", 10000.0, group="g4")
+    (table,) = time_to_train_tables(summary_rows(s.runs()))
+    assert [r[4] for r in table.rows] == ["10,000"] and "Pre-training" in table.title
 
 
 def test_csv_and_json_keep_one_flat_row_per_run(store, capsys, tmp_path):
@@ -262,3 +275,60 @@ def test_cpu_and_emulated_speed_ratios_are_marked_as_no_gpu_prediction(tmp_path)
     flat = to_markdown(rows)
     assert "6.67× (6.56–6.78) †" in flat and flat.rstrip().endswith(NOT_GPU_SPEED)
     assert NOT_GPU_SPEED in report_markdown(rows)
+
+
+def test_speedup_labels_are_not_struck_through_by_the_reference_line(tmp_path, monkeypatch):
+    s = ResultsStore(tmp_path)
+    _run(s, "bf16", 10000)
+    _run(s, "fp8-tensorwise", 9800)  # 0.98x: its label sits where the 1.0 line runs
+    _run(s, "mxfp8", 10100)
+    figures = []
+    monkeypatch.setattr(plots, "_png", lambda fig: figures.append(fig) or b"")
+    plots.speedup_bars(summary_rows(s.runs()))
+    (fig,) = figures
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    (line,) = [ln for ln in ax.get_lines() if list(ln.get_ydata()) == [1.0, 1.0]]
+    line_y = ax.transData.transform((0, 1.0))[1]
+    labels = [t for t in ax.texts if t.get_text().endswith("×")]
+    assert sorted(t.get_text() for t in labels) == ["0.98×", "1.00×", "1.01×"]
+    crossed = [t for t in labels if t.get_window_extent(renderer).y0 <= line_y <= t.get_window_extent(renderer).y1]
+    assert [t.get_text() for t in crossed] == ["0.98×"]
+    for t in crossed:  # drawn over the line on an opaque box
+        box = t.get_bbox_patch()
+        assert box is not None and box.get_facecolor()[3] == 1.0 and t.get_zorder() > line.get_zorder()
+
+
+MEASURE = """<script>
+document.body.dataset.hidden = JSON.stringify([...document.querySelectorAll("table")].map(t => {
+  const box = t.parentElement.getBoundingClientRect();
+  return [...t.querySelectorAll("th")].filter(th => th.getBoundingClientRect().right > box.right + 0.5)
+    .map(th => th.textContent);
+}).flat());
+document.body.dataset.tables = document.querySelectorAll("table").length;
+</script>"""
+
+
+@pytest.mark.skipif(not shutil.which(CHROMIUM),
+                    reason=f"{CHROMIUM} missing (Debian: apt-get update && apt-get install -y chromium)")
+@pytest.mark.parametrize("width", [1400, 1920])
+def test_html_tables_show_every_column_at_common_widths(tmp_path, capsys, width):
+    s = ResultsStore(tmp_path)  # the widest tables: long precision labels, a resumed run, LoRA, FSDP, a failure
+    _run(s, "bf16", 10000, extra_metrics={"resumed_from_step": 20})
+    _run(s, "fp8-rowwise-gw-hp", 13812, loss=2.01, extra_metrics={"resumed_from_step": 20})
+    _run(s, "nvfp4", None, status="oom", error="CUDA out of memory. Tried to allocate 2.00 GiB", mem=79.5, loss=None)
+    _run(s, "bf16", 7000, group="g2", workload="lora")
+    _run(s, "fp8-delayed", 8000, group="g2", workload="lora", extra_metrics={"lora_stored_quantized": 32})
+    page = _write_report(tmp_path, capsys)
+    probe = page.with_name("probe.html")
+    probe.write_text(page.read_text().replace("</body>", MEASURE + "</body>"))
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'chromium-profile'}", f"--window-size={width},1000", "--dump-dom",
+           probe.as_uri()]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    tables = re.search(r'data-tables="(\d+)"', out.stdout)
+    hidden = re.search(r'data-hidden="([^"]*)"', out.stdout)
+    assert tables and int(tables.group(1)) == 3 and hidden, out.stdout[-2000:]
+    assert json.loads(hidden.group(1).replace("&quot;", '"')) == []  # no column past the page's edge

@@ -18,11 +18,14 @@ def test_the_csv_has_nemos_columns_and_every_row_is_a_sound_config():
     assert text.startswith(HEADER + ",fsdp,source")
     rows = rc.load()
     assert len(rows) > 80
-    keys = [(r.task, r.name, r.system, r.dtype, r.num_gpus) for r in rows]
+    keys = [(r.task, r.name, r.system, d, r.num_gpus) for r in rows for d in r.dtypes]
     assert len(keys) == len(set(keys))  # one row per lookup key
+    configs = [(r.task, r.name, r.system, r.num_gpus, r.seq_len, r.tp, r.pp, r.cp, r.ep, r.vp, r.mbs, r.gbs, r.fsdp)
+               for r in rows]
+    assert len(configs) == len(set(configs))  # no duplicate rows: one config serving BF16 and FP8 is one row
     for r in rows:
         model = get_model_config(r.name)  # every row names a zoo model
-        assert r.source in rc.SOURCES, r
+        assert set(r.sources) <= set(rc.SOURCES) and set(r.dtypes) <= {"bf16", "fp8", "fp4"}, r
         assert r.seq_len <= model.max_seq_len, r
         assert r.num_gpus % (r.tp * r.pp * r.cp) == 0, r
         assert r.gbs % (r.mbs * r.dp) == 0, r  # whole gradient accumulation under NeMo's DP
@@ -52,11 +55,13 @@ def test_rows_reproduce_the_published_configs(model, gpu, n, expect):
 def test_dtype_rows_and_fallback():
     # the Nemotron4 recipe lists BF16 and FP8 at 16..2048 GPUs: GBS = 4 x GPUs
     assert rc.lookup("nemotron4-15b", "h100", 256, precision="bf16").gbs == 1024
-    assert rc.lookup("nemotron4-15b", "h100", 16, precision="bf16").dtype == "bf16"
+    assert rc.lookup("nemotron4-15b", "h100", 16, precision="bf16").dtypes == ("bf16", "fp8")  # the recipe's BF16/FP8
     # only an FP8 row: BF16 and NVFP4 runs take it too (one config for every precision compared)
     assert rc.lookup("llama3-8b", "h100", 8, precision="bf16").dtype == "fp8"
     assert rc.lookup("llama3-8b", "h100", 8, precision="nvfp4").dtype == "fp8"
-    assert rc.lookup("llama3-8b", "b200", 8, precision="bf16").source == "nemo-25.07-nvfp4-bench"
+    assert rc.lookup("llama3-8b", "b200", 8, precision="bf16").sources == ("nemo-25.04", "nemo-25.07-nvfp4-bench")
+    assert rc.lookup("nemotron4-340b", "h100", 256, precision="bf16").vp == 1  # the recipe's BF16 row ...
+    assert rc.lookup("nemotron4-340b", "h100", 256, precision="fp8").vp == 12  # ... and NeMo 25.04's FP8 row
     assert rc.lookup("llama3-70b", "h100", 32, task="sft").tp == 4
     assert rc.lookup("llama3-8b", "H100").num_gpus == 8  # no count: the smallest listed; case-insensitive
 
@@ -76,12 +81,22 @@ def _configs(argv):
 
 
 def test_run_takes_its_defaults_from_the_recommended_config(capsys):
-    (cfg,) = _configs(["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "8"])
-    assert (cfg.seq_len, cfg.mbs, cfg.gbs, cfg.tp) == (8192, 1, 128, 1)
-    assert "recommended config: llama3-8b pretrain on 8x h100" in capsys.readouterr().err
-    # explicit flags win
-    (cfg,) = _configs(["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "8", "--seq-len", "4096", "--mbs", "2"])
-    assert (cfg.seq_len, cfg.mbs, cfg.gbs) == (4096, 2, 128)
+    (cfg,) = _configs(["--model", "nemotron4-15b", "--gpu", "h100", "--num-gpus", "16", "--nproc-per-node", "16"])
+    assert (cfg.seq_len, cfg.mbs, cfg.gbs, cfg.tp, cfg.dp, cfg.grad_accum) == (4096, 2, 64, 2, 8, 4)
+    err = capsys.readouterr().err
+    # the printed layout is the one that runs (the recipe's TP 2 x DP 8, GA 4)
+    assert ("recommended config: nemotron4-15b pretrain on 16x h100 (bf16/fp8 row, nemotron4-recipe); runs as "
+            "seq_len 4096, MBS 2, GBS 64, TP 2, DP 8, GA 4 on 16 process(es)\n") in err
+    # explicit flags win, and the printed layout says so
+    (cfg,) = _configs(["--model", "nemotron4-15b", "--gpu", "h100", "--num-gpus", "16", "--nproc-per-node", "16",
+                       "--seq-len", "2048", "--mbs", "1"])
+    assert (cfg.seq_len, cfg.mbs, cfg.gbs, cfg.grad_accum) == (2048, 1, 64, 8)
+    assert "runs as seq_len 2048 (flag), MBS 1 (flag), GBS 64, TP 2, DP 8, GA 8 on 16" in capsys.readouterr().err
+    # fewer processes than the row's GPUs: the layout of this launch, and the row's beside it
+    (cfg,) = _configs(["--model", "llama3.2-1b", "--gpu", "h100", "--num-gpus", "8"])
+    assert (cfg.dp, cfg.grad_accum) == (1, 128)
+    assert ("TP 1, DP 1, GA 128 on 1 process(es) (the row: 8 GPUs, DP 8, GA 16; start 8 with --nproc-per-node"
+            in capsys.readouterr().err)
     a, b = _configs(["--model", "qwen3-14b", "--gpu", "gb200", "--precision", "bf16,mxfp8", "--nproc-per-node", "8"])
     assert a.tp == b.tp == 2 and a.dp == 4 and a.seq_len == b.seq_len == 4096  # one config for every precision
     (cfg,) = _configs(["--model", "qwen3-14b", "--gpu", "gb200", "--tp", "1"])  # one process: override TP
@@ -90,6 +105,54 @@ def test_run_takes_its_defaults_from_the_recommended_config(capsys):
     (cfg,) = _configs(["--model", "tiny"])
     d = RunConfig()
     assert (cfg.seq_len, cfg.mbs, cfg.gbs) == (d.seq_len, d.mbs, d.gbs)
+
+
+@pytest.mark.parametrize("model,gpu,n,missing", [
+    ("llama3-8b", "h100", 8, "needs context parallelism (CP 2)"),  # not DP 8 with CP dropped
+    ("llama3-70b", "h100", 64, "needs pipeline parallelism (PP 8)"),  # not TP 4 x DP 16, which cannot fit
+    ("mixtral-8x7b", "gb200", 64, "needs expert parallelism (EP 8)"),
+    ("llama3.1-405b", "b200", 128, "needs pipeline parallelism (PP 8) and context parallelism (CP 2)"),
+])
+def test_rows_needing_missing_parallel_dimensions_are_refused(model, gpu, n, missing, capsys, tmp_path):
+    argv = ["run", "--model", model, "--gpu", gpu, "--num-gpus", str(n), "--results", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert missing in err and "lpbench does not implement yet" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "results.db").exists()
+
+
+def test_every_runnable_row_prints_the_layout_it_builds(capsys):
+    for r in rc.load():
+        if r.pp > 1 or r.cp > 1 or r.ep > 1 or r.task != "pretrain":
+            continue
+        (cfg,) = configs_from_args(build_parser().parse_args(
+            ["run", "--precision", "bf16", "--model", r.name, "--gpu", r.system, "--num-gpus", str(r.num_gpus)]),
+            world_size=r.num_gpus)
+        err = capsys.readouterr().err
+        assert (f"TP {cfg.tp}, DP {cfg.dp}{' (FSDP)' if cfg.fsdp else ''}, GA {cfg.grad_accum} on {r.num_gpus} "
+                f"process(es)\n") in err, (r, err)
+        assert (cfg.tp, cfg.dp, cfg.grad_accum) == (r.tp, r.dp, r.grad_accum)
+
+
+def test_sweep_refuses_rows_needing_missing_dimensions():
+    from lpbench.bench.sweep import expand
+
+    with pytest.raises(UsageError, match="no valid run .*needs context parallelism"):
+        expand({"model": "llama3-8b", "gpu": "h100", "num_gpus": 8, "precision": "bf16"})
+    sweep = expand({"model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "precision": "bf16"})
+    assert sweep.runs[0].recommended.endswith("runs as seq_len 4096, MBS 2, GBS 64, TP 2, DP 8, GA 4 on 16 process(es)")
+
+
+def test_slurm_checks_the_recommended_config_against_the_jobs_world(tmp_path, capsys):
+    script = tmp_path / "job.sbatch"
+    # qwen3-14b's H100 row is TP 4 on 8 GPUs: one node of 8 GPUs runs it, though the writer is one process
+    assert main(["slurm", "--nodes", "1", "--gpus-per-node", "8", "--output", str(script), "--",
+                 "--model", "qwen3-14b", "--gpu", "h100", "--num-gpus", "8", "--precision", "bf16"]) == 0
+    assert "TP 4, DP 2, GA 64 on 8 process(es)" in capsys.readouterr().err and script.exists()
+    script.unlink()
+    assert main(["slurm", "--nodes", "1", "--gpus-per-node", "6", "--output", str(script), "--",
+                 "--model", "qwen3-14b", "--gpu", "h100", "--num-gpus", "8"]) == 2
+    assert "uses TP 4, but this launch has 6 process(es)" in capsys.readouterr().err and not script.exists()
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -222,10 +222,11 @@ def test_cli_lora_with_stored_base_then_report(tmp_path, capsys):
                  "--lora-base-storage", "quantized", "--results", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "lpbench: lora tiny" in out and "frozen base stored quantized (32 linears quantized once)" in out
-    assert "frozen base stored quantized (0 linears quantized once)" in out  # bf16: nothing to quantize
+    assert "frozen base stored bf16 (bf16 quantizes no linear)" in out  # bf16: nothing to quantize
     assert main(["report", "--results", str(tmp_path), "--format", "md"]) == 0
     md = capsys.readouterr().out
     assert md.startswith("## Fine-tuning (LoRA)") and "Pre-training" not in md
+    assert "| BF16 |" in md and "FP8 (per-tensor), base stored quantized" in md  # BF16 stored nothing quantized
     assert main(["report", "--results", str(tmp_path), "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["workload"], r["precision"], r["status"]) for r in rows] == [("lora", "bf16", "ok"),

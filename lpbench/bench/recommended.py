@@ -1,12 +1,14 @@
 """Recommended run configs: lpbench's counterpart of NeMo's ``recommended_model_configs``.
 
-``lpbench/configs/recommended_model_configs.csv`` has one row per (task, model, system,
-dtype, GPU count) with NeMo's columns ``task,model,size,system,dtype,num_gpus,seq_len,tp,
-pp,cp,ep,vp,mbs,gbs`` plus ``fsdp`` and ``source`` (where the row comes from; README's
-"Recommended configs" explains each source). ``lookup`` finds the row for a model on a
-GPU type and count; ``run_defaults`` turns it into RunConfig keyword arguments, keeping only
-the fields RunConfig has (parallel sizes lpbench does not implement yet stay in the
-row, for the user to read).
+``lpbench/configs/recommended_model_configs.csv`` has one row per (task, model, system, GPU
+count) and config, with NeMo's columns ``task,model,size,system,dtype,num_gpus,seq_len,tp,pp,
+cp,ep,vp,mbs,gbs`` plus ``fsdp`` and ``source`` (where the row comes from; README's
+"Recommended configs" explains each source). ``dtype`` lists the precision classes the row
+serves (``bf16/fp8`` where the published BF16 and FP8 configs are the same), ``source`` its
+sources joined by ``+``. ``lookup`` finds the row for a model on a GPU type and count;
+``run_defaults`` turns it into RunConfig keyword arguments. A row that needs a parallel
+dimension lpbench does not implement (pipeline, context or expert parallelism) is refused by
+``check_runnable`` rather than run in another layout than the one it names.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ CSV_NAME = "recommended_model_configs.csv"
 INT_FIELDS = ("num_gpus", "seq_len", "tp", "pp", "cp", "ep", "vp", "mbs", "gbs", "fsdp")
 # Row fields a RunConfig may take (passed on only where RunConfig has a field of that name).
 RUN_FIELDS = ("seq_len", "mbs", "gbs", "tp", "pp", "cp", "ep", "vp", "fsdp")
+# Parallel dimensions of the table that lpbench does not implement yet: (column, name).
+MISSING_DIMS = (("pp", "pipeline"), ("cp", "context"), ("ep", "expert"))
 SOURCES = {
     "nemo-25.04": "NeMo 25.04 performance summary (FP8 current scaling)",
     "nemo-25.04-fixed": "NeMo 25.04 performance summary; the published row has its GBS/MBS cells shifted, "
@@ -59,6 +63,14 @@ class Recommended:
         return f"{self.model}-{self.size}" if self.size else self.model
 
     @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(self.dtype.split("/"))
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(self.source.split("+"))
+
+    @property
     def dp(self) -> int:
         """Data-parallel size as NeMo derives it: GPUs / (TP x PP x CP)."""
         return max(1, self.num_gpus // (self.tp * self.pp * self.cp))
@@ -67,10 +79,36 @@ class Recommended:
     def grad_accum(self) -> int:
         return max(1, self.gbs // (self.mbs * self.dp))
 
-    def describe(self) -> str:
-        return (f"{self.name} {self.task} on {self.num_gpus}x {self.system} ({self.dtype} row, "
-                f"{self.source}): seq_len {self.seq_len}, MBS {self.mbs}, GBS {self.gbs}, TP {self.tp}, PP {self.pp}, "
-                f"CP {self.cp}, EP {self.ep}, VP {self.vp}, FSDP {self.fsdp}, DP {self.dp}, GA {self.grad_accum}")
+    def title(self) -> str:
+        return f"{self.name} {self.task} on {self.num_gpus}x {self.system} ({self.dtype} row, {self.source})"
+
+    def describe(self, world: int | None = None, **ran) -> str:
+        """The layout that runs on ``world`` processes (default: the row's GPU count).
+
+        ``ran``: seq_len / mbs / gbs / tp / fsdp values set by flags instead of the row, marked so.
+        """
+        world = world or self.num_gpus
+        v = {"seq_len": self.seq_len, "mbs": self.mbs, "gbs": self.gbs, "tp": self.tp, "fsdp": bool(self.fsdp)}
+        changed = {k for k, x in ran.items() if x is not None and x != v.get(k)}
+        v.update({k: ran[k] for k in changed})
+        dp = max(1, world // v["tp"])
+        mark = lambda k: " (flag)" if k in changed else ""  # noqa: E731
+        text = (f"{self.title()}; runs as seq_len {v['seq_len']}{mark('seq_len')}, MBS {v['mbs']}{mark('mbs')}, "
+                f"GBS {v['gbs']}{mark('gbs')}, TP {v['tp']}{mark('tp')}, DP {dp}{' (FSDP)' if v['fsdp'] else ''}, "
+                f"GA {max(1, v['gbs'] // (v['mbs'] * dp))} on {world} process(es)")
+        if world != self.num_gpus:
+            text += (f" (the row: {self.num_gpus} GPUs, DP {self.dp}, GA {self.grad_accum}; start "
+                     f"{self.num_gpus} with --nproc-per-node, torchrun or srun to run it as listed)")
+        return text
+
+
+def check_runnable(rec: Recommended) -> None:
+    """Refuse a row whose layout needs a parallel dimension lpbench does not implement yet."""
+    missing = [f"{name} parallelism ({col.upper()} {getattr(rec, col)})" for col, name in MISSING_DIMS
+               if getattr(rec, col) > 1]
+    if missing:
+        raise UsageError(f"the recommended config for {rec.title()} needs {' and '.join(missing)}, which lpbench "
+                         f"does not implement yet; set --seq-len/--mbs/--gbs/--tp yourself instead of --gpu")
 
 
 @lru_cache(maxsize=1)
@@ -121,7 +159,7 @@ def lookup(model: str, gpu: str, num_gpus: int | None = None, task: str = "pretr
     wanted = dtype_class(precision)
     for dtype in dict.fromkeys((wanted, "fp8", "bf16")):
         for r in matches:
-            if r.dtype == dtype:
+            if dtype in r.dtypes:
                 return r
     return matches[0]
 
@@ -148,14 +186,12 @@ def recommended_defaults(gpu: str | None, num_gpus: int | None, *, model: str, w
     if gpu is None:
         return {}
     rec = lookup(model, gpu, num_gpus, task=workload, precision=precision)
+    check_runnable(rec)
     filled = {k: v for k, v in run_defaults(rec).items() if k not in explicit}
     if "tp" in filled and world % rec.tp:
         raise UsageError(f"the recommended config for {rec.name} on {rec.num_gpus}x {rec.system} uses TP {rec.tp}, "
                          f"but this launch has {world} process(es): start {rec.num_gpus} "
                          f"(--nproc-per-node {rec.num_gpus}, torchrun or srun) or pass --tp")
-    note = ""
-    if world < rec.num_gpus:
-        note = (f"; this launch has {world} process(es), so each accumulates more of the global batch "
-                f"(--nproc-per-node {rec.num_gpus} to run it as listed)")
-    print(f"lpbench: recommended config: {rec.describe()}{note}", file=sys.stderr)
+    ran = {k: explicit[k] for k in ("seq_len", "mbs", "gbs", "tp", "fsdp") if k in explicit}
+    print(f"lpbench: recommended config: {rec.describe(world, **ran)}", file=sys.stderr)
     return filled

@@ -267,15 +267,17 @@ def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
         kwargs["model"] = hf_label(kwargs["hf_checkpoint"])
     rec_text = None
     if settings.get("gpu"):
-        from lpbench.bench.recommended import lookup, run_defaults
+        from lpbench.bench.recommended import check_runnable, lookup, run_defaults
 
         rec = lookup(settings.get("model", RunConfig().model), settings["gpu"], settings.get("num_gpus"),
                      task=settings.get("workload", "pretrain"))
+        check_runnable(rec)
+        ran = {k: kwargs.get(k) for k in ("seq_len", "mbs", "gbs", "tp", "fsdp")}
         for k, v in run_defaults(rec).items():
             if k not in kwargs:
                 kwargs[k] = settings[k] = v
         settings.setdefault("num_gpus", rec.num_gpus)
-        rec_text = rec.describe()
+        rec_text = rec.describe(settings["num_gpus"], **ran)
     cfg = RunConfig(**kwargs)
     num_gpus = settings.get("num_gpus")
     if num_gpus is not None:

@@ -19,9 +19,10 @@ h2 { font-size: 1.3rem; margin-top: 2.2rem; border-bottom: 2px solid #76b900; pa
 .meta { color: #555; font-size: 0.9rem; }
 .caption { color: #444; font-size: 0.88rem; margin: 0.3rem 0 0.6rem; }
 .scroll { overflow-x: auto; }
-table { border-collapse: collapse; font-size: 0.86rem; white-space: nowrap; }
-th, td { padding: 0.3rem 0.6rem; border-bottom: 1px solid #e3e3e3; text-align: left; }
-th { background: #f4f6f0; position: sticky; top: 0; }
+table { border-collapse: collapse; font-size: 0.82rem; width: 100%; }
+th, td { padding: 0.3rem 0.45rem; border-bottom: 1px solid #e3e3e3; text-align: left; }
+th { background: #f4f6f0; position: sticky; top: 0; vertical-align: bottom; }
+td.num, td:nth-child(-n+2) { white-space: nowrap; }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr.group td { border-top: 2px solid #b8c4a6; }
 tbody tr:hover { background: #fafcf5; }

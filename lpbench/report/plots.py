@@ -21,6 +21,7 @@ COLOURS = {"bf16": "#3b3b3b", "fp32": "#9e9e9e", "fp8-tensorwise": "#1f77b4", "f
            "mxfp8": "#ff7f0e", "mxfp4": "#e377c2", "nvfp4": "#d62728"}
 _EXTRA = ["#8c564b", "#bcbd22", "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a"]
 MAX_PANELS = 12
+LABEL_BOX = {"boxstyle": "square,pad=0.15", "facecolor": "white", "edgecolor": "none"}  # hides lines behind labels
 FAIL_LABELS = {"oom": "OOM", "diverged": "diverged", "timeout": "timeout", "error": "error"}
 
 
@@ -200,11 +201,12 @@ def speedup_bars(rows: list[dict]) -> bytes | None:
             any_emulated = any_emulated or emulated
             ax.bar(x, r["speedup"], width * 0.9, color=colour(p, order), hatch="///" if emulated else None,
                    edgecolor="white" if emulated else None, linewidth=0)
-            ax.text(x, r["speedup"] + top * 0.01, f"{r['speedup']:.2f}×", ha="center", va="bottom", fontsize=7)
+            ax.annotate(f"{r['speedup']:.2f}×", (x, r["speedup"]), xytext=(0, 2), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=7, zorder=4, bbox=LABEL_BOX)  # legible across the line
         else:
             ax.text(x, top * 0.02, f"{precision_name(p)}: {FAIL_LABELS.get(r['status'], r['status'])}",
                     ha="center", va="bottom", rotation=90, fontsize=8, color="#b00020")
-    ax.axhline(1.0, color="#3b3b3b", lw=1, ls="--")
+    ax.axhline(1.0, color="#3b3b3b", lw=1, ls="--", zorder=0.5)  # behind bars and labels
     ax.grid(axis="x", visible=False)
     _group_axis(ax, labels)
     ax.set_ylim(0, top * 1.15)

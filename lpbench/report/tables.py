@@ -77,8 +77,10 @@ def _finite(v) -> bool:
 
 
 def _layout(r: dict) -> dict:
-    cfg = r.get("config") or {}
-    return {k: cfg[k] for k in LAYOUT_KEYS if k in cfg}
+    """The parallel layout and compilation a run had: what ran (metrics) over what was asked (config)."""
+    cfg, metrics = r.get("config") or {}, r.get("metrics") or {}
+    ran = {k: metrics[k] for k in ("compile", "compile_scope") if k in metrics}
+    return {k: ran.get(k, cfg.get(k)) for k in LAYOUT_KEYS if k in cfg or k in ran}
 
 
 def group_key(r: dict) -> tuple:
@@ -190,7 +192,8 @@ def summary_rows(runs: list[dict]) -> list[dict]:
             **{k: v for k, v in _layout(r).items()},
             "peak_mem_reserved_gb": r.get("peak_mem_reserved_gb"), "device_mem_used_gb": r.get("device_mem_used_gb"),
             "memory_kind": metrics.get("memory_kind"), "diverged_step": metrics.get("diverged_step"),
-            "lora_base_storage": cfg.get("lora_base_storage"),
+            "resumed_from_step": metrics.get("resumed_from_step"),  # --load: steps before it ran elsewhere
+            "lora_base_storage": cfg.get("lora_base_storage"), "lora_stored_quantized": metrics.get("lora_stored_quantized"),
             "steps": cfg.get("steps"), "flops_formula": metrics.get("flops_formula") or cfg.get("flops_formula"),
             **{f"profile_{k}": v for k, v in (metrics.get("profile") or {}).items()},  # --profile-steps
         })
@@ -205,6 +208,8 @@ def _cell(row: dict, key: str, fmt: str) -> str:
         return step_time_text(row)
     if key == "status" and v != "ok" and row.get("error"):
         return f"{v}: {row['error']}"
+    if key == "status" and row.get("resumed_from_step"):
+        return f"{v} (resumed from step {row['resumed_from_step']})"
     return "n/a" if v is None else fmt.format(v)
 
 
@@ -389,12 +394,14 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                                        + (f": {r['error']}" if r.get("error") else ""))
                     metric = ["–", f"{_status_cell(r)} [{note}]", "–", "–", "–", _num(r.get("peak_mem_gb"), "gb"),
                               "–", "–"]
-                quantized_base = ", base stored quantized" if r.get("lora_base_storage") == "quantized" else ""
-                table.rows.append(cfg_cells + [precision_name(r["precision"]) + quantized_base,
+                label = precision_name(r["precision"])
+                label += ", base stored quantized" if r.get("lora_stored_quantized") else ""  # not for bf16
+                label += f", resumed from step {r['resumed_from_step']}" if r.get("resumed_from_step") else ""
+                table.rows.append(cfg_cells + [label,
                                                r.get("backend") or "lpbench",
                                                r.get("path") or "–", *metric])
         mem = ("Peak mem: allocator peak per GPU" if "cuda" in mem_kinds else "") + \
-              (("; " if "cuda" in mem_kinds else "Peak mem: ") + "host resident set size on CPU"
+              (("; " if "cuda" in mem_kinds else "Peak mem: ") + "the run's peak host resident set size on CPU"
                if "host-rss" in mem_kinds else "")
         table.caption = ("Speedup and Δ loss (final loss minus the baseline's) are against the BF16 run of the same "
                          "group (same invocation or sweep, model, batch, GPUs and layout). MFU against the GPU's "
@@ -414,13 +421,15 @@ def time_to_train(tokens_per_sec_per_gpu: float, num_gpus: int, tokens: float = 
 
 def time_to_train_tables(rows: list[dict], gpu_counts=TIME_TO_TRAIN_GPUS,
                          tokens: float = TIME_TO_TRAIN_TOKENS) -> list[TextTable]:
-    """Per workload: days to train 1T tokens at 8..2048 GPUs, one row per model/system/precision.
+    """Days to train 1T tokens at 8..2048 GPUs, one row per model/system/precision: pre-training on GPUs only.
 
     Each row takes the best tokens/s/GPU measured for that model, system, backend and precision
-    and assumes it holds at every scale (the Nemotron4 recipe's table measures each scale).
+    and assumes it holds at every scale (the Nemotron4 recipe's table measures each scale). A CPU
+    rate or a fine-tuning rate says nothing about pre-training a model on a cluster.
     """
     tables = []
-    ok = [r for r in rows if r["status"] == "ok" and _finite(r.get("tokens_per_sec_per_gpu"))]
+    ok = [r for r in rows if r["status"] == "ok" and _finite(r.get("tokens_per_sec_per_gpu"))
+          and (r.get("workload") or "pretrain") == "pretrain" and r.get("gpu") not in (None, "cpu")]
     for wl in dict.fromkeys(r.get("workload") or "pretrain" for r in ok):
         best: dict[tuple, dict] = {}
         for r in ok:

@@ -226,7 +226,9 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     if profile:
         result.metrics["profile"] = profile
     result.metrics.update(_max_over_ranks(memory.summary(device), device))
-    result.metrics.update(params=n_params, compile=use_compile, gpu_peaks=gpu.name if gpu else None,
+    result.metrics.update(params=n_params, compile=use_compile,
+                          compile_scope=cfg.compile_scope if use_compile else "off",  # what ran, not what was asked
+                          gpu_peaks=gpu.name if gpu else None,
                           world_size=world.size, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep, fsdp=cfg.dp if cfg.fsdp else 1,
                           sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel, **workload_metrics)
     return result

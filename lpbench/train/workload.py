@@ -66,11 +66,14 @@ def weight_bytes(model: nn.Module) -> int:
 
 def describe_lora(cfg: RunConfig, metrics: dict) -> str:
     """The log line of a LoRA run: adapters, trainable parameters, how the frozen base is stored."""
-    stored = f" ({metrics['lora_stored_quantized']} linears quantized once)" \
-        if cfg.lora_base_storage == "quantized" else ""
+    n = metrics["lora_stored_quantized"]
+    if cfg.lora_base_storage == "quantized":
+        stored = f"quantized ({n} linears quantized once)" if n else f"bf16 ({cfg.precision} quantizes no linear)"
+    else:
+        stored = "bf16"
     return (f"lpbench: lora rank {cfg.lora_rank} alpha {cfg.lora_alpha:g} on {cfg.lora_targets} "
             f"({metrics['lora_adapted_linears']} linears) | {metrics['trainable_params'] / 1e6:.2f} M trainable "
-            f"params | frozen base stored {cfg.lora_base_storage}{stored}")
+            f"params | frozen base stored {stored}")
 
 
 def build_data(cfg: RunConfig, model_cfg: ModelConfig):

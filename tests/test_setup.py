@@ -1,0 +1,146 @@
+"""A new user's first hour: a fresh virtual environment, README's set-up, then every README command.
+
+The README's commands (every ``lpbench``/``make`` line of its code blocks) are run in the order a
+reader meets them, each with small arguments (the table below, which must name each of them:
+a command added to the README without a small version fails the test). None may end in a
+traceback or a missing module. It builds its own environment (no packages shared with the one
+running the tests) and takes minutes, so it runs where ``CI`` is set (CI sets CI=true), or with
+``CI=1 python -m pytest tests/test_setup.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = "--model tiny --seq-len 32 --mbs 2 --gbs 2 --steps 3 --warmup-steps 1"
+MAKE_HF = ("python -c \"from lpbench.models import build_model, get_model_config; "
+           "from lpbench.models.hf import export_hf_checkpoint; "
+           "export_hf_checkpoint(build_model(get_model_config('tiny'), device='cpu', seed=0), 'Llama-3.2-1B')\" && "
+           "python -c \"import json; open('squad.jsonl', 'w').write(''.join(json.dumps({'context': 'The cat sat "
+           "on the mat in the sun.', 'question': f'Where did cat {i} sit?', 'answers': {'text': ['on the mat']}}) "
+           "+ chr(10) for i in range(16)))\"")
+
+# README command -> its small version (None: run elsewhere, with the reason).
+SMALL = {
+    "make run": f"make -C {REPO} run PYTHON=$VENV/bin/python RUN_ARGS=\"{TINY} --results $PWD/lpbench-results\"",
+    "make test": None,  # .ci/run runs it (asserted below); here it would run this suite inside itself
+    "lpbench run --model llama3.2-1b --seq-len 4096 --mbs 2 --gbs 2 --steps 30 --precision bf16":
+        f"lpbench run {TINY} --precision bf16",
+    "lpbench run --workload lora --model llama3.2-1b --seq-len 4096 --mbs 2 --gbs 2 --steps 12 --precision "
+    "bf16,fp8-tensorwise --lora-rank 32 --lora-alpha 32 --lora-base-storage quantized":
+        f"lpbench run --workload lora {TINY} --precision bf16,fp8-tensorwise --lora-rank 4 --lora-alpha 4 "
+        "--lora-base-storage quantized",
+    "lpbench run --workload sft --hf-checkpoint ./Llama-3.2-1B --data squad.jsonl --precision bf16,fp8-tensorwise":
+        f"{MAKE_HF} && lpbench run --workload sft --hf-checkpoint ./Llama-3.2-1B --data squad.jsonl "
+        "--precision bf16,fp8-tensorwise --seq-len 64 --mbs 2 --gbs 2 --steps 3 --warmup-steps 1",
+    "lpbench run --model tiny --precision fp8-delayed --steps 60 --save-every 20 --save-dir ckpt":
+        f"lpbench run {TINY.replace('--steps 3', '--steps 4')} --precision fp8-delayed --save-every 2 --save-dir ckpt",
+    "lpbench run --model tiny --precision fp8-delayed --steps 60 --load ckpt/step-20":
+        f"lpbench run {TINY.replace('--steps 3', '--steps 4')} --precision fp8-delayed --load ckpt/step-2",
+    "lpbench run --model llama3-8b --precision fp8-tensorwise --steps 20 --profile-steps 12:13":
+        f"lpbench run {TINY} --precision fp8-tensorwise --profile-steps 2:3",
+    "lpbench sweep examples/sweep-cpu.yaml": f"lpbench sweep {REPO}/examples/sweep-cpu.yaml",
+    "lpbench sweep spec.yaml --dry-run": f"lpbench sweep {REPO}/examples/sweep-cpu.yaml --dry-run",
+    "lpbench report --group sweep-cpu --html report.html": "lpbench report --group sweep-cpu --html report.html",
+    "lpbench report": "lpbench report",
+    "lpbench report --group SWEEP_OR_RUN_ID --html report.html --plots plots/":
+        "lpbench report --group sweep-cpu --html report.html --plots plots/",
+    "lpbench report --format csv > runs.csv": "lpbench report --format csv > runs.csv",
+    "lpbench data corpus --out .corpus":
+        "lpbench data corpus --out .corpus --sources licenses,python --max-words 30000",
+    "lpbench data tokenizer --input .corpus/corpus.jsonl --vocab-size 8192 --output .corpus/prepared/tokenizer.json":
+        "lpbench data tokenizer --input .corpus/corpus.jsonl --vocab-size 512 --output .corpus/prepared/tokenizer.json",
+    "lpbench data prepare --input .corpus/corpus.jsonl --tokenizer .corpus/prepared/tokenizer.json "
+    "--output-prefix .corpus/prepared/docs_text_document":
+        "lpbench data prepare --input .corpus/corpus.jsonl --tokenizer .corpus/prepared/tokenizer.json "
+        "--output-prefix .corpus/prepared/docs_text_document",
+    "lpbench converge --data .corpus/prepared/docs_text_document --model tiny --tokens 150000 --seq-len 128 --mbs 8 "
+    "--gbs 8 --eval-every 20 --eval-batches 4 --ablate rht --device cpu":
+        "lpbench converge --data .corpus/prepared/docs_text_document --model tiny --tokens 2048 --seq-len 32 "
+        "--mbs 4 --gbs 4 --eval-every 8 --eval-batches 2 --precision bf16 --ablate rht --device cpu",
+}
+# A command that reads another's output runs after it (the README shows it where it is explained).
+AFTER = {"lpbench converge": "lpbench data prepare"}
+
+
+def readme_commands() -> list[str]:
+    """Every ``lpbench`` / ``make`` command of README.md's code blocks, continuation lines joined."""
+    blocks, block, inside = [], [], False
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            if inside:
+                blocks.append("\n".join(block))
+            block, inside = [], not inside
+        elif inside:
+            block.append(line)
+    out = []
+    for text in blocks:
+        for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line.startswith(("lpbench ", "make ")) or line == "lpbench":
+                out.append(re.sub(r"\s+", " ", line))
+    return out
+
+
+def test_every_readme_command_has_a_small_version():
+    cmds = readme_commands()
+    assert set(cmds) == set(SMALL), (f"README commands without a small version: {sorted(set(cmds) - set(SMALL))}; "
+                                     f"small versions of commands the README lost: {sorted(set(SMALL) - set(cmds))}")
+
+
+def test_ci_runs_the_readme_test_command():
+    test_cmd = next(c for c in readme_commands() if c.startswith("make") and "test" in c)
+    ci_lines = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert test_cmd in ci_lines
+
+
+def ordered(cmds: list[str]) -> list[str]:
+    """README order, except that a command comes after the one whose output it reads."""
+    out = list(cmds)
+    for prefix, needs in AFTER.items():
+        for c in [c for c in out if c.startswith(prefix)]:
+            out.remove(c)
+            out.insert(max(i for i, x in enumerate(out) if x.startswith(needs)) + 1, c)
+    return out
+
+
+@pytest.mark.setup
+@pytest.mark.skipif(not os.environ.get("CI"), reason="builds a fresh environment (minutes): runs where CI is set")
+def test_fresh_environment_runs_the_readme(tmp_path):
+    venv, work = tmp_path / "venv", tmp_path / "work"
+    work.mkdir()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    # Where the CPU wheel index is out of reach, pip takes torch from its other configured sources at once.
+    env.update(VENV=str(venv), PATH=f"{venv / 'bin'}:{env.get('PATH', '')}", PIP_RETRIES="0",
+               PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+    timings = []
+    for readme_cmd in ordered(readme_commands()):
+        small = SMALL[readme_cmd]
+        if small is None:
+            continue
+        t0 = time.perf_counter()
+        proc = subprocess.run(["bash", "-c", f"set -o pipefail; {small}"], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=900)
+        timings.append(f"{time.perf_counter() - t0:6.1f} s  {readme_cmd}")
+        output = proc.stdout + proc.stderr
+        ok_codes = (0, 1) if readme_cmd.startswith("lpbench converge") else (0,)  # 1: a recipe missed its tolerance
+        assert proc.returncode in ok_codes, f"{small}\nexit {proc.returncode}\n{output[-3000:]}"
+        assert "Traceback" not in output and "No module named" not in output, f"{small}\n{output[-3000:]}"
+    print("\n".join(timings))
+    assert (work / "report.html").stat().st_size > 10_000 and list((work / "plots").glob("*.png"))
+    assert (work / "runs.csv").read_text().startswith("id,")
+    assert (work / ".corpus" / "prepared" / "docs_text_document.bin").exists()
+    # The set-up installed no CUDA build of torch on this CPU machine.
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch; print(torch.version.cuda)"],
+                           capture_output=True, text=True, env=env)
+    assert probe.stdout.strip() == "None"
