@@ -13,6 +13,7 @@ import shlex
 import sys
 import uuid
 
+from rich.markup import escape
 from rich.table import Table
 
 from lpbench import __version__
@@ -72,6 +73,7 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
 
 
 def cmd_run(args) -> int:
+    from lpbench.bench.progress import RunsProgress, next_command
     from lpbench.bench.runner import execute, record
     from lpbench.bench.store import ResultsStore
     from lpbench.report.tables import summary_rows, to_rich
@@ -88,17 +90,21 @@ def cmd_run(args) -> int:
     store = None  # opened at the first result: a run rejected on the way creates no database
     group = uuid.uuid4().hex[:12]
     statuses = []
-    for cfg in configs:
-        result = execute(cfg, results_dir=args.results)
-        statuses.append(result.status)
-        if is_main:
-            store = store or ResultsStore(args.results)
-            record(store, result, group_id=group)
+    with RunsProgress(console, [(cfg.precision, cfg.steps) for cfg in configs], enabled=is_main) as progress:
+        for i, cfg in enumerate(configs):
+            progress.start(i)
+            result = execute(cfg, results_dir=args.results, on_step=progress.step)
+            statuses.append(result.status)
+            if is_main:
+                store = store or ResultsStore(args.results)
+                record(store, result, group_id=group)
+                progress.finish(i, result.status)
     shutdown()
     if not is_main:
         return 0 if all(s == "ok" for s in statuses) else 1
     rows = summary_rows(store.runs("group_id = ?", (group,)) + [r for r in store.kept if r["group_id"] == group])
     console.print(to_rich(rows, title=f"lpbench run {group} -> {store.path}"))
+    console.print(escape(next_command(args.results, group)), highlight=False, soft_wrap=True)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

@@ -73,3 +73,43 @@ def test_bare_lpbench_prints_help_and_exits_0():
     assert out.returncode == 0 and out.stderr == ""
     assert out.stdout.startswith("usage: lpbench") and "lpbench run" in out.stdout and "report" in out.stdout
     assert "iteration" not in out.stdout  # nothing was trained
+
+
+def test_run_shows_progress_and_ends_with_the_next_command(tmp_path, capsys):
+    assert main(["run", *TINY, "--precision", "bf16,fp32", "--results", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    done = [line for line in lines if line.startswith("lpbench: run ")]
+    assert len(done) == 2 and done[0].startswith("lpbench: run 1/2 bf16: ok in 0:")
+    assert "| elapsed 0:" in done[0] and "| ETA 0:" in done[0] and done[0].endswith("for 1 more run(s)")
+    assert done[1].startswith("lpbench: run 2/2 fp32: ok in 0:") and done[1].endswith("all runs done")
+    from lpbench.bench.store import ResultsStore
+
+    (group,) = {r["group_id"] for r in ResultsStore(tmp_path).runs()}
+    assert lines[-1] == f"next: lpbench report --results {tmp_path} --group {group} --html report.html"
+    argv = lines[-1].split()[2:-1] + [str(tmp_path / "report.html")]  # it runs as printed
+    assert main(argv) == 0 and (tmp_path / "report.html").stat().st_size > 1000
+
+
+def test_progress_eta_is_the_rate_so_far_times_the_steps_left(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from lpbench.bench import progress as pg
+
+    now = [100.0]
+    monkeypatch.setattr(pg.time, "monotonic", lambda: now[0])
+    console = Console(file=io.StringIO(), width=200)
+    with pg.RunsProgress(console, [("bf16", 10), ("fp8-tensorwise", 30)]) as p:
+        p.start(0)
+        for step in range(1, 11):
+            now[0] += 0.5
+            p.step({"step": step})
+        assert p.progress.tasks[0].completed == 10 and p.progress.tasks[0].total == 40
+        assert p.finish(0, "ok") == ("lpbench: run 1/2 bf16: ok in 0:00:05 | elapsed 0:00:05 | "
+                                     "ETA 0:00:15 for 1 more run(s)")
+        p.start(1)
+        p.step({"step": 21})  # resumed from a checkpoint at step 20
+        assert p.progress.tasks[0].completed == 31
+        now[0] += 10
+        assert p.finish(1, "diverged").endswith("elapsed 0:00:15 | all runs done")

@@ -186,3 +186,11 @@ def test_noise_seeds_run_the_reference_again_and_give_the_noise_floor(tmp_path, 
     assert f"lands up to {floor:.2f}% from seed 1234; gaps within ±{floor:.2f}%" in out
     fp8_row = next(line for line in out.splitlines() if "│ fp8-tensorwise" in line)
     assert rc == (1 if "fail" in fp8_row else 0)  # noise runs never fail the command
+    # progress: each run's time, the command's elapsed time and ETA; then the next command
+    done = [line for line in out.splitlines() if line.startswith("lpbench: run ")]
+    assert [line.split(":")[1].strip() for line in done] == [
+        "run 1/4 bf16", "run 2/4 fp8-tensorwise", "run 3/4 bf16 @ seed 1235", "run 4/4 bf16 @ seed 1236"]
+    assert all("| elapsed 0:" in line for line in done) and "ETA 0:" in done[0] and "for 3 more run(s)" in done[0]
+    assert done[-1].endswith("all runs done")
+    group = runs[0]["group_id"]
+    assert out.rstrip().splitlines()[-1] == f"next: lpbench report --results {results} --group {group} --html report.html"

@@ -196,6 +196,7 @@ def cmd_converge(args) -> int:
     from rich.table import Table
     from rich.text import Text
 
+    from lpbench.bench.progress import RunsProgress, next_command
     from lpbench.bench.runner import execute, record
     from lpbench.bench.store import ResultsStore
     from lpbench.console import console
@@ -217,17 +218,21 @@ def cmd_converge(args) -> int:
     store = ResultsStore(args.results)
     group = uuid.uuid4().hex[:12]
     outcomes = []
-    for cfg in configs:
-        result = execute(cfg, results_dir=args.results)
-        outcome = outcome_of(result)
-        outcome.seed = cfg.seed if cfg.seed != first.seed else None
-        outcomes.append(outcome)
-        metrics = dict(result.metrics, diverged_step=outcome.diverged_step, train_loss=outcome.train_loss,
-                       train_loss_steps=TRAIN_WINDOW,
-                       val_losses=[[s["step"], s["val_loss"]] for s in result.steps if "val_loss" in s])
-        record(store, result, group_id=group, workload="converge", metrics=metrics)
-        console.print(f"lpbench converge: {escape(outcome.label)}: {escape(outcome.status_text)}, train loss "
-                      f"{_fmt(outcome.train_loss)}, validation loss {_fmt(outcome.val_loss)}", highlight=False)
+    labels = [cfg.precision if cfg.seed == first.seed else f"{cfg.precision} @ seed {cfg.seed}" for cfg in configs]
+    with RunsProgress(console, [(label, cfg.steps) for label, cfg in zip(labels, configs)]) as progress:
+        for i, cfg in enumerate(configs):
+            progress.start(i)
+            result = execute(cfg, results_dir=args.results, on_step=progress.step)
+            progress.finish(i, result.status)
+            outcome = outcome_of(result)
+            outcome.seed = cfg.seed if cfg.seed != first.seed else None
+            outcomes.append(outcome)
+            metrics = dict(result.metrics, diverged_step=outcome.diverged_step, train_loss=outcome.train_loss,
+                           train_loss_steps=TRAIN_WINDOW,
+                           val_losses=[[s["step"], s["val_loss"]] for s in result.steps if "val_loss" in s])
+            record(store, result, group_id=group, workload="converge", metrics=metrics)
+            console.print(f"lpbench converge: {escape(outcome.label)}: {escape(outcome.status_text)}, train loss "
+                          f"{_fmt(outcome.train_loss)}, validation loss {_fmt(outcome.val_loss)}", highlight=False)
     metric = judge(outcomes, tolerances)
     ref = precision_name(outcomes[0].precision)
     table = Table(title=Text(f"lpbench converge {group}: {first.label}, {tokens:,} tokens per recipe"))
@@ -255,8 +260,8 @@ def cmd_converge(args) -> int:
                              title=f"{first.label} · {tokens:,} tokens per recipe · "
                                    f"GBS {first.gbs} × seq {first.seq_len} · seed {first.seed}")
     write_file(plot, png)
-    console.print(escape(f"plot: {plot}\nresults: {store.path} (group {group}; `lpbench report --results "
-                         f"{args.results} --group {group}`)"), highlight=False)
+    console.print(escape(f"plot: {plot}\nresults: {store.path} (group {group})"), highlight=False)
+    console.print(escape(next_command(args.results, group)), highlight=False, soft_wrap=True)
     return 0 if all(o.verdict in ("reference", "pass", "no tolerance", "seed noise") for o in outcomes) else 1
 
 

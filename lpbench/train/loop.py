@@ -86,7 +86,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     Under torchrun or srun every rank calls this; rank 0 logs, and the result's metrics are
     global: loss averaged over data-parallel ranks, peak memory the maximum over ranks.
     ``--profile-steps`` traces go to ``results_dir/profiles/<run key>/``. ``on_step`` (rank 0) gets
-    each step's record as it is made: a sweep child writes them as JSON lines for its parent.
+    each step's record as it is made (after ``--load`` the first is the checkpoint's step + 1): a
+    sweep child writes them as JSON lines for its parent, run and converge move their progress display.
     """
     validated(cfg)
     device = resolve_device(cfg.device)
