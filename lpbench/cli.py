@@ -46,6 +46,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="start N processes (one per GPU) on this machine through torchrun; not needed when "
                         "lpbench is started by torchrun or srun")
     p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="take flags from a TOML or YAML file of flag names and values (a sweep spec's keys; "
+                        "precision may be a list); flags given on the command line win")
 
 
 def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
@@ -55,6 +58,10 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     from lpbench.parallel.launch import planned_world
     from lpbench.train.checkpoint import validated
 
+    if getattr(args, "config", None):
+        from lpbench.run_file import apply_config_file
+
+        apply_config_file(args)  # the file's values for the flags the command line left unset
     explicit = config_kwargs(args)
     if "model" not in explicit and args.hf_checkpoint:
         explicit["model"] = hf_label(args.hf_checkpoint)
@@ -64,6 +71,10 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
                                        precision=(args.precision or [None])[0], explicit=explicit, world=world)
     base = RunConfig(**{**recommended, **explicit})  # explicit flags > the recommended config > RunConfig's defaults
     base = base.with_world(world, dp=args.dp)
+    if base.tensorboard is not None:  # before any work: the optional package is there, or one line says how
+        from lpbench.metrics.tensorboard import require_tensorboard
+
+        require_tensorboard()
     if args.precision is None:  # the default comparison runs anywhere: emulate what the device lacks
         base = base.with_(emulate=True if args.emulate is None else args.emulate)
     precisions = args.precision or DEFAULT_PRECISIONS

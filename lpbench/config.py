@@ -14,7 +14,7 @@ from lpbench.models.registry import ModelConfig, first_blocks, get_model_config,
 from lpbench.precision.quantize import Scaling
 from lpbench.precision.recipes import get_recipe
 
-NOT_IN_KEY = ("save_every", "save_dir", "load", "profile_steps")  # see RunConfig.key
+NOT_IN_KEY = ("save_every", "save_dir", "load", "profile_steps", "tensorboard")  # see RunConfig.key
 WORKLOADS = ("pretrain", "sft", "lora")  # lpbench/train/workload.py
 LORA_BASE_STORAGES = ("bf16", "quantized")
 COMPILE_SCOPES = ("block", "model")  # lpbench/parallel/plan.py
@@ -140,6 +140,9 @@ class RunConfig:
         "profile steps A..B (inclusive; pick them after warm-up) with torch.profiler: a Chrome trace in "
         "RESULTS/profiles/<run key>/ and a GEMM / quantize / attention / comm / other time table; profiled "
         "steps are left out of the timing", "none", metavar="A:B"))
+    tensorboard: str | None = field(default=None, metadata=arg(
+        "also write each step's metrics as TensorBoard scalars to DIR/<model>-<precision>-<run key> (needs "
+        "`pip install tensorboard`)", "none", metavar="DIR"))
 
     @property
     def grad_accum(self) -> int:

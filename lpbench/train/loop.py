@@ -19,6 +19,7 @@ from lpbench.metrics import memory
 from lpbench.metrics.env import environment
 from lpbench.metrics.hardware import detect_gpu, mfu, peak_tflops
 from lpbench.metrics.profile import StepProfiler
+from lpbench.metrics.tensorboard import StepWriter
 from lpbench.models import build_model, count_parameters
 from lpbench.models.hf import load_hf_checkpoint
 from lpbench.models.moe import configure_moe, take_moe_stats
@@ -156,6 +157,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     checkpointer = Checkpointer(cfg, par.module, optimizer, scheduler, data, device, log)
     start = checkpointer.resume()  # 0 without --load
     profiler = StepProfiler(cfg.profile_range, f"{results_dir}/profiles/{cfg.key()}", device, log)
+    scalars = StepWriter(cfg.tensorboard if world.is_main else None, cfg.model, cfg.precision, cfg.key())
     par.module.train()
     try:
         for step in range(start + 1, cfg.steps + 1):
@@ -209,6 +211,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                 take_moe_stats(par.module)  # the next step's MoE statistics count training forwards only
                 log(f"validation loss at iteration {step} | lm loss value: {rec['val_loss']:.6E} | "
                     f"lm loss PPL: {math.exp(min(rec['val_loss'], 700)):.6E} |")
+            scalars.add(rec)  # after validation: the step's val_loss too
             try:
                 checkpointer.maybe_save(step)
             except CheckpointSaveError as exc:  # the steps measured so far are the run's result
@@ -219,6 +222,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
         result.status, result.error = "oom", str(exc).splitlines()[0]
     finally:
         profile = profiler.close()  # a run that stopped inside the profiled steps still gets its trace
+        scalars.close()
     result.metrics = summarize(result.steps, cfg, fpt, gpu, precision_info, device)
     if start:
         result.metrics["resumed_from_step"] = start

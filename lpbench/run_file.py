@@ -1,0 +1,87 @@
+"""``lpbench run --config FILE``: the run's flags from a TOML or YAML file; flags on the command line win.
+
+Keys are the flags' names (``seq-len`` or ``seq_len``) and the sweep spec's aliases (``seq``,
+``gpus``, ``task``, ...), values typed as a sweep spec's are (one coercion, in
+:mod:`lpbench.bench.sweep_spec`); ``precision`` may be a list. A bad file is one line on stderr
+and exit 2, like a bad flag. A list anywhere else makes a grid: that is ``lpbench sweep FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lpbench.errors import UsageError
+
+IGNORED = ("name", "description")  # a sweep spec's labels: allowed, unused by one run
+LAUNCH_KEYS = {"gpu": str, "num_gpus": int, "nproc_per_node": int}  # flags of `lpbench run` that are not fields
+
+
+def load_mapping(path: str) -> dict:
+    """The top-level mapping of a ``.toml``, ``.yaml`` or ``.yml`` file."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--config {path}: no such file")
+    text = p.read_text(encoding="utf-8")
+    if p.suffix == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            raise UsageError("--config FILE.toml needs Python >= 3.11 (or use YAML)") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise UsageError(f"--config {path}: not valid TOML: {exc}") from None
+    elif p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise UsageError(f"--config {path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    else:
+        raise UsageError(f"--config {path}: expected a .toml, .yaml or .yml file")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: expected a mapping of flag names to values")
+    return data
+
+
+def apply_config_file(args: argparse.Namespace) -> None:
+    """Set on ``args`` the values of ``args.config`` for the flags the command line left unset (None)."""
+    from lpbench.bench.sweep_spec import _coerce, _norm_key
+    from lpbench.config import flag_fields
+    from lpbench.console import csv_list
+
+    path = args.config
+    run_fields = {f.name: f for f in flag_fields()}
+    valid = sorted({*run_fields, *LAUNCH_KEYS, "precision"})
+    for raw_key, value in load_mapping(path).items():
+        key = _norm_key(raw_key, run_fields)
+        if key in IGNORED:
+            continue
+        if key not in valid:
+            raise UsageError(f"--config {path}: unknown key {raw_key!r}; valid: "
+                             f"{', '.join(k.replace('_', '-') for k in valid)}")
+        if getattr(args, key, None) is not None:  # the command line wins
+            continue
+        if key == "precision":
+            try:
+                value = csv_list(",".join(map(str, value)) if isinstance(value, list) else str(value))
+            except argparse.ArgumentTypeError as exc:
+                raise UsageError(f"--config {path}: precision: {exc}") from None
+        elif isinstance(value, (list, dict)):
+            raise UsageError(f"--config {path}: {key}: a list makes a grid of runs; that is `lpbench sweep {path}`")
+        elif key in LAUNCH_KEYS:
+            try:
+                value = LAUNCH_KEYS[key](value)
+            except (TypeError, ValueError):
+                raise UsageError(f"--config {path}: {key}: expected {LAUNCH_KEYS[key].__name__}, "
+                                 f"got {value!r}") from None
+        else:
+            try:
+                value = _coerce(key, value, run_fields)
+            except UsageError as exc:
+                raise UsageError(f"--config {path}: {str(exc).removeprefix('spec key ')}") from None
+        setattr(args, key, value)
