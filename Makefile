@@ -5,14 +5,15 @@
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_PIP_FLAGS ?=
 RUN_ARGS ?=
 
 .PHONY: install install-test run test
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || \
-	    if command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) -m pip install "$(TORCH)"; \
-	    else $(PYTHON) -m pip install "$(TORCH)" --index-url $(TORCH_CPU_INDEX); fi
+	    if command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) -m pip install $(TORCH_PIP_FLAGS) "$(TORCH)"; \
+	    else $(PYTHON) -m pip install $(TORCH_PIP_FLAGS) "$(TORCH)" --index-url $(TORCH_CPU_INDEX); fi
 	$(PYTHON) -m pip install -e .
 
 install-test: install

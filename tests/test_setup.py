@@ -121,7 +121,7 @@ def test_fresh_environment_runs_the_readme(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     # Where the CPU wheel index is out of reach, pip takes torch from its other configured sources at once.
-    env.update(VENV=str(venv), PATH=f"{venv / 'bin'}:{env.get('PATH', '')}", PIP_RETRIES="0",
+    env.update(VENV=str(venv), PATH=f"{venv / 'bin'}:{env.get('PATH', '')}", TORCH_PIP_FLAGS="--retries=0",
                PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
     timings = []
     for readme_cmd in ordered(readme_commands()):
