@@ -47,8 +47,11 @@ SMALL = {
     "lpbench run --model tiny --precision fp8-delayed --steps 60 --load ckpt/step-20":
         f"lpbench run {TINY.replace('--steps 3', '--steps 4')} --precision fp8-delayed --load ckpt/step-2",
     "lpbench run --model llama3-8b --precision fp8-tensorwise --steps 20 --profile-steps 12:13":
-        f"lpbench run {TINY} --precision fp8-tensorwise --profile-steps 2:3",
-    "lpbench sweep examples/sweep-cpu.yaml": f"lpbench sweep {REPO}/examples/sweep-cpu.yaml",
+        f"lpbench run {TINY} --precision fp8-tensorwise --profile-steps 3:3",
+    "lpbench sweep examples/sweep-cpu.yaml":  # the example's 6 runs cut to 2
+        f"sed -e 's/^precision: .*/precision: [bf16, fp32]/' -e 's/^seq_len: .*/seq_len: 32/' "
+        f"{REPO}/examples/sweep-cpu.yaml > sweep-cpu.yaml && grep -q 'fp32' sweep-cpu.yaml && "
+        "lpbench sweep sweep-cpu.yaml",
     "lpbench sweep spec.yaml --dry-run": f"lpbench sweep {REPO}/examples/sweep-cpu.yaml --dry-run",
     "lpbench report --group sweep-cpu --html report.html": "lpbench report --group sweep-cpu --html report.html",
     "lpbench report": "lpbench report",

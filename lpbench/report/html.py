@@ -13,7 +13,7 @@ PLOT_TITLES = {"throughput_vs_seq.png": "Throughput vs sequence length", "speedu
 
 _CSS = """
 body { font-family: -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; margin: 2rem auto;
-       max-width: 1400px; padding: 0 1.5rem; color: #1d1d1f; background: #fff; line-height: 1.45; }
+       max-width: 1800px; padding: 0 1.5rem; color: #1d1d1f; background: #fff; line-height: 1.45; }
 h1 { font-size: 1.7rem; margin-bottom: 0.2rem; }
 h2 { font-size: 1.3rem; margin-top: 2.2rem; border-bottom: 2px solid #76b900; padding-bottom: 0.2rem; }
 .meta { color: #555; font-size: 0.9rem; }
