@@ -83,15 +83,15 @@ def test_bad_specs_are_usage_errors(spec, message):
 
 
 def test_gpu_setting_takes_the_recommended_config_and_num_gpus_sets_dp():
-    sweep = sw.expand({"name": "r", "model": "llama3-8b", "gpu": "h100", "num_gpus": 8, "steps": 3,
+    sweep = sw.expand({"name": "r", "model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "steps": 3,
                        "warmup_steps": 1})
     (run,) = sweep.runs
-    assert (run.config.seq_len, run.config.mbs, run.config.gbs, run.config.tp) == (8192, 1, 128, 1)
-    assert run.num_gpus == 8 and run.config.dp == 8 and "nemo-25.04" in run.recommended
+    assert (run.config.seq_len, run.config.mbs, run.config.gbs, run.config.tp) == (4096, 2, 64, 2)
+    assert run.num_gpus == 16 and run.config.dp == 8 and "nemotron4-recipe" in run.recommended
     assert sw.child_command(run, Path("r"), "r")[1:4] == ["-m", "torch.distributed.run", "--standalone"]
-    explicit = sw.expand({"name": "r", "model": "llama3-8b", "gpu": "h100", "num_gpus": 8, "seq_len": 2048,
-                          "tp": 2})
-    assert (explicit.runs[0].config.seq_len, explicit.runs[0].config.tp, explicit.runs[0].config.dp) == (2048, 2, 4)
+    explicit = sw.expand({"name": "r", "model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "seq_len": 2048,
+                          "tp": 4})
+    assert (explicit.runs[0].config.seq_len, explicit.runs[0].config.tp, explicit.runs[0].config.dp) == (2048, 4, 4)
 
 
 def test_missing_and_bad_spec_files(tmp_path, capsys):
