@@ -59,7 +59,7 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     from lpbench.train.checkpoint import validated
 
     if getattr(args, "config", None):
-        from lpbench.run_file import apply_config_file
+        from lpbench.bench.run_file import apply_config_file
 
         apply_config_file(args)  # the file's values for the flags the command line left unset
     explicit = config_kwargs(args)

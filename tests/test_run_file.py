@@ -5,8 +5,7 @@ import importlib.util
 import pytest
 
 from lpbench.bench.store import ResultsStore
-from lpbench.cli import Parser, add_run_args, build_parser, configs_from_args, main
-from lpbench.run_file import apply_config_file
+from lpbench.cli import build_parser, configs_from_args, main
 
 YAML = """\
 model: tiny
@@ -33,12 +32,7 @@ warmup-steps = 1
 def _configs(tmp_path, text, suffix, *flags):
     path = tmp_path / f"run{suffix}"
     path.write_text(text)
-    argv = ["--config", str(path), *flags]
-    args = build_parser().parse_args(["run", *argv])
-    parser = Parser(prog="lpbench run")
-    add_run_args(parser)
-    apply_config_file(parser, args, argv)
-    return configs_from_args(args)
+    return configs_from_args(build_parser().parse_args(["run", "--config", str(path), *flags]))
 
 
 def test_yaml_file_sets_the_flags_and_the_command_line_wins(tmp_path):
@@ -58,9 +52,9 @@ def test_toml_file_takes_the_sweep_specs_aliases(tmp_path):
 @pytest.mark.parametrize("text,suffix,message", [
     ("seq_lenn: 64\n", ".yaml", "unknown key 'seq_lenn'; valid:"),
     ("seq_len: [64, 128]\n", ".yaml", "seq_len: a list makes a grid of runs; that is `lpbench sweep"),
-    ("mbs: two\n", ".yaml", "mbs: invalid int value"),
-    ("compile: maybe\n", ".yaml", "compile: expected true or false"),
-    ("workload: finetune\n", ".yaml", "workload: 'finetune' is not one of pretrain, sft, lora"),
+    ("mbs: two\n", ".yaml", "--config {path}: mbs: expected int, got 'two'"),
+    ("compile: maybe\n", ".yaml", "--config {path}: compile: expected bool, got 'maybe'"),
+    ("workload: finetune\n", ".yaml", "unknown workload 'finetune'; valid: pretrain, sft, lora"),
     ("steps = [\n", ".toml", "not valid TOML"),
     ("a: [1\n", ".yaml", "not valid YAML"),
     ("- 1\n- 2\n", ".yaml", "expected a mapping of flag names to values"),
@@ -71,7 +65,7 @@ def test_bad_config_files_exit_2_with_one_line(text, suffix, message, tmp_path, 
     path.write_text(text)
     assert main(["run", "--config", str(path), "--results", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert message.format(path=path) in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "results.db").exists()
 
 

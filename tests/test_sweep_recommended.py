@@ -135,7 +135,7 @@ def test_every_runnable_row_prints_the_layout_it_builds(capsys):
 
 
 def test_sweep_refuses_rows_needing_missing_dimensions():
-    from lpbench.bench.sweep import expand
+    from lpbench.bench.sweep_spec import expand
 
     with pytest.raises(UsageError, match="no valid run .*needs context parallelism"):
         expand({"model": "llama3-8b", "gpu": "h100", "num_gpus": 8, "precision": "bf16"})
