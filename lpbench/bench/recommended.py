@@ -25,8 +25,9 @@ CSV_NAME = "recommended_model_configs.csv"
 INT_FIELDS = ("num_gpus", "seq_len", "tp", "pp", "cp", "ep", "vp", "mbs", "gbs", "fsdp")
 # Row fields a RunConfig may take (passed on only where RunConfig has a field of that name).
 RUN_FIELDS = ("seq_len", "mbs", "gbs", "tp", "pp", "cp", "ep", "vp", "fsdp")
-# Parallel dimensions of the table that lpbench does not implement yet: (column, name).
-MISSING_DIMS = (("pp", "pipeline"), ("cp", "context"), ("ep", "expert"))
+# The table's parallel dimensions beyond TP and DP: (column, name). Those RunConfig has no field for
+# are not implemented yet, and a row that needs one is refused (check_runnable).
+PARALLEL_DIMS = (("pp", "pipeline"), ("cp", "context"), ("ep", "expert"))
 SOURCES = {
     "nemo-25.04": "NeMo 25.04 performance summary (FP8 current scaling)",
     "nemo-25.04-fixed": "NeMo 25.04 performance summary; the published row has its GBS/MBS cells shifted, "
@@ -85,17 +86,19 @@ class Recommended:
     def describe(self, world: int | None = None, **ran) -> str:
         """The layout that runs on ``world`` processes (default: the row's GPU count).
 
-        ``ran``: seq_len / mbs / gbs / tp / fsdp values set by flags instead of the row, marked so.
+        ``ran``: seq_len / mbs / gbs / tp / ep / fsdp values set by flags instead of the row, marked so.
         """
         world = world or self.num_gpus
-        v = {"seq_len": self.seq_len, "mbs": self.mbs, "gbs": self.gbs, "tp": self.tp, "fsdp": bool(self.fsdp)}
+        v = {"seq_len": self.seq_len, "mbs": self.mbs, "gbs": self.gbs, "tp": self.tp, "ep": self.ep,
+             "fsdp": bool(self.fsdp)}
         changed = {k for k, x in ran.items() if x is not None and x != v.get(k)}
         v.update({k: ran[k] for k in changed})
         dp = max(1, world // v["tp"])
         mark = lambda k: " (flag)" if k in changed else ""  # noqa: E731
+        ep = f", EP {v['ep']}{mark('ep')}" if v["ep"] > 1 else ""
         text = (f"{self.title()}; runs as seq_len {v['seq_len']}{mark('seq_len')}, MBS {v['mbs']}{mark('mbs')}, "
-                f"GBS {v['gbs']}{mark('gbs')}, TP {v['tp']}{mark('tp')}, DP {dp}{' (FSDP)' if v['fsdp'] else ''}, "
-                f"GA {max(1, v['gbs'] // (v['mbs'] * dp))} on {world} process(es)")
+                f"GBS {v['gbs']}{mark('gbs')}, TP {v['tp']}{mark('tp')}, DP {dp}{' (FSDP)' if v['fsdp'] else ''}"
+                f"{ep}, GA {max(1, v['gbs'] // (v['mbs'] * dp))} on {world} process(es)")
         if world != self.num_gpus:
             text += (f" (the row: {self.num_gpus} GPUs, DP {self.dp}, GA {self.grad_accum}; start "
                      f"{self.num_gpus} with --nproc-per-node, torchrun or srun to run it as listed)")
@@ -104,8 +107,11 @@ class Recommended:
 
 def check_runnable(rec: Recommended) -> None:
     """Refuse a row whose layout needs a parallel dimension lpbench does not implement yet."""
-    missing = [f"{name} parallelism ({col.upper()} {getattr(rec, col)})" for col, name in MISSING_DIMS
-               if getattr(rec, col) > 1]
+    from lpbench.config import RunConfig
+
+    implemented = {f.name for f in fields(RunConfig)}
+    missing = [f"{name} parallelism ({col.upper()} {getattr(rec, col)})" for col, name in PARALLEL_DIMS
+               if getattr(rec, col) > 1 and col not in implemented]
     if missing:
         raise UsageError(f"the recommended config for {rec.title()} needs {' and '.join(missing)}, which lpbench "
                          f"does not implement yet; set --seq-len/--mbs/--gbs/--tp yourself instead of --gpu")
@@ -192,6 +198,6 @@ def recommended_defaults(gpu: str | None, num_gpus: int | None, *, model: str, w
         raise UsageError(f"the recommended config for {rec.name} on {rec.num_gpus}x {rec.system} uses TP {rec.tp}, "
                          f"but this launch has {world} process(es): start {rec.num_gpus} "
                          f"(--nproc-per-node {rec.num_gpus}, torchrun or srun) or pass --tp")
-    ran = {k: explicit[k] for k in ("seq_len", "mbs", "gbs", "tp", "fsdp") if k in explicit}
+    ran = {k: explicit[k] for k in ("seq_len", "mbs", "gbs", "tp", "ep", "fsdp") if k in explicit}
     print(f"lpbench: recommended config: {rec.describe(world, **ran)}", file=sys.stderr)
     return filled
