@@ -27,8 +27,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lpbench.precision.quantize import (Scaling, all_reduce_max, delayed_encode_scale, fp8_encode_scale, quantize,
-                                       update_amax_history)
+from lpbench.precision.quantize import Scaling, all_reduce_max, fp8_encode_scale, quantize
 
 aten = torch.ops.aten
 # Ops that FSDP (sharding, padding, to_empty) and DTensor apply to a parameter, kept in the subclass.
@@ -81,7 +80,7 @@ class Fp8AllGatherWeight(torch.Tensor):
         amax = module.reduce_amax("weight", all_reduce_max(w.abs().amax().float(), mesh.get_group()))
         spec, recipe = module.recipe.operand("weight", "fprop"), module.recipe
         if recipe.scaling is Scaling.DELAYED:
-            enc = delayed_encode_scale(module.amax_history_weight, amax, spec.fmt, recipe.margin)
+            enc = module.history_scale("weight", amax)
         else:
             enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
         q = quantize(w, spec, encode_scale=enc)
@@ -144,5 +143,5 @@ def gathered(module: nn.Module, weight: torch.Tensor) -> tuple[torch.Tensor, tor
     if not isinstance(weight, Fp8Weight):
         return None
     if module.recipe.scaling is Scaling.DELAYED:
-        update_amax_history(module.amax_history_weight, weight._amax)
+        module.record_amax("weight", weight._amax)
     return weight._codes, weight._dec

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lpbench.precision.formats import pack_e2m1, unpack_e2m1
-from lpbench.precision.linear import QuantizedLinear, delayed_scale, qgemm
+from lpbench.precision.delayed import DelayedScaling
+from lpbench.precision.linear import QuantizedLinear, qgemm
 from lpbench.precision.quantize import QTensor, Scaling, delayed_encode_scale, quantize
 from lpbench.precision.recipes import Recipe
 
@@ -58,7 +59,7 @@ class _FrozenQuantizedFn(torch.autograd.Function):
         return dx.to(ctx.x_dtype).reshape(ctx.x_shape), None
 
 
-class FrozenQuantizedLinear(nn.Module):
+class FrozenQuantizedLinear(DelayedScaling, nn.Module):
     """A frozen linear whose weight is stored only in the recipe's quantized format (see the module doc)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe, *, native: bool = False):
@@ -80,9 +81,7 @@ class FrozenQuantizedLinear(nn.Module):
         self._store("w", quantize(w, spec_f, encode_scale=enc))
         if not self.shared:
             self._store("wt", quantize(w.t(), spec_d, encode_scale=enc))
-        if recipe.scaling is Scaling.DELAYED:
-            for role in ("input", "grad"):
-                self.register_buffer(f"amax_history_{role}", torch.zeros(recipe.amax_history_len, device=w.device))
+        self._init_histories(w.device, roles=("input", "grad"))
 
     @classmethod
     def from_linear(cls, linear: QuantizedLinear) -> FrozenQuantizedLinear:
@@ -90,14 +89,8 @@ class FrozenQuantizedLinear(nn.Module):
         new = cls(linear.weight, linear.bias, linear.recipe, native=linear.native)
         if linear.recipe.scaling is Scaling.DELAYED:
             for role in ("input", "grad"):
-                getattr(new, f"amax_history_{role}").copy_(getattr(linear, f"amax_history_{role}"))
+                new.amax_history(role).copy_(linear.amax_history(role))
         return new
-
-    def _delayed_scale(self, role: str, t: torch.Tensor) -> torch.Tensor | None:
-        """Delayed scaling, as QuantizedLinear: the encode scale from ``role``'s history, then record t's amax."""
-        if self.recipe.scaling is not Scaling.DELAYED:
-            return None
-        return delayed_scale(self, role, t.detach().abs().amax().float())
 
     def _put(self, name: str, t: torch.Tensor) -> None:
         self._layout[name] = (t.dtype, tuple(t.shape))

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lpbench.precision import capability, fp8_allgather
+from lpbench.precision.delayed import DelayedScaling
 from lpbench.precision.formats import E2M1
 from lpbench.precision.gemm import hp_mm, mm_fp32
 from lpbench.precision.kernels import block_scaled
@@ -60,10 +61,8 @@ from lpbench.precision.quantize import (
     QTensor,
     all_reduce_max,
     apply_rht,
-    delayed_encode_scale,
     quantize,
     scale_to_float,
-    update_amax_history,
 )
 from lpbench.precision.recipes import Recipe
 
@@ -167,18 +166,9 @@ class _QuantizedLinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def delayed_scale(mod: nn.Module, role: str, amax: torch.Tensor) -> torch.Tensor:
-    """The encode scale of ``mod``'s operand ``role`` from its amax history (``amax`` standing in
-    while the history is empty), then ``amax`` recorded in the history."""
-    history = getattr(mod, f"amax_history_{role}")
-    scale = delayed_encode_scale(history, amax, mod.recipe.element_format(role), mod.recipe.margin)
-    update_amax_history(history, amax)
-    return scale
-
-
-class QuantizedGemms:
+class QuantizedGemms(DelayedScaling):
     """The recipe's three GEMMs of ``x · weightᵀ`` on plain tensors (:meth:`_linear`), with the state they
-    keep (delayed-scaling histories, TP shard): the part of QuantizedLinear that does not own a weight,
+    keep (delayed-scaling histories, :class:`DelayedScaling`; TP shard): the part of QuantizedLinear that does not own a weight,
     shared with MoE experts (:class:`ExpertGemms`), whose weights are slices of a stacked parameter."""
 
     tp_shard = None  # lpbench.parallel.tp.TPShard when apply_tp split it: its group, split dim, sections
@@ -188,17 +178,6 @@ class QuantizedGemms:
             raise ValueError(f"recipe {recipe.name} has no quantized GEMMs")
         self.recipe, self.native = recipe, native
         self._init_histories(device)
-
-    def _init_histories(self, device):
-        if self.recipe.scaling is Scaling.DELAYED:
-            for role in ("input", "weight", "grad"):
-                self.register_buffer(f"amax_history_{role}", torch.zeros(self.recipe.amax_history_len, device=device))
-
-    def _delayed_scale(self, role: str, t: torch.Tensor) -> torch.Tensor | None:
-        """Delayed scaling: the encode scale from ``role``'s history, then record t's amax."""
-        if self.recipe.scaling is not Scaling.DELAYED:
-            return None
-        return delayed_scale(self, role, self.reduce_amax(role, t.detach().abs().amax().float()))
 
     @property
     def tp_multiple(self) -> int:

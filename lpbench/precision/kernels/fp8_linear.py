@@ -28,8 +28,7 @@ import torch
 from lpbench.precision import capability, fp8_allgather
 from lpbench.precision.formats import FloatFormat
 from lpbench.precision.kernels import fp8_cast
-from lpbench.precision.kernels.fp8 import update_amax_history
-from lpbench.precision.quantize import Scaling, delayed_encode_scale, fp8_decode_scale, fp8_encode_scale
+from lpbench.precision.quantize import Scaling, fp8_decode_scale, fp8_encode_scale
 
 
 def cast(t: torch.Tensor, amax: torch.Tensor, enc: torch.Tensor, fmt: FloatFormat, write_t: bool):
@@ -59,17 +58,16 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool):
             q, qt, _ = fp8_cast.cast_transpose(t.detach(), enc, fmt, write_t)
             return q, qt, fp8_decode_scale(enc, amax)
         return cast(t, amax, enc, fmt, write_t)
-    history = getattr(mod, f"amax_history_{role}")
     if capability.fp8_cast_kernel(t):  # one read of t; the current amax only while the history is empty
-        first = mod.reduce_amax(role, fp8_cast.amax_unless(t.detach(), history.max() > 0))
-        enc = delayed_encode_scale(history, first, fmt, recipe.margin)
+        first = mod.reduce_amax(role, fp8_cast.amax_unless(t.detach(), mod.amax_history(role).max() > 0))
+        enc = mod.history_scale(role, first)
         q, qt, amax = fp8_cast.cast_transpose(t.detach(), enc, fmt, write_t)
         amax = mod.reduce_amax(role, amax)
         out = q, qt, fp8_decode_scale(enc, amax)
     else:
         amax = mod.reduce_amax(role, t.detach().abs().amax().float())
-        out = cast(t, amax, delayed_encode_scale(history, amax, fmt, recipe.margin), fmt, write_t)
-    update_amax_history(history, amax)
+        out = cast(t, amax, mod.history_scale(role, amax), fmt, write_t)
+    mod.record_amax(role, amax)
     return out
 
 
