@@ -62,7 +62,7 @@ class RunConfig:
     seq_len: int = field(default=256, metadata=arg("sequence length"))
     mbs: int = field(default=8, metadata=arg("micro batch size per GPU"))
     gbs: int = field(default=8, metadata=arg("global batch size; grad accumulation = GBS / (MBS x DP)"))
-    steps: int = field(default=60, metadata=arg("optimizer steps"))
+    steps: int = field(default=40, metadata=arg("optimizer steps"))
     warmup_steps: int = field(default=10, metadata=arg("first steps excluded from timing"))
     lr: float | None = field(default=None, metadata=arg(
         "peak learning rate", "3e-3 for the CPU-sized presets, 3e-4 otherwise"))
