@@ -62,7 +62,7 @@ def test_model_scope_is_refused_under_fsdp_and_tp(argv, message, capsys, tmp_pat
 
 
 def test_a_run_records_the_compile_scope_that_ran(tmp_path):
-    from lpbench.bench.store import ResultsStore
+    from lpbench.bench.store import ResultsStore, RunRecord
     from lpbench.report.tables import summary_rows
     from lpbench.train.loop import train
 
@@ -71,7 +71,7 @@ def test_a_run_records_the_compile_scope_that_ran(tmp_path):
     result = train(cfg, log=lambda line: None)
     assert result.metrics["compile"] is False and result.metrics["compile_scope"] == "off"
     store = ResultsStore(tmp_path)
-    store.add_run(config=cfg.to_dict(), status="ok", error=None, metrics=result.metrics, steps=result.steps,
-                  env=result.env, run_key=cfg.key(), group_id="g", workload="pretrain")
+    store.add_run(RunRecord(config=cfg.to_dict(), status="ok", error=None, metrics=result.metrics, steps=result.steps,
+                  env=result.env, run_key=cfg.key(), group_id="g", workload="pretrain"))
     (row,) = summary_rows(store.runs())
     assert row["compile_scope"] == "off" and row["compile"] is False

@@ -229,7 +229,7 @@ def test_markdown_cells_and_plot_labels_take_any_text():
 
 
 def test_a_bracket_in_paths_and_errors_does_not_crash_a_resumed_sweep(tmp_path, capsys):
-    from lpbench.bench.store import ResultsStore
+    from lpbench.bench.store import ResultsStore, RunRecord
     from lpbench.bench.sweep import expand, run_sweep
 
     results = tmp_path / "res[/x]"
@@ -239,8 +239,9 @@ def test_a_bracket_in_paths_and_errors_does_not_crash_a_resumed_sweep(tmp_path, 
     store = ResultsStore(results)
     for run, status in zip(expand({"name": "s", "model": "tiny", "precision": ["bf16", "fp8-tensorwise"],
                                    "device": "cpu", "steps": 2, "warmup_steps": 1}).runs, ("ok", "error")):
-        store.add_run(config=run.config.to_dict(), status=status, error="[/red] boom" if status == "error" else None,
-                      metrics={}, steps=[], env={"gpu": "[/gpu]"}, run_key=run.key, group_id="s", sweep_id="s")
+        store.add_run(RunRecord(config=run.config.to_dict(), status=status,
+                                error="[/red] boom" if status == "error" else None, metrics={}, steps=[],
+                                env={"gpu": "[/gpu]"}, run_key=run.key, group_id="s", sweep_id="s"))
     from rich.console import Console
 
     wide = Console(width=400)

@@ -9,7 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from lpbench.bench.store import ResultsStore
+from lpbench.bench.store import ResultsStore, RunRecord
 from lpbench.cli import main
 from lpbench.report import plots
 from lpbench.report.build import report_markdown, select_runs
@@ -31,9 +31,9 @@ def _run(store, precision, tps, *, status="ok", error=None, group="g1", workload
              for s in range(1, steps + 1)]
     if status == "diverged":
         curve[-1]["loss"] = float("nan")
-    return store.add_run(config=config, status=status, error=error, metrics=metrics, steps=curve,
+    return store.add_run(RunRecord(config=config, status=status, error=error, metrics=metrics, steps=curve,
                          env={"gpu": gpu}, run_key=f"{group}-{precision}-{seq}-{workload}", group_id=group,
-                         workload=workload, num_gpus=8, sweep_id=sweep_id)
+                         workload=workload, num_gpus=8, sweep_id=sweep_id))
 
 
 @pytest.fixture
@@ -213,9 +213,10 @@ def test_torchao_rows_are_compared_with_lpbench_bf16_of_the_same_sweep(tmp_path)
     _run(s, "bf16", 10000)
     config = {"model": "llama3-8b", "precision": "fp8-tensorwise", "seq_len": 8192, "mbs": 1, "gbs": 128, "dp": 8,
               "tp": 1, "steps": 5, "backend": "torchao"}
-    s.add_run(config=config, status="ok", error=None, metrics={"tokens_per_sec_per_gpu": 11000.0, "final_loss": 2.0},
-              steps=[], env={"gpu": "NVIDIA H100 80GB HBM3"}, run_key="g1-torchao", group_id="g1",
-              workload="pretrain", num_gpus=8, backend="torchao")
+    s.add_run(RunRecord(config=config, status="ok", error=None,
+                        metrics={"tokens_per_sec_per_gpu": 11000.0, "final_loss": 2.0},
+                        steps=[], env={"gpu": "NVIDIA H100 80GB HBM3"}, run_key="g1-torchao", group_id="g1",
+                        workload="pretrain", num_gpus=8, backend="torchao"))
     torchao = next(r for r in summary_rows(s.runs()) if r["backend"] == "torchao")
     assert torchao["baseline"] == "bf16" and torchao["speedup"] == pytest.approx(1.1)
 
@@ -226,9 +227,9 @@ def test_runs_compiled_differently_get_their_own_bf16_baseline(tmp_path):
         for precision, tps in (("bf16", bf16), ("fp8-tensorwise", fp8)):
             config = {"model": "llama3-8b", "precision": precision, "seq_len": 8192, "mbs": 1, "gbs": 128, "dp": 8,
                       "tp": 1, "steps": 5, "compile_scope": scope}
-            s.add_run(config=config, status="ok", error=None, metrics={"tokens_per_sec_per_gpu": tps},
+            s.add_run(RunRecord(config=config, status="ok", error=None, metrics={"tokens_per_sec_per_gpu": tps},
                       steps=[], env={"gpu": "NVIDIA H100 80GB HBM3"}, run_key=f"{scope}-{precision}", group_id="g1",
-                      workload="pretrain", num_gpus=8)
+                      workload="pretrain", num_gpus=8))
     speedups = {(r["compile_scope"], r["precision"]): r["speedup"] for r in summary_rows(s.runs())}
     assert speedups[("block", "fp8-tensorwise")] == pytest.approx(1.1)
     assert speedups[("model", "fp8-tensorwise")] == pytest.approx(1.2)

@@ -4,7 +4,7 @@ import sqlite3
 
 import pytest
 
-from lpbench.bench.store import ResultsStore
+from lpbench.bench.store import ResultsStore, RunRecord
 from lpbench.errors import UsageError
 
 
@@ -14,7 +14,7 @@ def _add(store, **kw):
                 steps=[{"step": 1, "loss": 2.0, "step_time_s": 0.5}, {"step": 2, "loss": 1.5, "step_time_s": 0.4}],
                 env={"gpu": None, "torch": "x"}, run_key="k1", group_id="g")
     args.update(kw)
-    return store.add_run(**args)
+    return store.add_run(RunRecord(**args))
 
 
 def test_round_trip(tmp_path):

@@ -12,6 +12,7 @@ from typing import Callable
 from rich.markup import escape
 
 from lpbench.console import console
+from lpbench.bench.store import RunRecord
 from lpbench.errors import UsageError
 from lpbench.train import loop
 from lpbench.train.loop import RunResult
@@ -39,8 +40,8 @@ def record(store, result: RunResult, *, group_id: str | None, sweep_id: str | No
            workload: str | None = None, metrics: dict | None = None, env: dict | None = None) -> int | None:
     """``result``'s row and steps in ``store`` (``metrics``, ``env``, ``workload`` replace the result's)."""
     cfg = result.config
-    return store.add_run(config=cfg.to_dict(), status=result.status, error=result.error,
-                         metrics=result.metrics if metrics is None else metrics, steps=result.steps,
-                         env=result.env if env is None else env, run_key=cfg.key(), group_id=group_id,
-                         sweep_id=sweep_id, workload=workload or cfg.workload, backend=cfg.backend,
-                         num_gpus=cfg.world_size)
+    return store.add_run(RunRecord(
+        config=cfg.to_dict(), status=result.status, error=result.error,
+        metrics=result.metrics if metrics is None else metrics, steps=result.steps,
+        env=result.env if env is None else env, run_key=cfg.key(), group_id=group_id, sweep_id=sweep_id,
+        workload=workload or cfg.workload, backend=cfg.backend, num_gpus=cfg.world_size))

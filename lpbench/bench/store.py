@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from lpbench.errors import UsageError
@@ -105,17 +106,33 @@ def strict_json(value, **kw) -> str:
     return json.dumps(_json_safe(value), allow_nan=False, **kw)
 
 
-def run_row(*, config: dict, status: str, error: str | None, metrics: dict, env: dict, run_key: str,
-            group_id: str | None = None, workload: str = "pretrain", backend: str = "lpbench", num_gpus: int = 1,
-            sweep_id: str | None = None) -> dict:
+@dataclass
+class RunRecord:
+    """A finished run as the store takes it: its config (a dict), outcome, metrics, steps and identity."""
+
+    config: dict
+    status: str
+    error: str | None
+    metrics: dict
+    steps: list[dict]
+    env: dict
+    run_key: str
+    group_id: str | None = None
+    workload: str = "pretrain"
+    backend: str = "lpbench"
+    num_gpus: int = 1
+    sweep_id: str | None = None
+
+
+def run_row(run: RunRecord) -> dict:
     """A finished run as ``ResultsStore.runs`` returns it (without an id): columns plus config/env/metrics."""
-    cols = {c: config.get(c) for c in CONFIG_COLUMNS}
-    cols["model"] = model_label(config.get("model"), config.get("num_layers"))  # llama3-8b@16L
-    cols.update({c: _finite_or_none(metrics.get(c)) for c in METRIC_COLUMNS})
-    return dict(id=None, run_key=run_key, group_id=group_id, sweep_id=sweep_id,
-                created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), status=status, error=error, workload=workload,
-                backend=backend, num_gpus=num_gpus, gpu=env.get("gpu"), **cols,
-                config=_json_safe(config), env=_json_safe(env), metrics=_json_safe(metrics))
+    cols = {c: run.config.get(c) for c in CONFIG_COLUMNS}
+    cols["model"] = model_label(run.config.get("model"), run.config.get("num_layers"))  # llama3-8b@16L
+    cols.update({c: _finite_or_none(run.metrics.get(c)) for c in METRIC_COLUMNS})
+    return dict(id=None, run_key=run.run_key, group_id=run.group_id, sweep_id=run.sweep_id,
+                created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), status=run.status, error=run.error,
+                workload=run.workload, backend=run.backend, num_gpus=run.num_gpus, gpu=run.env.get("gpu"), **cols,
+                config=_json_safe(run.config), env=_json_safe(run.env), metrics=_json_safe(run.metrics))
 
 
 _TRANSIENT = ("locked", "busy", "disk is full", "disk i/o error")
@@ -199,9 +216,7 @@ class ResultsStore:
     def transaction(self):
         return _Transaction(self.conn)
 
-    def add_run(self, *, config: dict, status: str, error: str | None, metrics: dict, steps: list[dict],
-                env: dict, run_key: str, group_id: str | None = None, workload: str = "pretrain",
-                backend: str = "lpbench", num_gpus: int = 1, sweep_id: str | None = None) -> int | None:
+    def add_run(self, run: RunRecord) -> int | None:
         """Insert a finished run and its steps atomically; returns the run id.
 
         With a ``sweep_id``, a run already recorded for (sweep_id, run_key) is left as it is
@@ -209,13 +224,12 @@ class ResultsStore:
         the database cannot take after the retries is kept in ``PENDING_DIR`` (None returned,
         the row appended to ``kept``).
         """
-        row = run_row(config=config, status=status, error=error, metrics=metrics, env=env, run_key=run_key,
-                      group_id=group_id, workload=workload, backend=backend, num_gpus=num_gpus, sweep_id=sweep_id)
+        row = run_row(run)
         try:
-            return _retrying(lambda: self._insert(row, steps))
+            return _retrying(lambda: self._insert(row, run.steps))
         except sqlite3.OperationalError as exc:
             self.kept.append(row)
-            path = keep_run(self.path.parent, row, steps)
+            path = keep_run(self.path.parent, row, run.steps)
             print(f"lpbench: could not write {self.path} ({exc}); the run is kept in {path} and imported by "
                   "the next lpbench command on this results folder", file=sys.stderr, flush=True)
             return None
@@ -333,8 +347,8 @@ class AsideStore:
     def __init__(self, directory: str | Path, reason: str):
         self.directory, self.reason = Path(directory), reason
 
-    def add_run(self, *, steps: list[dict], **row) -> None:
-        path = keep_run(self.directory, run_row(**row), steps)
+    def add_run(self, run: RunRecord) -> None:
+        path = keep_run(self.directory, run_row(run), run.steps)
         print(f"lpbench: {self.reason}; the run is kept in {path} and imported by the next lpbench command on "
               "this results folder", file=sys.stderr, flush=True)
 
