@@ -25,7 +25,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from lpbench.models.fused_loss import linear_cross_entropy
 from lpbench.models.moe import MoE
 from lpbench.models.registry import ModelConfig
 from lpbench.precision import gemm
@@ -165,6 +167,7 @@ class Decoder(nn.Module):
         self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
+        self.fused_loss_scale: float | None = None  # set: the loss through linear_cross_entropy (configure_loss)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02, write=None) -> None:
@@ -216,6 +219,8 @@ class Decoder(nn.Module):
 
     def head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Final norm and LM head: logits, or their mean cross-entropy (FP32) with ``labels``."""
+        if labels is not None and self.fused_loss_scale is not None:
+            return linear_cross_entropy(self.norm(h), self.lm_head.weight, labels, self.fused_loss_scale)
         logits = self.lm_head(self.norm(h))
         if labels is None:
             return logits
@@ -277,6 +282,16 @@ def _flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+def configure_loss(model: Decoder, fused: bool, grad_scale: float) -> bool:
+    """Compute ``model``'s training loss with the chunked LM head + cross-entropy
+    (:mod:`lpbench.models.fused_loss`), told the gradient ``grad_scale`` its backward will bring;
+    where the LM head is not a plain local linear (tensor-parallel, sharded, replaced), or not
+    ``fused``, the unfused head. Returns whether the fused loss is on."""
+    plain = type(model.lm_head) is Linear and not isinstance(model.lm_head.weight, DTensor)
+    model.fused_loss_scale = grad_scale if fused and plain else None
+    return model.fused_loss_scale is not None
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -21,6 +21,7 @@ from lpbench.metrics.hardware import detect_gpu, mfu, peak_tflops
 from lpbench.metrics.profile import StepProfiler
 from lpbench.metrics.tensorboard import StepWriter
 from lpbench.models import build_model, count_parameters
+from lpbench.models.decoder import configure_loss
 from lpbench.models.hf import load_hf_checkpoint
 from lpbench.models.moe import configure_moe, take_moe_stats
 from lpbench.parallel.dp import clip_grad_norm_, grad_sync
@@ -120,6 +121,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     if use_compile:  # runs in one process (several precisions, converge) each get Dynamo's full recompile budget
         torch._dynamo.reset()
     par = parallelize(model, cfg, device, recipe.compute_dtype, use_compile)
+    fused_loss = configure_loss(model, cfg.fused_loss, 1.0 / cfg.grad_accum)
     workload_metrics["weight_bytes"] = weight_bytes(par.module)
     forward = par.forward
     params = [p for p in par.module.parameters() if p.requires_grad]
@@ -142,7 +144,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     log(f"lpbench: {cfg.workload} {cfg.label} ({n_params / 1e6:.1f} M params, weights "
         f"{workload_metrics['weight_bytes'] / 2**20:,.1f} MiB) | {cfg.precision} ({cfg.backend}) "
         f"[{precision_info['path']}] | device {device} ({result.env.get('gpu') or 'cpu'}){cpu_note} | "
-        f"compile {'on' if use_compile else 'off'} | GBS {cfg.gbs} MBS {cfg.mbs} GA {cfg.grad_accum} "
+        f"compile {'on' if use_compile else 'off'} | LM loss {'chunked' if fused_loss else 'unfused'} | "
+        f"GBS {cfg.gbs} MBS {cfg.mbs} GA {cfg.grad_accum} "
         f"seq {cfg.seq_len} | peak LR {cfg.peak_lr:g} | {splits.source}")
     if precision_info.get("why_emulated"):
         log(f"lpbench: {cfg.precision} GEMMs emulated: {precision_info['why_emulated']}")
