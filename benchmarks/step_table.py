@@ -14,7 +14,11 @@ the first three, comm included) and the kernel total, then each row's heaviest k
         --rows bf16,fp8-tensorwise,torchao:fp8-tensorwise
 
 Rows (``--rows``, comma-separated): a recipe name (``mxfp8``/``nvfp4``/... run emulated where the
-GPU lacks them), ``torchao:RECIPE`` (torchao's Float8Linear), ``hf`` (the baseline).
+GPU lacks them), ``torchao:RECIPE`` (torchao's Float8Linear), ``hf`` (the baseline); a row
+ending ``/unfused`` runs with ``--no-fused-loss`` (the unfused LM head + cross-entropy, for A/B).
+``--gbs`` above ``--mbs`` accumulates gradients, so the optimizer step is shared by GBS/MBS
+micro-batches as in Megatron's runs; ``--no-profile`` times without the profiled steps (at large
+GBS their traces cost minutes).
 """
 
 from __future__ import annotations
@@ -39,14 +43,19 @@ PARTS = ("gemm", "quantize", "attention", "other")
 def spec_for(args, rows: list[str]) -> dict:
     recipes = []
     for row in rows:
+        row, unfused, _ = row.partition("/unfused")
         backend, _, precision = row.rpartition(":")
         point = {"precision": precision, "backend": backend or "lpbench"}
+        if unfused:
+            point["fused_loss"] = False
         if precision in ("mxfp8", "mxfp4", "nvfp4", "fp8-blockwise"):
             point["emulate"] = True  # native where the GPU has it, exact emulation where it does not
         recipes.append(point)
     spec = {"name": f"step-table-{time.strftime('%Y%m%d-%H%M%S')}", "timeout": args.timeout, "model": args.model,
             "seq_len": args.seq_len, "mbs": args.mbs, "gbs": args.gbs or args.mbs, "steps": args.steps,
-            "warmup_steps": args.warmup_steps, "profile_steps": f"{args.steps - 1}:{args.steps}", "recipe": recipes}
+            "warmup_steps": args.warmup_steps, "recipe": recipes}
+    if args.profile:
+        spec["profile_steps"] = f"{args.steps - 1}:{args.steps}"
     if args.num_layers:
         spec["num_layers"] = args.num_layers
     return spec
@@ -122,11 +131,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12, help="the last two are profiled (default 12)")
     ap.add_argument("--warmup-steps", type=int, default=6)
     ap.add_argument("--rows", default=DEFAULT_ROWS)
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="profile each row's last two steps (default on)")
     ap.add_argument("--results", default="lpbench-results/step-table")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per row (default 420)")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per row (default 12)")
     args = ap.parse_args()
-    if args.steps - 2 <= args.warmup_steps:
+    if args.steps - 2 * args.profile <= args.warmup_steps:
         ap.error("--steps must leave timed steps between the warm-up and the two profiled steps")
 
     from lpbench.bench.store import ResultsStore
@@ -147,7 +158,8 @@ def main() -> int:
             prof = dict(m.get("profile") or {})
             first, _, last = str(prof.get("steps", "")).partition(":")
             prof["n_steps"] = int(last) - int(first) + 1 if last else 1
-            name = cfg["precision"] + (f" ({r['backend']})" if r["backend"] != "lpbench" else "")
+            name = cfg["precision"] + (f" ({r['backend']})" if r["backend"] != "lpbench" else "") + \
+                ("" if cfg.get("fused_loss", True) else " unfused loss")
             out.append({"name": name, "status": r["status"], "error": r.get("error"), "path": m.get("path", ""),
                         "step_ms": (r.get("step_time_s") or 0) * 1e3, "tps": r.get("tokens_per_sec_per_gpu"),
                         "tflops": r.get("tflops_per_gpu"), "mfu": r.get("mfu_bf16"),
