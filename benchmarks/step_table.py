@@ -43,11 +43,11 @@ PARTS = ("gemm", "quantize", "attention", "other")
 def spec_for(args, rows: list[str]) -> dict:
     recipes = []
     for row in rows:
-        row, unfused, _ = row.partition("/unfused")
+        row, fused, _ = row.partition("/fused-loss")
         backend, _, precision = row.rpartition(":")
         point = {"precision": precision, "backend": backend or "lpbench"}
-        if unfused:
-            point["fused_loss"] = False
+        if fused:
+            point["fused_loss"] = True
         if precision in ("mxfp8", "mxfp4", "nvfp4", "fp8-blockwise"):
             point["emulate"] = True  # native where the GPU has it, exact emulation where it does not
         recipes.append(point)
@@ -159,7 +159,7 @@ def main() -> int:
             first, _, last = str(prof.get("steps", "")).partition(":")
             prof["n_steps"] = int(last) - int(first) + 1 if last else 1
             name = cfg["precision"] + (f" ({r['backend']})" if r["backend"] != "lpbench" else "") + \
-                ("" if cfg.get("fused_loss", True) else " unfused loss")
+                (" fused loss" if cfg.get("fused_loss") else "")
             out.append({"name": name, "status": r["status"], "error": r.get("error"), "path": m.get("path", ""),
                         "step_ms": (r.get("step_time_s") or 0) * 1e3, "tps": r.get("tokens_per_sec_per_gpu"),
                         "tflops": r.get("tflops_per_gpu"), "mfu": r.get("mfu_bf16"),

@@ -77,9 +77,10 @@ class RunConfig:
         "what one compiled graph holds: each block and the output head apart (compiles one block's code for "
         "all), or the whole model (one process or DDP: slower to compile, fuses across blocks)",
         choices=COMPILE_SCOPES))
-    fused_loss: bool = field(default=True, metadata=arg(
-        "LM head + cross-entropy over chunks of tokens, never the FP32 logits of the whole batch (exact: the "
-        "unfused head's loss and gradients up to summation order; less memory); off: the unfused head, for A/B"))
+    fused_loss: bool = field(default=False, metadata=arg(
+        "LM head + cross-entropy over chunks of tokens, never the whole batch's FP32 logits (exact: the unfused "
+        "head's loss and gradients up to summation order); cuts memory where the head runs eagerly (CPU, "
+        "--no-compile). Off by default: the compiled unfused head keeps no FP32 logits either and was faster"))
     emulate: bool | None = field(default=None, metadata=arg(
         "allow exact emulation of formats the GPU lacks", "on for CPU, off on GPU"))
     flops_formula: str = field(default="megatron", metadata=arg("model FLOPs formula: megatron, nemo-legacy or mha"))
@@ -327,7 +328,7 @@ class RunConfig:
         kept = {k: v for k, v in self.to_dict().items() if k not in NOT_IN_KEY}
         if self.num_layers is None:  # the full model keeps the key it had before --num-layers existed
             del kept["num_layers"]
-        if self.fused_loss:  # exact, so runs keep the keys they had before the fused loss existed
+        if not self.fused_loss:  # runs keep the keys they had before the fused loss existed
             del kept["fused_loss"]
         return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -60,13 +60,16 @@ def test_loss_and_gradients_equal_unfused(autocast, accum):
 
 
 def test_bf16_gemms_take_the_cpu_route(monkeypatch):
-    """Every GEMM goes through gemm.linear: per chunk the logits and the input's gradient, then the weight's."""
+    """Every GEMM goes through the gemm module: per chunk the logits and the input's gradient (gemm.linear,
+    BF16 out) and the weight's gradient (gemm.mm_fp32, summed in FP32)."""
     calls = []
-    real = gemm.linear
-    monkeypatch.setattr(gemm, "linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    for name in ("linear", "mm_fp32"):
+        real = getattr(gemm, name)
+        monkeypatch.setattr(gemm, name, lambda *a, _n=name, _f=real, **k: calls.append((_n, a[0].shape)) or _f(*a, **k))
     x, w, labels = inputs(0)
     run(True, x, w, labels, autocast=True, accum=1)
-    assert calls == [(16, D), (16, V), (16, D), (16, V), (8, D), (8, V), (V, N)]
+    per_chunk = lambda n: [("linear", (n, D)), ("linear", (n, V)), ("mm_fp32", (V, n))]
+    assert calls == per_chunk(16) + per_chunk(16) + per_chunk(8)
 
 
 def test_no_grad_gives_the_same_loss():
@@ -105,3 +108,20 @@ def test_not_fused_where_the_head_is_not_a_plain_linear():
     model = tiny_model()
     model.lm_head = torch.nn.Linear(model.cfg.dim, V, bias=False)  # e.g. a recipe's replacement
     assert configure_loss(model, True, 1.0) is False and model.fused_loss_scale is None
+
+
+@pytest.mark.gpu
+def test_cuda_loss_and_gradients_equal_unfused():
+    """On CUDA the weight's gradient is one BF16 GEMM over the buffered logits' gradient, as unfused."""
+    x, w, labels = (t.cuda() for t in inputs(20))
+    out = []
+    for fused in (True, False):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = (linear_cross_entropy(xx, ww, labels, 1 / 3, chunk=CHUNK) if fused else
+                    F.cross_entropy(F.linear(xx, ww).float(), labels, ignore_index=-100))
+        (loss / 3).backward()
+        out.append((loss.detach(), xx.grad, ww.grad))
+    (loss, gx, gw), (ref_loss, ref_gx, ref_gw) = out
+    assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
+    assert rel(gx, ref_gx) <= 2e-4 and rel(gw, ref_gw) <= 2e-4

@@ -4,9 +4,11 @@ The unfused head keeps the logits [N, V] in the compute dtype for backward, and 
 backward each make FP32 copies of them (4 bytes x N x V: 4.2 GB at 8192 tokens of a 128K
 vocabulary). Here the forward takes ``chunk`` tokens at a time through the same GEMM, softmax in
 FP32 and the logits' gradient, rounds that gradient to the compute dtype as the unfused backward
-does, and computes both GEMMs of the backward before returning (the input's per chunk, the
-weight's over all tokens at once, so its summation is the unfused GEMM's). Nothing of the logits
-is kept for backward, which only hands the two gradients on.
+does, and computes both GEMMs of the backward before returning: the input's per chunk; the
+weight's on CUDA as one GEMM over a buffer of the rounded logits' gradient (the unfused GEMM, in
+the compute dtype), on a CPU, which multiplies in FP32 anyway, chunk by chunk into an FP32 sum
+rounded once (so no [tokens, vocab] array exists). Nothing of the logits is kept for backward,
+which only hands the two gradients on.
 
 The gradient of the logits must be scaled before it is rounded, so the scale that ``backward``
 will bring (1 / gradient accumulation in training) is given to the forward as ``grad_scale``;
@@ -23,12 +25,12 @@ import torch
 from lpbench.precision import gemm
 
 IGNORE_INDEX = -100
-CHUNK_ELEMENTS = 1 << 28  # FP32 logits of one chunk: 1 GiB
+CHUNK_ELEMENTS = {"cuda": 1 << 28, "cpu": 1 << 24}  # FP32 logits of one chunk: 1 GiB on CUDA, 64 MiB elsewhere
 
 
-def default_chunk(vocab_size: int) -> int:
-    """Tokens per chunk: about :data:`CHUNK_ELEMENTS` logits (2,093 tokens for a 128K vocabulary)."""
-    return max(1, CHUNK_ELEMENTS // vocab_size)
+def default_chunk(vocab_size: int, device: torch.device) -> int:
+    """Tokens per chunk: about :data:`CHUNK_ELEMENTS` logits (2,093 tokens of a 128K vocabulary on CUDA)."""
+    return max(1, CHUNK_ELEMENTS["cuda" if device.type == "cuda" else "cpu"] // vocab_size)
 
 
 def _chunk_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
@@ -47,7 +49,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = torch.full((), grad_scale, device=x.device) / n  # as cross_entropy's backward: grad / n
         loss = torch.zeros((), device=x.device, dtype=torch.float32)
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        grad_logits = x.new_empty(x.shape[0], weight.shape[0]) if ctx.needs_input_grad[1] else None
+        grad_w = grad_logits = None
+        if ctx.needs_input_grad[1] and x.is_cuda:
+            grad_logits = x.new_empty(x.shape[0], weight.shape[0])
+        elif ctx.needs_input_grad[1]:
+            grad_w = torch.zeros(weight.shape, device=x.device, dtype=torch.float32)
         for start in range(0, x.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits, lse, valid, part = _chunk_loss(x[rows], weight, labels[rows])
@@ -60,7 +66,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_x[rows] = gemm.linear(g, weight.t())
             if grad_logits is not None:
                 grad_logits[rows] = g
-        grad_w = None if grad_logits is None else gemm.linear(grad_logits.t(), x.t())
+            elif grad_w is not None:
+                grad_w += gemm.mm_fp32(g.t(), x[rows].t())
+        if grad_logits is not None:
+            grad_w = gemm.linear(grad_logits.t(), x.t())
+        elif grad_w is not None:
+            grad_w = grad_w.to(x.dtype)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.grad_scale = grad_scale
         return loss / n
@@ -82,7 +93,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     """
     dtype = gemm.compute_dtype(x)
     x, weight, labels = x.reshape(-1, x.shape[-1]).to(dtype), weight.to(dtype), labels.reshape(-1)
-    chunk = chunk or default_chunk(weight.shape[0])
+    chunk = chunk or default_chunk(weight.shape[0], x.device)
     with torch.autocast(x.device.type, enabled=False):
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return _LinearCrossEntropy.apply(x, weight, labels, float(grad_scale), chunk)
