@@ -1,14 +1,16 @@
 """LM head + cross-entropy over chunks of tokens: the [tokens, vocab] logits never exist in FP32.
 
-The unfused head keeps the logits [N, V] in the compute dtype for backward, and the loss and its
-backward each make FP32 copies of them (4 bytes x N x V: 4.2 GB at 8192 tokens of a 128K
-vocabulary). Here the forward takes ``chunk`` tokens at a time through the same GEMM, softmax in
+Run eagerly, the unfused head keeps the logits [N, V] in the compute dtype for backward, and the
+loss and its backward each make FP32 copies of them (4 bytes x N x V: 4.2 GB at 8192 tokens of a
+128K vocabulary). Here the forward takes ``chunk`` tokens at a time through the same GEMM, softmax in
 FP32 and the logits' gradient, rounds that gradient to the compute dtype as the unfused backward
 does, and computes both GEMMs of the backward before returning: the input's per chunk; the
 weight's on CUDA as one GEMM over a buffer of the rounded logits' gradient (the unfused GEMM, in
 the compute dtype), on a CPU, which multiplies in FP32 anyway, chunk by chunk into an FP32 sum
 rounded once (so no [tokens, vocab] array exists). Nothing of the logits is kept for backward,
-which only hands the two gradients on.
+which only hands the two gradients on. Compiled on CUDA, the unfused head already keeps no FP32
+logits (inductor fuses the softmax), so there this is no smaller and no faster (benchmarks/RESULTS.md), and
+it is opt-in (``--fused-loss``).
 
 The gradient of the logits must be scaled before it is rounded, so the scale that ``backward``
 will bring (1 / gradient accumulation in training) is given to the forward as ``grad_scale``;
