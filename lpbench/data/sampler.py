@@ -11,7 +11,8 @@ integer (global micro-batches taken), so a checkpoint resumes at exactly the sam
 
 from __future__ import annotations
 
-from typing import Iterator
+from dataclasses import dataclass, fields
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -102,21 +103,46 @@ class MicroBatchSampler:
         self.seek(int(state["consumed_samples"]))
 
 
-class MicroBatchLoader:
-    """Turns sampled indices into ``(input_ids, labels)`` int64 tensors ``[mbs, seq_len]``.
+@dataclass
+class Batch:
+    """One micro-batch, pretraining or packed SFT: int64 tensors ``[mbs, seq_len]``. It unpacks and
+    indexes as ``(input_ids, labels)`` and reads by key (``batch["doc_ids"]``, ``batch.items()``)."""
 
-    ``dataset[i]`` must return ``seq_len + 1`` tokens; inputs are ``[:-1]``, labels ``[1:]``.
+    input_ids: torch.Tensor
+    labels: torch.Tensor  # -100 marks tokens without loss
+    doc_ids: torch.Tensor | None = None  # packed SFT: the sample of each token (attention stays inside it)
+    position_ids: torch.Tensor | None = None  # packed SFT: positions restarting at each sample
+    sample_lengths: list[list[int]] | None = None  # packed SFT: the sample lengths of each sequence
+
+    def __iter__(self):
+        return iter((self.input_ids, self.labels))
+
+    def __getitem__(self, key):
+        return getattr(self, key) if isinstance(key, str) else (self.input_ids, self.labels)[key]
+
+    def items(self) -> list[tuple[str, object]]:
+        return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]
+
+    def model_args(self, device) -> list[torch.Tensor]:
+        """The model's arguments on ``device``: ``input_ids, labels``, plus ``doc_ids`` for packed SFT."""
+        args = (self.input_ids, self.labels) + (() if self.doc_ids is None else (self.doc_ids,))
+        return [t.to(device, non_blocking=True) for t in args]
+
+
+class MicroBatchLoader:
+    """Turns sampled indices into :class:`Batch` es: ``collate`` of the dataset's items (by default
+    ``seq_len + 1`` tokens each: inputs ``[:-1]``, labels ``[1:]``).
     Endless: iterate for as many steps as the run needs; ``sampler.epoch`` tells the epoch.
     """
 
-    def __init__(self, dataset, sampler: MicroBatchSampler):
-        self.dataset, self.sampler = dataset, sampler
+    def __init__(self, dataset, sampler: MicroBatchSampler, collate: Callable[[list], Batch] | None = None):
+        self.dataset, self.sampler, self.collate = dataset, sampler, collate or collate_windows
 
     def __iter__(self) -> "MicroBatchLoader":
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return collate([self.dataset[int(i)] for i in next(self.sampler)])
+    def __next__(self) -> Batch:
+        return self.collate([self.dataset[int(i)] for i in next(self.sampler)])
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
@@ -125,14 +151,14 @@ class MicroBatchLoader:
         self.sampler.load_state_dict(state)
 
 
-def collate(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack ``seq_len + 1`` windows into ``(inputs, labels)`` int64 tensors."""
+def collate_windows(windows: list[np.ndarray]) -> Batch:
+    """Stack ``seq_len + 1`` windows into a batch of inputs and labels."""
     tokens = torch.from_numpy(np.stack(windows).astype(np.int64, copy=False))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
-def eval_batches(dataset, micro_batch_size: int, rank: int = 0,
-                 world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(dataset, micro_batch_size: int, rank: int = 0, world_size: int = 1,
+                 collate: Callable[[list], Batch] = collate_windows) -> Iterator[Batch]:
     """One in-order pass over a finite dataset, sharded like the training sampler.
 
     Nothing is dropped: the last global micro-batch may leave some ranks a short or no batch,

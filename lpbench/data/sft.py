@@ -29,8 +29,8 @@ shortened to fill it: no padding). Prompts are random walks over ``vocab_size - 
 ``vocab_size - 1``) and each response continues its prompt's walk (each next token the current
 one plus one of 8 fixed, Zipf-weighted offsets): learnable, so precisions can be compared.
 
-Batches are dicts of int64 tensors ``input_ids``, ``labels``, ``doc_ids``, ``position_ids``
-(each [mbs, seq_len]) plus ``sample_lengths`` (list per sequence of its sample lengths).
+Batches are :class:`lpbench.data.sampler.Batch` es of int64 tensors ``input_ids``, ``labels``, ``doc_ids``,
+``position_ids`` (each [mbs, seq_len]) plus ``sample_lengths`` (list per sequence of its sample lengths).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from lpbench.data import sources
-from lpbench.data.sampler import MicroBatchSampler
+from lpbench.data.sampler import Batch, MicroBatchLoader, MicroBatchSampler, eval_batches
 from lpbench.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 from lpbench.errors import UsageError
 
@@ -323,31 +323,11 @@ class MockSFTDataset:
 
 # --------------------------------------------------------------------------- batches
 
-def collate_sft(items: list[dict]) -> dict:
+def collate_sft(items: list[dict]) -> Batch:
     """Stack packed sequences into ``[mbs, seq_len]`` int64 tensors (+ ``sample_lengths`` lists)."""
-    out = {k: torch.from_numpy(np.stack([it[k] for it in items]))
-           for k in ("input_ids", "labels", "doc_ids", "position_ids")}
-    out["sample_lengths"] = [list(it["sample_lengths"]) for it in items]
-    return out
-
-
-class SFTLoader:
-    """Endless micro-batch dicts for one rank (order, sharding and resume: MicroBatchSampler)."""
-
-    def __init__(self, dataset, sampler: MicroBatchSampler):
-        self.dataset, self.sampler = dataset, sampler
-
-    def __iter__(self) -> "SFTLoader":
-        return self
-
-    def __next__(self) -> dict:
-        return collate_sft([self.dataset[int(i)] for i in next(self.sampler)])
-
-    def state_dict(self) -> dict:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
+    return Batch(**{k: torch.from_numpy(np.stack([it[k] for it in items]))
+                    for k in ("input_ids", "labels", "doc_ids", "position_ids")},
+                 sample_lengths=[list(it["sample_lengths"]) for it in items])
 
 
 @dataclass
@@ -383,19 +363,15 @@ class SFTData:
         return self.train.sample_lengths
 
     def train_loader(self, micro_batch_size: int, rank: int = 0, world_size: int = 1,
-                     shuffle: bool = True) -> SFTLoader:
+                     shuffle: bool = True) -> MicroBatchLoader:
         n = None if self.is_mock else len(self.train)
         sampler = MicroBatchSampler(n, micro_batch_size, rank=rank, world_size=world_size,
                                     seed=self.seed, shuffle=shuffle and not self.is_mock)
-        return SFTLoader(self.train, sampler)
+        return MicroBatchLoader(self.train, sampler, collate_sft)
 
-    def valid_batches(self, micro_batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[dict]:
+    def valid_batches(self, micro_batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
         """One in-order pass over this rank's share of the validation sequences."""
-        if micro_batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
-            raise UsageError("valid_batches needs micro_batch_size >= 1 and 0 <= rank < world_size")
-        n, g = len(self.valid), micro_batch_size * world_size
-        for start in range(rank * micro_batch_size, n, g):
-            yield collate_sft([self.valid[i] for i in range(start, min(start + micro_batch_size, n))])
+        return eval_batches(self.valid, micro_batch_size, rank, world_size, collate_sft)
 
 
 def build_sft_dataset(spec: str, tokenizer: "Tokenizer | str | os.PathLike | None" = None, *, seq_len: int,

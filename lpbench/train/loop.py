@@ -31,7 +31,7 @@ from lpbench.parallel.plan import parallelize
 from lpbench.precision import gemm
 from lpbench.precision.recipes import get_recipe
 from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError, validated
-from lpbench.train.workload import (build_data, describe_lora, forward_args, prepare_model, run_flops_per_token,
+from lpbench.train.workload import (build_data, describe_lora, prepare_model, run_flops_per_token,
                                     weight_bytes)
 from lpbench.train.optim import build_optimizer, build_scheduler
 
@@ -168,7 +168,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
             for micro in range(cfg.grad_accum):
-                batch = [t.to(device, non_blocking=True) for t in forward_args(next(data))]
+                batch = next(data).model_args(device)
                 with grad_sync(par.module, micro == cfg.grad_accum - 1):
                     with autocast:
                         loss = forward(*batch)  # input_ids, labels[, doc_ids]
@@ -291,7 +291,7 @@ def evaluate(module: torch.nn.Module, batches, n_batches: int, device: torch.dev
     total = count = 0.0
     with torch.no_grad():
         for batch in itertools.islice(batches, n_batches):
-            args = [t.to(device, non_blocking=True) for t in forward_args(batch)]
+            args = batch.model_args(device)
             n = int((args[1] >= 0).sum())  # labels; -100 marks tokens without loss
             with autocast:
                 total += module(*args).item() * n

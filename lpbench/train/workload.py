@@ -89,13 +89,6 @@ def build_data(cfg: RunConfig, model_cfg: ModelConfig):
     return build_sft_dataset(cfg.data, tokenizer, seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=model_cfg.vocab_size)
 
 
-def forward_args(batch) -> tuple:
-    """A micro-batch as the model's arguments: ``(input_ids, labels)``, plus ``doc_ids`` for packed SFT."""
-    if isinstance(batch, dict):
-        return batch["input_ids"], batch["labels"], batch["doc_ids"]
-    return tuple(batch)
-
-
 def run_flops_per_token(cfg: RunConfig, model_cfg: ModelConfig, data) -> float:
     """Model FLOPs per token of the workload: dense (pretrain), attention per sample (sft), LoRA's rule."""
     if cfg.workload == "pretrain":
