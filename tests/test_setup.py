@@ -4,8 +4,9 @@ The README's commands (every ``lpbench``/``make`` line of its code blocks) are r
 reader meets them, each with small arguments (the table below, which must name each of them:
 a command added to the README without a small version fails the test). None may end in a
 traceback or a missing module. It builds its own environment (no packages shared with the one
-running the tests) and takes minutes, so it runs where ``CI`` is set (CI sets CI=true), or with
-``CI=1 python -m pytest tests/test_setup.py``.
+running the tests) and takes minutes (4 min 41 s on the 2-core development machine under a load of
+about 5, torch 2.13.0 from the machine's local wheel, on 2026-11-23), so it runs where ``CI`` is set
+(CI sets CI=true), or with ``CI=1 python -m pytest tests/test_setup.py``.
 """
 
 from __future__ import annotations
