@@ -165,10 +165,10 @@ def test_hanging_run_is_killed_and_recorded_as_timeout(tmp_path, monkeypatch):
     _inject(monkeypatch, "hang@2")
     spec = _spec(tmp_path, "hang")
     t0 = time.time()
-    assert sw.run_sweep(str(spec), results=str(tmp_path), timeout=15) == 1
-    assert time.time() - t0 < 60
+    assert sw.run_sweep(str(spec), results=str(tmp_path), timeout=40) == 1
+    assert time.time() - t0 < 150
     _, (row,) = _rows(tmp_path, "hang")
-    assert row["status"] == "timeout" and "no result within 15 s" in row["error"]
+    assert row["status"] == "timeout" and "no result within 40 s" in row["error"]
     assert "last logged step 1" in row["error"]  # step 1 finished before the hang: kept from the log
     assert [s["step"] for s in ResultsStore(tmp_path).steps(row["id"])] == [1]
 

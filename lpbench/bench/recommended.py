@@ -34,6 +34,7 @@ SOURCES = {
                         "GBS recomputed as GA x DP x MBS",
     "nemo-25.07-nvfp4-bench": "NeMo 25.07 recommended config, as used for every precision by the 8xB200 NVFP4 "
                               "benchmark",
+    "mb-25.09": "Megatron-Bridge 25.09 performance summary (FP8)",
     "nemotron4-recipe": "Nemotron4 benchmark recipe (BF16/FP8, 16-2048 H100)",
     "lpbench-h100-reused": "lpbench's choice: the H100 config reused on H200 (no published H200 config)",
     "lpbench": "lpbench's choice, not from a published table (unmeasured)",
