@@ -22,16 +22,13 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
-
-import torch
 
 from lpbench.data import indexed, sources
 from lpbench.data.mock import MockDataset
 from lpbench.data.packing import PackedSequences, concat_documents, split_train_valid
 from lpbench.data.prepare import (METADATA_SUFFIX, read_metadata, tokenize_documents,
                                   write_documents)
-from lpbench.data.sampler import MicroBatchLoader, MicroBatchSampler, eval_batches
+from lpbench.data.sampler import Splits
 from lpbench.data.tokenizer import (DEFAULT_EOS, ByteTokenizer, Tokenizer, fingerprint,
                                     get_tokenizer, load_tokenizer, train_tokenizer)
 from lpbench.errors import UsageError
@@ -40,7 +37,7 @@ MOCK_VALID_SEQUENCES = 16
 
 
 @dataclass
-class DataSplits:
+class DataSplits(Splits):
     """Train and validation sources (``src[i]`` -> ``seq_len + 1`` int64 tokens) and their story."""
 
     train: PackedSequences | MockDataset
@@ -73,19 +70,6 @@ class DataSplits:
                   f"order: seeded shuffle (seed {self.seed}), sharded over data-parallel ranks"
                   if not self.is_mock else f"order: sample index = position (seed {self.seed})"]
         return "\n".join(lines + self.notes)
-
-    def train_loader(self, micro_batch_size: int, rank: int = 0, world_size: int = 1,
-                     shuffle: bool = True) -> MicroBatchLoader:
-        """Endless ``(input_ids, labels)`` micro-batches for this rank, with state_dict/load."""
-        n = None if self.is_mock else len(self.train)
-        sampler = MicroBatchSampler(n, micro_batch_size, rank=rank, world_size=world_size,
-                                    seed=self.seed, shuffle=shuffle and not self.is_mock)
-        return MicroBatchLoader(self.train, sampler)
-
-    def valid_batches(self, micro_batch_size: int, rank: int = 0,
-                      world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One in-order pass over this rank's share of the validation sequences."""
-        return eval_batches(self.valid, micro_batch_size, rank, world_size)
 
 
 def build_dataset(spec: str, tokenizer: "Tokenizer | str | None" = None, *, seq_len: int,

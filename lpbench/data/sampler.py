@@ -170,3 +170,21 @@ def eval_batches(dataset, micro_batch_size: int, rank: int = 0, world_size: int 
     for start in range(rank * micro_batch_size, n, g):
         stop = min(start + micro_batch_size, n)
         yield collate([dataset[i] for i in range(start, stop)])
+
+
+class Splits:
+    """Micro-batches of a data set's ``train`` and ``valid`` splits (with its ``seed``, ``is_mock``, ``collate``)."""
+
+    collate = staticmethod(collate_windows)
+
+    def train_loader(self, micro_batch_size: int, rank: int = 0, world_size: int = 1,
+                     shuffle: bool = True) -> MicroBatchLoader:
+        """Endless micro-batches for this rank, with state_dict/load."""
+        n = None if self.is_mock else len(self.train)
+        sampler = MicroBatchSampler(n, micro_batch_size, rank=rank, world_size=world_size,
+                                    seed=self.seed, shuffle=shuffle and not self.is_mock)
+        return MicroBatchLoader(self.train, sampler, self.collate)
+
+    def valid_batches(self, micro_batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
+        """One in-order pass over this rank's share of the validation sequences."""
+        return eval_batches(self.valid, micro_batch_size, rank, world_size, self.collate)

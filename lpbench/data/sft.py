@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from lpbench.data import sources
-from lpbench.data.sampler import Batch, MicroBatchLoader, MicroBatchSampler, eval_batches
+from lpbench.data.sampler import Batch, Splits
 from lpbench.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 from lpbench.errors import UsageError
 
@@ -331,8 +331,10 @@ def collate_sft(items: list[dict]) -> Batch:
 
 
 @dataclass
-class SFTData:
+class SFTData(Splits):
     """Train / validation packed SFT sequences and their story."""
+
+    collate = staticmethod(collate_sft)
 
     train: PackedSFTDataset | MockSFTDataset
     valid: PackedSFTDataset | MockSFTDataset
@@ -361,17 +363,6 @@ class SFTData:
         if self.is_mock:
             return [self.train[i]["sample_lengths"] for i in range(max_sequences)]
         return self.train.sample_lengths
-
-    def train_loader(self, micro_batch_size: int, rank: int = 0, world_size: int = 1,
-                     shuffle: bool = True) -> MicroBatchLoader:
-        n = None if self.is_mock else len(self.train)
-        sampler = MicroBatchSampler(n, micro_batch_size, rank=rank, world_size=world_size,
-                                    seed=self.seed, shuffle=shuffle and not self.is_mock)
-        return MicroBatchLoader(self.train, sampler, collate_sft)
-
-    def valid_batches(self, micro_batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
-        """One in-order pass over this rank's share of the validation sequences."""
-        return eval_batches(self.valid, micro_batch_size, rank, world_size, collate_sft)
 
 
 def build_sft_dataset(spec: str, tokenizer: "Tokenizer | str | os.PathLike | None" = None, *, seq_len: int,
