@@ -21,7 +21,7 @@ import traceback
 
 import torch
 
-import lpbench.precision.grouped as grouped
+from lpbench.precision import capability
 from lpbench.config import RunConfig
 from lpbench.train.loop import train
 
@@ -49,7 +49,7 @@ def check_native(device: str = "cuda") -> None:
                 torch.nn.init.normal_(p, std=0.05)
             if precision != "bf16":
                 moe.experts.set_recipe(get_recipe(precision), native=native)
-            grouped._native_grouped = (lambda t: t.is_cuda) if native else (lambda t: False)
+            capability.grouped_gemm = (lambda t: t.is_cuda) if native else (lambda t: False)
             xi = x.clone().requires_grad_()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y = moe(xi)
@@ -68,13 +68,13 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(f"{m}:{n}" for m, n in MODELS), help="NAME:LAYERS,...")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    native = grouped._native_grouped
+    native = capability.grouped_gemm
     try:
         check_native()
     except Exception:
         traceback.print_exc()
     finally:
-        grouped._native_grouped = native
+        capability.grouped_gemm = native
     print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | seq {args.seq_len} MBS 1 GBS 1 | "
           f"steps {args.steps} (first {args.warmup} untimed) | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
           flush=True)
@@ -82,7 +82,7 @@ def main() -> None:
         name, layers = spec.split(":")
         base = None
         for label, precision, backend, loop in VARIANTS:
-            grouped._native_grouped = (lambda x: False) if loop else native
+            capability.grouped_gemm = (lambda x: False) if loop else native
             cfg = RunConfig(model=name, num_layers=int(layers), precision=precision, backend=backend,
                             seq_len=args.seq_len, mbs=1, gbs=1, steps=args.steps, warmup_steps=args.warmup,
                             log_interval=args.steps)
@@ -98,7 +98,7 @@ def main() -> None:
                 traceback.print_exc()
                 row = {"model": f"{name}@{layers}L", "variant": label, "status": f"error: {exc}".splitlines()[0]}
             finally:
-                grouped._native_grouped = native
+                capability.grouped_gemm = native
                 torch.cuda.empty_cache()
             if label == "bf16" and row.get("tokens_per_s"):
                 base = row["tokens_per_s"]

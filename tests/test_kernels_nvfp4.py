@@ -125,7 +125,7 @@ def test_linear_with_fused_quantizer_matches_reference_path(monkeypatch, precise
     """The emulated NVFP4 Linear gives the same results through the fused quantizer as through the
     reference ops (without stochastic rounding; the RHT's summation order aside), also for widths
     that 16 does not divide."""
-    from lpbench.precision.kernels import nvfp4
+    from lpbench.precision import capability
     from lpbench.precision.linear import QuantizedLinear
     from lpbench.precision.recipes import get_recipe
 
@@ -140,7 +140,7 @@ def test_linear_with_fused_quantizer_matches_reference_path(monkeypatch, precise
     outs = []
     for i, mod in enumerate(mods):
         if i == 1:
-            monkeypatch.setattr(nvfp4, "available", lambda t: False)
+            monkeypatch.setattr(capability, "nvfp4_kernel", lambda t: False)
         xi = x.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = (torch.compile(mod) if compiled else mod)(xi)
