@@ -59,6 +59,9 @@ def test_toml_file_takes_the_sweep_specs_aliases(tmp_path):
     ("a: [1\n", ".yaml", "not valid YAML"),
     ("- 1\n- 2\n", ".yaml", "expected a mapping of flag names to values"),
     ("steps: 3\n", ".json", "expected a .toml, .yaml or .yml file"),
+    ("seq_len: 64\nseq: 128\n", ".yaml", "--config {path}: sets seq_len twice (as 'seq_len' and 'seq')"),
+    ("steps: 3\nsteps: 4\n", ".yaml", "key 'steps' given twice"),
+    ("seq-len = 64\nseq_len = 128\n", ".toml", "sets seq_len twice"),
 ])
 def test_bad_config_files_exit_2_with_one_line(text, suffix, message, tmp_path, capsys):
     path = tmp_path / f"run{suffix}"
@@ -66,6 +69,15 @@ def test_bad_config_files_exit_2_with_one_line(text, suffix, message, tmp_path, 
     assert main(["run", "--config", str(path), "--results", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message.format(path=path) in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "results.db").exists()
+
+
+def test_config_file_not_utf8_is_one_line(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"\xff\xfe seq_len: 3\n")
+    assert main(["run", "--config", str(path), "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {path}: not UTF-8 text (byte 0)" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "results.db").exists()
 
 

@@ -22,7 +22,10 @@ def load_mapping(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"--config {path}: no such file")
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--config {path}: not UTF-8 text (byte {exc.start})") from None
     if p.suffix == ".toml":
         try:
             import tomllib
@@ -35,8 +38,10 @@ def load_mapping(path: str) -> dict:
     elif p.suffix in (".yaml", ".yml"):
         import yaml
 
+        from lpbench.bench.sweep_spec import yaml_loader
+
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=yaml_loader())
         except yaml.YAMLError as exc:
             raise UsageError(f"--config {path}: not valid YAML: {' '.join(str(exc).split())}") from None
     else:
@@ -50,14 +55,19 @@ def load_mapping(path: str) -> dict:
 
 def apply_config_file(args: argparse.Namespace) -> None:
     """Set on ``args`` the values of ``args.config`` for the flags the command line left unset (None)."""
-    from lpbench.bench.sweep_spec import _coerce, _norm_key
+    from lpbench.bench.sweep_spec import _coerce, _norm_key, _normalized
     from lpbench.config import flag_fields
     from lpbench.console import csv_list
 
     path = args.config
     run_fields = {f.name: f for f in flag_fields()}
     valid = sorted({*run_fields, *LAUNCH_KEYS, "precision"})
-    for raw_key, value in load_mapping(path).items():
+    mapping = load_mapping(path)
+    try:
+        _normalized(mapping, run_fields)  # one setting given twice (``seq`` and ``seq-len``) is an error
+    except UsageError as exc:
+        raise UsageError(f"--config {path}: {str(exc).removeprefix('spec ')}") from None
+    for raw_key, value in mapping.items():
         key = _norm_key(raw_key, run_fields)
         if key in IGNORED:
             continue

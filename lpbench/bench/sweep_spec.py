@@ -126,7 +126,7 @@ def _coerce(key: str, value, run_fields: dict):
     raise UsageError(f"spec key {key}: expected {kind.__name__}, got {value!r}")
 
 
-def _yaml_loader():
+def yaml_loader():
     """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last)."""
     import yaml
 
@@ -151,7 +151,7 @@ def load_spec(path: str | Path) -> dict:
     if not path.is_file():
         raise UsageError(f"no sweep spec at {path}")
     try:
-        spec = yaml.load(path.read_text(encoding="utf-8"), Loader=_yaml_loader())
+        spec = yaml.load(path.read_text(encoding="utf-8"), Loader=yaml_loader())
     except UnicodeDecodeError as exc:
         raise UsageError(f"{path} is not UTF-8 text (byte {exc.start}); a sweep spec is a YAML file") from None
     except yaml.YAMLError as exc:
