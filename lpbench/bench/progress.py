@@ -39,7 +39,8 @@ class RunsProgress:
         self.run_t0 = self.t0
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TextColumn("steps  elapsed"), TimeElapsedColumn(),
-                                 TextColumn("ETA"), TimeRemainingColumn(), console=console)
+                                 TextColumn("ETA"), TimeRemainingColumn(), console=console,
+                                 refresh_per_second=2)  # redraws share the CPU with the timed steps
         self.overall = self.current = None
 
     def __enter__(self) -> "RunsProgress":
