@@ -50,8 +50,9 @@ def configure() -> str:
     if "OMP_NUM_THREADS" in os.environ:
         how = "OMP_NUM_THREADS"
     else:
-        torch.set_num_threads(max(1, min(usable_cpus(), _default_threads(torch))))
-        how = f"of {usable_cpus()} usable CPUs"
+        usable = usable_cpus()
+        torch.set_num_threads(max(1, min(usable, _default_threads(torch))))
+        how = f"of {usable} usable CPUs"
     return f"{torch.get_num_threads()} threads ({how}), OpenMP wait {_wait_policy or 'unknown'}"
 
 
