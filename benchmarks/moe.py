@@ -1,7 +1,8 @@
 """MoE throughput on one GPU: grouped expert GEMMs against the per-expert loop, FP8 against BF16, lpbench
 against torchao's MoE path, on zoo MoE models cut with --num-layers.
 
-    python benchmarks/moe.py [--seq-len 4096] [--steps 10] [--warmup 4] [--out DIR]
+    python benchmarks/moe.py [--seq-len 4096] [--steps 10] [--warmup 4] [--out DIR] [--variants bf16,...]
+                             [--profile]
 
 Per model, in one process and one after another: ``bf16`` (grouped, ``torch._grouped_mm``),
 ``bf16-loop`` (one GEMM per expert: the grouped op replaced by its per-expert fallback),
@@ -9,11 +10,14 @@ Per model, in one process and one after another: ``bf16`` (grouped, ``torch._gro
 (``--backend torchao``: ``torchao.prototype.moe_training``). Tokens/s, model TFLOP/s (Megatron's
 count on the active experts) and MFU against the BF16 dense peak; ratios against the same model's
 grouped BF16 run. Each result is also written as one JSON line to ``DIR/moe.jsonl``.
+``--profile`` traces the last step of each run (``--profile-steps``, left out of the timing) and prints
+its CUDA kernels by total time, with the kernel time of the step against its wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import time
@@ -60,17 +64,39 @@ def check_native(device: str = "cuda") -> None:
               + " / ".join(f"{r:.2e}" for r in rel), flush=True)
 
 
+def kernel_table(trace: str, top: int = 25) -> list[str]:
+    """The ``top`` CUDA kernels of a Chrome trace by summed time (ms, calls, share of all kernel time)."""
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    times, calls = {}, {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            name = e["name"][:110]
+            times[name] = times.get(name, 0.0) + e.get("dur", 0) / 1e3
+            calls[name] = calls.get(name, 0) + 1
+    total = sum(times.values())
+    lines = [f"  kernels: {total:.1f} ms in {sum(calls.values())} launches"]
+    for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {t:8.2f} ms {calls[name]:6d}x {100 * t / total:5.1f}%  {name}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--models", default=",".join(f"{m}:{n}" for m, n in MODELS), help="NAME:LAYERS,...")
+    ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS), help="labels to run, comma-separated")
+    ap.add_argument("--profile", action="store_true", help="trace each run's last step, print its top kernels")
+    ap.add_argument("--no-check", action="store_true", help="skip the native-vs-emulated check")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    variants = [v for v in VARIANTS if v[0] in args.variants.split(",")]
     native = capability.grouped_gemm
     try:
-        check_native()
+        if not args.no_check:
+            check_native()
     except Exception:
         traceback.print_exc()
     finally:
@@ -81,19 +107,29 @@ def main() -> None:
     for spec in args.models.split(","):
         name, layers = spec.split(":")
         base = None
-        for label, precision, backend, loop in VARIANTS:
+        for label, precision, backend, loop in variants:
             capability.grouped_gemm = (lambda x: False) if loop else native
             cfg = RunConfig(model=name, num_layers=int(layers), precision=precision, backend=backend,
                             seq_len=args.seq_len, mbs=1, gbs=1, steps=args.steps, warmup_steps=args.warmup,
-                            log_interval=args.steps)
+                            log_interval=args.steps, profile_steps=f"{args.steps}:{args.steps}" if args.profile else None)
             t0 = time.time()
             try:
-                r = train(cfg, log=lambda line: print("   ", line, flush=True))
+                r = train(cfg, log=lambda line: print("   ", line, flush=True),
+                          results_dir=os.path.join(args.out, "results"))
                 m = r.metrics
                 row = {"model": f"{name}@{layers}L", "variant": label, "status": r.status,
                        "tokens_per_s": m.get("tokens_per_sec_per_gpu"), "step_ms": 1e3 * m.get("step_time_s", 0),
                        "tflops": m.get("tflops_per_gpu"), "mfu_bf16": m.get("mfu_bf16"),
                        "peak_gb": m.get("peak_mem_allocated_gb"), "wall_s": time.time() - t0}
+                if args.profile and "profile" in m:
+                    trace = m["profile"]["trace"]
+                    print(f"PROFILE {name}@{layers}L {label}: step {1e3 * r.steps[-1]['step_time_s']:.1f} ms wall",
+                          flush=True)
+                    print("\n".join(kernel_table(trace)), flush=True)
+                    keep = os.path.join(args.out, f"trace-{name}-{label.replace('/', '-')}.json.gz")
+                    with open(trace, "rb") as src, gzip.open(keep, "wb") as dst:
+                        dst.write(src.read())
+                    os.remove(trace)
             except Exception as exc:  # one failing variant must not hide the others
                 traceback.print_exc()
                 row = {"model": f"{name}@{layers}L", "variant": label, "status": f"error: {exc}".splitlines()[0]}
