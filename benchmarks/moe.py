@@ -1,13 +1,14 @@
 """MoE throughput on one GPU: grouped expert GEMMs against the per-expert loop, FP8 against BF16, lpbench
 against torchao's MoE path, on zoo MoE models cut with --num-layers.
 
-    python benchmarks/moe.py [--seq-len 4096] [--steps 10] [--warmup 4] [--out DIR] [--variants bf16,...]
-                             [--profile]
+    python benchmarks/moe.py [--seq-len 4096] [--gbs 1] [--steps 10] [--warmup 4] [--out DIR]
+                             [--variants bf16,...] [--profile]
 
 Per model, in one process and one after another: ``bf16`` (grouped, ``torch._grouped_mm``),
 ``bf16-loop`` (one GEMM per expert: the grouped op replaced by its per-expert fallback),
 ``fp8-rowwise`` (lpbench's grouped FP8, ``torch._scaled_grouped_mm``) and ``fp8-rowwise/torchao``
-(``--backend torchao``: ``torchao.prototype.moe_training``). Tokens/s, model TFLOP/s (Megatron's
+(``--backend torchao``: ``torchao.prototype.moe_training``); on request (``--variants``)
+``fp8-rowwise/fast-bwd``, lpbench's grouped FP8 with its gradient GEMMs in fast accumulation too. Tokens/s, model TFLOP/s (Megatron's
 count on the active experts) and MFU against the BF16 dense peak; ratios against the same model's
 grouped BF16 run. Each result is also written as one JSON line to ``DIR/moe.jsonl``.
 ``--profile`` traces the last step of each run (``--profile-steps``, left out of the timing) and prints
@@ -25,13 +26,22 @@ import traceback
 
 import torch
 
-from lpbench.precision import capability
+from lpbench.precision import capability, grouped
 from lpbench.config import RunConfig
 from lpbench.train.loop import train
 
 MODELS = (("qwen3-30b-a3b", 2), ("mixtral-8x7b", 2))
-VARIANTS = (("bf16", "bf16", "lpbench", False), ("fp8-rowwise", "fp8-rowwise", "lpbench", False),
-            ("fp8-rowwise/torchao", "fp8-rowwise", "torchao", False), ("bf16-loop", "bf16", "lpbench", True))
+VARIANTS = (("bf16", "bf16", "lpbench", None), ("fp8-rowwise", "fp8-rowwise", "lpbench", None),
+            ("fp8-rowwise/torchao", "fp8-rowwise", "torchao", None), ("bf16-loop", "bf16", "lpbench", "loop"),
+            ("fp8-rowwise/fast-bwd", "fp8-rowwise", "lpbench", "fast-bwd"))
+
+
+def fast_backward(scaled_grouped):
+    """``grouped._scaled_grouped`` with every native GEMM in fast accumulation (torchao's choice; the
+    recipe, like the dense linear, accumulates the gradient GEMMs precisely): what that choice buys."""
+    def run(a, sa, b, sb, groups, native, fast_accum, out_dtype):
+        return scaled_grouped(a, sa, b, sb, groups, native, True, out_dtype)
+    return run
 
 
 def check_native(device: str = "cuda") -> None:
@@ -87,7 +97,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--models", default=",".join(f"{m}:{n}" for m, n in MODELS), help="NAME:LAYERS,...")
-    ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS), help="labels to run, comma-separated")
+    ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS if v[3] != "fast-bwd"),
+                    help="labels to run, comma-separated")
+    ap.add_argument("--gbs", type=int, default=1, help="global batch (micro-batches of 1 per optimizer step)")
     ap.add_argument("--profile", action="store_true", help="trace each run's last step, print its top kernels")
     ap.add_argument("--no-check", action="store_true", help="skip the native-vs-emulated check")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -101,16 +113,19 @@ def main() -> None:
         traceback.print_exc()
     finally:
         capability.grouped_gemm = native
-    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | seq {args.seq_len} MBS 1 GBS 1 | "
+    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | seq {args.seq_len} MBS 1 GBS {args.gbs} | "
           f"steps {args.steps} (first {args.warmup} untimed) | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
           flush=True)
     for spec in args.models.split(","):
         name, layers = spec.split(":")
         base = None
-        for label, precision, backend, loop in variants:
-            capability.grouped_gemm = (lambda x: False) if loop else native
+        for label, precision, backend, mode in variants:
+            capability.grouped_gemm = (lambda x: False) if mode == "loop" else native
+            scaled_grouped = grouped._scaled_grouped
+            if mode == "fast-bwd":
+                grouped._scaled_grouped = fast_backward(scaled_grouped)
             cfg = RunConfig(model=name, num_layers=int(layers), precision=precision, backend=backend,
-                            seq_len=args.seq_len, mbs=1, gbs=1, steps=args.steps, warmup_steps=args.warmup,
+                            seq_len=args.seq_len, mbs=1, gbs=args.gbs, steps=args.steps, warmup_steps=args.warmup,
                             log_interval=args.steps, profile_steps=f"{args.steps}:{args.steps}" if args.profile else None)
             t0 = time.time()
             try:
@@ -135,6 +150,7 @@ def main() -> None:
                 row = {"model": f"{name}@{layers}L", "variant": label, "status": f"error: {exc}".splitlines()[0]}
             finally:
                 capability.grouped_gemm = native
+                grouped._scaled_grouped = scaled_grouped
                 torch.cuda.empty_cache()
             if label == "bf16" and row.get("tokens_per_s"):
                 base = row["tokens_per_s"]

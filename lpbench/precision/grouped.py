@@ -52,7 +52,7 @@ class Groups:
     counts: torch.Tensor  # [E] int64: tokens per expert
     starts: torch.Tensor  # [E] int64: first row of each expert, multiples of ALIGN
     offs: torch.Tensor  # [E] int32: padded end of each expert's rows
-    rows: int  # buffer rows (static: an upper bound of the padded total)
+    rows: int  # buffer rows (static: an upper bound of the padded total, a multiple of ALIGN)
 
     @classmethod
     def of(cls, group: torch.Tensor, n_groups: int) -> tuple["Groups", torch.Tensor]:
@@ -64,7 +64,7 @@ class Groups:
         starts = ends - padded
         first = counts.cumsum(0) - counts
         dest = starts[group] + torch.arange(group.numel(), device=group.device) - first[group]
-        rows = group.numel() + n_groups * ALIGN
+        rows = (group.numel() + n_groups * ALIGN + ALIGN - 1) // ALIGN * ALIGN
         return cls(counts, starts, ends.to(torch.int32), rows), dest
 
     @cached_property
@@ -109,20 +109,30 @@ def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torc
     return groups.pieces(parts, w.shape[1], x)
 
 
-def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_rows: bool = False):
+def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_rows: bool = False,
+               block: int = ALIGN):
     """FP8 codes of ``t`` [R, C] and FP32 decode scales, as the dense linear quantizes each group's rows.
 
     Along C (``along_rows`` False): a scale per row (row-wise) or per group (tensor-wise), returned
     [R]. Along the rows of each group (the weight-gradient GEMM's reduction over tokens): a scale per
     group and column (row-wise) or per group, returned [n_groups, C].
+
+    Group amaxes reduce each ``block`` rows first (no block straddles two groups: ALIGN in a
+    :class:`Groups` buffer, an expert's rows in stacked weights) and scatter only the block maxima:
+    max is exact in any order, and the scatter's atomics, one per element, had cost more than the
+    GEMMs they feed.
     """
     t = t.float()
     mag = t.abs()
+    if spec.scaling is Scaling.TENSOR or along_rows:
+        R, C = mag.shape
+        blocks = mag.view(R // block, block, C).amax(1)
+        block_group = group[::block]
     if spec.scaling is Scaling.TENSOR:
-        amax_g = mag.new_zeros(n_groups).scatter_reduce(0, group, mag.amax(1), "amax")
+        amax_g = mag.new_zeros(n_groups).scatter_reduce(0, block_group, blocks.amax(1), "amax")
         amax = amax_g[group][:, None] if not along_rows else amax_g[:, None].expand(n_groups, t.shape[1])
     elif along_rows:
-        amax = mag.new_zeros(n_groups, t.shape[1]).scatter_reduce(0, group[:, None].expand_as(mag), mag, "amax")
+        amax = mag.new_zeros(n_groups, C).scatter_reduce(0, block_group[:, None].expand_as(blocks), blocks, "amax")
     else:
         amax = mag.amax(1, keepdim=True)
     enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
@@ -142,7 +152,7 @@ def _scaled_grouped(a, sa, b, sb, groups: Groups, native: bool, fast_accum: bool
     if native:
         if wgrad:
             return torch._scaled_grouped_mm(a, b.t(), sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(),
-                                            offs=groups.offs, out_dtype=out_dtype)
+                                            offs=groups.offs, out_dtype=out_dtype, use_fast_accum=fast_accum)
         return groups.clear_tail(torch._scaled_grouped_mm(a, b.transpose(1, 2), sa.contiguous(), sb.contiguous(),
                                                           offs=groups.offs, out_dtype=out_dtype,
                                                           use_fast_accum=fast_accum))
@@ -176,7 +186,7 @@ class _Fp8GroupedFn(torch.autograd.Function):
             gid = groups.row_group
             xq, sx = _group_fp8(x, recipe.operand("input", "fprop"), gid, E)
             wq, sw = _group_fp8(w.reshape(E * N, K), recipe.operand("weight", "fprop"),
-                                torch.arange(E, device=w.device).repeat_interleave(N), E)
+                                torch.arange(E, device=w.device).repeat_interleave(N), E, block=N)
             y = _scaled_grouped(xq, sx, wq.view(E, N, K), sw.view(E, N), groups, native, recipe.fast_accum_fprop,
                                 x.dtype)
         ctx.save_for_backward(x, w)
@@ -195,7 +205,7 @@ class _Fp8GroupedFn(torch.autograd.Function):
                 gq, sg = _group_fp8(dy, recipe.operand("grad", "dgrad"), gid, E)
                 wt = w.transpose(1, 2).reshape(E * K, N)
                 wtq, swt = _group_fp8(wt, recipe.operand("weight", "dgrad"),
-                                      torch.arange(E, device=w.device).repeat_interleave(K), E)
+                                      torch.arange(E, device=w.device).repeat_interleave(K), E, block=K)
                 dx = _scaled_grouped(gq, sg, wtq.view(E, K, N), swt.view(E, K), groups, native, False, x.dtype)
             if ctx.needs_input_grad[1]:
                 if recipe.operand("grad", "wgrad") is None:  # weight gradient in the compute dtype
