@@ -207,3 +207,31 @@ def test_native_qgemm_passes_fast_accumulation(monkeypatch):
     fast, plain = qgemm(a, b, native=True, fast_accum=True), qgemm(a, b, native=True)
     assert calls == [True, False]
     assert torch.allclose(fast, qgemm(a, b), rtol=1e-2, atol=1e-2) and torch.allclose(plain, fast)
+
+
+def test_one_autograd_function_for_every_quantized_linear(monkeypatch):
+    """Trained, fused-FP8 and frozen (LoRA base) quantized linears all run QuantizedLinearFn, and the
+    package defines no other autograd Function but those listed here, none of them a linear."""
+    import ast
+    import pathlib
+
+    import lpbench
+    from lpbench.precision import capability
+    from lpbench.precision.frozen import FrozenQuantizedLinear
+
+    not_linears = {"_Fp8GroupedFn": "MoE grouped GEMMs", "_AllToAll": "expert-parallel dispatch",
+                   "_AttachLoss": "MoE auxiliary loss", "_LinearCrossEntropy": "LM head fused with the loss"}
+    root = pathlib.Path(lpbench.__file__).parent
+    functions = {node.name for path in root.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.ClassDef) and any(ast.unparse(b).endswith("autograd.Function") for b in node.bases)}
+    assert functions == {"QuantizedLinearFn", *not_linears}
+
+    def grad_fn(mod):
+        return type(mod(randn(32, 64).requires_grad_()).grad_fn).__name__
+
+    trained = QuantizedLinear.from_linear(nn.Linear(64, 32), RECIPES["fp8-tensorwise"])
+    frozen = FrozenQuantizedLinear.from_linear(trained)
+    assert grad_fn(trained) == grad_fn(frozen) == "QuantizedLinearFnBackward"
+    monkeypatch.setattr(capability, "fused_fp8_linear", lambda x, w: True)
+    fused = QuantizedLinear.from_linear(nn.Linear(64, 32), RECIPES["fp8-tensorwise"], native=True)
+    assert grad_fn(fused) == "QuantizedLinearFnBackward"

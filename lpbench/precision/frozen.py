@@ -28,39 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from lpbench.precision.formats import pack_e2m1, unpack_e2m1
-from lpbench.precision.delayed import DelayedScaling
-from lpbench.precision.linear import QuantizedLinear, qgemm
+from lpbench.precision.linear import QuantizedGemms, QuantizedLinear, QuantizedLinearFn, Reference
 from lpbench.precision.quantize import QTensor, Scaling, delayed_encode_scale, quantize
 from lpbench.precision.recipes import Recipe
 
 
-class _FrozenQuantizedFn(torch.autograd.Function):
-    """fprop and dgrad of QuantizedLinear with stored weight operands (no weight gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, mod):
-        recipe = mod.recipe
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1])
-            xq = quantize(x2, recipe.operand("input", "fprop"), encode_scale=mod._delayed_scale("input", x2))
-            y = qgemm(xq, mod.weight_operand("fprop"), native=mod.native, fast_accum=recipe.fast_accum_fprop)
-            if mod.bias is not None:
-                y = y + mod.bias.float()
-        ctx.mod, ctx.x_shape, ctx.x_dtype = mod, x.shape, x.dtype
-        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
-
-    @staticmethod
-    def backward(ctx, dy):
-        mod = ctx.mod
-        with torch.autocast(dy.device.type, enabled=False):
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            gq = quantize(dy2, mod.recipe.operand("grad", "dgrad"), encode_scale=mod._delayed_scale("grad", dy2))
-            dx = qgemm(gq, mod.weight_operand("dgrad"), native=mod.native)
-        return dx.to(ctx.x_dtype).reshape(ctx.x_shape), None
-
-
-class FrozenQuantizedLinear(DelayedScaling, nn.Module):
-    """A frozen linear whose weight is stored only in the recipe's quantized format (see the module doc)."""
+class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
+    """A frozen linear whose weight is stored only in the recipe's quantized format (see the module doc):
+    :class:`QuantizedLinearFn` without a weight, so with the stored operands and no weight gradient."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe, *, native: bool = False):
         super().__init__()
@@ -129,7 +104,7 @@ class FrozenQuantizedLinear(DelayedScaling, nn.Module):
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
             y = x.new_zeros(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)
-        return _FrozenQuantizedFn.apply(x, self)
+        return QuantizedLinearFn.apply(x, None, self.bias, self, Reference)
 
     @torch.no_grad()
     def merge_lora_delta(self, delta: torch.Tensor) -> QuantizedLinear:

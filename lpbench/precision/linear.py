@@ -52,7 +52,7 @@ from lpbench.precision import capability, fp8_allgather
 from lpbench.precision.delayed import DelayedScaling
 from lpbench.precision.formats import E2M1
 from lpbench.precision.gemm import hp_mm, mm_fp32
-from lpbench.precision.kernels import block_scaled
+from lpbench.precision.kernels import block_scaled, fp8_linear
 from lpbench.precision.tp_local import local_linear
 from lpbench.precision.quantize import (
     RHT_SIZE,
@@ -123,47 +123,71 @@ def qgemm(a: QTensor, b: QTensor, *, native: bool = False, fast_accum: bool = Fa
     return mm_fp32(va, vb) * sa * (sb.t() if sb.dim() else sb)
 
 
-class _QuantizedLinearFn(torch.autograd.Function):
+class QuantizedLinearFn(torch.autograd.Function):
+    """The one autograd Function of every quantized linear (QuantizedLinear, an MoE expert's ExpertGemms,
+    LoRA's frozen base): ``x · weightᵀ + bias`` and its gradients, with the operands and GEMMs of ``kernel``:
+    :class:`Reference` (lpbench's quantizers; emulated or native GEMMs) or the fused FP8 tensorwise/delayed
+    linear (``kernels/fp8_linear.py: Fused``). Operands are the kernel's own; this only wires the three
+    GEMMs. A frozen base passes no weight: its stored operands are read (Wᵀ in the backward, not held
+    from the forward) and it gets no weight gradient."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, mod):
-        recipe = mod.recipe
+    def forward(ctx, x, weight, bias, mod, kernel):
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
-            enc_x = mod._delayed_scale("input", x2)
-            quantized_wgrad = ctx.needs_input_grad[1] and recipe.operand("input", "wgrad") is not None
-            xq, ctx.xq_wgrad = mod._operands(x2, "input", "fprop", True, quantized_wgrad, enc_x)
-            wq, ctx.wq_dgrad = mod._weight_operands(weight, ctx.needs_input_grad[0])
-            y = qgemm(xq, wq, native=mod.native, fast_accum=recipe.fast_accum_fprop)
-            if bias is not None:
-                y = y + bias.float()
-            ctx.mod, ctx.x_shape, ctx.x_dtype, ctx.has_bias = mod, x.shape, x.dtype, bias is not None
-            ctx.w_dtype = weight.dtype
-            if ctx.needs_input_grad[1] and not quantized_wgrad:
+            ctx.quantized_wgrad = need_dw and mod.recipe.operand("input", "wgrad") is not None
+            xq, ctx.x_wgrad = kernel.operands(mod, x2, "input", "fprop", True, ctx.quantized_wgrad)
+            if weight is None:
+                wq, ctx.w_dgrad = mod.weight_operand("fprop"), None
+            else:
+                wq, ctx.w_dgrad = kernel.weight_operands(mod, weight, need_dx)
+            y = kernel.mm(mod, xq, wq, x.dtype, bias, mod.recipe.fast_accum_fprop)
+            ctx.mod, ctx.kernel, ctx.x_shape, ctx.x_dtype = mod, kernel, x.shape, x.dtype
+            ctx.w_dtype = None if weight is None else weight.dtype
+            if need_dw and not ctx.quantized_wgrad:
                 ctx.save_for_backward(x2)
-        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+        return y.reshape(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dy):
-        mod, recipe = ctx.mod, ctx.mod.recipe
+        mod, kernel = ctx.mod, ctx.kernel
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1])
-            enc_g = mod._delayed_scale("grad", dy2)
-            quantized_wgrad = ctx.needs_input_grad[1] and recipe.operand("grad", "wgrad") is not None
-            gq, gq_wgrad = mod._operands(dy2, "grad", "dgrad", ctx.wq_dgrad is not None, quantized_wgrad, enc_g)
-            if ctx.wq_dgrad is not None:
-                dx = qgemm(gq, ctx.wq_dgrad, native=mod.native).to(ctx.x_dtype).reshape(ctx.x_shape)
-            if ctx.needs_input_grad[1]:
-                if quantized_wgrad:
-                    dw = qgemm(gq_wgrad, ctx.xq_wgrad, native=mod.native)
-                else:
-                    (x2,) = ctx.saved_tensors
-                    dw = hp_mm(dy2.t(), x2.t(), ctx.x_dtype)
-                dw = dw.to(ctx.w_dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
+            gq, gq_wgrad = kernel.operands(mod, dy2, "grad", "dgrad", need_dx, ctx.quantized_wgrad)
+            if need_dx:
+                wt = mod.weight_operand("dgrad") if ctx.w_dgrad is None else ctx.w_dgrad
+                dx = kernel.mm(mod, gq, wt, ctx.x_dtype).reshape(ctx.x_shape)
+            if ctx.quantized_wgrad:
+                dw = kernel.mm(mod, gq_wgrad, ctx.x_wgrad, ctx.w_dtype)
+            elif need_dw:
+                (x2,) = ctx.saved_tensors
+                dw = hp_mm(dy2.t(), x2.t(), ctx.x_dtype).to(ctx.w_dtype)
+            if ctx.needs_input_grad[2]:
                 db = dy2.float().sum(0).to(ctx.w_dtype)
-        ctx.wq_dgrad = ctx.xq_wgrad = None
-        return dx, dw, db, None
+        ctx.w_dgrad = ctx.x_wgrad = None
+        return dx, dw, db, None, None
+
+
+class Reference:
+    """:class:`QuantizedLinearFn`'s kernel everywhere but the fused FP8 linear: the module's quantizers
+    (:meth:`QuantizedGemms._operands`, :meth:`QuantizedGemms._weight_operands`) and :func:`qgemm`, emulated
+    or native as the module says; FP32 output and bias, rounded once to ``out_dtype``."""
+
+    @staticmethod
+    def operands(mod, t, role, gemm, row, col):
+        return mod._operands(t, role, gemm, row, col)
+
+    @staticmethod
+    def weight_operands(mod, weight, dgrad):
+        return mod._weight_operands(weight, dgrad)
+
+    @staticmethod
+    def mm(mod, a, b, out_dtype, bias=None, fast_accum=False):
+        y = qgemm(a, b, native=mod.native, fast_accum=fast_accum)
+        return (y if bias is None else y + bias.float()).to(out_dtype)
 
 
 class QuantizedGemms(DelayedScaling):
@@ -213,16 +237,17 @@ class QuantizedGemms(DelayedScaling):
         spans = spec.scaling is Scaling.NVFP4 or spec.block[dim] is None
         return quantize(t, spec, encode_scale=encode_scale, noise=noise, amax_group=group if spans else None)
 
-    def _operands(self, t: torch.Tensor, role: str, gemm: str, row: bool, col: bool, encode_scale=None):
+    def _operands(self, t: torch.Tensor, role: str, gemm: str, row: bool, col: bool):
         """``t`` [tokens, C] quantized as operand ``role`` of ``gemm`` if ``row``, and of wgrad
-        (transposed, :meth:`_wgrad_layout`) if ``col``; None for a copy not asked for.
+        (transposed, :meth:`_wgrad_layout`) if ``col``; None for a copy not asked for. Delayed scaling
+        records ``t``'s amax either way.
 
         NVFP4 with 1x16 blocks on a BF16 CUDA operand without tensor parallelism takes the fused
         quantizer (``kernels/nvfp4.py``, bit-exact with the reference): two reads of ``t`` for both
         copies. The native path takes its codes and block scales as QTensors (it writes the emulation's
         BF16 operands as well: one extra write, left until a Blackwell GPU can measure it).
         """
-        recipe = self.recipe
+        recipe, encode_scale = self.recipe, self._delayed_scale(role, t)
         if recipe.scaling is Scaling.NVFP4 and self._tp_group(role) is None and (row or col):
             from lpbench.precision.kernels import nvfp4
 
@@ -267,13 +292,8 @@ class QuantizedGemms(DelayedScaling):
         """The GEMMs on plain tensors (under TP, this rank's shards)."""
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
             return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))  # no FLOPs
-        if self.native and self.recipe.scaling.per_tensor:
-            from lpbench.precision.kernels import fp8_linear
-
-            if capability.fused_fp8_linear(x, weight):
-                return fp8_linear.Fp8TensorwiseLinearFn.apply(x, weight, bias, self)
-        return _QuantizedLinearFn.apply(x, weight, bias, self)
-
+        fused = self.native and self.recipe.scaling.per_tensor and capability.fused_fp8_linear(x, weight)
+        return QuantizedLinearFn.apply(x, weight, bias, self, fp8_linear.Fused if fused else Reference)
 
 
 class QuantizedLinear(QuantizedGemms, nn.Linear):

@@ -1,4 +1,4 @@
-"""Native FP8 tensorwise / delayed linear for SM89+: compiler-fused casts and three ``torch._scaled_mm``.
+"""The native FP8 tensorwise / delayed kernel of the quantized linear (SM89+): compiler-fused casts, three ``torch._scaled_mm``.
 
 Same arithmetic as the reference quantized linear (``lpbench.precision.linear``) for the
 ``tensor`` and ``delayed`` scalings — identical codes and scales, GEMMs equal up to
@@ -71,33 +71,22 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool):
     return out
 
 
-class Fp8TensorwiseLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, mod):
-        x2 = x.reshape(-1, x.shape[-1])
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        xq, xt, x_dec = _quantize(mod, "input", x2, need_dw)
-        wq, wt, w_dec = _quantize(mod, "weight", weight, need_dx)
-        y = torch._scaled_mm(xq, wq.t(), scale_a=x_dec, scale_b=w_dec, out_dtype=x.dtype,
-                             use_fast_accum=mod.recipe.fast_accum_fprop)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        ctx.save_for_backward(xt, wt, x_dec, w_dec)
-        ctx.mod, ctx.x_shape = mod, x.shape
-        ctx.w_dtype, ctx.has_bias = weight.dtype, bias is not None
-        return y.reshape(*x.shape[:-1], -1)
+class Fused:
+    """:class:`lpbench.precision.linear.QuantizedLinearFn`'s kernel for native FP8 tensorwise / delayed
+    linears that ``capability.fused_fp8_linear`` takes. An operand is (codes, FP32 decode scale); every
+    copy comes from :func:`_quantize`, whose one pass writes the transposed copy as well (the row-wise
+    one always: the pass writes it anyway); the GEMMs are ``torch._scaled_mm`` into ``out_dtype``."""
 
     @staticmethod
-    def backward(ctx, dy):
-        xt, wt, x_dec, w_dec = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gq, gt, g_dec = _quantize(ctx.mod, "grad", dy2, need_dw)
-        dx = dw = db = None
-        if need_dx:
-            dx = torch._scaled_mm(gq, wt.t(), scale_a=g_dec, scale_b=w_dec, out_dtype=dy.dtype).reshape(ctx.x_shape)
-        if need_dw:
-            dw = torch._scaled_mm(gt, xt.t(), scale_a=g_dec, scale_b=x_dec, out_dtype=ctx.w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.float().sum(0).to(ctx.w_dtype)
-        return dx, dw, db, None
+    def operands(mod, t, role, gemm, row, col):
+        q, qt, dec = _quantize(mod, role, t, col)
+        return (q, dec), ((qt, dec) if col else None)
+
+    @staticmethod
+    def weight_operands(mod, weight, dgrad):
+        return Fused.operands(mod, weight, "weight", "fprop", True, dgrad)
+
+    @staticmethod
+    def mm(mod, a, b, out_dtype, bias=None, fast_accum=False):
+        y = torch._scaled_mm(a[0], b[0].t(), scale_a=a[1], scale_b=b[1], out_dtype=out_dtype, use_fast_accum=fast_accum)
+        return y if bias is None else y + bias.to(out_dtype)
