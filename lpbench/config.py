@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from lpbench.errors import UsageError
 from lpbench.metrics.flops import FORMULAS
 from lpbench.models.registry import ModelConfig, first_blocks, get_model_config, model_label, with_overrides
+from lpbench.precision.capability import EMULATE_ALWAYS
 from lpbench.precision.quantize import Scaling
 from lpbench.precision.recipes import get_recipe
 
@@ -41,7 +42,9 @@ def arg(help: str, default_text: str | None = None, **argparse_kw) -> dict:
     """Field metadata that makes a RunConfig field a command-line flag (:func:`add_config_args`).
 
     ``help`` is the flag's help without its default; ``default_text`` replaces "default X" where
-    the default is not a plain value; ``argparse_kw`` go to ``add_argument`` (choices, metavar, aliases).
+    the default is not a plain value; ``argparse_kw`` go to ``add_argument`` (choices, metavar, aliases),
+    except, for a bool field, ``words``: the strings it also takes (``--flag WORD``), and ``off``: the help of
+    its ``--no-flag``.
     """
     return {"help": help, "default_text": default_text, **argparse_kw}
 
@@ -81,8 +84,10 @@ class RunConfig:
         "LM head + cross-entropy over chunks of tokens, never the whole batch's FP32 logits (exact: the unfused "
         "head's loss and gradients up to summation order); cuts memory where the head runs eagerly (CPU, "
         "--no-compile). Off by default: the compiled unfused head keeps no FP32 logits either and was faster"))
-    emulate: bool | None = field(default=None, metadata=arg(
-        "allow exact emulation of formats the GPU lacks", "on for CPU, off on GPU"))
+    emulate: bool | str | None = field(default=None, metadata=arg(
+        "exact emulation (slower, same numerics) of the recipes this device cannot run natively; --emulate "
+        "always: emulate even those it runs natively, to compare the two paths", "on for CPU, off on GPU",
+        words=(EMULATE_ALWAYS,), off="refuse a recipe this device cannot run natively"))
     flops_formula: str = field(default="megatron", metadata=arg("model FLOPs formula: megatron, nemo-legacy or mha"))
     data: str = field(default="mock", metadata=arg(
         "mock (learnable random-walk tokens), mock-uniform (NeMo's uniform tokens), a text/JSONL/parquet file "
@@ -228,6 +233,10 @@ class RunConfig:
         for f in fields(self):
             if field_type(f) in (int, float):
                 check_number(f.name, getattr(self, f.name), field_type(f))
+        for f in fields(self):  # a switch that also takes words (--emulate always) set from code or a file
+            value, words = getattr(self, f.name), f.metadata.get("words")
+            if words and not (value is None or isinstance(value, bool) or value in words):
+                raise UsageError(f"--{f.name.replace('_', '-')} is on, off or {' or '.join(words)}, got {value!r}")
         if self.seed < 0:
             raise UsageError(f"--seed must be >= 0, got {self.seed}")
         model = self.model_config()
@@ -365,6 +374,13 @@ def add_config_args(parser: argparse.ArgumentParser, names=None, defaults: dict 
             text = (default_texts or {}).get(f.name)
         meta["help"] = f"{help_text} (default {_shown(value)})" if text is None else f"{help_text} (default: {text})"
         meta["default"] = value if defaults is not None else None
+        words, off = meta.pop("words", ()), meta.pop("off", None)
+        if words:  # --flag [WORD] and --no-flag
+            parser.add_argument("--" + f.name.replace("_", "-"), *aliases, nargs="?", const=True, choices=words,
+                                metavar="|".join(words), **meta)
+            parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const", const=False,
+                                default=meta["default"], help=off)
+            continue
         if field_type(f) is bool:
             meta["action"] = argparse.BooleanOptionalAction
         else:

@@ -53,3 +53,4 @@ def test_every_recipe_runs_from_the_cli_on_cpu(tmp_path, capsys):
     assert [r["precision"] for r in rows] == names.split(",")
     assert all(r["status"] == "ok" for r in rows)
     assert [r["path"] for r in rows] == ["native"] + ["emulated"] * 7
+    assert [r["why_emulated"] for r in rows] == [None] + ["cpu has no low-precision GEMMs"] * 7  # recorded

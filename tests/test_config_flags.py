@@ -18,7 +18,9 @@ def _subparser(name):
 
 def test_every_flag_field_is_a_run_flag_and_unset_by_default():
     run = _subparser("run")
-    dests = {a.dest: a for a in run._actions}
+    dests = {}
+    for a in run._actions:  # a switch that takes words (--emulate [always]) has a --no- action after it
+        dests.setdefault(a.dest, a)
     for f in flag_fields():
         assert f.name in dests, f.name
         assert dests[f.name].default is None  # unset: explicit flags are told from defaults
@@ -39,7 +41,9 @@ def test_flags_take_the_fields_types():
 def test_help_states_each_default():
     p = argparse.ArgumentParser()
     add_config_args(p, ["steps", "emulate", "lr"], defaults={"emulate": True})
-    helps = {a.dest: a.help for a in p._actions}
+    helps = {}
+    for a in p._actions:
+        helps.setdefault(a.dest, a.help)
     assert helps["steps"].endswith(f"(default {RunConfig().steps})")
     assert helps["emulate"].endswith("(default on)")
     assert helps["lr"].endswith("(default: 3e-3 for the CPU-sized presets, 3e-4 otherwise)")

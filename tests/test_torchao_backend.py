@@ -24,14 +24,16 @@ def capability(monkeypatch):
 def test_torchao_refuses_in_one_line_where_it_cannot_run(capability):
     with pytest.raises(UsageError, match="fp8-blockwise is lpbench-only"):
         apply_recipe(Toy(), "fp8-blockwise", device="cpu", emulate=True, backend="torchao")
-    with pytest.raises(UsageError, match=r"needs a GPU with native fp8-tensorwise GEMMs \(compute capability 8.9\); "
-                                         "cpu has cpu"):
+    with pytest.raises(UsageError, match=r"runs fp8-tensorwise on a CUDA GPU \(torchao's Float8Linear: native from "
+                                         r"compute capability 8.9, emulated below\); cpu has none: use --backend lpbench"):
         apply_recipe(Toy(), "fp8-tensorwise", device="cpu", emulate=True, backend="torchao")
     with pytest.raises(UsageError, match="unknown backend 'te'"):
         apply_recipe(Toy(), "fp8-tensorwise", device="cpu", emulate=True, backend="te")
     capability((9, 0))
-    with pytest.raises(UsageError, match=r"runs nvfp4 only on compute capability 10.x \(torchao's NVFP4Linear has "
-                                         r"native NVFP4 GEMMs and no emulation\); cuda has compute capability 9.0"):
+    with pytest.raises(UsageError, match=r"runs nvfp4 only on compute capability 10.x: torchao 0.18's NVFP4Linear has "
+                                         r"no emulated mode \(KernelPreference.TRITON only: Triton casts that use SM "
+                                         r"10.x FP4 conversions, cuBLAS NVFP4 GEMMs\); cuda has compute capability 9.0: "
+                                         "use --backend lpbench, which emulates it"):
         apply_recipe(Toy(), "nvfp4", device="cuda", emulate=True, backend="torchao")
     with pytest.raises(UsageError, match="emulates MXFP8 .* on compute capability 9.0; pass --emulate"):
         apply_recipe(Toy(), "mxfp8", device="cuda", emulate=False, backend="torchao")

@@ -98,7 +98,7 @@ def _coerce(key: str, value, run_fields: dict):
 
     kind = {"num_gpus": int, "gpu": str}.get(key) or field_type(run_fields[key])
     if kind is bool:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or value in _words(key, run_fields):
             return value
         if str(value).lower() in ("true", "yes", "on", "1"):
             return True
@@ -123,7 +123,13 @@ def _coerce(key: str, value, run_fields: dict):
             return number
     elif kind is str and not isinstance(value, (dict, list)):
         return str(value)
-    raise UsageError(f"spec key {key}: expected {kind.__name__}, got {value!r}")
+    expected = " or ".join((kind.__name__, *_words(key, run_fields)))
+    raise UsageError(f"spec key {key}: expected {expected}, got {value!r}")
+
+
+def _words(key: str, run_fields: dict) -> tuple:
+    """The strings a RunConfig switch also takes (``emulate: always``)."""
+    return run_fields[key].metadata.get("words", ()) if key in run_fields else ()
 
 
 def yaml_loader():

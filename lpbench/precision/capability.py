@@ -1,7 +1,8 @@
 """What this device and this torch can run natively, and the one decision native or emulated.
 
 A recipe runs natively when :func:`why_emulated` gives None: the GPU has the recipe's
-``native_capability`` and torch has what ``NATIVE`` lists for its scaling. Inside a native
+``native_capability`` and torch has what ``NATIVE`` lists for its scaling, unless the run asks
+for emulation everywhere (``--emulate always``, :func:`emulation_reason`). Inside a native
 recipe, a call whose shape or dtype no native kernel takes runs the emulated path (same numerics):
 the predicates below say which kernel takes which call. Everything that decides availability is
 here; the kernels only run.
@@ -19,6 +20,9 @@ try:
     import triton  # noqa: F401
 except ImportError:  # CPU-only torch ships without Triton
     triton = None
+
+EMULATE_ALWAYS = "always"  # --emulate always: emulate even where the device runs the recipe natively
+FORCED = "--emulate always (this device runs it natively)"
 
 # What each scaling's native GEMM is (its compute capability is the recipe's ``native_capability``).
 NATIVE = {
@@ -42,7 +46,7 @@ def why_emulated(recipe, device: torch.device | str) -> str | None:
     capability = torch.cuda.get_device_capability(device)
     if recipe.scaling is Scaling.BLOCK and not blockwise_gemm(capability):
         return (f"its native GEMM (torch's F.scaled_mm, cuBLAS from CUDA 12.9) runs on Hopper (SM 9.x) only; "
-                f"this GPU has {capability}, torch CUDA {torch.version.cuda}")
+                f"this GPU has {capability[0]}.{capability[1]}, torch CUDA {torch.version.cuda}")
     if capability < recipe.native_capability:
         major, minor = recipe.native_capability
         return f"it needs compute capability {major}.{minor}, this GPU has {capability[0]}.{capability[1]}"
@@ -51,6 +55,16 @@ def why_emulated(recipe, device: torch.device | str) -> str | None:
             return "torch's CUDA MXFP4 GEMM needs a build with FBGEMM GenAI kernels, which stock wheels lack"
         return block_scaled_unavailable()
     return None
+
+
+def emulation_reason(recipe, device: torch.device | str, emulate: bool | str) -> str | None:
+    """Why the quantized recipe's GEMMs run emulated on ``device`` in a run with ``emulate`` (True: where the
+    device lacks them; False: never; ``"always"``: everywhere); None when they run natively. A recipe the device
+    cannot run natively gets the device's reason whatever ``emulate`` says: the caller refuses it unless allowed."""
+    reason = why_emulated(recipe, device)
+    if reason is None and emulate == EMULATE_ALWAYS:
+        return FORCED
+    return reason
 
 
 def native_supported(recipe, device: torch.device | str) -> bool:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from lpbench.errors import UsageError
 from lpbench.precision import fp8_allgather
-from lpbench.precision.capability import why_emulated
+from lpbench.precision.capability import emulation_reason
 from lpbench.precision.grouped import is_experts
 from lpbench.precision.linear import QuantizedLinear
 from lpbench.precision.recipes import Recipe, get_recipe
@@ -44,12 +44,14 @@ def _candidate_linears(model: nn.Module, recipe: Recipe):
                 yield f"layers.{i}.{name}", mod, not (dim % m or ffn % m)
 
 
-def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device | str, emulate: bool,
+def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device | str, emulate: bool | str,
                  backend: str = "lpbench") -> dict:
     """Swap every ``nn.Linear`` inside ``model.layers[i]`` (routers excepted) for a QuantizedLinear.
 
-    ``emulate`` allows exact emulation where the device cannot run the recipe natively;
-    without it such a recipe raises UsageError. ``backend="torchao"`` converts the same
+    ``emulate=True`` allows exact emulation where the device cannot run the recipe natively;
+    with False such a recipe raises UsageError; ``"always"`` emulates even where the device
+    runs it natively (same numerics as the emulation a device without the format runs).
+    ``backend="torchao"`` converts the same
     linears with torchao's training linears instead (:mod:`lpbench.precision.torchao_backend`).
     Returns ``{"path": "native"|"emulated", "quantized": [names], "skipped": [names left BF16
     because their dims do not divide], "why_emulated": reason or None}``.
@@ -62,7 +64,7 @@ def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device
         from lpbench.precision import torchao_backend
 
         return torchao_backend.apply(model, recipe, device, list(_candidate_linears(model, recipe)), emulate)
-    reason = why_emulated(recipe, device) if recipe.quantized else None
+    reason = emulation_reason(recipe, device, emulate) if recipe.quantized else None
     native = reason is None
     result = {"path": "native" if native else "emulated", "quantized": [], "skipped": [], "why_emulated": reason}
     if not recipe.quantized:

@@ -1,14 +1,16 @@
 """``--backend torchao``: torchao's training linears on the linears lpbench would quantize, as a peer.
 
-* fp8-tensorwise / fp8-rowwise / fp8-rowwise-gw-hp: ``torchao.float8``'s Float8Linear (native GEMMs,
-  compute capability 8.9 / 9.0 and up); MoE experts (fp8-rowwise only) through
-  ``torchao.prototype.moe_training``'s FP8 row-wise grouped GEMMs (:meth:`lpbench.models.moe.Experts.set_torchao`);
+* fp8-tensorwise / fp8-rowwise / fp8-rowwise-gw-hp: ``torchao.float8``'s Float8Linear: native GEMMs from
+  the recipe's compute capability (8.9 / 9.0), torchao's emulation (``Float8LinearConfig.emulate``: FP32
+  GEMMs of the dequantized operands) below it or under ``--emulate always``; CUDA only (its autocast
+  handling is the GPU's). MoE experts (fp8-rowwise only) through ``torchao.prototype.moe_training``'s FP8
+  row-wise grouped GEMMs (:meth:`lpbench.models.moe.Experts.set_torchao`);
 * mxfp8: ``torchao.prototype.moe_training.mxfp8_linear.MXFP8Linear`` (E4M3, 1x32 blocks, RCEIL E8M0
   scales): torchao's kernels (``KernelPreference.AUTO``) on compute capability 10.x, its emulation
-  (``EMULATED``: dequantize, then a BF16 GEMM) elsewhere, CPU included;
+  (``EMULATED``: dequantize, then a BF16 GEMM) elsewhere (CPU included) or under ``--emulate always``;
 * nvfp4: ``torchao.prototype.moe_training.nvfp4_training``'s NVFP4Linear (RHT on wgrad, stochastic
-  rounding of gradients, 16x16 weight blocks): native NVFP4 GEMMs and Triton kernels only, so
-  compute capability 10.x; it needs M, K and N multiples of 128.
+  rounding of gradients, 16x16 weight blocks): compute capability 10.x only, never emulated (see
+  ``NO_NVFP4_EMULATION``); it needs M, K and N multiples of 128.
 
 The recipe's layer policy (its BF16 first/last blocks) picks the same linears as lpbench's path.
 Written against torchao 0.18.
@@ -16,6 +18,7 @@ Written against torchao 0.18.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 from lpbench.errors import UsageError
+from lpbench.precision.capability import EMULATE_ALWAYS, FORCED
 from lpbench.precision.grouped import is_experts
 from lpbench.precision.recipes import Recipe
 
@@ -32,6 +36,12 @@ MODULES = {"mxfp8": "torchao.prototype.moe_training.mxfp8_linear",
            "nvfp4": "torchao.prototype.moe_training.nvfp4_training.nvfp4_training"}
 NVFP4_MULTIPLE = 128  # torchao's NVFP4Linear: M, K and N multiples of 128
 BLACKWELL = (10, 0)
+# Why torchao cannot emulate nvfp4 (torchao 0.18): nvfp4_linear raises unless KernelPreference.TRITON, whose
+# casts (hadamard_*_triton.py, quantize_2d_triton.py) raise NotImplementedError below SM 100 (PTX cvt to e2m1)
+# and whose three GEMMs are F.scaled_mm on float4_e2m1fn_x2; its NVFP4 emulation (nvfp4_grouped_mm.py) is
+# grouped GEMMs without an autograd function, and QAT's NVFP4FakeQuantizedLinear needs SM 10.x too.
+NO_NVFP4_EMULATION = ("torchao 0.18's NVFP4Linear has no emulated mode (KernelPreference.TRITON only: Triton casts "
+                      "that use SM 10.x FP4 conversions, cuBLAS NVFP4 GEMMs)")
 
 
 def run_problem(precision: str, tokens: int, tp: int) -> str | None:
@@ -52,28 +62,38 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
-def path(recipe: Recipe, device: torch.device) -> tuple[str, str | None]:
-    """("native" | "emulated", why emulated) of torchao's linear for ``recipe`` on ``device``; UsageError
-    (one line) where torchao cannot run the recipe there."""
+def path(recipe: Recipe, device: torch.device, emulate: bool | str = False) -> tuple[str, str | None]:
+    """("native" | "emulated", why emulated) of torchao's linear for ``recipe`` on ``device`` in a run with
+    ``emulate`` (``"always"``: torchao's emulation even where its kernels run); UsageError (one line) where
+    torchao cannot run the recipe there."""
     if recipe.name not in RECIPES:
         raise UsageError(f"--backend torchao runs {', '.join(RECIPES)}; {recipe.name} is lpbench-only")
     cap = _capability(device)
     where = f"compute capability {cap[0]}.{cap[1]}" if cap else device.type
+    forced = emulate == EMULATE_ALWAYS
     if recipe.name in FLOAT8_RECIPES:
         need = recipe.native_capability
-        if cap is None or cap < need:
-            raise UsageError(f"--backend torchao needs a GPU with native {recipe.name} GEMMs "
-                             f"(compute capability {need[0]}.{need[1]}); {device} has {where}")
-        return "native", None
+        if cap is None:
+            raise UsageError(f"--backend torchao runs {recipe.name} on a CUDA GPU (torchao's Float8Linear: native "
+                             f"from compute capability {need[0]}.{need[1]}, emulated below); {device} has none: "
+                             "use --backend lpbench")
+        if cap >= need and not forced:
+            return "native", None
+        why = FORCED if cap >= need else (f"its native GEMMs need compute capability {need[0]}.{need[1]}, "
+                                        f"this GPU has {cap[0]}.{cap[1]}")
+        return "emulated", f"torchao's Float8Linear emulates {recipe.name} (Float8LinearConfig.emulate): {why}"
     if recipe.name == "nvfp4":
         if cap is None or cap < BLACKWELL:
-            raise UsageError(f"--backend torchao runs nvfp4 only on compute capability 10.x (torchao's NVFP4Linear "
-                             f"has native NVFP4 GEMMs and no emulation); {device} has {where}: use --backend lpbench, "
-                             "which emulates it")
+            raise UsageError(f"--backend torchao runs nvfp4 only on compute capability 10.x: {NO_NVFP4_EMULATION}; "
+                             f"{device} has {where}: use --backend lpbench, which emulates it")
+        if forced:
+            raise UsageError(f"--backend torchao cannot emulate nvfp4 (--emulate always): {NO_NVFP4_EMULATION}; "
+                             "use --backend lpbench, which emulates it")
         return "native", None
+    emulated = "torchao's MXFP8Linear emulates MXFP8 (KernelPreference.EMULATED)"
     if cap is not None and cap >= BLACKWELL:
-        return "native", None
-    return "emulated", f"torchao's MXFP8Linear emulates MXFP8 (KernelPreference.EMULATED) on {where}"
+        return ("emulated", f"{emulated}: {FORCED}") if forced else ("native", None)
+    return "emulated", f"{emulated} on {where}"
 
 
 @functools.cache
@@ -108,9 +128,9 @@ def _mxfp8_linear(linear: nn.Linear, native: bool) -> nn.Module:
     return mod
 
 
-def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: list, emulate: bool) -> dict:
+def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: list, emulate: bool | str) -> dict:
     """Convert ``candidates`` ((name, module, dims divide) of the recipe's linears) to torchao's linears."""
-    kind, reason = path(recipe, device)
+    kind, reason = path(recipe, device, emulate)
     if kind == "emulated" and not emulate:
         raise UsageError(f"--backend torchao: {reason}; pass --emulate to run it")
     try:
@@ -125,6 +145,9 @@ def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: li
     if experts and recipe.name != "fp8-rowwise":
         raise UsageError(f"--backend torchao runs MoE experts through torchao.prototype.moe_training's FP8 "
                          f"row-wise grouped GEMMs: precision fp8-rowwise, not {recipe.name}")
+    if experts and kind == "emulated":
+        raise UsageError(f"--backend torchao runs MoE experts natively only (its FP8 grouped GEMMs have no emulation); "
+                         f"this run would emulate: {reason}")
     if any(not ok for _, mod, ok in candidates if is_experts(mod)):
         raise UsageError("--backend torchao: the experts' widths must be multiples of 16")
     candidates = [c for c in candidates if not is_experts(c[1])]
@@ -137,6 +160,7 @@ def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: li
 
         ids = {id(mod) for _, mod in chosen}
         config = Float8LinearConfig.from_recipe_name(FLOAT8_RECIPES[recipe.name])
+        config = dataclasses.replace(config, emulate=kind == "emulated")
         convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: id(mod) in ids)
         for name, mod in experts:
             mod.set_torchao()

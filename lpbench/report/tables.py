@@ -171,7 +171,7 @@ def summary_rows(runs: list[dict]) -> list[dict]:
         rows.append({
             "id": r.get("id"), "group_id": r.get("group_id"), "workload": r.get("workload"),
             "model": r.get("model"), "precision": r.get("precision"), "backend": r.get("backend"),
-            "path": r.get("path"), "batch": f"{gbs}/{mbs}/{seq}", "num_gpus": r.get("num_gpus"),
+            "path": r.get("path"), "why_emulated": metrics.get("why_emulated"), "batch": f"{gbs}/{mbs}/{seq}", "num_gpus": r.get("num_gpus"),
             "gpu": r.get("gpu") or "cpu",
             "step_time_ms": r["step_time_s"] * 1e3 if r.get("step_time_s") else None,
             "tokens_per_sec_per_gpu": tps, "tflops_per_gpu": r.get("tflops_per_gpu"),

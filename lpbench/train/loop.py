@@ -321,7 +321,7 @@ def summarize(steps: list[dict], cfg: RunConfig, fpt: float, gpu, precision_info
     """Summary metrics over the timed (post-warm-up) steps, each defined once (ARCHITECTURE.md, Metrics)."""
     recipe = get_recipe(cfg.precision)
     timed = [s["step_time_s"] for s in steps[cfg.warmup_steps:] if not s.get("profiled")]  # profiler overhead
-    out = {"path": precision_info["path"], "flops_formula": cfg.flops_formula, "flops_per_token": fpt,
+    out = {"path": precision_info["path"], "why_emulated": precision_info["why_emulated"], "flops_formula": cfg.flops_formula, "flops_per_token": fpt,
            "quantized_linears": len(precision_info["quantized"]), "skipped_linears": precision_info["skipped"],
            "device_type": device.type, "num_gpus": cfg.world_size, "timed_steps": len(timed)}
     if steps:

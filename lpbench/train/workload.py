@@ -40,7 +40,7 @@ from lpbench.precision.recipes import Recipe
 from lpbench.models.lora import apply_lora
 
 def prepare_model(model: nn.Module, cfg: RunConfig, recipe: Recipe, *, device: torch.device,
-                  emulate: bool) -> tuple[dict, dict]:
+                  emulate: bool | str) -> tuple[dict, dict]:
     """Adapters (lora), the precision recipe, the stored base: ``(apply_recipe's result, metrics)``."""
     lora = None
     if cfg.workload == "lora":
