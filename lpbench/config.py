@@ -108,8 +108,9 @@ class RunConfig:
         "recipe's format with the BF16 copy freed (less memory, same numerics)", choices=LORA_BASE_STORAGES))
     backend: str = field(default="lpbench", metadata=arg(  # torchao: its training linears (FP8, MXFP8, NVFP4)
         "lpbench or torchao: run fp8-tensorwise/-rowwise/-rowwise-gw-hp through torchao's "
-        "convert_to_float8_training on the same linears, MoE experts with fp8-rowwise through "
-        "torchao.prototype.moe_training (needs lpbench[torchao] and a GPU)"))
+        "convert_to_float8_training, mxfp8 through its MXFP8Linear and nvfp4 through its NVFP4Linear (compute "
+        "capability 10.x only) on the same linears, MoE experts with fp8-rowwise through "
+        "torchao.prototype.moe_training (needs lpbench[torchao])"))
     moe_aux_loss_coeff: float = field(default=0.0, metadata=arg(
         "MoE load-balancing loss coefficient (Switch/Megatron: E x sum of token share x mean probability per "
         "expert, per layer; e.g. 0.01), applied as router gradients: lm loss stays the cross-entropy"))
