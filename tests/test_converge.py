@@ -3,6 +3,7 @@ import json
 import math
 import random
 import re
+import shutil
 
 import pytest
 import torch
@@ -194,3 +195,79 @@ def test_noise_seeds_run_the_reference_again_and_give_the_noise_floor(tmp_path, 
     assert done[-1].endswith("all runs done")
     group = runs[0]["group_id"]
     assert out.rstrip().splitlines()[-1] == f"next: lpbench report --results {results} --group {group} --html report.html"
+
+
+def _final_state(folder):
+    """The model and optimizer tensors of a checkpoint folder, by name."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = folder.parent / f"{folder.parent.name}-{folder.name}.pt"
+    dcp_to_torch_save(folder, path)
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+
+    walk("", torch.load(path, weights_only=False))
+    return {k: v for k, v in flat.items() if k.startswith((".model.", ".optim."))}
+
+
+def test_a_resumed_converge_continues_exactly(tmp_path, capsys):
+    """6 steps straight == 3 steps, checkpoint, resume 3: same losses, LR, gradient norms, validation losses
+    and final weights and optimizer state, bit for bit; nvfp4's stochastic rounding included (RNG restored)."""
+    argv = ["converge", "--data", "mock", "--model", "tiny", "--precision", "bf16,nvfp4", "--noise-seeds", "1",
+            "--tokens", "384", "--eval-every", "2"] + SMALL
+    straight, partial = tmp_path / "straight", tmp_path / "partial"
+    main(argv + ["--results", str(tmp_path / "r1"), "--save-every", "3", "--save-dir", str(straight)])
+    names = ["bf16", "bf16-seed1235", "nvfp4"]
+    assert sorted(p.name for p in straight.iterdir()) == names
+    shutil.copytree(straight, partial)
+    for name in names:
+        assert sorted(p.name for p in (straight / name).iterdir()) == ["step-3", "step-6"]
+        shutil.rmtree(partial / name / "step-6")
+    capsys.readouterr()
+    main(argv + ["--results", str(tmp_path / "r2"), "--load", str(partial), "--save-every", "3",
+                 "--save-dir", str(partial)])
+    out = capsys.readouterr().out
+    assert out.count("resumed from") == 3 and f"{partial / 'nvfp4' / 'step-3'} at step 3" in out.replace("\n", "")
+    first, resumed = (ResultsStore(tmp_path / r).runs("workload = 'converge'") for r in ("r1", "r2"))
+    for a, b in zip(first, resumed, strict=True):
+        assert b["metrics"]["resumed_from_step"] == 3 and b["metrics"]["val_losses"] == a["metrics"]["val_losses"]
+        assert [s for s, _ in b["metrics"]["val_losses"]] == [2, 4, 6]
+        steps_a, steps_b = (ResultsStore(tmp_path / r).steps(run["id"]) for r, run in (("r1", a), ("r2", b)))
+        assert [s["step"] for s in steps_b] == [1, 2, 3, 4, 5, 6]
+        for key in ("loss", "lr", "grad_norm"):
+            assert [s[key] for s in steps_b] == [s[key] for s in steps_a]
+    for name in names:
+        want, got = _final_state(straight / name / "step-6"), _final_state(partial / name / "step-6")
+        assert want.keys() == got.keys() and any(k.startswith(".optim.state.") for k in want)
+        assert all(torch.equal(want[k], got[k]) for k in want), name
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--load", "{tmp}/nowhere"], "--load {tmp}/nowhere: no checkpoint of bf16 (no folder {tmp}/nowhere/bf16)"),
+    (["--load", "{tmp}/saved", "--precision", "bf16,fp8-tensorwise"], "no checkpoint of fp8-tensorwise"),
+    (["--load", "{tmp}/saved", "--seq-len", "16"], "checkpoint does not match this run: seq_len 32 (this run: 16)"),
+    (["--load", "{tmp}/saved", "--seed", "7"], "does not match this run: seed 1234 (this run: 7)"),
+    (["--load", "{tmp}/broken"], "corrupt checkpoint (DCP's .metadata is missing)"),
+    (["--load", "{tmp}/saved", "--tokens", "192"], "checkpoint is at step 3, --steps 3 leaves nothing to train"),
+    (["--save-every", "2"], "--save-every K needs --save-dir DIR"),
+    (["--save-dir", "{tmp}/x"], "--save-dir needs --save-every K"),
+])
+def test_converge_refuses_bad_checkpoints_in_one_line(argv, message, tmp_path, capsys):
+    base = ["converge", "--data", "mock", "--model", "tiny", "--precision", "bf16", "--tokens", "384",
+            "--eval-every", "0", "--results", str(tmp_path / "res")] + SMALL
+    if any("{tmp}/saved" in a or "{tmp}/broken" in a for a in argv):
+        assert main(base[:base.index("--tokens") + 1] + ["192"] + base[base.index("--tokens") + 2:]
+                    + ["--save-every", "3", "--save-dir", str(tmp_path / "saved")]) == 0
+        shutil.copytree(tmp_path / "saved", tmp_path / "broken")
+        (tmp_path / "broken" / "bf16" / "step-3" / ".metadata").unlink()
+    capsys.readouterr()
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(base + argv) == 2
+    err = capsys.readouterr().err
+    assert message.replace("{tmp}", str(tmp_path)) in err and len(err.strip().splitlines()) == 1

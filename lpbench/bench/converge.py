@@ -10,13 +10,19 @@ loss turns NaN/Inf stops there and is reported as diverged; the others go on.
 (``nvfp4-no-rht``, ...; :data:`lpbench.precision.recipes.ABLATIONS`). ``--noise-seeds K`` runs
 the reference K more times with other seeds (other init and data order): their gaps are the
 seed-to-seed noise that the recipes' gaps are to be read against.
+
+``--save-every K --save-dir DIR`` checkpoints each run every K steps into ``DIR/<run>/step-K``
+(``<run>``: the recipe, ``bf16-seed1235`` for a noise-seed run), in ``lpbench run``'s format
+(:mod:`lpbench.train.checkpoint`); ``--load DIR`` resumes every run from its latest checkpoint there
+and continues exactly where it stopped: weights, optimizer, LR schedule, data position, RNG, and
+the curve recorded so far, so the table and the plot cover the whole run.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lpbench.config import RunConfig, add_config_args, config_kwargs
@@ -106,15 +112,40 @@ def noise_floor(outcomes: list[Outcome]) -> float | None:
 
 
 def outcome_of(result) -> Outcome:
-    """An :class:`Outcome` from a :class:`lpbench.train.loop.RunResult`."""
-    losses = [s["loss"] for s in result.steps]
+    """An :class:`Outcome` from a :class:`lpbench.train.loop.RunResult` (a resumed run's whole curve)."""
+    steps = result.history + result.steps
+    losses = [s["loss"] for s in steps]
     window = losses[-TRAIN_WINDOW:]
-    vals = [s["val_loss"] for s in result.steps if "val_loss" in s]
+    vals = [s["val_loss"] for s in steps if "val_loss" in s]
     return Outcome(
         precision=result.config.precision, status=result.status, path=result.metrics.get("path"),
-        error=result.error, diverged_step=result.steps[-1]["step"] if result.status == "diverged" else None,
+        error=result.error, diverged_step=steps[-1]["step"] if result.status == "diverged" else None,
         train_loss=sum(window) / len(window) if window and result.status == "ok" else None,
-        val_loss=vals[-1] if vals and result.status == "ok" else None, steps=result.steps)
+        val_loss=vals[-1] if vals and result.status == "ok" else None, steps=steps)
+
+
+def run_name(cfg: RunConfig, reference_seed: int) -> str:
+    """A run's folder under --save-dir and --load: its recipe, ``-seedN`` for a noise-seed run."""
+    return cfg.precision if cfg.seed == reference_seed else f"{cfg.precision}-seed{cfg.seed}"
+
+
+def with_checkpoints(configs: list[RunConfig], args) -> list[RunConfig]:
+    """Each run's --save-dir and --load folder (``DIR/<run>``), its checkpoint checked before any work."""
+    from lpbench.train.checkpoint import validated
+
+    out = []
+    for cfg in configs:
+        name = run_name(cfg, configs[0].seed)
+        if args.save_every or args.save_dir:
+            cfg = cfg.with_(save_every=args.save_every or 0, save_dir=args.save_dir and str(Path(args.save_dir) / name))
+        if args.load:
+            folder = Path(args.load) / name
+            if not folder.is_dir():
+                raise UsageError(f"--load {args.load}: no checkpoint of {name} (no folder {folder}); --load resumes "
+                                 "every run given, so name only the runs saved there")
+            cfg = cfg.with_(load=str(folder))
+        out.append(validated(cfg))
+    return out
 
 
 def expand_precisions(precisions: list[str], ablate: list[str]) -> list[str]:
@@ -188,7 +219,8 @@ def build_configs(args) -> tuple[list[RunConfig], list[str]]:
         lines.append(f"validation: {n * args.mbs} held-out sequences of {args.seq_len} tokens "
                      f"(of {len(splits.valid)} in the split) every {eval_every} steps and at step {steps}")
     configs = [base.with_(precision=p).validate() for p in names]
-    return configs + [configs[0].with_(seed=base.seed + i) for i in range(1, args.noise_seeds + 1)], lines
+    configs += [configs[0].with_(seed=base.seed + i) for i in range(1, args.noise_seeds + 1)]
+    return with_checkpoints(configs, args), lines
 
 
 def cmd_converge(args) -> int:
@@ -207,6 +239,8 @@ def cmd_converge(args) -> int:
     check_dir(args.results, "--results")
     if args.plot:
         check_file(args.plot, "--plot")
+    if args.save_dir:
+        check_dir(args.save_dir, "--save-dir")
     configs, data_lines = build_configs(args)
     first = configs[0]
     tokens = first.steps * first.gbs * first.seq_len
@@ -229,8 +263,8 @@ def cmd_converge(args) -> int:
             outcomes.append(outcome)
             metrics = dict(result.metrics, diverged_step=outcome.diverged_step, train_loss=outcome.train_loss,
                            train_loss_steps=TRAIN_WINDOW,
-                           val_losses=[[s["step"], s["val_loss"]] for s in result.steps if "val_loss" in s])
-            record(store, result, group_id=group, workload="converge", metrics=metrics)
+                           val_losses=[[s["step"], s["val_loss"]] for s in outcome.steps if "val_loss" in s])
+            record(store, replace(result, steps=outcome.steps), group_id=group, workload="converge", metrics=metrics)
             console.print(f"lpbench converge: {escape(outcome.label)}: {escape(outcome.status_text)}, train loss "
                           f"{_fmt(outcome.train_loss)}, validation loss {_fmt(outcome.val_loss)}", highlight=False)
     metric = judge(outcomes, tolerances)
@@ -304,6 +338,14 @@ def add_parser(sub) -> None:
     p.add_argument("--noise-seeds", type=int, default=0, metavar="K",
                    help="also run the reference with seeds SEED+1..SEED+K: its seed-to-seed gap is the noise "
                         "floor to read the other gaps against (default 0)")
+    p.add_argument("--save-every", type=int, default=0, metavar="K",
+                   help="checkpoint every run every K steps into --save-dir/<run>/step-K (<run>: the recipe, or "
+                        "bf16-seed1235 for a --noise-seeds run) (default 0: never)")
+    p.add_argument("--save-dir", default=None, metavar="DIR", help="folder of --save-every's checkpoints")
+    p.add_argument("--load", default=None, metavar="DIR",
+                   help="resume every run from its latest checkpoint in DIR/<run>/ (a --save-dir of an earlier "
+                        "converge with the same flags) and continue it exactly: weights, optimizer, LR schedule, "
+                        "data position, RNG and the curve so far")
     p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
     p.add_argument("--plot", default=None, metavar="FILE",
                    help="loss-curve PNG (default RESULTS/converge-<group>.png)")

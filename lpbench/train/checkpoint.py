@@ -1,7 +1,8 @@
 """Checkpoints: save a run every K steps and resume it exactly, with torch.distributed.checkpoint.
 
 A checkpoint is a folder ``SAVE_DIR/step-K`` holding DCP's files (``.metadata``, ``*.distcp``)
-and ``lpbench.json`` (lpbench version, step, and the config fields a resume must match). It
+and ``lpbench.json`` (lpbench version, step, the config fields a resume must match, and the
+records of steps 1..K: loss, LR, validation loss ..., so a resumed run reports its whole curve). It
 contains the model (parameters and buffers), the optimizer, the LR scheduler, the data position,
 the step, and per rank: RNG states (torch CPU and CUDA, numpy, python) and persistent buffers
 (the delayed-scaling amax histories differ between data-parallel ranks). Model and optimizer go
@@ -56,8 +57,8 @@ from lpbench.errors import UsageError
 META_FILE = "lpbench.json"
 STEP_DIR = re.compile(r"step-(\d+)")
 # Config fields a checkpoint must share with the run that resumes it (shapes, layout, data order).
-MATCH_FIELDS = ("model", "num_layers", "precision", "backend", "workload", "lora_rank", "lora_targets", "seq_len", "mbs", "gbs",
-                "dp", "tp", "fsdp", "data", "seed")
+MATCH_FIELDS = ("model", "num_layers", "vocab_size", "precision", "backend", "workload", "lora_rank", "lora_targets",
+                "seq_len", "mbs", "gbs", "dp", "tp", "fsdp", "data", "seed")
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
@@ -79,7 +80,9 @@ def read_metadata(ckpt: Path) -> dict:
         raise UsageError(f"--load {ckpt}: not a checkpoint folder")
     try:
         meta = json.loads((ckpt / META_FILE).read_text())
-        meta["step"], meta["config"] = int(meta["step"]), dict(meta["config"])
+        meta["step"], meta["config"], meta["history"] = int(meta["step"]), dict(meta["config"]), list(meta["history"])
+        if not all(isinstance(rec, dict) for rec in meta["history"]):
+            raise TypeError("a step record is not an object")
     except FileNotFoundError:
         raise UsageError(f"--load {ckpt}: corrupt checkpoint ({META_FILE} is missing)") from None
     except (ValueError, KeyError, TypeError):
@@ -258,10 +261,11 @@ class Checkpointer:
         return {"model": model, "optim": optim, "rank": {str(self.rank): local},
                 "train": {"step": step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict()}}
 
-    def resume(self) -> int:
-        """Load ``cfg.load`` (if set) into the run; returns the step it was saved after (0: none)."""
+    def resume(self) -> tuple[int, list[dict]]:
+        """Load ``cfg.load`` (if set) into the run; returns the step it was saved after (0: none) and the
+        records of the steps up to it."""
         if self.cfg.load is None:
-            return 0
+            return 0, []
         ckpt, meta = check_resumable(self.cfg)
         state = self._state(0)
         try:
@@ -282,10 +286,11 @@ class Checkpointer:
         note = f" (saved by a run of {meta['steps']} steps; the LR schedule follows --steps {self.cfg.steps})" \
             if meta.get("steps") != self.cfg.steps else ""
         self.log(f"lpbench: resumed from {ckpt} at step {step}{note}")
-        return step
+        return step, meta["history"]
 
-    def maybe_save(self, step: int) -> Path | None:
-        """Write ``save_dir/step-K`` atomically when ``step`` is a multiple of ``save_every``."""
+    def maybe_save(self, step: int, history: list[dict]) -> Path | None:
+        """Write ``save_dir/step-K`` atomically when ``step`` is a multiple of ``save_every``; ``history``
+        is the records of steps 1..K (rank 0's), kept in ``lpbench.json``."""
         if not self.cfg.save_every or step % self.cfg.save_every:
             return None
         root = Path(self.cfg.save_dir)
@@ -297,7 +302,8 @@ class Checkpointer:
             if self.rank == 0:
                 keys = {k: getattr(self.cfg, k) for k in MATCH_FIELDS}
                 meta = {"lpbench": __version__, "step": step, "steps": self.cfg.steps, "world_size": self.world,
-                        "config": keys, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": _manifest(tmp)}
+                        "config": keys, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": _manifest(tmp),
+                        "history": history}
                 with open(tmp / META_FILE, "w") as f:
                     json.dump(meta, f, indent=2)
                     f.flush()

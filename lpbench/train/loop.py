@@ -42,7 +42,8 @@ class RunResult:
     status: str = "ok"  # ok | diverged | oom | error
     error: str | None = None
     metrics: dict = field(default_factory=dict)
-    steps: list[dict] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)  # the steps this process trained
+    history: list[dict] = field(default_factory=list)  # after --load: the checkpoint's records of the steps before
     env: dict = field(default_factory=dict)
 
 
@@ -158,7 +159,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
             f"{f' | experts over ep {cfg.ep} ranks' if cfg.ep > 1 else ''}")
 
     checkpointer = Checkpointer(cfg, par.module, optimizer, scheduler, data, device, log)
-    start = checkpointer.resume()  # 0 without --load
+    start, result.history = checkpointer.resume()  # 0, [] without --load
     profiler = StepProfiler(cfg.profile_range, f"{results_dir}/profiles/{cfg.key()}", device, log)
     scalars = StepWriter(cfg.tensorboard if world.is_main else None, cfg.model, cfg.precision, cfg.key())
     par.module.train()
@@ -216,7 +217,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                     f"lm loss PPL: {math.exp(min(rec['val_loss'], 700)):.6E} |")
             scalars.add(rec)  # after validation: the step's val_loss too
             try:
-                checkpointer.maybe_save(step)
+                checkpointer.maybe_save(step, result.history + result.steps)
             except CheckpointSaveError as exc:  # the steps measured so far are the run's result
                 result.status, result.error = "error", str(exc)
                 log(f"lpbench: {exc}")
