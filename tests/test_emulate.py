@@ -188,3 +188,33 @@ def test_bad_emulate_value_in_a_file_or_spec(tmp_path, capsys):
     assert "emulate: expected bool or always, got 'sometimes'" in capsys.readouterr().err
     with pytest.raises(UsageError, match="--emulate is on, off or always, got 'sometimes'"):
         RunConfig(emulate="sometimes").validate()
+
+
+# ---------------------------------------------------------------- on a Hopper GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["lpbench", "torchao"])
+@pytest.mark.parametrize("name", ["fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp"])
+def test_forced_emulation_on_the_gpu_is_the_native_result_up_to_rounding(name, backend):
+    """Native and forced-emulated runs of the same linears on a GPU that has FP8 GEMMs: the same output and
+    gradients up to the native GEMMs' fast accumulation, summation order and BF16 output rounding."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a GPU with native FP8 row-wise GEMMs (compute capability 9.0)")
+    if backend == "torchao":
+        pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    native, forced = Toy(d=256, f=512).cuda(), Toy(d=256, f=512).cuda()
+    forced.load_state_dict(native.state_dict())
+    assert apply_recipe(native, name, device="cuda", emulate=False, backend=backend)["path"] == "native"
+    info = apply_recipe(forced, name, device="cuda", emulate="always", backend=backend)
+    assert info["path"] == "emulated" and info["why_emulated"].endswith(FORCED)
+    tokens = torch.randint(0, 64, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    results = []
+    for model in (native, forced):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = model(tokens)
+        y.float().pow(2).mean().backward()
+        results.append([y.float(), *(p.grad for p in model.parameters())])
+    assert not torch.equal(results[0][0], results[1][0])  # two paths ran, not one twice
+    for got, want in zip(*results):
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
