@@ -216,5 +216,9 @@ def test_forced_emulation_on_the_gpu_is_the_native_result_up_to_rounding(name, b
         y.float().pow(2).mean().backward()
         results.append([y.float(), *(p.grad for p in model.parameters())])
     assert not torch.equal(results[0][0], results[1][0])  # two paths ran, not one twice
+    # E5M2 gradients (fp8-tensorwise; 2 mantissa bits): the paths' small differences in y flip some of their
+    # roundings, so the norms' weight gradients moved by up to 3.9 % on an H200 (E4M3 ones stayed under 2 %)
+    tolerance = 6e-2 if get_recipe(name).grad_format == "e5m2" else 2e-2
+    assert ((results[0][0] - results[1][0]).norm() / results[1][0].norm()).item() < 2e-2
     for got, want in zip(*results):
-        assert ((got - want).norm() / want.norm()).item() < 2e-2
+        assert ((got - want).norm() / want.norm()).item() < tolerance
