@@ -79,7 +79,6 @@ KILL_SCRIPT = textwrap.dedent("""
     MODELS["test-ckpt"] = ModelConfig(*{model_args!r}, max_seq_len=256)
     import lpbench.train.checkpoint as ckpt
     from lpbench.config import RunConfig
-from lpbench.errors import UsageError
     from lpbench.train.loop import train
 
     real_save, saves = ckpt.dcp.save, []
