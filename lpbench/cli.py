@@ -58,7 +58,7 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     from lpbench.parallel.launch import planned_world
     from lpbench.train.checkpoint import validated
 
-    if getattr(args, "config", None):
+    if args.config:
         from lpbench.bench.run_file import apply_config_file
 
         apply_config_file(args)  # the file's values for the flags the command line left unset
@@ -157,6 +157,20 @@ def cmd_flops(args) -> int:
 
 
 # ----------------------------------------------------------------------------- models / recipes
+def _show(rows: list[dict], as_json: bool, title: str, columns: dict, cells) -> int:
+    """``rows`` as indented JSON, or as a table of ``columns`` (name: add_column options) and ``cells(row)``."""
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title=title)
+    for col, options in columns.items():
+        table.add_column(col, **options)
+    for r in rows:
+        table.add_row(*cells(r))
+    console.print(table)
+    return 0
+
+
 def cmd_models(args) -> int:
     from lpbench.models import MODELS, build_model, count_active_parameters, count_parameters
 
@@ -173,22 +187,14 @@ def cmd_models(args) -> int:
                      "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "head_dim": cfg.hd, "vocab": cfg.vocab_size,
                      "max_seq_len": cfg.max_seq_len, "params": params, "active_params": active,
                      "notes": ", ".join(notes)})
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    table = Table(title="lpbench models (parameters counted on the meta device)")
-    for col in ("name", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "params", "active",
-                "notes"):
-        table.add_column(col)
+    cols = ("name", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab")
 
     def size(p):
         return f"{p / 1e9:.2f} B" if p >= 1e8 else f"{p / 1e6:.1f} M"
 
-    for r in rows:
-        table.add_row(*(str(r[c]) for c in ("name", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim",
-                                            "vocab")), size(r["params"]), size(r["active_params"]), r["notes"])
-    console.print(table)
-    return 0
+    return _show(rows, args.json, "lpbench models (parameters counted on the meta device)",
+                 {c: {} for c in (*cols, "params", "active", "notes")},
+                 lambda r: (*(str(r[c]) for c in cols), size(r["params"]), size(r["active_params"]), r["notes"]))
 
 
 def cmd_recipes(args) -> int:
@@ -208,17 +214,10 @@ def cmd_recipes(args) -> int:
         rows.append({"name": r.name, "path": "native" if native_supported(r, device) else "emulated",
                      "params": {k: str(v).replace("torch.", "") for k, v in params.items()},
                      "description": r.description})
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    table = Table(title=f"lpbench precision recipes (path on this device: {where})")
-    for col in ("name", "path", "parameters", "description"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        table.add_row(r["name"], r["path"], ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-",
-                      r["description"])
-    console.print(table)
-    return 0
+    return _show(rows, args.json, f"lpbench precision recipes (path on this device: {where})",
+                 {c: {"overflow": "fold"} for c in ("name", "path", "parameters", "description")},
+                 lambda r: (r["name"], r["path"], ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-",
+                            r["description"]))
 
 
 def cmd_quant_error(args) -> int:
@@ -241,16 +240,10 @@ def cmd_quant_error(args) -> int:
                                  shape=tuple(args.shape), seed=args.seed)
     except ValueError as exc:  # a block that does not divide --shape (NVFP4 pads; the others do not)
         raise UsageError(f"{exc}; pick a --shape the recipes' blocks divide, or fewer --precision") from None
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    table = Table(title=f"quantization error on {args.shape[0]}x{args.shape[1]} tensors (blocks along the last dim)")
-    for col in ("distribution", "recipe", "role", "relative error", "SQNR dB"):
-        table.add_column(col, justify="right" if col in ("relative error", "SQNR dB") else "left")
-    for r in rows:
-        table.add_row(r["distribution"], r["recipe"], r["role"], f"{r['rel_error']:.3e}", f"{r['sqnr_db']:.1f}")
-    console.print(table)
-    return 0
+    return _show(rows, args.json, f"quantization error on {args.shape[0]}x{args.shape[1]} tensors (blocks along "
+                 "the last dim)", {"distribution": {}, "recipe": {}, "role": {}, "relative error": {"justify": "right"},
+                                   "SQNR dB": {"justify": "right"}},
+                 lambda r: (r["distribution"], r["recipe"], r["role"], f"{r['rel_error']:.3e}", f"{r['sqnr_db']:.1f}"))
 
 
 # ----------------------------------------------------------------------------- slurm

@@ -74,7 +74,7 @@ def apply_config_file(args: argparse.Namespace) -> None:
         if key not in valid:
             raise UsageError(f"--config {path}: unknown key {raw_key!r}; valid: "
                              f"{', '.join(k.replace('_', '-') for k in valid)}")
-        if getattr(args, key, None) is not None:  # the command line wins
+        if getattr(args, key) is not None:  # the command line wins
             continue
         if key == "precision":
             try:

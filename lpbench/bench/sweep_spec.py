@@ -84,12 +84,6 @@ def sweep_id_of(name) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", str(name)).lstrip(".-").rstrip("-") or "sweep"
 
 
-def _run_fields() -> dict:
-    from lpbench.config import RunConfig
-
-    return {f.name: f for f in fields(RunConfig)}
-
-
 def _coerce(key: str, value, run_fields: dict):
     """A YAML value as the type of RunConfig's field (or of the sweep setting)."""
     if value is None:
@@ -174,7 +168,7 @@ def expand(spec: dict) -> Sweep:
     from lpbench.models import get_model_config
     from lpbench.precision.recipes import get_recipe
 
-    run_fields = _run_fields()
+    run_fields = {f.name: f for f in fields(RunConfig)}
     valid = sorted(set(run_fields) - set(RUN_ONLY) | set(EXTRA_KEYS))
     spec = _normalized(spec, run_fields)
     name = sweep_id_of(spec.pop("name", "sweep"))

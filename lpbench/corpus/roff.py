@@ -43,7 +43,6 @@ _BLOCK_END = {"de": "..", "ig": "..", "am": "..", "TS": "TE", "EQ": "EN", "PS": 
 
 
 def _escape(m: re.Match) -> str:
-    full = m.group(0)
     string = m.group(1) or m.group(2) or m.group(3)
     if string is not None:
         return _ROFF_STRINGS.get(string, "")

@@ -20,7 +20,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from lpbench.data import indexed, sources
@@ -42,15 +42,8 @@ class DataSplits(Splits):
 
     train: PackedSequences | MockDataset
     valid: PackedSequences | MockDataset
-    seq_len: int
-    vocab_size: int
-    eos_id: int | None
-    seed: int
-    source: str
-    tokenizer: Tokenizer | None = None
     num_documents: int | None = None
     num_tokens: int | None = None
-    notes: list[str] = field(default_factory=list)
     prefix: str | None = None  # the Megatron dataset read (for raw text: its tokenized cache), if any
 
     @property

@@ -11,12 +11,13 @@ integer (global micro-batches taken), so a checkpoint resumes at exactly the sam
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
+from lpbench.data.tokenizer import Tokenizer
 from lpbench.errors import UsageError
 
 
@@ -172,10 +173,22 @@ def eval_batches(dataset, micro_batch_size: int, rank: int = 0, world_size: int 
         yield collate([dataset[i] for i in range(start, stop)])
 
 
+@dataclass
 class Splits:
-    """Micro-batches of a data set's ``train`` and ``valid`` splits (with its ``seed``, ``is_mock``, ``collate``)."""
+    """A data set's ``train`` and ``valid`` splits, what they are, and their micro-batches (through
+    ``collate``; a subclass says ``is_mock``)."""
 
     collate = staticmethod(collate_windows)
+
+    train: object
+    valid: object
+    seq_len: int
+    vocab_size: int
+    eos_id: int | None
+    seed: int
+    source: str
+    tokenizer: Tokenizer | None = None
+    notes: list[str] = field(default_factory=list)
 
     def train_loader(self, micro_batch_size: int, rank: int = 0, world_size: int = 1,
                      shuffle: bool = True) -> MicroBatchLoader:

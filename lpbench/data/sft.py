@@ -38,7 +38,7 @@ from __future__ import annotations
 import bisect
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -338,13 +338,6 @@ class SFTData(Splits):
 
     train: PackedSFTDataset | MockSFTDataset
     valid: PackedSFTDataset | MockSFTDataset
-    seq_len: int
-    vocab_size: int
-    eos_id: int
-    seed: int
-    source: str
-    tokenizer: Tokenizer | None = None
-    notes: list[str] = field(default_factory=list)
 
     @property
     def is_mock(self) -> bool:

@@ -16,10 +16,11 @@ from torch.distributed.tensor import DTensor
 
 from lpbench.precision.quantize import QTensor, Scaling
 
-try:
-    import triton  # noqa: F401
+try:  # the one check for Triton (the kernels import it from here)
+    import triton
+    import triton.language as tl
 except ImportError:  # CPU-only torch ships without Triton
-    triton = None
+    triton = tl = None
 
 EMULATE_ALWAYS = "always"  # --emulate always: emulate even where the device runs the recipe natively
 FORCED = "--emulate always (this device runs it natively)"

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lpbench.precision.formats import pack_e2m1, unpack_e2m1
+from lpbench.precision.gemm import compute_dtype
 from lpbench.precision.linear import QuantizedGemms, QuantizedLinear, QuantizedLinearFn, Reference
 from lpbench.precision.quantize import QTensor, Scaling, delayed_encode_scale, quantize
 from lpbench.precision.recipes import Recipe
@@ -39,10 +40,8 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe, *, native: bool = False):
         super().__init__()
-        if not recipe.quantized:
-            raise ValueError(f"recipe {recipe.name} has no quantized GEMMs")
-        self.out_features, self.in_features = weight.shape
-        self.recipe, self.native, self.weight_dtype = recipe, native, weight.dtype
+        self._init_gemms(recipe, native, weight.device, roles=("input", "grad"))
+        (self.out_features, self.in_features), self.weight_dtype = weight.shape, weight.dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._blocks: dict[str, tuple] = {}
@@ -56,7 +55,6 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         self._store("w", quantize(w, spec_f, encode_scale=enc))
         if not self.shared:
             self._store("wt", quantize(w.t(), spec_d, encode_scale=enc))
-        self._init_histories(w.device, roles=("input", "grad"))
 
     @classmethod
     def from_linear(cls, linear: QuantizedLinear) -> FrozenQuantizedLinear:
@@ -99,8 +97,7 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         return QTensor(codes, self._get(f"{name}_scale").t(), (block[1], block[0]), fmt, glob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        x = x.to(compute_dtype(x))
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
             y = x.new_zeros(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)

@@ -51,8 +51,8 @@ from torch import nn
 from lpbench.precision import capability, fp8_allgather
 from lpbench.precision.delayed import DelayedScaling
 from lpbench.precision.formats import E2M1
-from lpbench.precision.gemm import hp_mm, mm_fp32
-from lpbench.precision.kernels import block_scaled, fp8_linear
+from lpbench.precision.gemm import compute_dtype, hp_mm, mm_fp32
+from lpbench.precision.kernels import block_scaled
 from lpbench.precision.tp_local import local_linear
 from lpbench.precision.quantize import (
     RHT_SIZE,
@@ -141,7 +141,7 @@ class QuantizedLinearFn(torch.autograd.Function):
             if weight is None:
                 wq, ctx.w_dgrad = mod.weight_operand("fprop"), None
             else:
-                wq, ctx.w_dgrad = kernel.weight_operands(mod, weight, need_dx)
+                wq, ctx.w_dgrad = kernel.operands(mod, weight, "weight", "fprop", True, need_dx)
             y = kernel.mm(mod, xq, wq, x.dtype, bias, mod.recipe.fast_accum_fprop)
             ctx.mod, ctx.kernel, ctx.x_shape, ctx.x_dtype = mod, kernel, x.shape, x.dtype
             ctx.w_dtype = None if weight is None else weight.dtype
@@ -174,15 +174,14 @@ class QuantizedLinearFn(torch.autograd.Function):
 class Reference:
     """:class:`QuantizedLinearFn`'s kernel everywhere but the fused FP8 linear: the module's quantizers
     (:meth:`QuantizedGemms._operands`, :meth:`QuantizedGemms._weight_operands`) and :func:`qgemm`, emulated
-    or native as the module says; FP32 output and bias, rounded once to ``out_dtype``."""
+    or native as the module says; FP32 output and bias, rounded once to ``out_dtype``.
+
+    ``operands`` gives ``t`` quantized as operand ``role`` of ``gemm`` if ``row`` and its transposed copy
+    if ``col`` (wgrad's of X and dY; dgrad's Wᵀ of the weight), None for a copy not asked for."""
 
     @staticmethod
     def operands(mod, t, role, gemm, row, col):
-        return mod._operands(t, role, gemm, row, col)
-
-    @staticmethod
-    def weight_operands(mod, weight, dgrad):
-        return mod._weight_operands(weight, dgrad)
+        return mod._weight_operands(t, col) if role == "weight" else mod._operands(t, role, gemm, row, col)
 
     @staticmethod
     def mm(mod, a, b, out_dtype, bias=None, fast_accum=False):
@@ -197,11 +196,11 @@ class QuantizedGemms(DelayedScaling):
 
     tp_shard = None  # lpbench.parallel.tp.TPShard when apply_tp split it: its group, split dim, sections
 
-    def _init_gemms(self, recipe: Recipe, native: bool, device) -> None:
+    def _init_gemms(self, recipe: Recipe, native: bool, device, roles=("input", "weight", "grad")) -> None:
         if not recipe.quantized:
             raise ValueError(f"recipe {recipe.name} has no quantized GEMMs")
         self.recipe, self.native = recipe, native
-        self._init_histories(device)
+        self._init_histories(device, roles)
 
     @property
     def tp_multiple(self) -> int:
@@ -292,8 +291,10 @@ class QuantizedGemms(DelayedScaling):
         """The GEMMs on plain tensors (under TP, this rank's shards)."""
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
             return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))  # no FLOPs
-        fused = self.native and self.recipe.scaling.per_tensor and capability.fused_fp8_linear(x, weight)
-        return QuantizedLinearFn.apply(x, weight, bias, self, fp8_linear.Fused if fused else Reference)
+        kernel = Reference
+        if self.native and self.recipe.scaling.per_tensor and capability.fused_fp8_linear(x, weight):
+            from lpbench.precision.kernels.fp8_linear import Fused as kernel  # imports Triton's kernels
+        return QuantizedLinearFn.apply(x, weight, bias, self, kernel)
 
 
 class QuantizedLinear(QuantizedGemms, nn.Linear):
@@ -314,9 +315,7 @@ class QuantizedLinear(QuantizedGemms, nn.Linear):
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
-        return local_linear(self, x, self._linear)
+        return local_linear(self, x.to(compute_dtype(x)), self._linear)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, path={'native' if self.native else 'emulated'}"

@@ -37,9 +37,9 @@ def report_markdown(rows: list[dict], plot_files: list[Path] = ()) -> str:
 def run_report(args) -> int:
     from lpbench.bench.store import ResultsStore
 
-    if getattr(args, "html", None):
+    if args.html:
         check_file(args.html, "--html")
-    if getattr(args, "plots", None):
+    if args.plots:
         check_dir(args.plots, "--plots")
     store = ResultsStore(args.results, create=False)
     runs = select_runs(store.runs(), args.group)

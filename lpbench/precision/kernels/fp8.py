@@ -12,13 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from lpbench.precision.capability import tl, triton  # None without Triton
 from lpbench.precision.quantize import update_amax_history as reference_update
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only torch ships without Triton
-    triton = None
 
 
 @torch.library.custom_op("lpbench::update_amax_history", mutates_args=("history",))

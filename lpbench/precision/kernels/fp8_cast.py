@@ -21,13 +21,8 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton
 
+from lpbench.precision.capability import tl, triton  # None without Triton
 from lpbench.precision.formats import FloatFormat
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only torch ships without Triton
-    triton = None
 
 TILE = 64  # rows and columns per program of the cast
 

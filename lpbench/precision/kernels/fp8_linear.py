@@ -83,10 +83,6 @@ class Fused:
         return (q, dec), ((qt, dec) if col else None)
 
     @staticmethod
-    def weight_operands(mod, weight, dgrad):
-        return Fused.operands(mod, weight, "weight", "fprop", True, dgrad)
-
-    @staticmethod
     def mm(mod, a, b, out_dtype, bias=None, fast_accum=False):
         y = torch._scaled_mm(a[0], b[0].t(), scale_a=a[1], scale_b=b[1], out_dtype=out_dtype, use_fast_accum=fast_accum)
         return y if bias is None else y + bias.to(out_dtype)

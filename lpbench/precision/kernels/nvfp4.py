@@ -28,13 +28,8 @@ from typing import NamedTuple
 import torch
 from torch.library import triton_op, wrap_triton
 
+from lpbench.precision.capability import tl, triton  # None without Triton
 from lpbench.precision.quantize import _RHT, TE_RHT_SIGNS, _poison, nvfp4_global_scales, rht_matrix
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only torch ships without Triton
-    triton = None
 
 BLOCK = 16  # NVFP4 block along the reduction dim (the kernels also take the RHT size to be 16)
 # (rows, columns) of x per program and warps per program, without and with stochastic rounding (H100:
