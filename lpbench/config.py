@@ -261,13 +261,14 @@ class RunConfig:
             raise UsageError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
         if (self.moe_aux_loss_coeff or self.moe_z_loss_coeff or self.ep > 1) and not model.n_experts:
             raise UsageError(f"--ep and --moe-*-loss-coeff apply to mixture-of-experts models; {self.model} is dense")
-        if model.n_experts and self.tp > 1:
-            raise UsageError(f"--tp does not split {self.model}'s experts: spread them over ranks with --ep")
+        if model.n_experts and self.tp > 1 and (self.ep > 1 or get_recipe(self.precision).quantized):
+            raise UsageError(f"--tp splits {self.model}'s experts in bf16 or fp32 without --ep; quantized "
+                             "experts spread over ranks with --ep (--tp 1)")
         if self.ep < 1 or model.n_experts % self.ep or self.dp % self.ep:
             raise UsageError(f"--ep {self.ep} must divide {self.model}'s {model.n_experts} experts and the "
                              f"data-parallel size {self.dp}")
-        if self.ep > 1 and (self.save_every or self.load or self.workload == "lora"):
-            raise UsageError("--ep > 1 does not checkpoint or train LoRA yet")
+        if self.ep > 1 and self.workload == "lora":
+            raise UsageError("--ep > 1 does not train LoRA adapters: use --ep 1")
         if self.tp > 1 and self.sequence_parallel and self.seq_len % self.tp:
             raise UsageError(f"sequence parallelism needs --seq-len ({self.seq_len}) divisible by --tp {self.tp} "
                              "(or --no-sequence-parallel)")

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 import lpbench.train.loop as loop
 from lpbench.cli import main
 from lpbench.config import RunConfig
+from lpbench.errors import UsageError
 from lpbench.models.registry import MODELS, ModelConfig
 from lpbench.parallel.env import shutdown
 from lpbench.train.checkpoint import META_FILE, find_checkpoint
@@ -31,6 +32,7 @@ CLI = ["run", "--model", "test-ckpt", "--precision", "bf16", "--device", "cpu", 
 
 def _register_model() -> None:
     MODELS["test-ckpt"] = ModelConfig(*MODEL_ARGS, max_seq_len=256)
+    MODELS["test-ckpt-moe"] = ModelConfig("test-ckpt-moe", *MODEL_ARGS[1:], max_seq_len=256, n_experts=4, top_k=2)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -345,7 +347,10 @@ def test_a_full_disk_while_saving_keeps_the_measured_steps(tmp_path, monkeypatch
 
 
 # ----------------------------------------------------------------------------- two ranks (gloo)
-SCENARIOS = {"ddp": dict(mbs=1), "fsdp-fp8-delayed": dict(mbs=1, fsdp=True, precision="fp8-delayed")}
+SCENARIOS = {"ddp": dict(mbs=1), "fsdp-fp8-delayed": dict(mbs=1, fsdp=True, precision="fp8-delayed"),
+             # MoE experts split over the ranks: each rank's experts (EP) or slices of them (TP) differ
+             "ep2-moe": dict(mbs=1, model="test-ckpt-moe", ep=2, moe_aux_loss_coeff=0.01),
+             "tp2-moe": dict(mbs=2, model="test-ckpt-moe", tp=2, precision="fp32")}
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -362,6 +367,11 @@ def _worker(rank: int, port: int, out: str) -> None:
         resumed = loop.train(cfg.with_(load=folder + "/step-2"), log=lambda line: None)
         results[name] = {"straight": _trace(straight), "saving": _trace(saving), "resumed": _trace(resumed),
                          "files": sorted(os.listdir(folder + "/step-2"))}
+        if kw.get("ep"):  # another expert layout: refused before any work
+            try:
+                loop.train(cfg.with_(ep=1, load=folder + "/step-2"), log=lambda line: None)
+            except UsageError as exc:
+                results[name]["other_ep"] = str(exc)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     shutdown()  # all ranks meet first: a rank leaving mid-collective aborts its peer
@@ -384,6 +394,8 @@ def test_two_ranks_save_and_resume_exactly(name, two_ranks):
         assert len(run["straight"]) == 4 and run["saving"] == run["straight"]
         assert run["saving"][:2] + run["resumed"] == run["straight"]
     assert {".metadata", META_FILE, "__0_0.distcp", "__1_0.distcp"} <= set(two_ranks[0][name]["files"])  # both wrote
+    if "ep" in SCENARIOS[name]:
+        assert "checkpoint does not match this run: ep 2 (this run: 1)" in two_ranks[0][name]["other_ep"]
 
 
 @pytest.mark.parametrize("key", ["save_every", "save_dir", "load"])

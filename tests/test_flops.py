@@ -11,6 +11,18 @@ def test_nemo_legacy_reproduces_nemo_table_llama3_8b():
     assert tflops_per_gpu(fpt, 33099) == pytest.approx(1917, rel=0.005)
 
 
+@pytest.mark.parametrize("gpu,tokens,tflops", [("gb200", 19275, 1598), ("b200", 15457, 1282)])
+def test_nemo_legacy_reproduces_nemo_table_mixtral_8x7b(gpu, tokens, tflops):
+    # NeMo's performance summaries (25.04 on GB200, 25.02 on B200): Mixtral-8x7B on 64 GPUs, the recommended
+    # row's layout; FLOPs counted on the top-2 experts a token uses.
+    from lpbench.bench.recommended import lookup
+
+    row = lookup("mixtral-8x7b", gpu, 64)
+    assert (row.seq_len, row.mbs, row.gbs, row.ep) == (4096, 2, 256, 8)
+    fpt = flops_per_token(MODELS[row.name], row.seq_len, "nemo-legacy")
+    assert tflops_per_gpu(fpt, tokens) == pytest.approx(tflops, rel=0.001)
+
+
 def test_mha_reproduces_nemotron4_recipe():
     fpt = flops_per_token(MODELS["nemotron4-15b"], 4096, "mha")
     assert fpt * 4096 == pytest.approx(434.5e12, rel=0.001)

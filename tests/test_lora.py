@@ -14,7 +14,7 @@ from lpbench.metrics.flops import (
     tflops_per_gpu,
 )
 from lpbench.models import MODELS, build_model
-from lpbench.models.lora import LoRALinear, apply_lora, expand_targets, lora_parameters, lora_state_dict, merge_lora
+from lpbench.models.lora import ExpertLoRA, LoRALinear, apply_lora, expand_targets, lora_parameters, lora_state_dict, merge_lora
 
 TINY = dataclasses.replace(MODELS["tiny"], n_layers=2, vocab_size=256)
 X = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -106,10 +106,48 @@ def test_targets():
     assert apply_lora(model, rank=2, targets=["o"])["adapted"] == ["layers.0.attn.o", "layers.1.attn.o"]
     moe = build_model(dataclasses.replace(TINY, n_experts=2, top_k=1), device="cpu", seed=0)
     info = apply_lora(moe, rank=2, targets="mlp,o")
-    assert info["adapted"] == ["layers.0.attn.o", "layers.1.attn.o"]  # stacked experts and routers: frozen only
+    assert info["adapted"] == [f"layers.{i}.{m}" for i in range(2)  # stacked experts adapted, routers not
+                               for m in ("attn.o", "mlp.experts.gate_up", "mlp.experts.down")]
     assert not moe.layers[0].mlp.router.weight.requires_grad and not moe.layers[0].mlp.experts.down.requires_grad
+    assert moe.layers[0].mlp.experts.adapters["down"].lora_b.shape == (2, TINY.dim, 2)
     nogated = build_model(dataclasses.replace(TINY, activation="gelu"), device="cpu", seed=0)
     assert apply_lora(nogated, rank=2, targets="mlp")["adapted"][:2] == ["layers.0.mlp.up", "layers.0.mlp.down"]
+
+
+MOE = dataclasses.replace(TINY, n_experts=4, top_k=2)
+
+
+def test_expert_adapters_add_each_experts_own_low_rank_update():
+    """Every expert's tokens get scaling · (x Aₑᵀ) Bₑᵀ from that expert's adapter (idle experts included)."""
+    from lpbench.precision.grouped import Groups
+
+    torch.manual_seed(0)
+    w = torch.randn(4, 24, 16)
+    lora = ExpertLoRA(w, rank=3, alpha=6, generator=torch.Generator().manual_seed(1))
+    torch.nn.init.normal_(lora.lora_b)
+    expert = torch.tensor([0, 0, 0, 2, 2, 3])  # expert 1 gets no token
+    groups, dest = Groups.of(expert, 4)
+    x = torch.randn(6, 16)
+    buf = x.new_zeros(groups.rows, 16).index_put((dest,), x)
+    got = lora.delta(buf, groups)[dest]
+    want = torch.stack([2.0 * (x[i] @ lora.lora_a[e].T) @ lora.lora_b[e].T for i, e in enumerate(expert.tolist())])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_adapters_train_alone_and_merge_into_the_experts():
+    model = build_model(MOE, device="cpu", seed=0)
+    apply_lora(model, rank=4, targets="mlp")
+    base = snapshot(model)
+    train_steps(model)
+    experts = model.layers[0].mlp.experts
+    assert experts.adapters["gate_up"].lora_b.abs().sum() > 0  # the expert adapters learned
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if "lora_" not in n)
+    with torch.no_grad():
+        adapted = model(X)
+        merged = merge_lora(model)(X)
+    assert not lora_parameters(model) and not len(experts.adapters)
+    assert not torch.equal(experts.gate_up, base["layers.0.mlp.experts.gate_up"])
+    torch.testing.assert_close(merged, adapted, rtol=1e-4, atol=1e-4)
 
 
 def test_frozen_base_in_bf16_under_autocast():

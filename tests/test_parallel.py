@@ -1,7 +1,8 @@
-"""DDP / FSDP2 / TP / FSDP x TP on CPU (gloo): each layout trains exactly like one process.
+"""DDP / FSDP2 / TP / FSDP x TP / EP on CPU (gloo): each layout trains exactly like one process.
 
 Workers are spawned once per world size (a module fixture) and run every scenario; each
-scenario is compared with a single-process run on the same global batch, in FP32. The
+scenario is compared with a single-process run on the same global batch, in FP32 (MoE runs with
+an auxiliary loss also on its logged value: the load balance of the whole global batch). The
 distributed runs build their model on the meta device and initialise it after sharding, so
 equal losses also show that meta init gives the single-process weights.
 """
@@ -31,13 +32,22 @@ ARCHS = {  # tiny members of the other families: QK-norm + GQA, GPT (bias, learn
 SCENARIOS = {
     2: {"ddp": dict(mbs=4), "ddp-ga": dict(mbs=2), "fsdp": dict(mbs=4, fsdp=True), "fsdp-ga": dict(mbs=2, fsdp=True),
         "tp": dict(tp=2), "tp-no-sp": dict(tp=2, sequence_parallel=False, mbs=4),
-        **{f"tp-{name}": dict(tp=2, model=name) for name in ARCHS if not ARCHS[name].n_experts},
+        **{f"tp-{name}": dict(tp=2, model=name) for name in ARCHS},
+        "tp-no-sp-test-moe": dict(tp=2, model="test-moe", sequence_parallel=False, mbs=4),
         "ddp-test-moe": dict(mbs=4, model="test-moe"), "ep2-test-moe": dict(mbs=4, model="test-moe", ep=2),
-        "ep2-fsdp-test-moe": dict(mbs=2, model="test-moe", ep=2, fsdp=True)},
+        "ep2-fsdp-test-moe": dict(mbs=2, model="test-moe", ep=2, fsdp=True),
+        "ep2-test-moe-aux": dict(mbs=4, model="test-moe", ep=2, moe_aux_loss_coeff=0.1),
+        "ddp-test-moe-aux": dict(mbs=4, model="test-moe", moe_aux_loss_coeff=0.1)},
     4: {"fsdp-tp": dict(mbs=2, tp=2, fsdp=True), "ddp-tp": dict(mbs=4, tp=2),
         "ep4-test-moe": dict(mbs=2, model="test-moe", ep=4), "ep2-fsdp-test-moe": dict(mbs=2, model="test-moe", ep=2,
-                                                                                       fsdp=True)},
+                                                                                       fsdp=True),
+        "ddp-tp-test-moe-aux": dict(mbs=4, tp=2, model="test-moe", moe_aux_loss_coeff=0.1),
+        "fsdp-tp-test-moe": dict(mbs=2, tp=2, model="test-moe", fsdp=True)},
 }
+
+
+def _reference_key(kw: dict) -> str:
+    return kw.get("model", "tiny") + ("-aux" if kw.get("moe_aux_loss_coeff") else "")
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -50,6 +60,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         lines = []
         r = loop.train(BASE.with_(**kw).with_world(world), log=lines.append)
         results[name] = {"loss": [s["loss"] for s in r.steps], "grad_norm": [s["grad_norm"] for s in r.steps],
+                         "aux": [s.get("moe_aux_loss") for s in r.steps],
                          "metrics": r.metrics, "status": r.status, "log_lines": len(lines)}
     results["tp_group_size"] = _tp_group_size_of_a_sharded_linear(world)
     if world == 2:
@@ -116,25 +127,28 @@ def reference():
     with pytest.MonkeyPatch.context() as mpatch:
         for name, m in ARCHS.items():
             mpatch.setitem(MODELS, name, m)
-        return {name: loop.train(BASE.with_(model=name), log=lambda line: None) for name in ["tiny", *ARCHS]}
+        runs = {name: loop.train(BASE.with_(model=name), log=lambda line: None) for name in ["tiny", *ARCHS]}
+        runs["test-moe-aux"] = loop.train(BASE.with_(model="test-moe", moe_aux_loss_coeff=0.1), log=lambda line: None)
+        return runs
 
 
 def _assert_same_training(run: dict, ref) -> None:
     assert run["status"] == "ok"
     assert run["loss"] == pytest.approx([s["loss"] for s in ref.steps], rel=1e-5)
     assert run["grad_norm"] == pytest.approx([s["grad_norm"] for s in ref.steps], rel=1e-4)
+    if ref.config.moe_aux_loss_coeff:
+        assert run["aux"] == pytest.approx([s["moe_aux_loss"] for s in ref.steps], rel=1e-5)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS[2]))
 def test_two_ranks_train_like_one_process(name, world2, reference):
-    model = SCENARIOS[2][name].get("model", "tiny")
-    _assert_same_training(world2[0][name], reference[model])
+    _assert_same_training(world2[0][name], reference[_reference_key(SCENARIOS[2][name])])
     assert world2[1][name]["loss"] == world2[0][name]["loss"]  # every rank reports the global loss
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS[4]))
 def test_fsdp_and_ddp_times_tp_on_a_2d_mesh(name, world4, reference):
-    _assert_same_training(world4[0][name], reference[SCENARIOS[4][name].get("model", "tiny")])
+    _assert_same_training(world4[0][name], reference[_reference_key(SCENARIOS[4][name])])
     m = world4[0][name]["metrics"]
     tp, ep = SCENARIOS[4][name].get("tp", 1), SCENARIOS[4][name].get("ep", 1)
     assert (m["world_size"], m["dp"], m["tp"], m["ep"]) == (4, 4 // tp, tp, ep)

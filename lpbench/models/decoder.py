@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lpbench.models.fused_loss import linear_cross_entropy
-from lpbench.models.moe import MoE
+from lpbench.models.moe import MoE, expert_shape
 from lpbench.models.registry import ModelConfig
 from lpbench.precision import gemm
 from lpbench.precision.tp_local import local_linear
@@ -181,7 +181,9 @@ class Decoder(nn.Module):
         gen = torch.Generator(device=device).manual_seed(seed)
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
-            shape = (self.cfg.n_experts, *p.shape[1:]) if ".experts." in name else p.shape  # all experts (EP)
+            # stacked expert weights whole: all experts (EP), their whole FFN width (TP)
+            stacked = name.endswith((".experts.gate_up", ".experts.up", ".experts.down"))
+            shape = expert_shape(self.cfg, name.rpartition(".")[2]) if stacked else p.shape
             full = torch.empty(shape, dtype=p.dtype, device=device)
             if p.ndim == 1:
                 full.fill_(1.0 if name.endswith("weight") else 0.0)

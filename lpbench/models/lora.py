@@ -21,8 +21,9 @@ quantized once) fits the same slot; for merging it implements ``merge_lora_delta
 ``base.weight.add_(delta)``.
 
 **Targets** (``--lora-targets``): ``qkv``, ``o``, ``mlp`` (= ``gate_up``/``up`` and ``down``),
-or ``gate_up``, ``up``, ``down`` alone. MoE layers: routers and the stacked expert weights are frozen,
-not adapted (a dense MLP's targets match nothing there).
+or ``gate_up``, ``up``, ``down`` alone. MoE layers: routers are frozen, never adapted; the stacked expert
+weights of a target get one adapter per expert (:class:`ExpertLoRA`, stacked the same way: A [E, r, in],
+B [E, out, r], run as grouped GEMMs over the expert-sorted tokens), as each expert's linear had.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 
 from lpbench.errors import UsageError
 from lpbench.precision import gemm
+from lpbench.precision.grouped import grouped_linear, is_experts
 
 TARGETS: dict[str, tuple[str, ...]] = {
     "qkv": ("qkv",), "o": ("o",), "mlp": ("gate_up", "up", "down"),
@@ -92,6 +94,39 @@ class LoRALinear(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha:g}, adapters={self.lora_a.dtype}"
 
 
+class ExpertLoRA(nn.Module):
+    """One adapter per expert of a stacked expert weight [E, out, in]: expert e adds ``scaling · (x Aₑᵀ) Bₑᵀ``
+    to its tokens' projection (registered in ``Experts.adapters`` under the weight's name)."""
+
+    def __init__(self, weight: torch.Tensor, rank: int, alpha: float, adapter_dtype: torch.dtype = torch.float32,
+                 generator: torch.Generator | None = None):
+        super().__init__()
+        n_experts, self.out_features, self.in_features = weight.shape
+        self.rank, self.alpha, self.scaling = int(rank), float(alpha), float(alpha) / rank
+        self.lora_a = nn.Parameter(torch.empty(n_experts, rank, self.in_features, device=weight.device,
+                                               dtype=adapter_dtype))
+        self.lora_b = nn.Parameter(torch.zeros(n_experts, self.out_features, rank, device=weight.device,
+                                               dtype=adapter_dtype))
+        if weight.device.type != "meta":
+            with torch.no_grad():  # each expert's A as LoRALinear draws it
+                for a in self.lora_a:
+                    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+
+    def delta(self, x: torch.Tensor, groups) -> torch.Tensor:
+        """``scaling · (x_e A_eᵀ) B_eᵀ`` for every expert's rows of the sorted buffer ``x`` (``groups``)."""
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.lora_a.dtype)
+        return grouped_linear(grouped_linear(x, self.lora_a, groups), self.lora_b, groups) * self.scaling
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """``scaling · B_e A_e`` [E, out, in] in FP32."""
+        return (self.lora_b.float() @ self.lora_a.float()) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"experts={self.lora_a.shape[0]}, rank={self.rank}, alpha={self.alpha:g}, adapters={self.lora_a.dtype}"
+
+
 def _is_linear(mod: nn.Module) -> bool:
     w = getattr(mod, "weight", None)
     return isinstance(mod, nn.Linear) or (hasattr(mod, "in_features") and isinstance(w, torch.Tensor) and w.ndim == 2)
@@ -115,7 +150,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError("apply_lora needs the transformer blocks in model.layers (an nn.ModuleList)")
-    if any(isinstance(m, LoRALinear) for m in model.modules()):
+    if lora_modules(model):
         raise UsageError("the model already has LoRA adapters")
     for p in model.parameters():
         p.requires_grad_(False)
@@ -124,6 +159,9 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
             for mod in layer.modules():
                 if _is_linear(mod):
                     mod.to(base_dtype)
+                elif is_experts(mod):
+                    for p in mod.parameters(recurse=False):
+                        p.data = p.data.to(base_dtype)
     first = next(model.parameters())
     gen = torch.Generator(device=first.device) if first.device.type != "meta" else None
     if gen is not None:
@@ -131,6 +169,12 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
     adapted = []
     for i, layer in enumerate(layers):
         for name, mod in list(layer.named_modules()):
+            if is_experts(mod):  # stacked experts: an adapter per expert for each targeted weight
+                for wname, w in mod.named_parameters(recurse=False):
+                    if wname in names:
+                        mod.adapters[wname] = ExpertLoRA(w, rank, alpha, adapter_dtype, gen)
+                        adapted.append(f"layers.{i}.{name}.{wname}")
+                continue
             leaf = name.rpartition(".")[2]
             if leaf not in names or "router" in name or not _is_linear(mod):
                 continue
@@ -149,8 +193,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
             "rank": rank, "alpha": alpha, "targets": sorted(names)}
 
 
-def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear | ExpertLoRA]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (LoRALinear, ExpertLoRA))]
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -171,6 +215,15 @@ def merge_lora(model: nn.Module) -> nn.Module:
     base weight's dtype. ``requires_grad`` flags are left as they are (the base stays frozen).
     """
     for name, mod in lora_modules(model):
+        if isinstance(mod, ExpertLoRA):  # name: <experts>.adapters.<weight>
+            experts_name, _, wname = name.rpartition(".adapters.")
+            experts = model.get_submodule(experts_name)
+            w = getattr(experts, wname)
+            if hasattr(w, "full_tensor") or w.is_meta:
+                raise UsageError(f"{name}: cannot merge into a sharded or meta weight; gather it first")
+            w.copy_((w.float() + mod.delta_weight().to(w.device)).to(w.dtype))
+            del experts.adapters[wname]
+            continue
         base, delta = mod.base, mod.delta_weight()
         if hasattr(base, "merge_lora_delta"):  # a base that stores its weight quantized
             base = base.merge_lora_delta(delta) or base

@@ -9,7 +9,11 @@ Routing (``ModelConfig.router``), in FP32 and never quantized:
 Auxiliary losses, per layer, summed over layers (Megatron's definitions; T tokens, E experts):
 
 * load balancing: ``E · Σ_e f_e · P_e`` with f_e the share of the T·k routed slots that went to
-  expert e and P_e the mean router probability of e (1 when perfectly balanced);
+  expert e and P_e the mean router probability of e (1 when perfectly balanced). Across
+  data-parallel ranks (``MoE.count_group``) f_e counts the tokens of every rank, as Megatron's
+  global auxiliary loss does, and P_e stays each rank's own mean: the mean over ranks of their
+  losses (and of their gradients, as data parallelism averages them) is the loss of the whole
+  global batch;
 * router z-loss: ``mean_t logsumexp(logits_t)²``.
 
 Their coefficients (``MoE.aux_coeff`` / ``z_coeff``, ``--moe-aux-loss-coeff`` / ``--moe-z-loss-coeff``)
@@ -21,7 +25,9 @@ token counts and loss values in ``stats`` for the log.
 Dispatch: every (token, expert) pair sorted by expert (stable, so tokens keep their order) into
 the padded buffer of :class:`lpbench.precision.grouped.Groups`; no token is dropped. Expert
 parallelism (``ep``, :mod:`lpbench.parallel.ep`) exchanges the sorted pairs all-to-all between the
-sort and the GEMMs, and back before the combine.
+sort and the GEMMs, and back before the combine. Tensor parallelism (``Experts.tp``, set by
+:func:`lpbench.parallel.tp.apply_tp`) gives every rank all experts' slices of the FFN width: the
+same tokens in, partial outputs summed over the group.
 """
 
 from __future__ import annotations
@@ -48,10 +54,21 @@ def route(logits: torch.Tensor, top_k: int, router: str, norm_topk: bool = True)
     return weights, chosen, probs
 
 
-def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
-    """``E · Σ_e f_e · P_e``: f_e = counts[e] / (T·k), P_e = mean of probs[:, e]."""
-    T, E = probs.shape
-    return E * (counts.float() / (T * top_k) * probs.mean(0)).sum()
+def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``E · Σ_e f_e · P_e``: f_e = counts[e] / Σ counts (the routed slots: T·k for this rank's T tokens,
+    more when ``counts`` sums several ranks'), P_e = mean of probs[:, e]."""
+    counts = counts.float()
+    return probs.shape[1] * (counts / counts.sum() * probs.mean(0)).sum()
+
+
+@torch.compiler.disable
+def _summed(counts: torch.Tensor, group) -> torch.Tensor:
+    """``counts`` summed over the ranks of ``group`` (token counts: no gradient)."""
+    import torch.distributed as dist
+
+    counts = counts.clone()
+    dist.all_reduce(counts, group=group)
+    return counts
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -72,6 +89,13 @@ class _AttachLoss(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, device=grad.device), None
 
 
+def expert_shape(cfg: ModelConfig, name: str) -> tuple[int, int, int]:
+    """The whole stacked weight ``name`` (``gate_up``, ``up`` or ``down``) of an MoE layer of ``cfg``."""
+    if name == "down":
+        return cfg.n_experts, cfg.dim, cfg.ffn_dim
+    return cfg.n_experts, (2 if cfg.gated else 1) * cfg.ffn_dim, cfg.dim
+
+
 class Experts(nn.Module):
     """E expert MLPs as stacked weights: ``gate_up`` [E, 2F, D] (or ``up`` [E, F, D]) and ``down`` [E, D, F].
 
@@ -89,6 +113,8 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(E, D, Fd))
         self.recipe = None
         self.gemms = None  # ModuleDict of per-expert ExpertGemms (looped recipes)
+        self.tp = None  # lpbench.parallel.tp.ExpertsTP: this rank's slice of every expert's FFN width
+        self.adapters = nn.ModuleDict()  # LoRA: weight name -> lpbench.models.lora.ExpertLoRA
 
     def set_recipe(self, recipe, native: bool) -> None:
         from lpbench.precision.linear import ExpertGemms
@@ -110,6 +136,12 @@ class Experts(nn.Module):
     torchao = None
 
     def _project(self, name: str, x: torch.Tensor, groups: Groups) -> torch.Tensor:
+        y = self._base(name, x, groups)
+        if name in self.adapters:
+            y = y + self.adapters[name].delta(x, groups).to(y.dtype)
+        return y
+
+    def _base(self, name: str, x: torch.Tensor, groups: Groups) -> torch.Tensor:
         w = getattr(self, name)
         if self.torchao is not None:  # groups padded to 16 rows, as torchao requires
             return groups.clear_tail(self.torchao(x, w.transpose(1, 2), groups.offs, x.dtype,
@@ -123,6 +155,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        if self.tp is not None:
+            x = self.tp.enter(x)
         h = self._project(self.in_name, x, groups)
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)
@@ -131,7 +165,8 @@ class Experts(nn.Module):
             h = F.relu(h).square()
         else:
             h = F.gelu(h)
-        return self._project("down", h, groups)
+        y = self._project("down", h, groups)
+        return y if self.tp is None else self.tp.leave(y)
 
 
 class MoE(nn.Module):
@@ -148,6 +183,8 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = Experts(cfg)
         self.ep = None  # lpbench.parallel.ep.ExpertParallel when experts are spread over ranks
+        self.count_group = None  # data-parallel ranks whose token counts the load-balancing loss sums
+        self.expert_replicas = None  # ranks holding the same experts (or slices) as this one, when experts are split
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts), persistent=False)
         self.register_buffer("loss_sums", torch.zeros(3), persistent=False)  # aux, z, forwards
 
@@ -162,7 +199,8 @@ class MoE(nn.Module):
         token, expert = order // self.top_k, flat[order]
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat))
-        aux, zl = load_balancing_loss(probs, counts, self.top_k), z_loss(logits)
+        aux = load_balancing_loss(probs, counts if self.count_group is None else _summed(counts, self.count_group))
+        zl = z_loss(logits)
         with torch.no_grad():
             self.tokens_per_expert.add_(counts.float())
             self.loss_sums.add_(torch.stack([aux.detach(), zl.detach(), torch.ones_like(zl)]))

@@ -34,10 +34,11 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Mo
     With tensor-parallel (DTensor) parameters torch's ``DistributedDataParallel`` does not apply;
     FSDP2's ``replicate`` (the same semantics, one group per block) does.
     """
+    ignored_params = set(expert_params(model)[0]) or None  # split experts: sync_expert_grads reduces them
     if any(isinstance(p, DTensor) for p in model.parameters()):
         for block in model.layers:
-            replicate(block, mesh=mesh)
-        return replicate(model, mesh=mesh)
+            replicate(block, mesh=mesh, ignored_params=ignored_params)
+        return replicate(model, mesh=mesh, ignored_params=ignored_params)
     ignored = {id(p) for p in expert_params(model)[0]}  # expert parallel: each rank's own experts
     if ignored:
         DDP._set_params_and_buffers_to_ignore_for_model(

@@ -12,8 +12,8 @@ reached it through the exchange), each loss already the mean over that rank's ba
 summed over the replicas of the expert (the same expert in the other groups) and divided by the
 data-parallel size, which gives the single-process gradient of the mean loss
 (:func:`sync_expert_grads`). The gradient norm sums the experts' squares over the group
-(:func:`expert_params`). Built on torch.distributed (NCCL or gloo) only; checkpoints of
-expert-parallel runs are not written yet (the config refuses them).
+(:func:`expert_params`). Experts split by tensor parallelism (:mod:`lpbench.parallel.tp`) are handled
+alike: the TP group holds the parts, the data-parallel ranks the replicas. Built on torch.distributed (NCCL or gloo) only.
 """
 
 from __future__ import annotations
@@ -84,22 +84,30 @@ def apply_ep(model: nn.Module, ep: int, device_type: str) -> None:
                 del gemms[:n_local * rank]
         experts.n_experts, experts.first = n_local, n_local * rank
         moe.ep = ExpertParallel(mesh["ep"].get_group(), ep, rank, n_local)
-        moe.ep_replicas = mesh["replica"].get_group() if world > ep else None
+        moe.expert_replicas = mesh["replica"].get_group() if world > ep else None
+
+
+def _split_layers(model: nn.Module) -> list[tuple[MoE, object]]:
+    """MoE layers whose experts differ across ranks, with the group holding the parts (expert or tensor parallel)."""
+    return [(m, m.ep.group if m.ep is not None else m.experts.tp.group) for m in model.modules()
+            if isinstance(m, MoE) and (m.ep is not None or m.experts.tp is not None)]
 
 
 def expert_params(model: nn.Module) -> tuple[list[nn.Parameter], object]:
-    """The expert weights this rank holds under expert parallelism, and their group (([], None) without)."""
-    layers = [m for m in model.modules() if isinstance(m, MoE) and m.ep is not None]
-    return [p for m in layers for p in m.experts.parameters()], (layers[0].ep.group if layers else None)
+    """The expert weights this rank holds under expert or tensor parallelism, and the group holding the
+    other parts (([], None) without); data-parallel wrappers leave them to :func:`sync_expert_grads`."""
+    layers = _split_layers(model)
+    return [p for m, _ in layers for p in m.experts.parameters()], (layers[0][1] if layers else None)
 
 
 @torch.no_grad()
 def sync_expert_grads(model: nn.Module, dp: int) -> None:
-    """Expert gradients summed over the expert's replicas and divided by the data-parallel size."""
-    for moe in (m for m in model.modules() if isinstance(m, MoE) and m.ep is not None):
+    """Split experts' gradients summed over their replicas (``MoE.expert_replicas``: the ranks holding the same
+    part) and divided by the data-parallel size."""
+    for moe, _ in _split_layers(model):
         for p in moe.experts.parameters():
             if p.grad is None:
                 continue
-            if moe.ep_replicas is not None:
-                dist.all_reduce(p.grad, group=moe.ep_replicas)
+            if moe.expert_replicas is not None:
+                dist.all_reduce(p.grad, group=moe.expert_replicas)
             p.grad.div_(dp)

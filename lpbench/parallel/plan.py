@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lpbench.config import RunConfig
-from lpbench.models.moe import Experts
+from lpbench.models.moe import Experts, moe_layers
 from lpbench.parallel.dp import apply_ddp, apply_fsdp
 from lpbench.parallel.ep import apply_ep
 from lpbench.precision.policy import apply_fp8_all_gather
@@ -68,6 +68,10 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
         apply_tp(model, mesh["tp"], cfg.sequence_parallel)
     if cfg.ep > 1:
         apply_ep(model, cfg.ep, device.type)
+    for moe in moe_layers(model):  # the load-balancing loss counts the tokens of every data-parallel rank
+        moe.count_group = mesh["dp"].get_group() if cfg.dp > 1 else None
+        if moe.experts.tp is not None:  # TP-split experts: their replicas are the data-parallel ranks
+            moe.expert_replicas = moe.count_group
     if not fsdp:
         materialize(model, device, cfg.seed)
     if by_block:
@@ -121,8 +125,10 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
     def write(name: str, param: torch.Tensor, full: torch.Tensor) -> None:
         owner = experts.get(name.rpartition(".")[0])
-        if owner is not None:  # expert parallelism: this rank's experts
+        if owner is not None:  # expert parallelism: this rank's experts; tensor parallelism: their slices
             full = full[owner.first:owner.first + owner.n_experts]
+            if owner.tp is not None:
+                full = owner.tp.local(name.rpartition(".")[2], full)
         split = splits.get(name.rpartition(".")[0])
         if split is not None and split.dim == 0 and len(split.sections) > 1:
             full = interleave(full, split.sections, split.size)

@@ -1,7 +1,10 @@
 """Tensor parallelism through DTensor: Megatron's column/row-wise linears and sequence-parallel norms.
 
-Per block: ``attn.qkv`` and ``mlp.gate_up|up`` column-wise, ``attn.o`` and ``mlp.down`` row-wise
-(MoE models are not split: their experts spread over ranks with ``--ep``). Vocabulary-parallel embedding and
+Per block: ``attn.qkv`` and ``mlp.gate_up|up`` column-wise, ``attn.o`` and ``mlp.down`` row-wise.
+MoE blocks (torchtitan's and Megatron's expert tensor parallelism): the router is replicated and every
+rank keeps all experts with its slice of their FFN width (stacked ``gate_up``/``up`` split along
+their out features, ``down`` along its in features, as plain tensors: :class:`ExpertsTP`); the
+layer sees the whole sequence, its experts' partial outputs are all-reduced. Vocabulary-parallel embedding and
 ``lm_head`` (a tied pair stays one parameter); the logits are gathered before the loss.
 With sequence parallelism the residual stream between the sublayers is split along the
 sequence (norms run on ``S / tp`` tokens; all-gather in, reduce-scatter out).
@@ -26,8 +29,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from lpbench.errors import UsageError
 
@@ -54,6 +58,73 @@ class TPShard:
                           for start, n in zip(accumulate((0, *self.sections)), self.sections)])
 
 
+class _Enter(torch.autograd.Function):
+    """Identity; the gradient all-reduced over ``group`` (each rank's slice contributes a part)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _Leave(torch.autograd.Function):
+    """The partial outputs of the ranks of ``group`` summed; the gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        y = y.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@dataclass(frozen=True)
+class ExpertsTP:
+    """One MoE layer's experts split over a tensor-parallel group (``Experts.tp``; see the module doc).
+
+    Rank r holds, for every expert, the r-th of ``size`` chunks of the FFN width: rows
+    ``[gate_r; up_r]`` of ``gate_up`` (``up_r`` of ``up``) and columns r of ``down``.
+    """
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+    @torch.compiler.disable
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return _Enter.apply(x, self.group)
+
+    @torch.compiler.disable
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        return _Leave.apply(y, self.group)
+
+    def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the stacked expert weight ``name`` (``full``: all of it)."""
+        if name == "down":
+            return full.chunk(self.size, 2)[self.rank]
+        sections = [full.shape[1] // 2] * 2 if name == "gate_up" else [full.shape[1]]
+        return torch.cat([part.chunk(self.size, 1)[self.rank] for part in full.split(sections, 1)], 1)
+
+
+def _shard_experts(experts: nn.Module, shard: ExpertsTP) -> None:
+    """Replace ``experts``' stacked weights by this rank's parts (meta tensors stay meta)."""
+    if len(experts.adapters):
+        raise UsageError("--tp does not split LoRA adapters of MoE experts: use --tp 1, or --lora-targets qkv,o")
+    for name, p in list(experts.named_parameters(recurse=False)):
+        local = shard.local(name, p.detach())
+        setattr(experts, name, nn.Parameter(local if p.is_meta else local.clone(), requires_grad=p.requires_grad))
+    experts.tp = shard
+
+
 def interleave(t: torch.Tensor, sections: list[int] | tuple[int, ...], tp: int) -> torch.Tensor:
     """Rows [a; b; …] of a fused weight or bias reordered to [a_0; b_0; …; a_1; b_1; …] (see module doc)."""
     parts = [s.chunk(tp, 0) for s in t.split(list(sections), 0)]
@@ -74,6 +145,8 @@ def split_linears(block: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
     q, kv = attn.n_heads * attn.hd, attn.n_kv * attn.hd
     out = {"attn.qkv": (0, (q, kv, kv)), "attn.o": (1, (q,))}
     mlp = block.mlp
+    if hasattr(mlp, "experts"):  # stacked experts: split by _shard_experts
+        return out
     ffn = mlp.down.in_features
     out["mlp.gate_up" if hasattr(mlp, "gate_up") else "mlp.up"] = (0, (ffn, ffn) if hasattr(mlp, "gate_up") else (ffn,))
     out["mlp.down"] = (1, (ffn,))
@@ -96,6 +169,12 @@ def block_plan(block: nn.Module, sp: bool) -> dict:
         plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
                      "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),  # (x, rope, mask)
                                                 desired_input_layouts=(Replicate(), None, None))})
+    if hasattr(block.mlp, "experts"):  # the layer sees the whole sequence and gives the whole output
+        if sp:
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        return plan
     plan.update(_mlp_plan(block.mlp, "mlp", seq))
     if sp:
         plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
@@ -144,6 +223,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
                              "quantization blocks: use a smaller --tp or another precision")
     for block in model.layers:
         localize_block(block, tp)
+        if hasattr(block.mlp, "experts"):
+            _shard_experts(block.mlp.experts, ExpertsTP(mesh.get_group(), mesh.get_local_rank(), tp))
     parallelize_module(model, mesh, plan)
     if tied:
         model.lm_head.weight = model.tok_embeddings.weight

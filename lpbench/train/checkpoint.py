@@ -7,7 +7,11 @@ contains the model (parameters and buffers), the optimizer, the LR scheduler, th
 the step, and per rank: RNG states (torch CPU and CUDA, numpy, python) and persistent buffers
 (the delayed-scaling amax histories differ between data-parallel ranks). Model and optimizer go
 through ``get_state_dict``/``set_state_dict``, so one process, DDP and FSDP2 save and load alike
-(each rank writes its shards; the folder must be on a filesystem all ranks see).
+(each rank writes its shards; the folder must be on a filesystem all ranks see). MoE experts split
+over ranks (``--ep``, or ``--tp``'s slices of them) are plain tensors that differ between ranks
+under one name, which DCP would keep one copy of: they and their optimizer state are saved per rank
+like the RNG states, so a checkpoint resumes on the same ``--ep``/``--tp``/``--dp`` layout only
+(the config check names the difference).
 
 Saving is atomic: every rank writes into ``SAVE_DIR/.step-K.tmp-PID`` (PID: rank 0's), rank 0
 adds ``lpbench.json`` and renames the folder to ``step-K``. An existing ``step-K`` is swapped
@@ -53,12 +57,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from lpbench import __version__
 from lpbench.errors import UsageError
+from lpbench.parallel.ep import expert_params
 
 META_FILE = "lpbench.json"
 STEP_DIR = re.compile(r"step-(\d+)")
 # Config fields a checkpoint must share with the run that resumes it (shapes, layout, data order).
 MATCH_FIELDS = ("model", "num_layers", "vocab_size", "precision", "backend", "workload", "lora_rank", "lora_targets",
-                "seq_len", "mbs", "gbs", "dp", "tp", "fsdp", "data", "seed")
+                "seq_len", "mbs", "gbs", "dp", "tp", "ep", "fsdp", "data", "seed")
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
@@ -256,10 +261,19 @@ class Checkpointer:
         model's copy of a buffer is deduplicated to one rank's).
         """
         model, optim = get_state_dict(self.module, self.optimizer)
+        split = self._split_experts()
         local = {"rng": _rng_state(self.device),
-                 "buffers": {name: b.detach().clone() for name, b in _persistent_buffers(self.module)}}
+                 "buffers": {name: b.detach().clone() for name, b in _persistent_buffers(self.module)},
+                 "experts": {name: model.pop(name) for name in split},
+                 "experts_optim": {name: optim["state"].pop(name) for name in split if name in optim["state"]}}
         return {"model": model, "optim": optim, "rank": {str(self.rank): local},
                 "train": {"step": step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict()}}
+
+    def _split_experts(self) -> list[str]:
+        """State-dict names of the expert weights that differ between ranks (expert or tensor parallel)."""
+        model = getattr(self.module, "module", self.module)  # DDP wraps the model
+        ids = {id(p) for p in expert_params(model)[0]}
+        return [name for name, p in model.named_parameters() if id(p) in ids]
 
     def resume(self) -> tuple[int, list[dict]]:
         """Load ``cfg.load`` (if set) into the run; returns the step it was saved after (0: none) and the
@@ -273,9 +287,11 @@ class Checkpointer:
                 dcp.load(state, storage_reader=_VerifiedReader(ckpt, meta["files"]), no_dist=self.world == 1)
         except (Exception, CheckpointException) as exc:  # damaged files: unpickling, I/O, missing keys ...
             raise UsageError(f"--load {ckpt}: corrupt checkpoint ({_cause(exc)})") from None
+        train, local = state["train"], state["rank"][str(self.rank)]
+        state["model"].update(local["experts"])
+        state["optim"]["state"].update(local["experts_optim"])
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-        train, local = state["train"], state["rank"][str(self.rank)]
         self.scheduler.load_state_dict(train["scheduler"])
         self.data.load_state_dict(train["data"])
         with torch.no_grad():

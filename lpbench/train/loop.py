@@ -175,7 +175,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                         loss = forward(*batch)  # input_ids, labels[, doc_ids]
                     (loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach()
-            if cfg.ep > 1:
+            if cfg.ep > 1 or cfg.tp > 1:
                 sync_expert_grads(par.module, cfg.dp)
             grad_norm = clip_grad_norm_(params, cfg.grad_clip, optimizer, spread)
             optimizer.step()
@@ -191,7 +191,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                    "grad_norm": float(grad_norm), "tokens_per_sec_per_gpu": tps,
                    "tflops_per_gpu": fpt * tps / 1e12,
                    "peak_mem_gb": None if peak is None else all_reduce([peak], "max", device)[0]}
-            moe = moe_step_stats(par.module, device, world.size, cfg.grad_accum)
+            moe = moe_step_stats(par.module, device, world.size, cfg.tp)
             if moe is not None:
                 rec.update(moe["step"])
                 expert_tokens = moe["tokens"] if step == start + 1 else [
@@ -243,9 +243,10 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     return result
 
 
-def moe_step_stats(module, device, world_size: int, grad_accum: int) -> dict | None:
+def moe_step_stats(module, device, world_size: int, tp: int) -> dict | None:
     """One step's MoE log values (aux and z-loss as the loss sees them: averaged over micro-batches and
-    ranks; expert load = the busiest expert's tokens over the mean, worst layer) and per-layer token counts."""
+    ranks; expert load = the busiest expert's tokens over the mean, worst layer) and per-layer token counts
+    (the ``tp`` ranks of a tensor-parallel group route the same tokens: counted once)."""
     stats = take_moe_stats(module)
     if stats is None:
         return None
@@ -253,7 +254,7 @@ def moe_step_stats(module, device, world_size: int, grad_accum: int) -> dict | N
     flat = all_reduce([float(c) for layer in tokens for c in layer] + [stats["aux_loss"], stats["z_loss"]], "sum",
                       device)
     n_layers, n_exp = len(tokens), len(tokens[0])
-    tokens = [[int(c) for c in flat[i * n_exp:(i + 1) * n_exp]] for i in range(n_layers)]
+    tokens = [[int(c) // tp for c in flat[i * n_exp:(i + 1) * n_exp]] for i in range(n_layers)]
     load = max(max(layer) * n_exp / max(sum(layer), 1) for layer in tokens)
     return {"tokens": tokens, "step": {"moe_aux_loss": flat[-2] / world_size, "moe_z_loss": flat[-1] / world_size,
                                        "expert_load_max": load}}
