@@ -51,18 +51,12 @@ class DataSplits(Splits):
         return isinstance(self.train, MockDataset)
 
     def describe(self) -> str:
-        """Several lines: where the data comes from, tokenizer, split sizes, what was dropped."""
-        lines = [f"data: {self.source}"]
-        if self.tokenizer is not None:
-            lines.append(f"tokenizer: {self.tokenizer.description}")
-        if self.num_tokens is not None:
-            docs = f" in {self.num_documents:,} documents" if self.num_documents else ""
-            lines.append(f"corpus: {self.num_tokens:,} tokens{docs}, vocab {self.vocab_size}, "
-                         f"EOS id {self.eos_id}")
-        lines += [self.train.describe(), self.valid.describe(),
-                  f"order: seeded shuffle (seed {self.seed}), sharded over data-parallel ranks"
-                  if not self.is_mock else f"order: sample index = position (seed {self.seed})"]
-        return "\n".join(lines + self.notes)
+        """Several lines: where the data comes from, tokenizer, corpus, split sizes, order, what was dropped."""
+        docs = f" in {self.num_documents:,} documents" if self.num_documents else ""
+        corpus = () if self.num_tokens is None else (
+            f"corpus: {self.num_tokens:,} tokens{docs}, vocab {self.vocab_size}, EOS id {self.eos_id}",)
+        return super().describe(corpus, (f"order: sample index = position (seed {self.seed})" if self.is_mock else
+                                         f"order: seeded shuffle (seed {self.seed}), sharded over data-parallel ranks",))
 
 
 def build_dataset(spec: str, tokenizer: "Tokenizer | str | None" = None, *, seq_len: int,

@@ -190,6 +190,12 @@ class Splits:
     tokenizer: Tokenizer | None = None
     notes: list[str] = field(default_factory=list)
 
+    def describe(self, corpus: tuple[str, ...] = (), order: tuple[str, ...] = ()) -> str:
+        """Several lines: where the data comes from, its tokenizer, ``corpus``, the splits, ``order``, notes."""
+        tokenizer = () if self.tokenizer is None else (f"tokenizer: {self.tokenizer.description}",)
+        return "\n".join([f"data: {self.source}", *tokenizer, *corpus, self.train.describe(), self.valid.describe(),
+                          *order, *self.notes])
+
     def train_loader(self, micro_batch_size: int, rank: int = 0, world_size: int = 1,
                      shuffle: bool = True) -> MicroBatchLoader:
         """Endless micro-batches for this rank, with state_dict/load."""

@@ -343,12 +343,6 @@ class SFTData(Splits):
     def is_mock(self) -> bool:
         return isinstance(self.train, MockSFTDataset)
 
-    def describe(self) -> str:
-        lines = [f"data: {self.source}"]
-        if self.tokenizer is not None:
-            lines.append(f"tokenizer: {self.tokenizer.description}")
-        return "\n".join(lines + [self.train.describe(), self.valid.describe()] + self.notes)
-
     def flops_sample_lengths(self, max_sequences: int = 256) -> list[list[int]]:
         """Sample lengths of the training sequences (all of them; the first ``max_sequences`` for
         mock data), for a per-run FLOP count as NeMo computes it over its packed dataset

@@ -18,16 +18,13 @@ from lpbench.precision.quantize import Scaling, delayed_encode_scale
 
 
 class DelayedScaling:
-    """Mixin of an ``nn.Module`` with a ``recipe``: its delayed-scaling histories and scales."""
+    """Mixin of an ``nn.Module`` with a ``recipe`` and ``reduce_amax`` (the whole operand's amax from this
+    module's part; :class:`lpbench.precision.linear.QuantizedGemms`): its delayed-scaling histories and scales."""
 
     def _init_histories(self, device, roles=("input", "weight", "grad")) -> None:
         if self.recipe.scaling is Scaling.DELAYED:
             for role in roles:
                 self.register_buffer(f"amax_history_{role}", torch.zeros(self.recipe.amax_history_len, device=device))
-
-    def reduce_amax(self, role: str, amax: torch.Tensor) -> torch.Tensor:
-        """The whole operand's amax from this module's part (tensor parallelism overrides it)."""
-        return amax
 
     def amax_history(self, role: str) -> torch.Tensor:
         return getattr(self, f"amax_history_{role}")
