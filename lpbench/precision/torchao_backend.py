@@ -85,7 +85,8 @@ def path(recipe: Recipe, device: torch.device, emulate: bool | str = False) -> t
     if recipe.name == "nvfp4":
         if cap is None or cap < BLACKWELL:
             raise UsageError(f"--backend torchao runs nvfp4 only on compute capability 10.x: {NO_NVFP4_EMULATION}; "
-                             f"{device} has {where}: use --backend lpbench, which emulates it")
+                             f"{f'{device} has {where}' if cap else f'{device} is not a CUDA GPU'}: use --backend "
+                             "lpbench, which emulates it")
         if forced:
             raise UsageError(f"--backend torchao cannot emulate nvfp4 (--emulate always): {NO_NVFP4_EMULATION}; "
                              "use --backend lpbench, which emulates it")
