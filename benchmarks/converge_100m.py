@@ -88,8 +88,15 @@ def export(name: str, work: Path, command: list[str], wall_s: float) -> dict | N
         "wall_s": round(wall_s, 1), "train_loss_last10": m.get("train_loss"),
         "val_loss": m["val_losses"][-1][1] if m.get("val_losses") else None,
         "val_losses": m.get("val_losses", []),
-        "train": [[s["step"], s["loss"], s["lr"], s["grad_norm"]] for s in steps],
+        "train": [[s["step"], round(s["loss"], 5), float(f"{s['lr']:.4g}"), round(s["grad_norm"], 4)] for s in steps],
     }
+
+
+def dump(record: dict) -> str:
+    """The JSON file: one line per training step, the rest indented."""
+    head = json.dumps({k: v for k, v in record.items() if k != "train"}, indent=1)
+    rows = ",\n  ".join(json.dumps(row) for row in record["train"])
+    return head[:-2] + ',\n "train": [\n  ' + rows + "\n ]\n}\n"
 
 
 def cmd_run(args) -> int:
@@ -111,7 +118,7 @@ def cmd_run(args) -> int:
             print(f"converge_100m: {name}: no result (exit {rc})", flush=True)
             failed += 1
             continue
-        (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+        (out / f"{name}.json").write_text(dump(record))
         print(f"converge_100m: {name}: {record['status']}, validation loss {record['val_loss']}, "
               f"{record['tokens_per_sec'] or 0:,.0f} tokens/s, {record['wall_s']:.0f} s -> {out / name}.json",
               flush=True)
@@ -178,8 +185,11 @@ def cmd_report(args) -> int:
         for n in names:
             r = runs[n]
             recipe, seed = parse_run(n)
+            tol = tolerance_for(recipe, DEFAULT_TOLERANCES)
+            verdict = "reference" if n == REFERENCE else "seed noise" if seed != REF_SEED else \
+                "no tolerance" if tol is None else "pass" if gap(r["val_loss"], ref["val_loss"]) <= tol else "fail"
             plot_runs.append({"precision": recipe if seed == REF_SEED else f"{recipe} @ seed {seed}",
-                              "status": r["status"], "ok": r["status"] == "ok", "verdict": "",
+                              "status": r["status"], "ok": r["status"] == "ok", "verdict": verdict,
                               "train": [(s * per_step, loss) for s, loss, _, _ in r["train"]],
                               "val": [(s * per_step, v) for s, v in r["val_losses"]]})
         png = convergence_curves(plot_runs, tolerances=DEFAULT_TOLERANCES,
