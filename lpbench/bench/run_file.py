@@ -14,7 +14,7 @@ from pathlib import Path
 from lpbench.errors import UsageError
 
 IGNORED = ("name", "description")  # a sweep spec's labels: allowed, unused by one run
-LAUNCH_KEYS = {"gpu": str, "num_gpus": int, "nproc_per_node": int}  # flags of `lpbench run` that are not fields
+LAUNCH_KEYS = ("gpu", "num_gpus", "nproc_per_node")  # flags of `lpbench run` that are not fields (typed by _coerce)
 
 
 def load_mapping(path: str) -> dict:
@@ -83,12 +83,6 @@ def apply_config_file(args: argparse.Namespace) -> None:
                 raise UsageError(f"--config {path}: precision: {exc}") from None
         elif isinstance(value, (list, dict)):
             raise UsageError(f"--config {path}: {key}: a list makes a grid of runs; that is `lpbench sweep {path}`")
-        elif key in LAUNCH_KEYS:
-            try:
-                value = LAUNCH_KEYS[key](value)
-            except (TypeError, ValueError):
-                raise UsageError(f"--config {path}: {key}: expected {LAUNCH_KEYS[key].__name__}, "
-                                 f"got {value!r}") from None
         else:
             try:
                 value = _coerce(key, value, run_fields)

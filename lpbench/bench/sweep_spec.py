@@ -85,12 +85,12 @@ def sweep_id_of(name) -> str:
 
 
 def _coerce(key: str, value, run_fields: dict):
-    """A YAML value as the type of RunConfig's field (or of the sweep setting)."""
+    """A YAML value as the type of RunConfig's field (or of the sweep or launch setting)."""
     if value is None:
         return None
     from lpbench.config import check_number, field_type
 
-    kind = {"num_gpus": int, "gpu": str}.get(key) or field_type(run_fields[key])
+    kind = {"num_gpus": int, "gpu": str, "nproc_per_node": int}.get(key) or field_type(run_fields[key])
     if kind is bool:
         if isinstance(value, bool) or value in _words(key, run_fields):
             return value
