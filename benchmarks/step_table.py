@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from functools import lru_cache
 from pathlib import Path
 
 import yaml
@@ -61,17 +62,39 @@ def spec_for(args, rows: list[str]) -> dict:
     return spec
 
 
+@lru_cache(maxsize=1)
+def _trace_events(trace: str) -> list[dict]:
+    return json.loads(Path(trace).read_text()).get("traceEvents", [])
+
+
 def top_kernels(trace: str | None, steps: int, n: int) -> tuple[list[tuple[str, float]], float]:
     """The ``n`` kernels with the most device time per step in a Chrome trace, and the kernel
     total per step (ms): a check on the profile's breakdown, which sums the same kernels."""
     if not trace or not Path(trace).is_file():
         return [], 0.0
-    events = json.loads(Path(trace).read_text()).get("traceEvents", [])
+    events = _trace_events(trace)
     per = Counter()
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
             per[e["name"]] += e["dur"] / 1e3 / steps
     return per.most_common(n), sum(per.values())
+
+
+def idle_gaps(trace: str | None, steps: int, n: int) -> tuple[float, list[tuple[float, str, str]]]:
+    """GPU idle time per step (ms) inside the profiled steps' kernel span, and the ``n`` longest gaps
+    (ms, kernel before, kernel after): where the device waited on the host."""
+    if not trace or not Path(trace).is_file():
+        return 0.0, []
+    events = _trace_events(trace)
+    busy = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    gaps, end, last = [], None, ""
+    for start, stop, name in busy:
+        if end is not None and start > end:
+            gaps.append(((start - end) / 1e3, last, name))
+        if end is None or stop > end:
+            end, last = stop, name
+    return sum(g[0] for g in gaps) / steps, sorted(gaps, reverse=True)[:n]
 
 
 def run_hf(args, log_dir: Path) -> dict | None:
@@ -182,9 +205,17 @@ def main() -> int:
                                      (r.get("profile") or {}).get("n_steps", 1), args.top)
         r["kernel_ms"] = total
         if kernels:
-            print(f"\n{r['name']}: heaviest kernels (ms per step; all kernels {total:.1f} ms per step)")
+            prof = r.get("profile") or {}
+            profiled = prof.get("total_ms", 0.0) / prof.get("n_steps", 1)
+            print(f"\n{r['name']}: heaviest kernels (ms per step; all kernels {total:.1f} ms per step, "
+                  f"the profile's categories {profiled:.1f})")
             for name, ms in kernels:
                 print(f"  {ms:8.2f}  {name[:150]}")
+            idle, gaps = idle_gaps(prof.get("trace"), prof.get("n_steps", 1), 8)
+            r["idle_ms"] = idle
+            print(f"  GPU idle between kernels: {idle:.1f} ms per step; longest gaps (ms, kernel before -> after):")
+            for ms, before, after in gaps:
+                print(f"  {ms:8.2f}  {before[:70]} -> {after[:70]}")
     label = next((r["model"] for r in out if r.get("model")), args.model)
     gpu = next((r["gpu"] for r in out if r.get("gpu")), "?")
     print(f"\n{label}, seq {args.seq_len}, MBS {args.mbs}, GBS {args.gbs or args.mbs}, {gpu}, "

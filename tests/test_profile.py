@@ -81,6 +81,22 @@ def test_cuda_kernel_time_goes_to_the_launching_operators_category():
                                                         "comm": 3.0, "other": 0.0}
 
 
+def test_each_kernel_counts_once_and_annotations_not_at_all():
+    """torch links a range's GPU-side annotation to it like a kernel: it must not count; nor may a kernel
+    linked twice count more than the device ran it."""
+    step = _event("ProfilerStep#2", kernels=[("ProfilerStep#2", 100.0)])
+    graph = _event("## Call CompiledFxGraph fabc ##", parent=step, kernels=[("## Call CompiledFxGraph fabc ##", 50.0)])
+    events = [step, graph, _event("aten::mm", parent=graph, kernels=[("nvjet_tst_64x8", 5.0)]),
+              _event("aten::mm", parent=graph, kernels=[("nvjet_tst_64x8", 5.0)]),
+              _event("triton_poi_fused_add_0", parent=graph, kernels=[("triton_poi_fused_add_0", 3.0)]),
+              _event("ProfilerStep#2", "cuda", us=100.0, annotation=True),
+              _event("## Call CompiledFxGraph fabc ##", "cuda", us=50.0, annotation=True),
+              _event("nvjet_tst_64x8", "cuda", us=5.0), _event("triton_poi_fused_add_0", "cuda", us=3.0)]
+    parts = breakdown(labelled_times(events, "cuda"))
+    assert {c: p["time"] for c, p in parts.items()} == {"gemm": 5.0, "quantize": 0.0, "attention": 0.0,
+                                                        "comm": 0.0, "other": 3.0}
+
+
 def test_cpu_self_time_goes_to_the_innermost_classified_name():
     quantize = _event("lpbench/precision/quantize.py(229): quantize", us=1.0)
     loop = _event("lpbench/train/loop.py(120): train", us=0.5)

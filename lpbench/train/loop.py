@@ -28,7 +28,7 @@ from lpbench.parallel.dp import clip_grad_norm_, grad_sync
 from lpbench.parallel.ep import expert_params, sync_expert_grads
 from lpbench.parallel.env import all_reduce, init_distributed
 from lpbench.parallel.plan import parallelize
-from lpbench.precision import gemm
+from lpbench.precision import gemm, weight_cache
 from lpbench.precision.recipes import get_recipe
 from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError, validated
 from lpbench.train.workload import (build_data, describe_lora, prepare_model, run_flops_per_token,
@@ -128,6 +128,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     params = [p for p in par.module.parameters() if p.requires_grad]
     spread = expert_params(par.module)  # expert parallel: each rank's own experts
     optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda")
+    if not (use_compile and cfg.compile_scope == "model"):  # its pre-hook runs eagerly
+        weight_cache.install(model, optimizer)  # FP8 weights cast once per optimizer step
     scheduler = build_scheduler(optimizer, cfg)
     memory.reset_peak(device)  # after building, sharding and initialising the model
     splits = build_data(cfg, model_cfg)

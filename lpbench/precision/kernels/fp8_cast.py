@@ -25,6 +25,18 @@ from lpbench.precision.capability import tl, triton  # None without Triton
 from lpbench.precision.formats import FloatFormat
 
 TILE = 64  # rows and columns per program of the cast
+WARPS = 4  # warps per program
+
+
+def _launch(launcher, x, q, qt, encode_scale, fp8_max, write_t, tile=None, warps=None) -> torch.Tensor:
+    """Run the cast of ``x`` into ``q`` (and ``qt``); the amax of x (FP32)."""
+    m, n = x.shape
+    tile, warps = tile or TILE, warps or WARPS
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
+    grid = (triton.cdiv(m, tile), triton.cdiv(n, tile))
+    launcher(_cast_kernel)[grid](x, q, qt, encode_scale, amax_bits, m, n, FMAX=fp8_max, WRITE_T=write_t, BM=tile,
+                                 BN=tile, num_warps=warps)
+    return amax_bits.view(torch.float32)
 
 
 @triton_op("lpbench::fp8_cast_transpose", mutates_args=())
@@ -33,11 +45,7 @@ def _cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fp8_max: float,
     m, n = x.shape
     q = torch.empty((m, n), dtype=dtype, device=x.device)
     qt = torch.empty((n, m) if write_t else (0,), dtype=dtype, device=x.device)
-    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-    grid = (triton.cdiv(m, TILE), triton.cdiv(n, TILE))
-    wrap_triton(_cast_kernel)[grid](x, q, qt, encode_scale, amax_bits, m, n, FMAX=fp8_max, WRITE_T=write_t, BM=TILE,
-                                    BN=TILE, num_warps=4)
-    return q, qt, amax_bits.view(torch.float32)
+    return q, qt, _launch(wrap_triton, x, q, qt, encode_scale, fp8_max, write_t)
 
 
 @triton_op("lpbench::amax_unless", mutates_args=())
@@ -52,6 +60,14 @@ def cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fmt: FloatFormat
     """(codes, transposed codes or empty, amax of x): saturating round-to-nearest-even cast of
     x × encode_scale, in one read of x (CUDA; see :func:`lpbench.precision.capability.fp8_cast_kernel`)."""
     return _cast_transpose(x.contiguous(), encode_scale.float().reshape(()), fmt.max, fmt.dtype, write_t)
+
+
+def cast_transpose_into(x: torch.Tensor, encode_scale: torch.Tensor, fmt: FloatFormat, q: torch.Tensor,
+                        qt: torch.Tensor, tile: int | None = None, warps: int | None = None) -> torch.Tensor:
+    """:func:`cast_transpose` into given ``q`` [M, N] and ``qt`` [N, M] (eager only: a plain kernel launch,
+    for buffers that outlive the call); returns the amax of x. ``tile``/``warps``: the launch shape
+    (``benchmarks/fp8_cast.py`` times the choices)."""
+    return _launch(lambda k: k, x.contiguous(), q, qt, encode_scale.float().reshape(()), fmt.max, True, tile, warps)
 
 
 def amax_unless(x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:

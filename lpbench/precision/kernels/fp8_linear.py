@@ -19,6 +19,10 @@ so codes and scales are bit-exact with the reference. Delayed scaling needs no a
 the cast (the scale comes from the history); for CUDA operands one Triton kernel
 (``kernels/fp8_cast.py``) casts, writes the transposed copy and reduces the amax recorded for
 the next step in a single read, which inductor cannot do.
+
+A linear whose weight :mod:`lpbench.precision.weight_cache` keeps in FP8 uses those codes (cast once
+per optimizer step by :func:`cache_weight`, with this module's own cast) instead of casting the
+weight in every micro-batch's forward.
 """
 
 from __future__ import annotations
@@ -40,28 +44,36 @@ def cast(t: torch.Tensor, amax: torch.Tensor, enc: torch.Tensor, fmt: FloatForma
     return q, (q.t().contiguous() if write_t else q.new_empty((0,))), fp8_decode_scale(enc, amax)
 
 
-def _quantize(mod, role: str, t: torch.Tensor, write_t: bool):
+def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
     """(codes, transposed codes, decode scale) of ``t`` for ``role`` under mod's recipe.
 
     ``mod.reduce_amax`` makes the amax the whole tensor's under tensor parallelism. Delayed
     scaling takes its scale from the amax history (the current amax only while the history
-    is empty) and records the current amax.
+    is empty) and records the current amax. ``out``: (codes, transposed codes) buffers the
+    one-pass kernel writes into (eager only; other paths return new tensors).
     """
     recipe = mod.recipe
     fmt = recipe.element_format(role)
     if role == "weight" and (pre := fp8_allgather.gathered(mod, t)) is not None:  # FSDP all-gathered it in FP8
         return pre[0], pre[0].t().contiguous() if write_t else pre[0].new_empty((0,)), pre[1]
+    kernel = capability.fp8_cast_kernel(t)
+
+    def one_pass(enc):  # one tiled pass writes both copies (inductor's transposed write is slow)
+        if out is not None:
+            return (*out, fp8_cast.cast_transpose_into(t.detach(), enc, fmt, *out))
+        return fp8_cast.cast_transpose(t.detach(), enc, fmt, write_t)
+
     if recipe.scaling is not Scaling.DELAYED:
         amax = mod.reduce_amax(role, t.detach().abs().amax().float())
         enc = fp8_encode_scale(amax, fmt)
-        if capability.fp8_cast_kernel(t):  # one tiled pass writes both copies (inductor's transposed write is slow)
-            q, qt, _ = fp8_cast.cast_transpose(t.detach(), enc, fmt, write_t)
+        if kernel:
+            q, qt, _ = one_pass(enc)
             return q, qt, fp8_decode_scale(enc, amax)
         return cast(t, amax, enc, fmt, write_t)
-    if capability.fp8_cast_kernel(t):  # one read of t; the current amax only while the history is empty
+    if kernel:  # one read of t; the current amax only while the history is empty
         first = mod.reduce_amax(role, fp8_cast.amax_unless(t.detach(), mod.amax_history(role).max() > 0))
         enc = mod.history_scale(role, first)
-        q, qt, amax = fp8_cast.cast_transpose(t.detach(), enc, fmt, write_t)
+        q, qt, amax = one_pass(enc)
         amax = mod.reduce_amax(role, amax)
         out = q, qt, fp8_decode_scale(enc, amax)
     else:
@@ -69,6 +81,18 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool):
         out = cast(t, amax, mod.history_scale(role, amax), fmt, write_t)
     mod.record_amax(role, amax)
     return out
+
+
+def cache_weight(mod) -> None:
+    """Cast ``mod.weight`` now into ``mod``'s buffers ``fp8_weight`` [N, K], ``fp8_weight_t`` [K, N] and
+    ``fp8_weight_scale`` (:mod:`lpbench.precision.weight_cache` made them), exactly as the linear's
+    forward would (delayed scaling records the weight's amax here, once per cast)."""
+    with torch.no_grad(), torch.autocast(mod.weight.device.type, enabled=False):
+        bufs = mod.fp8_weight, mod.fp8_weight_t
+        q, qt, dec = _quantize(mod, "weight", mod.weight, True, out=bufs)
+        for buf, new in zip((*bufs, mod.fp8_weight_scale), (q, qt, dec.reshape(()))):
+            if new is not buf:
+                buf.copy_(new)
 
 
 class Fused:
@@ -79,7 +103,10 @@ class Fused:
 
     @staticmethod
     def operands(mod, t, role, gemm, row, col):
-        q, qt, dec = _quantize(mod, role, t, col)
+        if role == "weight" and getattr(mod, "fp8_weight", None) is not None:  # cast once per step (weight_cache)
+            q, qt, dec = mod.fp8_weight, mod.fp8_weight_t, mod.fp8_weight_scale
+        else:
+            q, qt, dec = _quantize(mod, role, t, col)
         return (q, dec), ((qt, dec) if col else None)
 
     @staticmethod

@@ -1,0 +1,137 @@
+"""FP8 weights cast once per optimizer step (``precision/weight_cache.py``) train exactly as the
+uncached linear, which casts the weight in every micro-batch's forward."""
+
+import pytest
+import torch
+from torch import nn
+
+from lpbench.precision import capability, weight_cache
+from lpbench.precision.kernels import fp8_linear
+from lpbench.precision.linear import QuantizedLinear
+from lpbench.precision.recipes import get_recipe
+
+
+def _model(recipe: str, device="cpu") -> nn.Sequential:
+    torch.manual_seed(0)
+    r = get_recipe(recipe)
+    return nn.Sequential(QuantizedLinear(64, 96, recipe=r, native=True, device=device), nn.GELU(),
+                         QuantizedLinear(96, 32, recipe=r, native=True, device=device)).to(device)
+
+
+def _train(model, cached: bool, steps=3, accum=2, device="cpu"):
+    """Losses, final weights and histories of ``steps`` AdamW steps of ``accum`` micro-batches each."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    cache = weight_cache.install(model, opt) if cached else None
+    assert cached == (cache is not None)
+    losses = []
+    for step in range(steps):
+        for micro in range(accum):
+            g = torch.Generator().manual_seed(100 * step + micro)
+            x = torch.randn(32, 64, generator=g).to(device)
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            (loss / accum).backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, opt
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """The fused FP8 linear and the cache on CPU (``torch._scaled_mm`` runs there; no Triton: the torch cast)."""
+    monkeypatch.setattr(capability, "fused_fp8_linear", lambda x, w: True)
+    monkeypatch.setattr(weight_cache, "eligible", lambda m: isinstance(m, QuantizedLinear))
+    casts = []
+    quantize = fp8_linear._quantize
+
+    def counting(mod, role, *args, **kwargs):
+        casts.append(role)
+        return quantize(mod, role, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_linear, "_quantize", counting)
+    return casts
+
+
+@pytest.mark.parametrize("recipe, accum", [("fp8-tensorwise", 2), ("fp8-delayed", 1)])
+def test_cached_weights_train_exactly_like_uncached(fused_on_cpu, recipe, accum):
+    """Same losses, weights, optimizer states and histories; the weight cast once per optimizer step."""
+    plain, cached = _model(recipe), _model(recipe)
+    want, opt_plain = _train(plain, cached=False, accum=accum)
+    n_plain = fused_on_cpu.count("weight")
+    got, opt_cached = _train(cached, cached=True, accum=accum)
+    assert n_plain == 2 * 3 * accum  # two linears, every micro-batch
+    assert fused_on_cpu.count("weight") - n_plain == 2 * 3  # once per optimizer step
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for (name, a), b in zip(plain.state_dict().items(), cached.state_dict().values()):
+        assert torch.equal(a, b), name
+    for a, b in zip(opt_plain.state.values(), opt_cached.state.values()):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
+def test_delayed_weight_keeps_one_scale_through_the_step(fused_on_cpu):
+    """Delayed scaling with accumulation: the weight's codes of the step's first micro-batch serve them
+    all (as Transformer Engine's first-micro-batch weight cache), its amax recorded once per step."""
+    model = _model("fp8-delayed")
+    seen = []
+    operands = fp8_linear.Fused.operands
+
+    def spy(mod, t, role, *args):
+        out = operands(mod, t, role, *args)
+        if mod is model[0] and role == "weight":
+            seen.append((out[0][0].clone(), out[0][1].clone()))
+        return out
+
+    fp8_linear.Fused.operands = staticmethod(spy)
+    try:
+        _train(model, cached=True, steps=2, accum=3)
+    finally:
+        fp8_linear.Fused.operands = staticmethod(operands)
+    assert len(seen) == 6
+    for step in (seen[:3], seen[3:]):
+        assert all(torch.equal(c.view(torch.uint8), step[0][0].view(torch.uint8)) and torch.equal(s, step[0][1])
+                   for c, s in step)
+    assert not torch.equal(seen[0][0].view(torch.uint8), seen[3][0].view(torch.uint8))  # the step changed it
+    assert int((model[0].amax_history_weight > 0).sum()) == 2
+
+
+def test_a_weight_changed_in_place_is_cast_again(fused_on_cpu):
+    plain, cached = _model("fp8-tensorwise"), _model("fp8-tensorwise")
+    _train(plain, cached=False, steps=1)
+    _, opt = _train(cached, cached=True, steps=1)
+    x = torch.randn(32, 64)
+    with torch.no_grad():
+        for m in (plain, cached):
+            m[0].weight.mul_(0.5)  # bumps the version counter
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(plain(x), cached(x))
+
+
+def test_cache_buffers_stay_out_of_checkpoints(fused_on_cpu):
+    model = _model("fp8-tensorwise")
+    keys = set(model.state_dict())
+    _train(model, cached=True, steps=1)
+    assert set(model.state_dict()) == keys
+    assert model[0].fp8_weight.dtype == torch.float8_e4m3fn and model[0].fp8_weight_t.shape == (64, 96)
+
+
+def test_only_native_per_tensor_linears_are_eligible():
+    lin = QuantizedLinear(64, 96, recipe=get_recipe("fp8-tensorwise"), native=True)
+    assert not weight_cache.eligible(lin)  # CPU weight: the fused FP8 linear does not take it
+    assert not weight_cache.eligible(nn.Linear(64, 96))
+    opt = torch.optim.AdamW(lin.parameters())
+    assert weight_cache.install(lin, opt) is None and not hasattr(lin, "fp8_weight")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
+def test_cached_weights_train_exactly_like_uncached_on_cuda(recipe):
+    """On CUDA the cache is filled by the one-pass Triton cast into its buffers."""
+    plain, cached = _model(recipe, "cuda"), _model(recipe, "cuda")
+    assert all(weight_cache.eligible(m) for m in (cached[0], cached[2]))
+    want, _ = _train(plain, cached=False, device="cuda")
+    got, _ = _train(cached, cached=True, device="cuda")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for (name, a), b in zip(plain.state_dict().items(), cached.state_dict().values()):
+        if "amax_history_weight" not in name:
+            assert torch.equal(a, b), name
