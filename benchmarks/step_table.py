@@ -80,21 +80,23 @@ def top_kernels(trace: str | None, steps: int, n: int) -> tuple[list[tuple[str, 
     return per.most_common(n), sum(per.values())
 
 
-def idle_gaps(trace: str | None, steps: int, n: int) -> tuple[float, list[tuple[float, str, str]]]:
-    """GPU idle time per step (ms) inside the profiled steps' kernel span, and the ``n`` longest gaps
-    (ms, kernel before, kernel after): where the device waited on the host."""
+def idle_gaps(trace: str | None, steps: int, n: int) -> tuple[float, list[tuple[float, str, str]], list]:
+    """GPU idle time per step (ms) inside the profiled steps' kernel span, the ``n`` longest gaps
+    (ms, kernel before, kernel after), and the ``n`` kernels the device waited longest for in all
+    (ms per step, name): where the device waited on the host."""
     if not trace or not Path(trace).is_file():
-        return 0.0, []
+        return 0.0, [], []
     events = _trace_events(trace)
     busy = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
-    gaps, end, last = [], None, ""
+    gaps, end, last, before = [], None, "", Counter()
     for start, stop, name in busy:
         if end is not None and start > end:
             gaps.append(((start - end) / 1e3, last, name))
+            before[name] += (start - end) / 1e3 / steps
         if end is None or stop > end:
             end, last = stop, name
-    return sum(g[0] for g in gaps) / steps, sorted(gaps, reverse=True)[:n]
+    return sum(g[0] for g in gaps) / steps, sorted(gaps, reverse=True)[:n], before.most_common(n)
 
 
 def run_hf(args, log_dir: Path) -> dict | None:
@@ -211,11 +213,14 @@ def main() -> int:
                   f"the profile's categories {profiled:.1f})")
             for name, ms in kernels:
                 print(f"  {ms:8.2f}  {name[:150]}")
-            idle, gaps = idle_gaps(prof.get("trace"), prof.get("n_steps", 1), 8)
-            r["idle_ms"] = idle
+            idle, gaps, waited = idle_gaps(prof.get("trace"), prof.get("n_steps", 1), 8)
+            r["idle_ms"], r["kernels"] = idle, top_kernels(prof.get("trace"), prof.get("n_steps", 1), 400)[0]
             print(f"  GPU idle between kernels: {idle:.1f} ms per step; longest gaps (ms, kernel before -> after):")
             for ms, before, after in gaps:
                 print(f"  {ms:8.2f}  {before[:70]} -> {after[:70]}")
+            print("  idle before each kernel, summed (ms per step):")
+            for name, ms in waited:
+                print(f"  {ms:8.2f}  {name[:140]}")
     label = next((r["model"] for r in out if r.get("model")), args.model)
     gpu = next((r["gpu"] for r in out if r.get("gpu")), "?")
     print(f"\n{label}, seq {args.seq_len}, MBS {args.mbs}, GBS {args.gbs or args.mbs}, {gpu}, "

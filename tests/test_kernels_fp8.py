@@ -229,3 +229,51 @@ def test_tensorwise_one_pass_cast_matches_reference_on_cuda(shape, role, dtype, 
     fn = torch.compile(_quantize, dynamic=False) if compiled else _quantize
     for write_t in (True, False):
         _same(*fn(mod, role, x.cuda(), write_t), quantize_fp8(x, fmt))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, compiled", [(s, False) for s in SHAPES] + [(SHAPES[1], True)])
+@pytest.mark.parametrize("dtype, fmt", [(torch.bfloat16, E4M3), (torch.bfloat16, E5M2), (torch.float32, E4M3)])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_delayed_three_launch_cast_matches_reference_on_cuda(shape, dtype, fmt, margin, compiled):
+    """Delayed scaling's CUDA path (scale from the history, cast, decode scale and history update: three
+    launches): the reference's codes, decode scale and history, from an empty history and a filled one."""
+    import dataclasses
+
+    from lpbench.precision.kernels.fp8_linear import _quantize
+    from lpbench.precision.linear import QuantizedLinear
+    from lpbench.precision.recipes import get_recipe
+
+    recipe = dataclasses.replace(get_recipe("fp8-delayed"), margin=margin)
+    mod = QuantizedLinear.from_linear(torch.nn.Linear(16, 16, device="cuda"), recipe, native=True)
+    ref_history = torch.zeros(recipe.amax_history_len)
+    torch._dynamo.reset()
+    fn = torch.compile(_quantize, dynamic=False) if compiled else _quantize
+    for step in range(3):
+        x = _inputs(shape, torch.float32).clamp(-6e4, 6e4).mul(1 + step).to(dtype)
+        if step == 2:
+            x[1, 2] = float("inf")  # the decode scale turns NaN, the history records 0
+        amax = x.float().abs().amax()
+        ref = quantize_fp8(x, fmt, encode_scale=delayed_encode_scale(ref_history, amax, fmt, margin))
+        update_amax_history(ref_history, amax)
+        q, qt, dec = fn(mod, "input" if fmt is E4M3 else "grad", x.cuda(), True)
+        if step < 2:
+            _same(q, qt, dec, ref)
+        else:
+            assert dec.isnan() and ref.scale.isnan()
+        assert torch.equal(getattr(mod, "amax_history_input" if fmt is E4M3 else "amax_history_grad").cpu(),
+                           ref_history)
+
+
+@pytest.mark.gpu
+def test_delayed_scale_of_a_tiny_amax_keeps_its_subnormal_decode_scale():
+    from lpbench.precision.kernels import fp8_cast
+
+    x = torch.full((64, 64), 1e-39, device="cuda")
+    history = torch.zeros(16, device="cuda")
+    first, enc = fp8_cast.history_scale(x, history, E4M3, 0)
+    q, _, amax = fp8_cast.delayed_cast(x, enc, first, E4M3, 0, False)
+    dec = fp8_cast.record_amax(history, enc, first, amax, E4M3, 0)
+    ref = quantize_fp8(x.cpu(), E4M3)
+    assert torch.equal(dec.cpu().reshape(()), ref.scale.reshape(())) and ref.scale.item() > 0
+    assert torch.equal(q.cpu().view(torch.uint8), ref.codes.view(torch.uint8))
