@@ -97,11 +97,11 @@ def _history_scale(x: torch.Tensor, history: torch.Tensor, fp8_max: float,
 
 @_op("lpbench::fp8_record_amax", ("history",))
 def _record_amax(history: torch.Tensor, encode_scale: torch.Tensor, first: torch.Tensor, amax: torch.Tensor,
-                 fp8_max: float, down: float) -> torch.Tensor:
+                 fp8_max: float, down: float, record: bool) -> torch.Tensor:
     dec = torch.empty((), dtype=torch.float32, device=history.device)
     length = history.numel()
     wrap_triton(_record_kernel)[(1,)](history, encode_scale, first, amax, dec, length, FMAX=fp8_max, DOWN=down,
-                                      HBLOCK=triton.next_power_of_2(max(length, 2)), num_warps=4)
+                                      RECORD=record, HBLOCK=triton.next_power_of_2(max(length, 2)), num_warps=4)
     return dec
 
 
@@ -143,7 +143,16 @@ def record_amax(history: torch.Tensor, enc: torch.Tensor, first: torch.Tensor, a
                 fmt: FloatFormat, margin: int) -> torch.Tensor:
     """The decode scale of a :func:`delayed_cast` (NaN if its ``amax`` is not finite), and ``amax``
     recorded in ``history`` (in place, as ``quantize.update_amax_history``), in one launch."""
-    return _record_amax(history, enc, first, amax, fmt.max, 2.0 ** -margin)
+    return _record_amax(history, enc, first, amax, fmt.max, 2.0 ** -margin, True)
+
+
+def tensorwise_cast_into(x: torch.Tensor, fmt: FloatFormat, q: torch.Tensor, qt: torch.Tensor) -> torch.Tensor:
+    """Tensorwise scaling of ``x`` into ``q`` and ``qt`` in three launches (amax, cast, decode scale; eager, for
+    the weight cache: the compiled path reduces the amax inside the operand's producer instead); the decode scale."""
+    none = torch.zeros(1, device=x.device)  # an empty history: the current amax gives the scale
+    first, enc = history_scale(x, none, fmt, 0)
+    amax = cast_transpose_into(x, enc, fmt, q, qt, first=first)
+    return _record_amax(none, enc, first, amax, fmt.max, 1.0, False)
 
 
 if triton is not None:
@@ -198,17 +207,18 @@ if triton is not None:
 
     @triton.jit
     def _record_kernel(hist_ptr, enc_ptr, first_ptr, amax_ptr, dec_ptr, HIST_LEN, FMAX: tl.constexpr,
-                       DOWN: tl.constexpr, HBLOCK: tl.constexpr):
+                       DOWN: tl.constexpr, RECORD: tl.constexpr, HBLOCK: tl.constexpr):
         enc = tl.load(enc_ptr)
         enc = tl.where(enc != enc, _encode(tl.load(first_ptr), FMAX, DOWN), enc)
         a = tl.load(amax_ptr)
         finite = (a == a) & (a < float("inf"))
         tl.store(dec_ptr, tl.where(finite, _div(1.0, enc), float("nan")))
-        idx = tl.arange(0, HBLOCK)  # shift the history by one, record the amax (non-finite as 0)
-        h = tl.load(hist_ptr + idx, mask=idx < HIST_LEN - 1, other=0.0)
-        tl.debug_barrier()
-        tl.store(hist_ptr + idx + 1, h, mask=idx < HIST_LEN - 1)
-        tl.store(hist_ptr, tl.where(finite, a, 0.0))
+        if RECORD:  # shift the history by one, record the amax (non-finite as 0)
+            idx = tl.arange(0, HBLOCK)
+            h = tl.load(hist_ptr + idx, mask=idx < HIST_LEN - 1, other=0.0)
+            tl.debug_barrier()
+            tl.store(hist_ptr + idx + 1, h, mask=idx < HIST_LEN - 1)
+            tl.store(hist_ptr, tl.where(finite, a, 0.0))
 
     @triton.jit
     def _amax_kernel(x_ptr, skip_ptr, amax_ptr, numel, BLOCK: tl.constexpr):
