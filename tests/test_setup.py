@@ -71,6 +71,14 @@ SMALL = {
     "--gbs 8 --eval-every 20 --eval-batches 4 --ablate rht --device cpu":
         "lpbench converge --data .corpus/prepared/docs_text_document --model tiny --tokens 2048 --seq-len 32 "
         "--mbs 4 --gbs 4 --eval-every 8 --eval-batches 2 --precision bf16 --ablate rht --device cpu",
+    "lpbench converge --data .corpus/prepared/docs_text_document --model tiny --tokens 150000 --seq-len 128 --mbs 8 "
+    "--gbs 8 --precision bf16,nvfp4 --eval-every 20 --eval-batches 4 --device cpu --save-every 40 --save-dir ckpt":
+        "lpbench converge --data .corpus/prepared/docs_text_document --model tiny --tokens 2048 --seq-len 32 "
+        "--mbs 4 --gbs 4 --precision bf16,nvfp4 --eval-every 8 --eval-batches 2 --device cpu --save-every 6 --save-dir ckpt",
+    "lpbench converge --data .corpus/prepared/docs_text_document --model tiny --tokens 150000 --seq-len 128 --mbs 8 "
+    "--gbs 8 --precision bf16,nvfp4 --eval-every 20 --eval-batches 4 --device cpu --save-every 40 --save-dir ckpt --load ckpt":
+        "lpbench converge --data .corpus/prepared/docs_text_document --model tiny --tokens 2048 --seq-len 32 "
+        "--mbs 4 --gbs 4 --precision bf16,nvfp4 --eval-every 8 --eval-batches 2 --device cpu --save-every 6 --save-dir ckpt --load ckpt",
 }
 # A command that reads another's output runs after it (the README shows it where it is explained).
 AFTER = {"lpbench converge": "lpbench data prepare"}
