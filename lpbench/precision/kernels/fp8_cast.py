@@ -196,14 +196,18 @@ if triton is not None:
     @triton.jit
     def _history_scale_kernel(x_ptr, hist_ptr, amax_ptr, enc_ptr, numel, HIST_LEN, FMAX: tl.constexpr,
                               DOWN: tl.constexpr, BLOCK: tl.constexpr, HBLOCK: tl.constexpr):
+        pid = tl.program_id(0)
         hidx = tl.arange(0, HBLOCK)
-        hmax = tl.max(tl.load(hist_ptr + hidx, mask=hidx < HIST_LEN, other=0.0), axis=0)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        hmax = tl.load(hist_ptr)  # the last record; the whole history in program 0, or where the record is 0
+        if pid == 0:
+            hmax = tl.max(tl.load(hist_ptr + hidx, mask=hidx < HIST_LEN, other=0.0), axis=0)
+            tl.store(enc_ptr, tl.where(hmax > 0, _encode(hmax, FMAX, DOWN), float("nan")))
+        if hmax <= 0:
+            hmax = tl.max(tl.load(hist_ptr + hidx, mask=hidx < HIST_LEN, other=0.0), axis=0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = (offs < numel) & ((hmax > 0) == 0)  # x is read only while the history is empty
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         tl.atomic_max(amax_ptr, tl.max(_bits_of_abs(x), axis=0))
-        if tl.program_id(0) == 0:
-            tl.store(enc_ptr, tl.where(hmax > 0, _encode(hmax, FMAX, DOWN), float("nan")))
 
     @triton.jit
     def _record_kernel(hist_ptr, enc_ptr, first_ptr, amax_ptr, dec_ptr, HIST_LEN, FMAX: tl.constexpr,
