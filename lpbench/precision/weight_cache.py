@@ -17,7 +17,10 @@ amax once: with gradient accumulation the step's later micro-batches reuse the f
 the same weight again with a scale whose history already held its amax (they differ when the new
 weight's amax exceeds the history's maximum). Without accumulation the two are identical.
 
-Cost: the row-major FP8 copy stays allocated for the whole step (1 byte per weight; the
+The training loop installs it only with gradient accumulation: with one micro-batch a step the
+weight is cast once a step anyway, inside the compiled block, and the eager refill (a few launches
+per linear from Python) cost more: llama3.2-1b at GBS = MBS on an H200 ran 138.0 ms a step with
+it against 126.9 without. Cost: the row-major FP8 copy stays allocated for the whole step (1 byte per weight; the
 transposed copy was already held from forward to backward). The pre-hook must run eagerly, so
 the model itself must not be compiled as one graph (``--compile-scope block``, the default,
 compiles its blocks). Tensor-parallel, FSDP (FP8 all-gather or not) and emulated linears are

@@ -128,8 +128,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     params = [p for p in par.module.parameters() if p.requires_grad]
     spread = expert_params(par.module)  # expert parallel: each rank's own experts
     optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda")
-    if not (use_compile and cfg.compile_scope == "model"):  # its pre-hook runs eagerly
-        weight_cache.install(model, optimizer)  # FP8 weights cast once per optimizer step
+    if cfg.grad_accum > 1 and not (use_compile and cfg.compile_scope == "model"):  # its pre-hook runs eagerly
+        weight_cache.install(model, optimizer)  # FP8 weights cast once per optimizer step, not per micro-batch
     scheduler = build_scheduler(optimizer, cfg)
     memory.reset_peak(device)  # after building, sharding and initialising the model
     splits = build_data(cfg, model_cfg)
