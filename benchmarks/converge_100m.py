@@ -19,6 +19,8 @@ mxfp8, nvfp4, nvfp4-no-rht, nvfp4-no-sr, nvfp4-no-2d, nvfp4-no-bf16-tail, bf16-s
 With ``--ckpt DIR`` each run checkpoints every ``--save-every`` steps into ``DIR/<run>/`` and a run
 that finds a checkpoint there resumes it (``lpbench converge --load``), so a run cut by a call's time
 limit goes on in the next call when ``DIR`` survived (the same machine, still warm).
+Each JSON records the corpus's SHA-256 (the corpus is built from the documentation installed where
+it is built, so a rebuild can differ): ``report`` compares only runs on the reference's corpus.
 ``report`` prints the markdown table (final validation loss, gap to bf16 with the BF16 seed-noise
 floor beside it, tokens/s) and the gap at every evaluation, and writes the figure.
 """
@@ -26,6 +28,7 @@ floor beside it, tokens/s) and the gap at every evaluation, and writes the figur
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import subprocess
@@ -62,7 +65,23 @@ def converge_command(args, name: str, work: Path) -> list[str]:
     return cmd
 
 
-def export(name: str, work: Path, command: list[str], wall_s: float) -> dict | None:
+def corpus_identity(data: str) -> dict:
+    """What identifies the training data: its note (documents, tokens, tokenizer) and the SHA-256 of its tokens.
+
+    The corpus is assembled from the documentation installed on the machine that builds it, so a rebuild
+    elsewhere can differ; runs on different corpora are not compared (``report`` leaves them out)."""
+    if data == "mock":
+        return {"sha256": "mock"}
+    note = json.loads(Path(data + ".lpbench.json").read_text())
+    digest = hashlib.sha256()
+    with open(data + ".bin", "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return {"documents": note.get("documents"), "tokens": note.get("tokens"),
+            "tokenizer_fingerprint": note.get("tokenizer_fingerprint"), "sha256": digest.hexdigest()}
+
+
+def export(name: str, work: Path, command: list[str], wall_s: float, corpus: dict) -> dict | None:
     """The run's JSON record from its results database (None if it left no row)."""
     from lpbench.bench.store import ResultsStore
 
@@ -81,7 +100,7 @@ def export(name: str, work: Path, command: list[str], wall_s: float) -> dict | N
         "run": name, "recipe": recipe, "seed": seed, "status": row["status"], "error": row["error"],
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "command": " ".join(command[1:]),
         "device": env.get("gpu"), "driver": env.get("driver"), "torch": env.get("torch"),
-        "git_sha": env.get("git_sha"), "config": {k: cfg.get(k) for k in keep},
+        "git_sha": env.get("git_sha"), "config": {k: cfg.get(k) for k in keep}, "corpus": corpus,
         "tokens": cfg["steps"] * per_step, "tokens_per_step": per_step, "path": m.get("path"),
         "params": m.get("params"), "tokens_per_sec": m.get("tokens_per_sec_per_gpu"),
         "resumed_from_step": m.get("resumed_from_step"), "peak_mem_gb": m.get("peak_mem_allocated_gb"),
@@ -107,13 +126,15 @@ def cmd_run(args) -> int:
     out = Path(args.out)
     work = out / "work" if args.work is None else Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
+    corpus = corpus_identity(args.data)
+    print(f"converge_100m: corpus {args.data}: {corpus}", flush=True)
     failed = 0
     for name in args.runs:
         command = converge_command(args, name, work)
         print(f"converge_100m: {name}: {' '.join(command[1:])}", flush=True)
         t0 = time.monotonic()
         rc = subprocess.call(command)
-        record = export(name, work, command, time.monotonic() - t0)
+        record = export(name, work, command, time.monotonic() - t0, corpus)
         if record is None:
             print(f"converge_100m: {name}: no result (exit {rc})", flush=True)
             failed += 1
@@ -152,8 +173,13 @@ def cmd_report(args) -> int:
     if REFERENCE not in runs:
         print(f"converge_100m: no {REFERENCE} run in {args.runs} yet: nothing to compare", file=sys.stderr)
         return 2
-    names = order(runs)
     ref = runs[REFERENCE]
+    other = sorted(n for n, r in runs.items() if r.get("corpus", {}).get("sha256") != ref.get("corpus", {}).get("sha256"))
+    for n in other:
+        print(f"converge_100m: {n} trained on another corpus than {REFERENCE} "
+              f"(SHA-256 {runs[n].get('corpus', {}).get('sha256')}): left out", file=sys.stderr)
+        del runs[n]
+    names = order(runs)
     ref_val = dict((s, v) for s, v in ref["val_losses"])
     noise = [abs(gap(runs[n]["val_loss"], ref["val_loss"])) for n in names if parse_run(n)[1] != REF_SEED
              and parse_run(n)[0] == REFERENCE and runs[n]["val_loss"] is not None]
