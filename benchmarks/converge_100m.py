@@ -15,7 +15,8 @@ mxfp8, nvfp4, nvfp4-no-rht, nvfp4-no-sr, nvfp4-no-2d, nvfp4-no-bf16-tail, bf16-s
     PYTHONPATH=. python benchmarks/converge_100m.py run bf16 nvfp4 --out $OUT [--ckpt /tmp/ckpt]
     python benchmarks/converge_100m.py report [--runs benchmarks/converge-100M] [--plot FILE]
 
-``run`` needs the prepared corpus at ``--data`` (default ``.corpus/prepared/docs_text_document``).
+``run`` records ``$CODE_REV`` as the code's commit where the tree that runs has no ``.git`` (a copy sent
+to a device), else the checkout's. It needs the prepared corpus at ``--data`` (default ``.corpus/prepared/docs_text_document``).
 With ``--ckpt DIR`` each run checkpoints every ``--save-every`` steps into ``DIR/<run>/`` and a run
 that finds a checkpoint there resumes it (``lpbench converge --load``), so a run cut by a call's time
 limit goes on in the next call when ``DIR`` survived (the same machine, still warm).
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -100,7 +102,7 @@ def export(name: str, work: Path, command: list[str], wall_s: float, corpus: dic
         "run": name, "recipe": recipe, "seed": seed, "status": row["status"], "error": row["error"],
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "command": " ".join(command[1:]),
         "device": env.get("gpu"), "driver": env.get("driver"), "torch": env.get("torch"),
-        "git_sha": env.get("git_sha"), "config": {k: cfg.get(k) for k in keep}, "corpus": corpus,
+        "git_sha": os.environ.get("CODE_REV") or env.get("git_sha"), "config": {k: cfg.get(k) for k in keep}, "corpus": corpus,
         "tokens": cfg["steps"] * per_step, "tokens_per_step": per_step, "path": m.get("path"),
         "params": m.get("params"), "tokens_per_sec": m.get("tokens_per_sec_per_gpu"),
         "resumed_from_step": m.get("resumed_from_step"), "peak_mem_gb": m.get("peak_mem_allocated_gb"),
