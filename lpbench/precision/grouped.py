@@ -178,35 +178,55 @@ def _fmt(codes: torch.Tensor):
     return E4M3 if codes.dtype == torch.float8_e4m3fn else E5M2
 
 
+def _weight_fprop(w: torch.Tensor, recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 codes [E, N, K] and decode scales [E, N] of stacked weights ``w`` for the forward GEMM."""
+    E, N, K = w.shape
+    wq, sw = _group_fp8(w.reshape(E * N, K), recipe.operand("weight", "fprop"),
+                        torch.arange(E, device=w.device).repeat_interleave(N), E, block=N)
+    return wq.view(E, N, K), sw.view(E, N)
+
+
+def _weight_dgrad(w: torch.Tensor, recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 codes [E, K, N] and decode scales [E, K] of ``wᵀ`` for the data-gradient GEMM (scaled along N)."""
+    E, N, K = w.shape
+    wtq, swt = _group_fp8(w.transpose(1, 2).reshape(E * K, N), recipe.operand("weight", "dgrad"),
+                          torch.arange(E, device=w.device).repeat_interleave(K), E, block=K)
+    return wtq.view(E, K, N), swt.view(E, K)
+
+
+@torch.no_grad()
+def weight_codes(w: torch.Tensor, recipe) -> tuple[torch.Tensor, ...]:
+    """(forward codes, scales, data-gradient codes, scales) of stacked weights ``w``: what :func:`fp8_grouped`
+    computes on every call, computed once to be reused while ``w`` does not change."""
+    with torch.autocast(w.device.type, enabled=False):
+        return (*_weight_fprop(w, recipe), *_weight_dgrad(w, recipe))
+
+
 class _Fp8GroupedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, groups: Groups, recipe, native: bool):
-        E, N, K = w.shape
+    def forward(ctx, x, w, groups: Groups, recipe, native: bool, wq, sw, wtq, swt):
+        E = w.shape[0]
         with torch.autocast(x.device.type, enabled=False):
-            gid = groups.row_group
-            xq, sx = _group_fp8(x, recipe.operand("input", "fprop"), gid, E)
-            wq, sw = _group_fp8(w.reshape(E * N, K), recipe.operand("weight", "fprop"),
-                                torch.arange(E, device=w.device).repeat_interleave(N), E, block=N)
-            y = _scaled_grouped(xq, sx, wq.view(E, N, K), sw.view(E, N), groups, native, recipe.fast_accum_fprop,
-                                x.dtype)
-        ctx.save_for_backward(x, w)
+            xq, sx = _group_fp8(x, recipe.operand("input", "fprop"), groups.row_group, E)
+            if wq is None:
+                wq, sw = _weight_fprop(w, recipe)
+            y = _scaled_grouped(xq, sx, wq, sw, groups, native, recipe.fast_accum_fprop, x.dtype)
+        ctx.save_for_backward(x, w, *((wtq, swt) if wtq is not None else ()))
         ctx.groups, ctx.recipe, ctx.native = groups, recipe, native
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensors
+        x, w, *dgrad_codes = ctx.saved_tensors
         groups, recipe, native = ctx.groups, ctx.recipe, ctx.native
-        E, N, K = w.shape
+        E = w.shape[0]
         gid = groups.row_group
         dx = dw = None
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 gq, sg = _group_fp8(dy, recipe.operand("grad", "dgrad"), gid, E)
-                wt = w.transpose(1, 2).reshape(E * K, N)
-                wtq, swt = _group_fp8(wt, recipe.operand("weight", "dgrad"),
-                                      torch.arange(E, device=w.device).repeat_interleave(K), E, block=K)
-                dx = _scaled_grouped(gq, sg, wtq.view(E, K, N), swt.view(E, K), groups, native, False, x.dtype)
+                wtq, swt = dgrad_codes or _weight_dgrad(w, recipe)
+                dx = _scaled_grouped(gq, sg, wtq, swt, groups, native, False, x.dtype)
             if ctx.needs_input_grad[1]:
                 if recipe.operand("grad", "wgrad") is None:  # weight gradient in the compute dtype
                     dw = _hp_wgrad(dy, x, groups)
@@ -218,7 +238,7 @@ class _Fp8GroupedFn(torch.autograd.Function):
                     dw = _scaled_grouped(gq.t().contiguous(), sg, xq.t().contiguous(), sx, groups, native, False,
                                          torch.bfloat16 if native else torch.float32)
                 dw = dw.to(w.dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable
@@ -227,9 +247,11 @@ def _hp_wgrad(dy: torch.Tensor, x: torch.Tensor, groups: Groups) -> torch.Tensor
     return torch.stack([hp_mm(dy[s:s + c].t(), x[s:s + c].t(), x.dtype) for s, c in groups.host])
 
 
-def fp8_grouped(x: torch.Tensor, w: torch.Tensor, groups: Groups, recipe, native: bool) -> torch.Tensor:
-    """FP8 row-wise / tensor-wise grouped ``x_e · w_eᵀ`` (x in the compute dtype, w the master weight)."""
-    return _Fp8GroupedFn.apply(x, w, groups, recipe, native)
+def fp8_grouped(x: torch.Tensor, w: torch.Tensor, groups: Groups, recipe, native: bool,
+                codes: tuple | None = None) -> torch.Tensor:
+    """FP8 row-wise / tensor-wise grouped ``x_e · w_eᵀ`` (x in the compute dtype, w the master weight);
+    ``codes``: :func:`weight_codes` of ``w`` (else ``w`` is quantized in this call)."""
+    return _Fp8GroupedFn.apply(x, w, groups, recipe, native, *(codes or (None,) * 4))
 
 
 @torch.compiler.disable
