@@ -119,11 +119,22 @@ def ordered(cmds: list[str]) -> list[str]:
     """README order, except that a command comes after the one whose output it reads."""
     out = list(cmds)
     for prefix, needs in AFTER.items():
-        for c in [c for c in out if c.startswith(prefix)]:
-            out.remove(c)
-            out.insert(max(i for i, x in enumerate(out) if x.startswith(needs)) + 1, c)
+        moved = [c for c in out if c.startswith(prefix)]
+        out = [c for c in out if not c.startswith(prefix)]
+        at = max(i for i, x in enumerate(out) if x.startswith(needs)) + 1
+        out[at:at] = moved  # in README order: a resume comes after the run that saved
     return out
 
+
+
+def test_the_fresh_environment_resumes_only_after_it_saved():
+    cmds = ordered(readme_commands())
+    for i, cmd in enumerate(cmds):
+        load = re.search(r"--load (\S+?)(/step-\d+)?(\s|$)", cmd)
+        if load:
+            tool = " ".join(cmd.split()[:2])
+            assert any(c.startswith(tool) and f"--save-dir {load.group(1)}" in c and "--load" not in c
+                       for c in cmds[:i]), f"runs before the command that saves its checkpoint: {cmd}"
 
 @pytest.mark.setup
 @pytest.mark.skipif(not os.environ.get("CI"), reason="builds a fresh environment (minutes): runs where CI is set")
