@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lpbench.models.moe import MoE, load_balancing_loss, route, z_loss
 from lpbench.models.registry import ModelConfig
-from lpbench.precision import gemm
+from lpbench.precision import gemm, grouped
 from lpbench.precision.linear import QuantizedLinear
 from lpbench.precision.recipes import RECIPES, get_recipe
 
@@ -101,49 +101,58 @@ def test_grouped_equals_loop(recipe, case):
     _compare(moe, r, x)
 
 
-def test_cached_weight_codes_give_the_uncached_numbers_until_dropped():
-    """Gradient accumulation: FP8 grouped experts quantize each weight once per optimizer step; the codes are
-    those of the uncached call, bit for bit, reused until drop_weight_codes (after the step)."""
+def test_cached_weight_codes_give_the_uncached_numbers(monkeypatch):
+    """Gradient accumulation: FP8 grouped experts quantize each weight once (precision/weight_cache.py); the codes
+    are those of the uncached call, bit for bit, reused until the weight changes (in place here)."""
+    import copy
+
+    from lpbench.precision import weight_cache
+
     r = get_recipe("fp8-rowwise")
     moe, x = _case_moe("random", r)
     moe.experts.set_recipe(r, native=False)
+    plain = copy.deepcopy(moe)
+    made = []
+    monkeypatch.setattr(weight_cache, "weight_codes", lambda w, recipe: made.append(w) or quantize(w, recipe))
+    quantize = grouped.weight_codes
     dy = torch.randn(*x.shape[:-1], x.shape[-1], generator=torch.Generator().manual_seed(1))
 
-    def run():
+    def run(m):
         xi = x.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = moe(xi)
-        return [y, *torch.autograd.grad(y, [xi, moe.experts.gate_up, moe.experts.down], dy.to(y.dtype))]
+            y = m(xi)
+        return [y, *torch.autograd.grad(y, [xi, m.experts.gate_up, m.experts.down], dy.to(y.dtype))]
 
     def same(a, b):
         return all(torch.equal(s, t) for s, t in zip(a, b))
 
-    uncached = run()
-    moe.experts.cache_weights = True
-    first, second = run(), run()
-    assert set(moe.experts._codes) == {"gate_up", "down"}
+    assert weight_cache.install(moe, torch.optim.AdamW(moe.parameters())) is not None
+    uncached = run(plain)
+    first, second = run(moe), run(moe)
+    assert set(moe.experts.weight_codes) == {"gate_up", "down"} and len(made) == 2
     assert same(first, uncached) and same(second, uncached)
-    with torch.no_grad():  # an optimizer step
-        moe.experts.down.mul_(1.5)
-    stale = run()
-    moe.experts.drop_weight_codes()
-    fresh = run()
-    moe.experts.cache_weights = False
-    assert same(fresh, run()) and not torch.equal(stale[0], fresh[0])
+    with torch.no_grad():
+        for m in (moe, plain):
+            m.experts.down.mul_(1.5)
+    changed = run(moe)
+    assert len(made) == 3 and same(changed, run(plain)) and not torch.equal(changed[0], first[0])
 
 
 def test_gradient_accumulation_trains_the_same_with_cached_weight_codes(monkeypatch):
     import lpbench.train.loop as loop
     from lpbench.config import RunConfig
-    from lpbench.models import moe as moe_module
     from lpbench.models.registry import MODELS
+    from lpbench.precision import weight_cache
 
     monkeypatch.setitem(MODELS, "moe-test", dataclasses.replace(CFG, n_layers=2, max_seq_len=64))
     cfg = RunConfig(model="moe-test", precision="fp8-rowwise", seq_len=16, mbs=1, gbs=2, steps=3, warmup_steps=1,
                     device="cpu")
+    made = []
+    quantize = grouped.weight_codes
+    monkeypatch.setattr(weight_cache, "weight_codes", lambda w, recipe: made.append(w) or quantize(w, recipe))
     cached = loop.train(cfg, log=lambda line: None)
-    configure = moe_module.configure_moe
-    monkeypatch.setattr(loop, "configure_moe", lambda *a, cache_weights=False, **k: configure(*a, **k))
+    assert len(made) == 3 * 2 * 2  # steps x layers x weights: once per optimizer step
+    monkeypatch.setattr(weight_cache, "install", lambda model, optimizer: None)
     uncached = loop.train(cfg, log=lambda line: None)
     assert [s["loss"] for s in cached.steps] == [s["loss"] for s in uncached.steps]
     assert [s["grad_norm"] for s in cached.steps] == [s["grad_norm"] for s in uncached.steps]

@@ -123,6 +123,35 @@ def test_only_native_per_tensor_linears_are_eligible():
     assert weight_cache.install(lin, opt) is None and not hasattr(lin, "fp8_weight")
 
 
+def test_the_optimizer_step_alone_makes_linears_and_experts_stale(fused_on_cpu, monkeypatch):
+    """One cache, one invalidation: after ``optimizer.step()`` (the fused AdamW leaves version counters alone)
+    the next forward quantizes the dense linears and the grouped experts again, with no other call, and the
+    model trains exactly as uncached."""
+    from lpbench.models.moe import MoE
+    from lpbench.models.registry import ModelConfig
+    from lpbench.precision import grouped
+
+    def model():
+        torch.manual_seed(0)
+        moe = MoE(ModelConfig("moe", 1, 32, 64, 2, 2, 64, n_experts=4, top_k=2))
+        moe.experts.set_recipe(get_recipe("fp8-rowwise"), native=False)
+        for p in moe.experts.parameters():
+            nn.init.normal_(p, std=0.2)
+        return nn.Sequential(QuantizedLinear(64, 32, recipe=get_recipe("fp8-tensorwise"), native=True), moe)
+
+    made = []
+    quantize = grouped.weight_codes
+    monkeypatch.setattr(weight_cache, "weight_codes", lambda w, recipe: made.append(w) or quantize(w, recipe))
+    plain, cached = model(), model()
+    want, opt_plain = _train(plain, cached=False)
+    got, opt_cached = _train(cached, cached=True)
+    assert fused_on_cpu.count("weight") == 2 * 3 + 3 and len(made) == 2 * 3  # uncached: every micro-batch
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for (name, a), b in zip(plain.state_dict().items(), cached.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert not cached[1].experts.weight_codes  # the last step dropped them: stale codes are not held
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe, accum", [("fp8-tensorwise", 2), ("fp8-delayed", 1)])
 def test_cached_weights_train_exactly_like_uncached_on_cuda(recipe, accum):

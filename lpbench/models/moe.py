@@ -37,8 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lpbench.models.registry import ModelConfig
-from lpbench.precision.grouped import (GROUPED_FP8_SCALINGS, Groups, fp8_grouped, grouped_linear, looped,
-                                      weight_codes)
+from lpbench.precision.grouped import GROUPED_FP8_SCALINGS, Groups, fp8_grouped, grouped_linear, looped
 
 ROUTERS = ("mixtral", "qwen3")
 
@@ -116,8 +115,7 @@ class Experts(nn.Module):
         self.gemms = None  # ModuleDict of per-expert ExpertGemms (looped recipes)
         self.tp = None  # lpbench.parallel.tp.ExpertsTP: this rank's slice of every expert's FFN width
         self.adapters = nn.ModuleDict()  # LoRA: weight name -> lpbench.models.lora.ExpertLoRA
-        self.cache_weights = False  # FP8 grouped: quantize each weight once per optimizer step (configure_moe)
-        self._codes: dict[str, tuple] = {}
+        self.weight_codes: dict[str, tuple] = {}  # FP8 grouped: this step's codes of each weight (weight_cache)
 
     def set_recipe(self, recipe, native: bool) -> None:
         from lpbench.precision.linear import ExpertGemms
@@ -152,21 +150,8 @@ class Experts(nn.Module):
         if self.recipe is None:
             return grouped_linear(x, w, groups)
         if self.gemms is None:
-            codes = self._weight_codes(name) if self.cache_weights and self.training else None
-            return fp8_grouped(x, w, groups, self.recipe, self.native, codes)
+            return fp8_grouped(x, w, groups, self.recipe, self.native, self.weight_codes.get(name))
         return looped(x, w, groups, self.gemms[name])
-
-    @torch.compiler.disable  # a cache lookup: eager, once per weight and optimizer step
-    def _weight_codes(self, name: str) -> tuple:
-        """``name``'s FP8 codes and scales (:func:`lpbench.precision.grouped.weight_codes`), made at the first
-        call after :meth:`drop_weight_codes` and reused until the next."""
-        if name not in self._codes:
-            self._codes[name] = weight_codes(getattr(self, name).detach(), self.recipe)
-        return self._codes[name]
-
-    def drop_weight_codes(self) -> None:
-        """Forget the cached weight codes (the weights changed: after each optimizer step)."""
-        self._codes.clear()
 
     def forward(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
@@ -240,21 +225,10 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def configure_moe(model: nn.Module, aux_coeff: float = 0.0, z_coeff: float = 0.0, grad_scale: float = 1.0,
-                  cache_weights: bool = False) -> None:
-    """Set the auxiliary-loss coefficients and the loss scale of every MoE layer of ``model``; with
-    ``cache_weights`` (gradient accumulation) FP8 grouped experts quantize their weights once per optimizer step
-    (the caller runs :func:`drop_weight_codes` after each), at the cost of holding the codes (2 bytes per expert
-    weight) through the step."""
+def configure_moe(model: nn.Module, aux_coeff: float = 0.0, z_coeff: float = 0.0, grad_scale: float = 1.0) -> None:
+    """Set the auxiliary-loss coefficients and the loss scale of every MoE layer of ``model``."""
     for m in moe_layers(model):
         m.aux_coeff, m.z_coeff, m.grad_scale = aux_coeff, z_coeff, grad_scale
-        m.experts.cache_weights = cache_weights
-
-
-def drop_weight_codes(model: nn.Module) -> None:
-    """Forget every MoE layer's cached FP8 weight codes (call after each optimizer step)."""
-    for m in moe_layers(model):
-        m.experts.drop_weight_codes()
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ from lpbench.metrics.tensorboard import StepWriter
 from lpbench.models import build_model, count_parameters
 from lpbench.models.decoder import configure_loss
 from lpbench.models.hf import load_hf_checkpoint
-from lpbench.models.moe import configure_moe, drop_weight_codes, take_moe_stats
+from lpbench.models.moe import configure_moe, take_moe_stats
 from lpbench.parallel.dp import clip_grad_norm_, grad_sync
 from lpbench.parallel.ep import expert_params, sync_expert_grads
 from lpbench.parallel.env import all_reduce, init_distributed
@@ -118,8 +118,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
         build_model(model_cfg, device="meta" if meta else device, seed=cfg.seed)
     n_params = count_parameters(model)
     precision_info, workload_metrics = prepare_model(model, cfg, recipe, device=device, emulate=emulate)
-    configure_moe(model, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff, 1.0 / cfg.grad_accum,
-                  cache_weights=cfg.grad_accum > 1)
+    configure_moe(model, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff, 1.0 / cfg.grad_accum)
     if use_compile:  # runs in one process (several precisions, converge) each get Dynamo's full recompile budget
         torch._dynamo.reset()
     par = parallelize(model, cfg, device, recipe.compute_dtype, use_compile)
@@ -130,7 +129,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     spread = expert_params(par.module)  # expert parallel: each rank's own experts
     optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda")
     if cfg.grad_accum > 1 and not (use_compile and cfg.compile_scope == "model"):  # its pre-hook runs eagerly
-        weight_cache.install(model, optimizer)  # FP8 weights cast once per optimizer step, not per micro-batch
+        weight_cache.install(model, optimizer)  # FP8 weights (linears, experts) cast once per optimizer step
     scheduler = build_scheduler(optimizer, cfg)
     memory.reset_peak(device)  # after building, sharding and initialising the model
     splits = build_data(cfg, model_cfg)
@@ -182,7 +181,6 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                 sync_expert_grads(par.module, cfg.dp)
             grad_norm = clip_grad_norm_(params, cfg.grad_clip, optimizer, spread)
             optimizer.step()
-            drop_weight_codes(par.module)  # FP8 expert weights quantized once per step: the weights changed
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
