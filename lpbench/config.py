@@ -261,9 +261,9 @@ class RunConfig:
             raise UsageError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
         if (self.moe_aux_loss_coeff or self.moe_z_loss_coeff or self.ep > 1) and not model.n_experts:
             raise UsageError(f"--ep and --moe-*-loss-coeff apply to mixture-of-experts models; {self.model} is dense")
-        if model.n_experts and self.tp > 1 and (self.ep > 1 or get_recipe(self.precision).quantized):
-            raise UsageError(f"--tp splits {self.model}'s experts in bf16 or fp32 without --ep; quantized "
-                             "experts spread over ranks with --ep (--tp 1)")
+        if model.n_experts and self.tp > 1 and self.ep > 1:
+            raise UsageError(f"--tp and --ep do not combine: split {self.model}'s experts' FFN width with --tp or "
+                             "spread the experts over ranks with --ep")
         if self.ep < 1 or model.n_experts % self.ep or self.dp % self.ep:
             raise UsageError(f"--ep {self.ep} must divide {self.model}'s {model.n_experts} experts and the "
                              f"data-parallel size {self.dp}")

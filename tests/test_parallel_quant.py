@@ -1,4 +1,4 @@
-"""Quantized linears under TP, FP8 all-gather under FSDP2, meta-device init: CPU, gloo, 2 ranks.
+"""Quantized linears and MoE experts under TP, FP8 all-gather under FSDP2, meta-device init: CPU, gloo, 2 ranks.
 
 Exactness is checked where it is defined: a TP-split attention or MLP (quantized GEMMs whose
 cross-rank sums feed no further quantization) must give the unsharded outputs and gradients up
@@ -28,13 +28,19 @@ BASE = RunConfig(model="tiny", seq_len=32, mbs=8, gbs=8, steps=3, warmup_steps=1
 TP_RECIPES = ["fp8-tensorwise", "fp8-delayed", "mxfp8", "nvfp4"]
 EXACT_RECIPES = [*TP_RECIPES, "fp8-rowwise"]
 ONE_BLOCK = ModelConfig("test-one-block", 1, 128, 256, 4, 2, 256, rope_theta=10_000.0, max_seq_len=64)
+MOE = ModelConfig("test-moe-q", 6, 128, 128, 4, 2, 512, n_experts=4, top_k=2, max_seq_len=256)  # nvfp4 quantizes 2 blocks
+MOE_RECIPES = ["bf16", "fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-fp32-scales", "fp8-delayed", "mxfp8", "nvfp4"]
+MOE_TRAIN_RECIPES = ["fp8-tensorwise", "fp8-rowwise", "mxfp8", "nvfp4"]
 FSDP_RUNS = {f"{p}{'-fp8ag' if ag else ''}": dict(precision=p, fsdp=True, mbs=4, fsdp_fp8_all_gather=ag)
              for p in ("fp8-tensorwise", "fp8-delayed") for ag in (False, True)}
 
 
 def _fp32_compute(name: str):
-    """The recipe with FP32 compute and every block quantized: no BF16 rounding between the GEMMs."""
-    return dataclasses.replace(RECIPES[name], compute_dtype=torch.float32, last_bf16_layers=0)
+    """The recipe with FP32 compute and every block quantized: no BF16 rounding between the GEMMs.
+    ``…-fp32-scales``: without power-of-two scales (FP8 codes are scale-invariant under power-of-two scales,
+    so only these show a row-wise amax that is not all-reduced)."""
+    base, pow2 = name.removesuffix("-fp32-scales"), {"pow2_scales": False} if name.endswith("-fp32-scales") else {}
+    return dataclasses.replace(RECIPES[base], compute_dtype=torch.float32, last_bf16_layers=0, **pow2)
 
 
 def _module_errors(name: str, patch: str | None = None) -> dict:
@@ -83,6 +89,78 @@ def _module_errors(name: str, patch: str | None = None) -> dict:
     return errors
 
 
+def _expert_errors(name: str, no_reduce: bool = False) -> dict:
+    """Max relative error of TP=2 vs unsharded MoE experts (expert 2 gets no tokens): output, input and weight
+    grads (the unsharded ones cut to this rank's slice); ``cached``: the weight cache's codes give the very
+    numbers of the uncached TP forward. The rank-0 half of every expert's FFN width is 3x the other, so
+    per-rank scales along a split dim differ from the whole tensor's (the check can fail)."""
+    import torch.distributed as dist
+
+    from lpbench.models.moe import Experts
+    from lpbench.parallel.tp import ExpertsTP, _shard_experts
+    from lpbench.precision import grouped
+    from lpbench.precision.grouped import Groups
+    from lpbench.precision.linear import QuantizedGemms
+    from lpbench.precision.weight_cache import install
+
+    gen = torch.Generator().manual_seed(0)
+    ref = Experts(MOE)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        F = MOE.ffn_dim
+        ref.gate_up[:, torch.arange(2 * F) % F < F // 2] *= 3
+        ref.down[:, :, :F // 2] *= 3
+    split = Experts(MOE)
+    split.load_state_dict(ref.state_dict())
+    if name != "bf16":
+        for m in (ref, split):
+            m.set_recipe(_fp32_compute(name), native=False)
+    _shard_experts(split, ExpertsTP(dist.group.WORLD, dist.get_rank(), 2))
+    expert = torch.tensor([0] * 5 + [1] * 20 + [3] * 7)  # sorted; expert 2 gets no tokens
+    groups, dest = Groups.of(expert, MOE.n_experts)
+    xs, g = torch.randn(len(expert), MOE.dim, generator=gen), torch.randn(len(expert), MOE.dim, generator=gen)
+
+    def run(model):
+        x = xs.clone().requires_grad_()
+        torch.manual_seed(1)  # the same stochastic-rounding draws
+        y = model(x.new_zeros(groups.rows, MOE.dim).index_put((dest,), x), groups)[dest]
+        torch.manual_seed(2)
+        (y * g).sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return {"out": y.detach(), "x_grad": x.grad, **grads}
+
+    with pytest.MonkeyPatch.context() as mpatch:
+        if no_reduce:  # every rank scales its own slice
+            mpatch.setattr(grouped, "_amax_group", lambda *args: None)
+            mpatch.setattr(QuantizedGemms, "_tp_group", lambda self, role: None)
+        want, got = run(ref), run(split)
+        want = {k: split.tp.local(k, v) if k in ("gate_up", "down") else v for k, v in want.items()}
+        errors = {k: float((got[k] - v).abs().max() / v.abs().max()) for k, v in want.items()}
+        if install(split, torch.optim.SGD(split.parameters())) is not None:  # FP8 grouped: codes cached
+            errors["cached"] = all(torch.equal(a, got[k]) for k, a in run(split).items())
+    return errors
+
+
+def _experts_refused(name: str) -> str:
+    """apply_tp on an MoE model whose expert FFN width splits into parts that cut ``name``'s blocks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lpbench.errors import UsageError
+    from lpbench.models import build_model
+    from lpbench.parallel.tp import apply_tp
+    from lpbench.precision.policy import apply_recipe
+
+    model = build_model(ModelConfig("test-moe-wide", 1, 256, 128, 2, 2, 256, n_experts=4, top_k=2), device="meta")
+    apply_recipe(model, _fp32_compute(name), device="cpu", emulate=True)
+    try:
+        apply_tp(model, init_device_mesh("cpu", (2,)))
+    except UsageError as exc:
+        return str(exc)
+    return "accepted"
+
+
 def _fused_sections(model, param_name: str):
     """The fused sections whose rows TP interleaved in a parameter of ``model``, or None."""
     shard = getattr(model.get_submodule(param_name.rpartition(".")[0]), "tp_shard", None)
@@ -121,11 +199,19 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     results = {"exact": {name: _module_errors(name) for name in EXACT_RECIPES},
                "no-reduce": {name: _module_errors(name, "no-reduce") for name in ("fp8-tensorwise", "nvfp4")},
                "local-noise": _module_errors("nvfp4", "local-noise"),
+               "experts": {name: _expert_errors(name) for name in MOE_RECIPES},
+               "experts-no-reduce": {name: _expert_errors(name, no_reduce=True)
+                                     for name in ("fp8-tensorwise", "fp8-rowwise-fp32-scales", "nvfp4")},
+               "experts-blockwise": _experts_refused("fp8-blockwise"),
                "meta-fsdp": _meta_init_matches(BASE.with_(fsdp=True, mbs=4).with_world(2)),
                "meta-tp": _meta_init_matches(BASE.with_(tp=2).with_world(2))}
     for name in TP_RECIPES:
         r = loop.train(BASE.with_(precision=name, tp=2).with_world(2), log=lambda line: None)
         results[f"tp-{name}"] = {"loss": [s["loss"] for s in r.steps], "status": r.status}
+    MODELS[MOE.name] = MOE
+    for name in MOE_TRAIN_RECIPES:
+        r = loop.train(BASE.with_(model=MOE.name, precision=name, tp=2).with_world(2), log=lambda line: None)
+        results[f"tp-moe-{name}"] = {"loss": [s["loss"] for s in r.steps], "status": r.status}
     gathered = []
     pre = fp8_allgather.Fp8AllGatherWeight.fsdp_pre_all_gather
 
@@ -161,8 +247,13 @@ def world2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    """Single-process runs of the TP recipes."""
-    return {name: loop.train(BASE.with_(precision=name), log=lambda line: None) for name in TP_RECIPES}
+    """Single-process runs of the TP recipes (dense tiny, and the MoE model)."""
+    runs = {name: loop.train(BASE.with_(precision=name), log=lambda line: None) for name in TP_RECIPES}
+    with pytest.MonkeyPatch.context() as mpatch:
+        mpatch.setitem(MODELS, MOE.name, MOE)
+        for name in MOE_TRAIN_RECIPES:
+            runs[f"moe-{name}"] = loop.train(BASE.with_(model=MOE.name, precision=name), log=lambda line: None)
+    return runs
 
 
 @pytest.mark.parametrize("name", EXACT_RECIPES)
@@ -191,6 +282,37 @@ def test_quantized_recipes_train_with_tp_like_one_process(world2, reference, nam
     ref = [s["loss"] for s in reference[name].steps]
     assert run["loss"][0] == pytest.approx(ref[0], rel=5e-4)  # same weights: BF16 rounding of TP's partial sums
     assert run["loss"] == pytest.approx(ref, rel=5e-3)  # then codes flipped by those last bits (module doc)
+
+
+@pytest.mark.parametrize("name", MOE_RECIPES)
+def test_tp_split_experts_quantize_exactly_like_the_unsharded_ones(world2, name):
+    errors = world2[0]["experts"][name]
+    cached = errors.pop("cached", None)
+    assert set(errors) == {"out", "x_grad", "gate_up", "down"}
+    assert max(errors.values()) < 1e-5, errors  # summation order only: not one code differs
+    assert cached is (True if name.startswith(("fp8-tensorwise", "fp8-rowwise")) else None)  # FP8 grouped: the cache's codes
+
+
+@pytest.mark.parametrize("name", ["fp8-tensorwise", "fp8-rowwise-fp32-scales", "nvfp4"])
+def test_without_the_amax_all_reduce_tp_split_experts_differ(world2, name):
+    errors = world2[0]["experts-no-reduce"][name]
+    errors.pop("cached", None)
+    assert max(errors.values()) > 1e-4  # the exactness test can fail
+
+
+@pytest.mark.parametrize("name", MOE_TRAIN_RECIPES)
+def test_quantized_moe_trains_with_tp_like_one_process(world2, reference, name):
+    run = world2[0][f"tp-moe-{name}"]
+    assert run["status"] == "ok" and world2[1][f"tp-moe-{name}"]["loss"] == run["loss"]
+    ref = [s["loss"] for s in reference[f"moe-{name}"].steps]
+    assert run["loss"][0] == pytest.approx(ref[0], rel=5e-4)  # as the dense recipes (see there)
+    assert run["loss"] == pytest.approx(ref, rel=5e-3)
+
+
+def test_a_tp_split_that_cuts_experts_quantization_blocks_is_refused(world2):
+    assert world2[0]["experts-blockwise"] == (
+        "--tp 2 splits layers.0.mlp.experts into parts of 64 features, not whole 128-element quantization "
+        "blocks: use a smaller --tp or another precision")
 
 
 def test_a_tp_split_that_cuts_quantization_blocks_is_refused(world2):

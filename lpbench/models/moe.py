@@ -27,7 +27,8 @@ the padded buffer of :class:`lpbench.precision.grouped.Groups`; no token is drop
 parallelism (``ep``, :mod:`lpbench.parallel.ep`) exchanges the sorted pairs all-to-all between the
 sort and the GEMMs, and back before the combine. Tensor parallelism (``Experts.tp``, set by
 :func:`lpbench.parallel.tp.apply_tp`) gives every rank all experts' slices of the FFN width: the
-same tokens in, partial outputs summed over the group.
+same tokens in, partial outputs summed over the group; quantized experts quantize their slices as the
+whole weights (:meth:`Experts.split`, the TP-split dense linear's rule).
 """
 
 from __future__ import annotations
@@ -127,6 +128,19 @@ class Experts(nn.Module):
             self.gemms = nn.ModuleDict({name: nn.ModuleList(ExpertGemms(recipe, native, device)
                                                             for _ in range(self.n_experts))
                                         for name in (self.in_name, "down")})
+        self.set_tp(self.tp)
+
+    def set_tp(self, tp) -> None:
+        """Hold ``tp``'s slices (an ExpertsTP; the weights already split): every expert's quantized GEMMs
+        quantize their slice as the whole weight, as a split dense linear's do (``tp_shard``)."""
+        self.tp = tp
+        for name, gemms in (self.gemms or {}).items():
+            for g in gemms:
+                g.tp_shard = self.split(name)
+
+    def split(self, name: str):
+        """How TP split stacked weight ``name`` (a :class:`lpbench.parallel.tp.TPShard`), or None."""
+        return None if self.tp is None else self.tp.shard(name, getattr(self, name).shape)
 
     def set_torchao(self) -> None:
         """Run the GEMMs through torchao's FP8 row-wise grouped GEMMs (``--backend torchao``, Hopper)."""
@@ -150,7 +164,7 @@ class Experts(nn.Module):
         if self.recipe is None:
             return grouped_linear(x, w, groups)
         if self.gemms is None:
-            return fp8_grouped(x, w, groups, self.recipe, self.native, self.weight_codes.get(name))
+            return fp8_grouped(x, w, groups, self.recipe, self.native, self.weight_codes.get(name), self.split(name))
         return looped(x, w, groups, self.gemms[name])
 
     def forward(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:

@@ -4,7 +4,8 @@ Per block: ``attn.qkv`` and ``mlp.gate_up|up`` column-wise, ``attn.o`` and ``mlp
 MoE blocks (torchtitan's and Megatron's expert tensor parallelism): the router is replicated and every
 rank keeps all experts with its slice of their FFN width (stacked ``gate_up``/``up`` split along
 their out features, ``down`` along its in features, as plain tensors: :class:`ExpertsTP`); the
-layer sees the whole sequence, its experts' partial outputs are all-reduced. Vocabulary-parallel embedding and
+layer sees the whole sequence, its experts' partial outputs are all-reduced. Quantized experts get
+each weight's split as a :class:`TPShard` (:meth:`ExpertsTP.shard`) and quantize as split linears do. Vocabulary-parallel embedding and
 ``lm_head`` (a tied pair stays one parameter); the logits are gathered before the loss.
 With sequence parallelism the residual stream between the sublayers is split along the
 sequence (norms run on ``S / tp`` tokens; all-gather in, reduce-scatter out).
@@ -107,6 +108,14 @@ class ExpertsTP:
     def leave(self, y: torch.Tensor) -> torch.Tensor:
         return _Leave.apply(y, self.group)
 
+    def shard(self, name: str, local_shape: torch.Size) -> TPShard:
+        """The split of stacked weight ``name`` (local shape ``local_shape``) as one expert's linear sees it:
+        what its quantized GEMMs need to quantize the slice as the whole weight (``tp_shard``)."""
+        if name == "down":
+            return TPShard(self.group, self.rank, self.size, 1, (local_shape[2] * self.size,))
+        n = local_shape[1] * self.size
+        return TPShard(self.group, self.rank, self.size, 0, (n // 2, n // 2) if name == "gate_up" else (n,))
+
     def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the stacked expert weight ``name`` (``full``: all of it)."""
         if name == "down":
@@ -122,7 +131,7 @@ def _shard_experts(experts: nn.Module, shard: ExpertsTP) -> None:
     for name, p in list(experts.named_parameters(recurse=False)):
         local = shard.local(name, p.detach())
         setattr(experts, name, nn.Parameter(local if p.is_meta else local.clone(), requires_grad=p.requires_grad))
-    experts.tp = shard
+    experts.set_tp(shard)
 
 
 def interleave(t: torch.Tensor, sections: list[int] | tuple[int, ...], tp: int) -> torch.Tensor:
@@ -221,6 +230,13 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
         if bad := [n // tp for n in sections if n // tp % multiple]:
             raise UsageError(f"--tp {tp} splits {name} into parts of {bad[0]} features, not whole {multiple}-element "
                              "quantization blocks: use a smaller --tp or another precision")
+    for i, block in enumerate(model.layers):  # experts: every rank's part of the FFN width, as a dense MLP's
+        experts = getattr(block.mlp, "experts", None)
+        multiple = (experts.recipe.block or 1) if experts is not None and experts.recipe is not None else 1
+        if experts is not None and experts.down.shape[2] // tp % multiple:
+            raise UsageError(f"--tp {tp} splits layers.{i}.mlp.experts into parts of {experts.down.shape[2] // tp} "
+                             f"features, not whole {multiple}-element quantization blocks: use a smaller --tp or "
+                             "another precision")
     for block in model.layers:
         localize_block(block, tp)
         if hasattr(block.mlp, "experts"):

@@ -33,7 +33,7 @@ import torch
 from lpbench.precision import capability
 from lpbench.precision.formats import decode, encode
 from lpbench.precision.gemm import hp_mm, linear, mm_fp32
-from lpbench.precision.quantize import Scaling, fp8_decode_scale, fp8_encode_scale
+from lpbench.precision.quantize import Scaling, all_reduce_max, fp8_decode_scale, fp8_encode_scale
 
 ALIGN = 16
 GROUPED_FP8_SCALINGS = (Scaling.ROW, Scaling.TENSOR)  # FP8 scalings with a grouped GEMM (fp8_grouped)
@@ -110,7 +110,7 @@ def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torc
 
 
 def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_rows: bool = False,
-               block: int = ALIGN):
+               block: int = ALIGN, amax_group=None):
     """FP8 codes of ``t`` [R, C] and FP32 decode scales, as the dense linear quantizes each group's rows.
 
     Along C (``along_rows`` False): a scale per row (row-wise) or per group (tensor-wise), returned
@@ -120,7 +120,8 @@ def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_
     Group amaxes reduce each ``block`` rows first (no block straddles two groups: ALIGN in a
     :class:`Groups` buffer, an expert's rows in stacked weights) and scatter only the block maxima:
     max is exact in any order, and the scatter's atomics, one per element, had cost more than the
-    GEMMs they feed.
+    GEMMs they feed. ``amax_group``: the TP group whose ranks hold the other parts of the scaling groups
+    (:func:`_amax_group`); the amaxes are all-reduced (MAX) over it.
     """
     t = t.float()
     mag = t.abs()
@@ -129,16 +130,29 @@ def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_
         blocks = mag.view(R // block, block, C).amax(1)
         block_group = group[::block]
     if spec.scaling is Scaling.TENSOR:
-        amax_g = mag.new_zeros(n_groups).scatter_reduce(0, block_group, blocks.amax(1), "amax")
+        amax_g = all_reduce_max(mag.new_zeros(n_groups).scatter_reduce(0, block_group, blocks.amax(1), "amax"),
+                                amax_group)
         amax = amax_g[group][:, None] if not along_rows else amax_g[:, None].expand(n_groups, t.shape[1])
     elif along_rows:
-        amax = mag.new_zeros(n_groups, C).scatter_reduce(0, block_group[:, None].expand_as(blocks), blocks, "amax")
+        amax = all_reduce_max(mag.new_zeros(n_groups, C).scatter_reduce(
+            0, block_group[:, None].expand_as(blocks), blocks, "amax"), amax_group)
     else:
-        amax = mag.amax(1, keepdim=True)
+        amax = all_reduce_max(mag.amax(1, keepdim=True), amax_group)
     enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
     codes = encode(t * (enc[group] if along_rows else enc), spec.fmt)
     dec = fp8_decode_scale(enc, amax)
     return codes, (dec if along_rows else dec[:, 0])
+
+
+def _amax_group(split, role: str, gemm: str, spec):
+    """The TP group over which operand ``role`` of ``gemm``'s scaling groups span, or None: exactly
+    :meth:`lpbench.precision.linear.QuantizedGemms._quantize`'s rule for a split dense linear. ``split``: the
+    weight's :class:`lpbench.parallel.tp.TPShard` (dim 0: out features, so the gradient is split too; dim 1:
+    in features, so the input is split too)."""
+    if split is None or role not in ("weight", "grad" if split.dim == 0 else "input"):
+        return None
+    dim = 1 if gemm == ("dgrad" if split.dim == 0 else "fprop") else 0  # the operand's split dim in ``gemm``
+    return split.group if spec.block[dim] is None else None
 
 
 def _scaled_grouped(a, sa, b, sb, groups: Groups, native: bool, fast_accum: bool, out_dtype) -> torch.Tensor:
@@ -178,67 +192,76 @@ def _fmt(codes: torch.Tensor):
     return E4M3 if codes.dtype == torch.float8_e4m3fn else E5M2
 
 
-def _weight_fprop(w: torch.Tensor, recipe) -> tuple[torch.Tensor, torch.Tensor]:
+def _weight_fprop(w: torch.Tensor, recipe, split=None) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 codes [E, N, K] and decode scales [E, N] of stacked weights ``w`` for the forward GEMM."""
     E, N, K = w.shape
-    wq, sw = _group_fp8(w.reshape(E * N, K), recipe.operand("weight", "fprop"),
-                        torch.arange(E, device=w.device).repeat_interleave(N), E, block=N)
+    spec = recipe.operand("weight", "fprop")
+    wq, sw = _group_fp8(w.reshape(E * N, K), spec, torch.arange(E, device=w.device).repeat_interleave(N), E,
+                        block=N, amax_group=_amax_group(split, "weight", "fprop", spec))
     return wq.view(E, N, K), sw.view(E, N)
 
 
-def _weight_dgrad(w: torch.Tensor, recipe) -> tuple[torch.Tensor, torch.Tensor]:
+def _weight_dgrad(w: torch.Tensor, recipe, split=None) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 codes [E, K, N] and decode scales [E, K] of ``wᵀ`` for the data-gradient GEMM (scaled along N)."""
     E, N, K = w.shape
-    wtq, swt = _group_fp8(w.transpose(1, 2).reshape(E * K, N), recipe.operand("weight", "dgrad"),
-                          torch.arange(E, device=w.device).repeat_interleave(K), E, block=K)
+    spec = recipe.operand("weight", "dgrad")
+    wtq, swt = _group_fp8(w.transpose(1, 2).reshape(E * K, N), spec,
+                          torch.arange(E, device=w.device).repeat_interleave(K), E, block=K,
+                          amax_group=_amax_group(split, "weight", "dgrad", spec))
     return wtq.view(E, K, N), swt.view(E, K)
 
 
 @torch.no_grad()
-def weight_codes(w: torch.Tensor, recipe) -> tuple[torch.Tensor, ...]:
-    """(forward codes, scales, data-gradient codes, scales) of stacked weights ``w``: what :func:`fp8_grouped`
-    computes on every call, computed once to be reused while ``w`` does not change."""
+def weight_codes(w: torch.Tensor, recipe, split=None) -> tuple[torch.Tensor, ...]:
+    """(forward codes, scales, data-gradient codes, scales) of stacked weights ``w`` (under TP this rank's
+    slice, ``split`` its TPShard): what :func:`fp8_grouped` computes on every call, computed once to be
+    reused while ``w`` does not change."""
     with torch.autocast(w.device.type, enabled=False):
-        return (*_weight_fprop(w, recipe), *_weight_dgrad(w, recipe))
+        return (*_weight_fprop(w, recipe, split), *_weight_dgrad(w, recipe, split))
 
 
 class _Fp8GroupedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, groups: Groups, recipe, native: bool, wq, sw, wtq, swt):
+    def forward(ctx, x, w, groups: Groups, recipe, native: bool, split, wq, sw, wtq, swt):
         E = w.shape[0]
         with torch.autocast(x.device.type, enabled=False):
-            xq, sx = _group_fp8(x, recipe.operand("input", "fprop"), groups.row_group, E)
+            spec = recipe.operand("input", "fprop")
+            xq, sx = _group_fp8(x, spec, groups.row_group, E, amax_group=_amax_group(split, "input", "fprop", spec))
             if wq is None:
-                wq, sw = _weight_fprop(w, recipe)
+                wq, sw = _weight_fprop(w, recipe, split)
             y = _scaled_grouped(xq, sx, wq, sw, groups, native, recipe.fast_accum_fprop, x.dtype)
         ctx.save_for_backward(x, w, *((wtq, swt) if wtq is not None else ()))
-        ctx.groups, ctx.recipe, ctx.native = groups, recipe, native
+        ctx.groups, ctx.recipe, ctx.native, ctx.split = groups, recipe, native, split
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w, *dgrad_codes = ctx.saved_tensors
-        groups, recipe, native = ctx.groups, ctx.recipe, ctx.native
+        groups, recipe, native, split = ctx.groups, ctx.recipe, ctx.native, ctx.split
         E = w.shape[0]
         gid = groups.row_group
         dx = dw = None
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                gq, sg = _group_fp8(dy, recipe.operand("grad", "dgrad"), gid, E)
-                wtq, swt = dgrad_codes or _weight_dgrad(w, recipe)
+                spec = recipe.operand("grad", "dgrad")
+                gq, sg = _group_fp8(dy, spec, gid, E, amax_group=_amax_group(split, "grad", "dgrad", spec))
+                wtq, swt = dgrad_codes or _weight_dgrad(w, recipe, split)
                 dx = _scaled_grouped(gq, sg, wtq, swt, groups, native, False, x.dtype)
             if ctx.needs_input_grad[1]:
                 if recipe.operand("grad", "wgrad") is None:  # weight gradient in the compute dtype
                     dw = _hp_wgrad(dy, x, groups)
                 else:
-                    gq, sg = _group_fp8(dy, recipe.operand("grad", "wgrad"), gid, E, along_rows=True)
-                    xq, sx = _group_fp8(x, recipe.operand("input", "wgrad"), gid, E, along_rows=True)
+                    spec_g, spec_x = recipe.operand("grad", "wgrad"), recipe.operand("input", "wgrad")
+                    gq, sg = _group_fp8(dy, spec_g, gid, E, along_rows=True,
+                                        amax_group=_amax_group(split, "grad", "wgrad", spec_g))
+                    xq, sx = _group_fp8(x, spec_x, gid, E, along_rows=True,
+                                        amax_group=_amax_group(split, "input", "wgrad", spec_x))
                     # FP32 when emulated; natively BF16 (the only output the grouped FP8 GEMM has, as the dense
                     # native GEMM's BF16 output)
                     dw = _scaled_grouped(gq.t().contiguous(), sg, xq.t().contiguous(), sx, groups, native, False,
                                          torch.bfloat16 if native else torch.float32)
                 dw = dw.to(w.dtype)
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable
@@ -248,10 +271,12 @@ def _hp_wgrad(dy: torch.Tensor, x: torch.Tensor, groups: Groups) -> torch.Tensor
 
 
 def fp8_grouped(x: torch.Tensor, w: torch.Tensor, groups: Groups, recipe, native: bool,
-                codes: tuple | None = None) -> torch.Tensor:
+                codes: tuple | None = None, split=None) -> torch.Tensor:
     """FP8 row-wise / tensor-wise grouped ``x_e · w_eᵀ`` (x in the compute dtype, w the master weight);
-    ``codes``: :func:`weight_codes` of ``w`` (else ``w`` is quantized in this call)."""
-    return _Fp8GroupedFn.apply(x, w, groups, recipe, native, *(codes or (None,) * 4))
+    ``codes``: :func:`weight_codes` of ``w`` (else ``w`` is quantized in this call); ``split``: ``w``'s
+    :class:`lpbench.parallel.tp.TPShard` when it is a tensor-parallel slice (each operand's slice then
+    quantized as the whole operand, :func:`_amax_group`)."""
+    return _Fp8GroupedFn.apply(x, w, groups, recipe, native, split, *(codes or (None,) * 4))
 
 
 @torch.compiler.disable

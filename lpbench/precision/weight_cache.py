@@ -23,7 +23,8 @@ that already held the weight's amax. Without accumulation the two are identical.
 The training loop installs it only with gradient accumulation (at GBS = MBS the eager refill cost
 more than the in-graph cast: llama3.2-1b on an H200, 138.0 ms a step against 126.9) and only with
 ``--compile-scope block`` (the pre-hook must run outside the compiled graphs). Tensor-parallel and
-emulated linears and FSDP-sharded weights (gathered inside the blocks) are left alone.
+emulated linears and FSDP-sharded weights (gathered inside the blocks) are left alone; TP-split experts
+are cached, as the codes of their slices quantized as the whole weights (the uncached forward's).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class WeightCache:
                 if name == "weight":
                     cache_weight(m)
                 else:
-                    m.weight_codes[name] = weight_codes(w.detach(), m.recipe)
+                    m.weight_codes[name] = weight_codes(w.detach(), m.recipe, m.split(name))
                 self.versions[i] = w._version
 
     def remove(self) -> None:
