@@ -113,7 +113,8 @@ def test_cached_weight_codes_give_the_uncached_numbers(monkeypatch):
     moe.experts.set_recipe(r, native=False)
     plain = copy.deepcopy(moe)
     made = []
-    monkeypatch.setattr(weight_cache, "weight_codes", lambda w, recipe: made.append(w) or quantize(w, recipe))
+    monkeypatch.setattr(weight_cache, "weight_codes",
+                        lambda w, recipe, split: made.append(w) or quantize(w, recipe, split))
     quantize = grouped.weight_codes
     dy = torch.randn(*x.shape[:-1], x.shape[-1], generator=torch.Generator().manual_seed(1))
 
@@ -149,7 +150,8 @@ def test_gradient_accumulation_trains_the_same_with_cached_weight_codes(monkeypa
                     device="cpu")
     made = []
     quantize = grouped.weight_codes
-    monkeypatch.setattr(weight_cache, "weight_codes", lambda w, recipe: made.append(w) or quantize(w, recipe))
+    monkeypatch.setattr(weight_cache, "weight_codes",
+                        lambda w, recipe, split: made.append(w) or quantize(w, recipe, split))
     cached = loop.train(cfg, log=lambda line: None)
     assert len(made) == 3 * 2 * 2  # steps x layers x weights: once per optimizer step
     monkeypatch.setattr(weight_cache, "install", lambda model, optimizer: None)

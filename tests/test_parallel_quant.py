@@ -28,7 +28,8 @@ BASE = RunConfig(model="tiny", seq_len=32, mbs=8, gbs=8, steps=3, warmup_steps=1
 TP_RECIPES = ["fp8-tensorwise", "fp8-delayed", "mxfp8", "nvfp4"]
 EXACT_RECIPES = [*TP_RECIPES, "fp8-rowwise"]
 ONE_BLOCK = ModelConfig("test-one-block", 1, 128, 256, 4, 2, 256, rope_theta=10_000.0, max_seq_len=64)
-MOE = ModelConfig("test-moe-q", 6, 128, 128, 4, 2, 512, n_experts=4, top_k=2, max_seq_len=256)  # nvfp4 quantizes 2 blocks
+# 6 blocks: nvfp4 quantizes 2 (it keeps the last 4 in BF16); heads of 32: whole MX/NVFP4 blocks per rank
+MOE = ModelConfig("test-moe-q", 6, 128, 128, 4, 2, 512, n_experts=4, top_k=2, max_seq_len=256)
 MOE_RECIPES = ["bf16", "fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-fp32-scales", "fp8-delayed", "mxfp8", "nvfp4"]
 MOE_TRAIN_RECIPES = ["fp8-tensorwise", "fp8-rowwise", "mxfp8", "nvfp4"]
 FSDP_RUNS = {f"{p}{'-fp8ag' if ag else ''}": dict(precision=p, fsdp=True, mbs=4, fsdp_fp8_all_gather=ag)
@@ -290,7 +291,8 @@ def test_tp_split_experts_quantize_exactly_like_the_unsharded_ones(world2, name)
     cached = errors.pop("cached", None)
     assert set(errors) == {"out", "x_grad", "gate_up", "down"}
     assert max(errors.values()) < 1e-5, errors  # summation order only: not one code differs
-    assert cached is (True if name.startswith(("fp8-tensorwise", "fp8-rowwise")) else None)  # FP8 grouped: the cache's codes
+    # FP8 grouped (tensor- and row-wise): the weight cache's codes give the same numbers
+    assert cached is (True if name.startswith(("fp8-tensorwise", "fp8-rowwise")) else None)
 
 
 @pytest.mark.parametrize("name", ["fp8-tensorwise", "fp8-rowwise-fp32-scales", "nvfp4"])

@@ -141,7 +141,8 @@ def test_the_optimizer_step_alone_makes_linears_and_experts_stale(fused_on_cpu, 
 
     made = []
     quantize = grouped.weight_codes
-    monkeypatch.setattr(weight_cache, "weight_codes", lambda w, recipe: made.append(w) or quantize(w, recipe))
+    monkeypatch.setattr(weight_cache, "weight_codes",
+                        lambda w, recipe, split: made.append(w) or quantize(w, recipe, split))
     plain, cached = model(), model()
     want, opt_plain = _train(plain, cached=False)
     got, opt_cached = _train(cached, cached=True)
