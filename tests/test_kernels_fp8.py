@@ -4,7 +4,11 @@ The casts are plain torch ops that torch.compile fuses; they are checked eagerly
 compiled by inductor, on CUDA (``gpu`` tests).
 """
 
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,3 +281,11 @@ def test_delayed_scale_of_a_tiny_amax_keeps_its_subnormal_decode_scale():
     ref = quantize_fp8(x.cpu(), E4M3)
     assert torch.equal(dec.cpu().reshape(()), ref.scale.reshape(())) and ref.scale.item() > 0
     assert torch.equal(q.cpu().view(torch.uint8), ref.codes.view(torch.uint8))
+
+
+@pytest.mark.skipif(capability.triton is not None, reason="the warning is torch's where Triton is missing")
+def test_the_triton_kernels_import_without_a_warning_where_triton_is_missing():
+    code = "import lpbench.precision.kernels.fp8_cast, lpbench.precision.kernels.nvfp4"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "Triton not available" not in done.stderr, done.stderr

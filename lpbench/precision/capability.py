@@ -22,6 +22,12 @@ try:  # the one check for Triton (the kernels import it from here)
 except ImportError:  # CPU-only torch ships without Triton
     triton = tl = None
 
+
+def kernel_op(name: str, mutates_args=()):
+    """``torch.library.triton_op`` where Triton is installed; the plain function elsewhere (never
+    called there: no CUDA), so a CPU-only torch does not warn "Triton not available" at import."""
+    return torch.library.triton_op(name, mutates_args=mutates_args) if triton is not None else (lambda fn: fn)
+
 EMULATE_ALWAYS = "always"  # --emulate always: emulate even where the device runs the recipe natively
 FORCED = "--emulate always (this device runs it natively)"
 

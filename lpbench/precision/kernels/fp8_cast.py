@@ -26,19 +26,14 @@ them from its generated code, without the Python dispatch of an opaque custom op
 from __future__ import annotations
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from lpbench.precision.capability import tl, triton  # None without Triton
+from lpbench.precision.capability import kernel_op, tl, triton  # None without Triton
 from lpbench.precision.formats import FloatFormat
 
 TILE = 128  # rows and columns per program of the cast (benchmarks/fp8_cast.py: 128x8 the fastest on an H200)
 WARPS = 8  # warps per program
 AMAX_BLOCK = 8192  # elements per program of the amax
-
-
-def _op(name: str, mutates_args=()):
-    """``triton_op`` where Triton is installed; a plain function elsewhere (never called there: no CUDA)."""
-    return triton_op(name, mutates_args=mutates_args) if triton is not None else (lambda fn: fn)
 
 
 def _launch(launcher, x, q, qt, encode_scale, fp8_max, write_t, tile=None, warps=None, first=None,
@@ -55,7 +50,7 @@ def _launch(launcher, x, q, qt, encode_scale, fp8_max, write_t, tile=None, warps
     return amax_bits.view(torch.float32)
 
 
-@_op("lpbench::fp8_cast_transpose", ())
+@kernel_op("lpbench::fp8_cast_transpose", ())
 def _cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
                     write_t: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = x.shape
@@ -64,7 +59,7 @@ def _cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fp8_max: float,
     return q, qt, _launch(wrap_triton, x, q, qt, encode_scale, fp8_max, write_t)
 
 
-@_op("lpbench::fp8_cast_transpose_delayed", ())
+@kernel_op("lpbench::fp8_cast_transpose_delayed", ())
 def _cast_transpose_delayed(x: torch.Tensor, encode_scale: torch.Tensor, first: torch.Tensor, fp8_max: float,
                             down: float, dtype: torch.dtype, write_t: bool) -> tuple[torch.Tensor, torch.Tensor,
                                                                                     torch.Tensor]:
@@ -74,7 +69,7 @@ def _cast_transpose_delayed(x: torch.Tensor, encode_scale: torch.Tensor, first: 
     return q, qt, _launch(wrap_triton, x, q, qt, encode_scale, fp8_max, write_t, first=first, down=down)
 
 
-@_op("lpbench::amax_unless", ())
+@kernel_op("lpbench::amax_unless", ())
 def _amax_unless(x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
     amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
     numel = x.numel()
@@ -83,7 +78,7 @@ def _amax_unless(x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
     return amax_bits.view(torch.float32)
 
 
-@_op("lpbench::fp8_history_scale", ())
+@kernel_op("lpbench::fp8_history_scale", ())
 def _history_scale(x: torch.Tensor, history: torch.Tensor, fp8_max: float,
                    down: float) -> tuple[torch.Tensor, torch.Tensor]:
     amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
@@ -95,7 +90,7 @@ def _history_scale(x: torch.Tensor, history: torch.Tensor, fp8_max: float,
     return amax_bits.view(torch.float32), enc
 
 
-@_op("lpbench::fp8_record_amax", ("history",))
+@kernel_op("lpbench::fp8_record_amax", ("history",))
 def _record_amax(history: torch.Tensor, encode_scale: torch.Tensor, first: torch.Tensor, amax: torch.Tensor,
                  fp8_max: float, down: float, record: bool) -> torch.Tensor:
     dec = torch.empty((), dtype=torch.float32, device=history.device)

@@ -26,9 +26,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from lpbench.precision.capability import tl, triton  # None without Triton
+from lpbench.precision.capability import kernel_op, tl, triton  # None without Triton
 from lpbench.precision.quantize import _RHT, TE_RHT_SIGNS, _poison, nvfp4_global_scales, rht_matrix
 
 BLOCK = 16  # NVFP4 block along the reduction dim (the kernels also take the RHT size to be 16)
@@ -79,7 +79,7 @@ def quantize(x: torch.Tensor, *, row: bool, col: bool, rht: bool, stochastic: bo
 
 
 
-@triton_op("lpbench::nvfp4_amax", mutates_args=())
+@kernel_op("lpbench::nvfp4_amax", mutates_args=())
 def _amax(x: torch.Tensor, h: torch.Tensor, row: bool, col: bool, rht: bool, bm: int, bn: int,
           warps: int) -> torch.Tensor:
     """[amax of |x|, amax of |the wgrad copy|] (FP32; 0 for a copy not asked for)."""
@@ -90,7 +90,7 @@ def _amax(x: torch.Tensor, h: torch.Tensor, row: bool, col: bool, rht: bool, bm:
     return bits.view(torch.float32)
 
 
-@triton_op("lpbench::nvfp4_quantize", mutates_args=())
+@kernel_op("lpbench::nvfp4_quantize", mutates_args=())
 def _quantize(x: torch.Tensor, h: torch.Tensor, scales: torch.Tensor, seed: torch.Tensor, mp: int, row: bool,
               col: bool, rht: bool, sr: bool, with_codes: bool, bm: int, bn: int,
               warps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
