@@ -68,7 +68,7 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
         return fp8_cast.cast_transpose(t.detach(), enc, fmt, write_t)
 
     if recipe.scaling is not Scaling.DELAYED:
-        if kernel and out is not None and getattr(mod, "tp_shard", None) is None:  # eager: three launches
+        if kernel and out is not None and mod.tp_shard is None:  # eager: three launches
             return (*out, fp8_cast.tensorwise_cast_into(t.detach(), fmt, *out))
         amax = mod.reduce_amax(role, t.detach().abs().amax().float())
         enc = fp8_encode_scale(amax, fmt)
@@ -76,7 +76,7 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
             q, qt, _ = one_pass(enc)
             return q, qt, fp8_decode_scale(enc, amax)
         return cast(t, amax, enc, fmt, write_t)
-    if kernel and getattr(mod, "tp_shard", None) is None:  # three launches, one read of t (two in the first step)
+    if kernel and mod.tp_shard is None:  # three launches, one read of t (two in the first step)
         history, margin = mod.amax_history(role), recipe.margin
         first, enc = fp8_cast.history_scale(t.detach(), history, fmt, margin)
         if out is not None:
