@@ -225,18 +225,16 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
         if type(module) is not nn.Linear and isinstance(module, nn.Linear) and not getattr(module, "tp_aware", False):
             raise UsageError(f"{type(module).__name__} ({name}) does not support tensor parallelism yet: "
                              "run this precision with --tp 1")
-    for name, (_, sections) in splits.items():
-        multiple = getattr(model.get_submodule(name), "tp_multiple", 1)
+    cuts = [(name, sections, getattr(model.get_submodule(name), "tp_multiple", 1))
+            for name, (_, sections) in splits.items()]
+    for i, block in enumerate(model.layers):  # experts: every rank's part of the FFN width, as a dense MLP's
+        experts = getattr(block.mlp, "experts", None)
+        if experts is not None and experts.recipe is not None:
+            cuts.append((f"layers.{i}.mlp.experts", (experts.down.shape[2],), experts.recipe.block or 1))
+    for name, sections, multiple in cuts:
         if bad := [n // tp for n in sections if n // tp % multiple]:
             raise UsageError(f"--tp {tp} splits {name} into parts of {bad[0]} features, not whole {multiple}-element "
                              "quantization blocks: use a smaller --tp or another precision")
-    for i, block in enumerate(model.layers):  # experts: every rank's part of the FFN width, as a dense MLP's
-        experts = getattr(block.mlp, "experts", None)
-        multiple = (experts.recipe.block or 1) if experts is not None and experts.recipe is not None else 1
-        if experts is not None and experts.down.shape[2] // tp % multiple:
-            raise UsageError(f"--tp {tp} splits layers.{i}.mlp.experts into parts of {experts.down.shape[2] // tp} "
-                             f"features, not whole {multiple}-element quantization blocks: use a smaller --tp or "
-                             "another precision")
     for block in model.layers:
         localize_block(block, tp)
         if hasattr(block.mlp, "experts"):
