@@ -28,6 +28,7 @@ def kernel_op(name: str, mutates_args=()):
     called there: no CUDA), so a CPU-only torch does not warn "Triton not available" at import."""
     return torch.library.triton_op(name, mutates_args=mutates_args) if triton is not None else (lambda fn: fn)
 
+
 EMULATE_ALWAYS = "always"  # --emulate always: emulate even where the device runs the recipe natively
 FORCED = "--emulate always (this device runs it natively)"
 
