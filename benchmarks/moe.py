@@ -8,8 +8,8 @@ Per model, in one process and one after another: ``bf16`` (grouped, ``torch._gro
 ``bf16-loop`` (one GEMM per expert: the grouped op replaced by its per-expert fallback),
 ``fp8-rowwise`` (lpbench's grouped FP8, ``torch._scaled_grouped_mm``) and ``fp8-rowwise/torchao``
 (``--backend torchao``: ``torchao.prototype.moe_training``); on request (``--variants``)
-``fp8-rowwise/fast-bwd``, lpbench's grouped FP8 with its gradient GEMMs in fast accumulation too. Tokens/s, model TFLOP/s (Megatron's
-count on the active experts) and MFU against the BF16 dense peak; ratios against the same model's
+``fp8-rowwise-fast-grads``, lpbench's grouped FP8 with its gradient GEMMs in fast accumulation too (the
+recipe of that name, as torchao runs them). Tokens/s, model TFLOP/s (Megatron's count on the active experts) and MFU against the BF16 dense peak; ratios against the same model's
 grouped BF16 run. Each result is also written as one JSON line to ``DIR/moe.jsonl``.
 ``--profile`` traces the last step of each run (``--profile-steps``, left out of the timing) and prints
 its CUDA kernels by total time, with the kernel time of the step against its wall time.
@@ -26,22 +26,15 @@ import traceback
 
 import torch
 
-from lpbench.precision import capability, grouped
+from lpbench.precision import capability
 from lpbench.config import RunConfig
 from lpbench.train.loop import train
 
 MODELS = (("qwen3-30b-a3b", 2), ("mixtral-8x7b", 2))
 VARIANTS = (("bf16", "bf16", "lpbench", None), ("fp8-rowwise", "fp8-rowwise", "lpbench", None),
             ("fp8-rowwise/torchao", "fp8-rowwise", "torchao", None), ("bf16-loop", "bf16", "lpbench", "loop"),
-            ("fp8-rowwise/fast-bwd", "fp8-rowwise", "lpbench", "fast-bwd"))
-
-
-def fast_backward(scaled_grouped):
-    """``grouped._scaled_grouped`` with every native GEMM in fast accumulation (torchao's choice; the
-    recipe, like the dense linear, accumulates the gradient GEMMs precisely): what that choice buys."""
-    def run(a, sa, b, sb, groups, native, fast_accum, out_dtype):
-        return scaled_grouped(a, sa, b, sb, groups, native, True, out_dtype)
-    return run
+            ("fp8-rowwise-fast-grads", "fp8-rowwise-fast-grads", "lpbench", None))
+DEFAULT_VARIANTS = ("bf16", "fp8-rowwise", "fp8-rowwise/torchao", "bf16-loop")
 
 
 def check_native(device: str = "cuda") -> None:
@@ -54,7 +47,7 @@ def check_native(device: str = "cuda") -> None:
     cfg = ModelConfig("check", 1, 256, 512, 2, 2, 64, n_experts=8, top_k=2)
     torch.manual_seed(0)
     x = torch.randn(4, 500, 256, device=device)
-    for precision in ("bf16", "fp8-rowwise", "fp8-tensorwise", "fp8-rowwise-gw-hp"):
+    for precision in ("bf16", "fp8-rowwise", "fp8-rowwise-fast-grads", "fp8-tensorwise", "fp8-rowwise-gw-hp"):
         outs = []
         for native in (True, False):
             torch.manual_seed(1)
@@ -70,7 +63,7 @@ def check_native(device: str = "cuda") -> None:
             y.float().square().sum().backward()
             outs.append([y.float(), xi.grad.float(), moe.experts.gate_up.grad, moe.experts.down.grad])
         rel = [((a - b).norm() / b.norm()).item() for a, b in zip(*outs)]
-        print(f"check {precision:18s} native vs emulated, rel. error y / dx / dW_gate_up / dW_down: "
+        print(f"check {precision:22s} native vs emulated, rel. error y / dx / dW_gate_up / dW_down: "
               + " / ".join(f"{r:.2e}" for r in rel), flush=True)
 
 
@@ -97,8 +90,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--models", default=",".join(f"{m}:{n}" for m, n in MODELS), help="NAME:LAYERS,...")
-    ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS if v[3] != "fast-bwd"),
-                    help="labels to run, comma-separated")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"labels to run, comma-separated, of {', '.join(v[0] for v in VARIANTS)}")
     ap.add_argument("--gbs", type=int, default=1, help="global batch (micro-batches of 1 per optimizer step)")
     ap.add_argument("--profile", action="store_true", help="trace each run's last step, print its top kernels")
     ap.add_argument("--no-check", action="store_true", help="skip the native-vs-emulated check")
@@ -121,9 +114,6 @@ def main() -> None:
         base = None
         for label, precision, backend, mode in variants:
             capability.grouped_gemm = (lambda x: False) if mode == "loop" else native
-            scaled_grouped = grouped._scaled_grouped
-            if mode == "fast-bwd":
-                grouped._scaled_grouped = fast_backward(scaled_grouped)
             cfg = RunConfig(model=name, num_layers=int(layers), precision=precision, backend=backend,
                             seq_len=args.seq_len, mbs=1, gbs=args.gbs, steps=args.steps, warmup_steps=args.warmup,
                             log_interval=args.steps, profile_steps=f"{args.steps}:{args.steps}" if args.profile else None)
@@ -150,7 +140,6 @@ def main() -> None:
                 row = {"model": f"{name}@{layers}L", "variant": label, "status": f"error: {exc}".splitlines()[0]}
             finally:
                 capability.grouped_gemm = native
-                grouped._scaled_grouped = scaled_grouped
                 torch.cuda.empty_cache()
             if label == "bf16" and row.get("tokens_per_s"):
                 base = row["tokens_per_s"]

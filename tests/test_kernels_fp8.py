@@ -156,10 +156,15 @@ def test_fast_linear_matches_emulated_reference(precise_casts, recipe, compiled)
             assert torch.equal(getattr(fast, f"amax_history_{role}"), getattr(ref, f"amax_history_{role}"))
 
 
-@pytest.mark.parametrize("recipe, fprop_fast", [("fp8-tensorwise", True), ("fp8-delayed", True),
-                                                ("fp8-tensorwise-no-fast-accum", False)])
-def test_only_the_forward_gemm_accumulates_fast(monkeypatch, recipe, fprop_fast):
-    """As TE and torchao: fast accumulation in fprop only; dgrad and wgrad accumulate in FP32."""
+@pytest.mark.parametrize("recipe, fprop_fast, grads_fast", [("fp8-tensorwise", True, False),
+                                                            ("fp8-delayed", True, False),
+                                                            ("fp8-tensorwise-no-fast-accum", False, False),
+                                                            ("fp8-tensorwise+fast-grads", True, True)])
+def test_the_recipe_decides_which_gemms_accumulate_fast(monkeypatch, recipe, fprop_fast, grads_fast):
+    """As TE and torchao's linears: fast accumulation in fprop only, dgrad and wgrad in FP32; all three with
+    ``fast_accum_grads`` (as torchao's MoE GEMMs)."""
+    import dataclasses
+
     from lpbench.precision.linear import QuantizedLinear
     from lpbench.precision.recipes import get_recipe
 
@@ -171,9 +176,11 @@ def test_only_the_forward_gemm_accumulates_fast(monkeypatch, recipe, fprop_fast)
 
     monkeypatch.setattr(capability, "fused_fp8_linear", lambda x, w: True)
     monkeypatch.setattr(torch, "_scaled_mm", recording)
-    mod = QuantizedLinear.from_linear(torch.nn.Linear(256, 384), get_recipe(recipe), native=True)
+    name, _, fast_grads = recipe.partition("+")
+    r = dataclasses.replace(get_recipe(name), fast_accum_grads=bool(fast_grads))
+    mod = QuantizedLinear.from_linear(torch.nn.Linear(256, 384), r, native=True)
     _fwd_bwd(mod, mod.weight, mod.bias, 0, "cpu")
-    assert calls == [fprop_fast, False, False]
+    assert calls == [fprop_fast, grads_fast, grads_fast]
 
 
 @pytest.mark.gpu

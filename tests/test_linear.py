@@ -209,6 +209,32 @@ def test_native_qgemm_passes_fast_accumulation(monkeypatch):
     assert torch.allclose(fast, qgemm(a, b), rtol=1e-2, atol=1e-2) and torch.allclose(plain, fast)
 
 
+@pytest.mark.parametrize("name, fast", [("fp8-rowwise", [True, False, False]),
+                                        ("fp8-rowwise-fast-grads", [True, True, True])])
+def test_fast_grads_recipe_asks_for_fast_gradient_gemms_and_emulates_as_rowwise(monkeypatch, name, fast):
+    """``fast_accum_grads`` changes the mode the native dgrad and wgrad GEMMs are asked for, nothing else: the
+    emulation (FP32 accumulation throughout) is fp8-rowwise's bit for bit, the native result within its tolerance."""
+    calls, scaled_mm = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, use_fast_accum=False, **k:
+                        calls.append(use_fast_accum) or scaled_mm(*a, use_fast_accum=use_fast_accum, **k))
+    lin, x, dy = nn.Linear(256, 384), randn(64, 256, seed=1), randn(64, 384, seed=2)
+
+    def run(recipe, native):
+        q = QuantizedLinear.from_linear(lin, RECIPES[recipe], native=native)
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = q(xi)
+        y.backward(dy.to(y.dtype))
+        return [y.float(), xi.grad.float(), q.weight.grad.float()]
+
+    native = run(name, True)
+    assert calls == fast
+    emulated, rowwise = run(name, False), run("fp8-rowwise", False)
+    assert len(calls) == 3  # the emulation calls no native GEMM
+    assert all(torch.equal(a, b) for a, b in zip(emulated, rowwise))
+    assert all((a - b).norm() / b.norm() < 1e-2 for a, b in zip(native, emulated))
+
+
 def test_one_autograd_function_for_every_quantized_linear(monkeypatch):
     """Trained, fused-FP8 and frozen (LoRA base) quantized linears all run QuantizedLinearFn, and the
     package defines no other autograd Function but those listed here, none of them a linear."""

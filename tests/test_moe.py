@@ -101,26 +101,72 @@ def test_grouped_equals_loop(recipe, case):
     _compare(moe, r, x)
 
 
-def test_cached_weight_codes_give_the_uncached_numbers(monkeypatch):
+def _scaled_grouped_mm_on_cpu(calls):
+    """``torch._scaled_grouped_mm`` (CUDA only) as FP32 products of the codes, recording ``use_fast_accum``."""
+    def mm(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum=False):
+        calls.append(use_fast_accum)
+        ends = offs.tolist()
+        bounds = list(zip([0, *ends[:-1]], ends))
+        if b.dim() == 3:  # [rows, K] x [E, K, N]: each group's rows by its expert
+            out = torch.zeros(a.shape[0], b.shape[2])
+            for e, (s, t) in enumerate(bounds):
+                out[s:t] = a[s:t].float() @ b[e].float() * scale_a[s:t, None] * scale_b[e][None, :]
+            return out.to(out_dtype)
+        n, k = a.shape[0], b.shape[1]  # [N, rows] x [rows, K]: each expert reduces over its rows
+        return torch.stack([a[:, s:t].float() @ b[s:t].float() * scale_a[e * n:(e + 1) * n, None]
+                            * scale_b[e * k:(e + 1) * k][None, :] for e, (s, t) in enumerate(bounds)]).to(out_dtype)
+    return mm
+
+
+@pytest.mark.parametrize("name, grads_fast", [("fp8-rowwise", False), ("fp8-rowwise-fast-grads", True)])
+def test_grouped_fp8_asks_for_the_recipes_accumulation_mode(monkeypatch, name, grads_fast):
+    """The native grouped GEMMs run fprop in fast accumulation and dgrad/wgrad as ``fast_accum_grads`` says;
+    fp8-rowwise-fast-grads emulates as fp8-rowwise bit for bit, and the native GEMMs agree with the emulation."""
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_on_cpu(calls), raising=False)
+    recipe = get_recipe(name)
+    moe, x = _case_moe("idle-experts", recipe)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+
+    def run(r, native):
+        moe.experts.set_recipe(r, native=native)
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = moe(xi)
+        return [y.float(), *(g.float() for g in torch.autograd.grad(
+            y, [xi, moe.experts.gate_up, moe.experts.down], dy.to(y.dtype)))]
+
+    native = run(recipe, True)
+    # forward: gate_up, down; backward: down's dgrad and wgrad, then gate_up's
+    assert calls == [True, True] + [grads_fast] * 4
+    emulated, rowwise = run(recipe, False), run(get_recipe("fp8-rowwise"), False)
+    assert len(calls) == 6 and all(torch.equal(a, b) for a, b in zip(emulated, rowwise))
+    assert all((a - b).norm() / b.norm() < 1e-2 for a, b in zip(native, emulated))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_cached_weight_codes_give_the_uncached_numbers(monkeypatch, device):
     """Gradient accumulation: FP8 grouped experts quantize each weight once (precision/weight_cache.py); the codes
-    are those of the uncached call, bit for bit, reused until the weight changes (in place here)."""
+    are those of the uncached call, bit for bit, reused until the weight changes (in place here). On CUDA with
+    the native grouped GEMMs."""
     import copy
 
     from lpbench.precision import weight_cache
 
     r = get_recipe("fp8-rowwise")
     moe, x = _case_moe("random", r)
-    moe.experts.set_recipe(r, native=False)
+    moe, x = moe.to(device), x.to(device)
+    moe.experts.set_recipe(r, native=device == "cuda")
     plain = copy.deepcopy(moe)
     made = []
     monkeypatch.setattr(weight_cache, "weight_codes",
                         lambda w, recipe, split: made.append(w) or quantize(w, recipe, split))
     quantize = grouped.weight_codes
-    dy = torch.randn(*x.shape[:-1], x.shape[-1], generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(*x.shape[:-1], x.shape[-1], generator=torch.Generator().manual_seed(1)).to(device)
 
     def run(m):
         xi = x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             y = m(xi)
         return [y, *torch.autograd.grad(y, [xi, m.experts.gate_up, m.experts.down], dy.to(y.dtype))]
 
@@ -137,6 +183,31 @@ def test_cached_weight_codes_give_the_uncached_numbers(monkeypatch):
             m.experts.down.mul_(1.5)
     changed = run(moe)
     assert len(made) == 3 and same(changed, run(plain)) and not torch.equal(changed[0], first[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fp8-rowwise", "fp8-rowwise-fast-grads"])
+def test_native_grouped_fp8_matches_the_emulation_on_cuda(name):
+    """``torch._scaled_grouped_mm`` (fast accumulation where the recipe asks) against the emulated grouped GEMMs that
+    the CPU tests prove equal to the per-expert loop: the same codes, other accumulation and BF16 roundings."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs the grouped FP8 GEMM (compute capability 9.0)")
+    cfg = dataclasses.replace(CFG, dim=256, ffn_dim=512, n_experts=8, top_k=2)
+    x = torch.randn(4, 500, 256, generator=torch.Generator().manual_seed(0)).cuda()
+    results = []
+    for native in (True, False):
+        torch.manual_seed(1)
+        moe = MoE(cfg).cuda()
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        moe.experts.set_recipe(get_recipe(name), native=native)
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = moe(xi)
+        y.float().square().sum().backward()
+        results.append([y.float(), xi.grad.float(), moe.experts.gate_up.grad, moe.experts.down.grad])
+    for a, b in zip(*results):
+        assert (a - b).norm() / b.norm() < 5e-2
 
 
 def test_gradient_accumulation_trains_the_same_with_cached_weight_codes(monkeypatch):

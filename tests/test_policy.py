@@ -135,7 +135,7 @@ def test_model_without_layers():
 
 def test_recipes_are_data():
     expected = {"bf16", "fp32", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-rowwise-gw-hp",
-                "fp8-blockwise", "mxfp8", "mxfp4", "nvfp4"}  # fmt: skip
+                "fp8-rowwise-fast-grads", "fp8-blockwise", "mxfp8", "mxfp4", "nvfp4"}  # fmt: skip
     assert set(RECIPES) == expected
     assert RECIPES["fp32"].compute_dtype == torch.float32
     caps = {n: r.native_capability for n, r in RECIPES.items()}

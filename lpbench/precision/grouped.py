@@ -246,7 +246,7 @@ class _Fp8GroupedFn(torch.autograd.Function):
                 spec = recipe.operand("grad", "dgrad")
                 gq, sg = _group_fp8(dy, spec, gid, E, amax_group=_amax_group(split, "grad", "dgrad", spec))
                 wtq, swt = dgrad_codes or _weight_dgrad(w, recipe, split)
-                dx = _scaled_grouped(gq, sg, wtq, swt, groups, native, False, x.dtype)
+                dx = _scaled_grouped(gq, sg, wtq, swt, groups, native, recipe.fast_accum_grads, x.dtype)
             if ctx.needs_input_grad[1]:
                 if recipe.operand("grad", "wgrad") is None:  # weight gradient in the compute dtype
                     dw = _hp_wgrad(dy, x, groups)
@@ -258,8 +258,8 @@ class _Fp8GroupedFn(torch.autograd.Function):
                                         amax_group=_amax_group(split, "input", "wgrad", spec_x))
                     # FP32 when emulated; natively BF16 (the only output the grouped FP8 GEMM has, as the dense
                     # native GEMM's BF16 output)
-                    dw = _scaled_grouped(gq.t().contiguous(), sg, xq.t().contiguous(), sx, groups, native, False,
-                                         torch.bfloat16 if native else torch.float32)
+                    dw = _scaled_grouped(gq.t().contiguous(), sg, xq.t().contiguous(), sx, groups, native,
+                                         recipe.fast_accum_grads, torch.bfloat16 if native else torch.float32)
                 dw = dw.to(w.dtype)
         return dx, dw, None, None, None, None, None, None, None, None
 

@@ -22,8 +22,9 @@ exactly on any device:
   ``F.scaled_mm`` for MXFP8 and NVFP4 on compute capability 10.x (``kernels/block_scaled.py``: the
   same codes and scales as the emulation, packed, swizzled and padded as cuBLAS reads them).
   A recipe's ``fast_accum_fprop`` runs the native forward GEMM in Hopper's fast accumulation
-  (as TE and torchao do; dgrad and wgrad accumulate in FP32): not bit-reproducible, so the
-  emulation accumulates in FP32 throughout and the two differ there by more than summation order.
+  (as TE and torchao do; dgrad and wgrad accumulate in FP32 unless ``fast_accum_grads``, as
+  torchao's MoE GEMMs): not bit-reproducible, so the emulation accumulates in FP32 throughout and
+  the two differ there by more than summation order.
 
 Autocast: inputs are cast to the autocast dtype, then all quantization and GEMMs run with
 autocast disabled; the output has the input's compute dtype, dW the weight's dtype. Delayed
@@ -159,9 +160,9 @@ class QuantizedLinearFn(torch.autograd.Function):
             gq, gq_wgrad = kernel.operands(mod, dy2, "grad", "dgrad", need_dx, ctx.quantized_wgrad)
             if need_dx:
                 wt = mod.weight_operand("dgrad") if ctx.w_dgrad is None else ctx.w_dgrad
-                dx = kernel.mm(mod, gq, wt, ctx.x_dtype).reshape(ctx.x_shape)
+                dx = kernel.mm(mod, gq, wt, ctx.x_dtype, None, mod.recipe.fast_accum_grads).reshape(ctx.x_shape)
             if ctx.quantized_wgrad:
-                dw = kernel.mm(mod, gq_wgrad, ctx.x_wgrad, ctx.w_dtype)
+                dw = kernel.mm(mod, gq_wgrad, ctx.x_wgrad, ctx.w_dtype, None, mod.recipe.fast_accum_grads)
             elif need_dw:
                 (x2,) = ctx.saved_tensors
                 dw = hp_mm(dy2.t(), x2.t(), ctx.x_dtype).to(ctx.w_dtype)

@@ -3,7 +3,7 @@
 A recipe is a frozen dataclass instance; adding a recipe means adding an instance to
 ``RECIPES``, never editing branches across the tree. Every ingredient (scale rule, block
 size, E5M2 gradients, 2-D weight blocks, random Hadamard transform, stochastic rounding,
-BF16 first/last layers, fast accumulation in the forward GEMM) is a field, so ablations
+BF16 first/last layers, fast accumulation in the forward or the gradient GEMMs) is a field, so ablations
 are ``dataclasses.replace(recipe, ...)``.
 """
 
@@ -42,6 +42,7 @@ class Recipe:
     first_bf16_layers: int = 0  # transformer blocks kept in BF16 at the start ...
     last_bf16_layers: int = 0  # ... and at the end
     fast_accum_fprop: bool = False  # native forward GEMM in Hopper's fast (reduced-precision) accumulation
+    fast_accum_grads: bool = False  # native data- and weight-gradient GEMMs in fast accumulation too
     native_capability: tuple[int, int] | None = None  # compute capability with native GEMMs
 
     def __post_init__(self):
@@ -56,8 +57,9 @@ class Recipe:
             raise ValueError(f"{self.name}: {self.scaling} scaling needs a block size")
         if self.mx_scale_rounding not in ("rceil", "floor"):
             raise ValueError(f"{self.name}: mx_scale_rounding must be 'rceil' or 'floor'")
-        if self.fast_accum_fprop and self.scaling not in (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW):
-            raise ValueError(f"{self.name}: fast_accum_fprop needs tensor, delayed or row scaling")
+        for field in ("fast_accum_fprop", "fast_accum_grads"):
+            if getattr(self, field) and self.scaling not in (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW):
+                raise ValueError(f"{self.name}: {field} needs tensor, delayed or row scaling")
         if len(self.rht_signs) != RHT_SIZE or any(v not in (1, -1) for v in self.rht_signs):
             raise ValueError(f"{self.name}: rht_signs must be {RHT_SIZE} values of +1 or -1, got {self.rht_signs}")
         if self.scaling is Scaling.BLOCK and not self.pow2_scales:
@@ -138,6 +140,12 @@ RECIPES: dict[str, Recipe] = {
             "fp8-rowwise-gw-hp",
             "fp8-rowwise with the weight-gradient GEMM in BF16 (torchao rowwise_with_gw_hp)",
             scaling="row", pow2_scales=True, wgrad_bf16=True, fast_accum_fprop=True,
+            native_capability=(9, 0),
+        ),
+        Recipe(
+            "fp8-rowwise-fast-grads",
+            "fp8-rowwise with the data- and weight-gradient GEMMs in fast accumulation too (torchao's MoE GEMMs)",
+            scaling="row", pow2_scales=True, fast_accum_fprop=True, fast_accum_grads=True,
             native_capability=(9, 0),
         ),
         Recipe(

@@ -17,8 +17,8 @@ import math
 from lpbench.report.tables import BASELINE, precision_name
 
 COLOURS = {"bf16": "#3b3b3b", "fp32": "#9e9e9e", "fp8-tensorwise": "#1f77b4", "fp8-delayed": "#17becf",
-           "fp8-rowwise": "#2ca02c", "fp8-rowwise-gw-hp": "#8fbc5a", "fp8-blockwise": "#9467bd",
-           "mxfp8": "#ff7f0e", "mxfp4": "#e377c2", "nvfp4": "#d62728"}
+           "fp8-rowwise": "#2ca02c", "fp8-rowwise-gw-hp": "#8fbc5a", "fp8-rowwise-fast-grads": "#006400",
+           "fp8-blockwise": "#9467bd", "mxfp8": "#ff7f0e", "mxfp4": "#e377c2", "nvfp4": "#d62728"}
 _EXTRA = ["#8c564b", "#bcbd22", "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a"]
 MAX_PANELS = 12
 LABEL_BOX = {"boxstyle": "square,pad=0.15", "facecolor": "white", "edgecolor": "none"}  # hides lines behind labels

@@ -55,6 +55,7 @@ WORKLOAD_TITLES = {"pretrain": "Pre-training", "sft": "Fine-tuning (SFT)", "lora
                    "converge": "Convergence (lpbench converge: same tokens per precision)"}
 PRECISION_NAMES = {"bf16": "BF16", "fp32": "FP32", "fp8-tensorwise": "FP8 (per-tensor)", "fp8-delayed": "FP8 (delayed)",
                    "fp8-rowwise": "FP8 (rowwise)", "fp8-rowwise-gw-hp": "FP8 (rowwise, BF16 wgrad)",
+                   "fp8-rowwise-fast-grads": "FP8 (rowwise, fast-accum grads)",
                    "fp8-blockwise": "FP8 (blockwise)", "mxfp8": "MXFP8", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
 
 
