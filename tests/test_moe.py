@@ -144,6 +144,27 @@ def test_grouped_fp8_asks_for_the_recipes_accumulation_mode(monkeypatch, name, g
     assert all((a - b).norm() / b.norm() < 1e-2 for a, b in zip(native, emulated))
 
 
+def test_native_grouped_fp8_compiles_without_graph_breaks(monkeypatch):
+    """Routing, the FP8 casts and the grouped GEMMs of a native MoE layer are one graph: a break inside the autograd
+    Function (once a cached_property's lock on Python 3.11) would run its casts eagerly, op by op."""
+    def traceable(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum=False):  # shapes only
+        if b.dim() == 3:
+            return (a.float() @ b[0].float() * scale_a[:, None]).to(out_dtype)
+        return (a.float() @ b.float()).expand(offs.shape[0], -1, -1).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", traceable, raising=False)
+    moe, x = _case_moe("random", get_recipe("fp8-rowwise"))
+    moe.experts.set_recipe(get_recipe("fp8-rowwise"), native=True)
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return moe(x)
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(x.requires_grad_())
+    assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_cached_weight_codes_give_the_uncached_numbers(monkeypatch, device):
     """Gradient accumulation: FP8 grouped experts quantize each weight once (precision/weight_cache.py); the codes

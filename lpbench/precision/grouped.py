@@ -53,6 +53,7 @@ class Groups:
     starts: torch.Tensor  # [E] int64: first row of each expert, multiples of ALIGN
     offs: torch.Tensor  # [E] int32: padded end of each expert's rows
     rows: int  # buffer rows (static: an upper bound of the padded total, a multiple of ALIGN)
+    row_group: torch.Tensor  # [rows] int64: the expert each row belongs to (padding to the expert before it)
 
     @classmethod
     def of(cls, group: torch.Tensor, n_groups: int) -> tuple["Groups", torch.Tensor]:
@@ -65,18 +66,14 @@ class Groups:
         first = counts.cumsum(0) - counts
         dest = starts[group] + torch.arange(group.numel(), device=group.device) - first[group]
         rows = (group.numel() + n_groups * ALIGN + ALIGN - 1) // ALIGN * ALIGN
-        return cls(counts, starts, ends.to(torch.int32), rows), dest
+        # a plain field, not a cached_property: that takes a lock on Python 3.11, where Dynamo breaks the graph at it
+        row_group = torch.searchsorted(ends, torch.arange(rows, device=group.device), right=True)
+        return cls(counts, starts, ends.to(torch.int32), rows, row_group.clamp(max=n_groups - 1)), dest
 
     @cached_property
     def host(self) -> list[tuple[int, int]]:
         """(start, count) of every expert on the host (synchronises a GPU)."""
         return list(zip(self.starts.tolist(), self.counts.tolist()))
-
-    @cached_property
-    def row_group(self) -> torch.Tensor:
-        """[rows] int64: the expert each buffer row belongs to (padding to the expert before it)."""
-        row = torch.arange(self.rows, device=self.starts.device)
-        return (torch.searchsorted(self.offs.long(), row, right=True)).clamp(max=self.counts.numel() - 1)
 
     def clear_tail(self, y: torch.Tensor) -> torch.Tensor:
         """``y`` with the rows after the last expert's zeroed (a grouped GEMM leaves them unwritten)."""
