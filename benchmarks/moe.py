@@ -12,7 +12,9 @@ Per model, in one process and one after another: ``bf16`` (grouped, ``torch._gro
 recipe of that name, as torchao runs them). Tokens/s, model TFLOP/s (Megatron's count on the active experts) and MFU against the BF16 dense peak; ratios against the same model's
 grouped BF16 run. Each result is also written as one JSON line to ``DIR/moe.jsonl``.
 ``--profile`` traces the last step of each run (``--profile-steps``, left out of the timing) and prints
-its CUDA kernels by total time, with the kernel time of the step against its wall time.
+its CUDA kernels by total time, with the kernel time of the step against its wall time; then, per model, the
+time per micro-batch by category (expert GEMMs, dense GEMMs, attention, FP8 casts, router/permute,
+optimizer, idle) and the Amdahl bounds on FP8's speedup that the BF16 profile implies.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import time
 import traceback
 
@@ -84,6 +87,100 @@ def kernel_table(trace: str, top: int = 25) -> list[str]:
     return lines
 
 
+CATEGORIES = ("expert GEMMs", "dense GEMMs", "attention", "FP8 activation casts", "FP8 weight casts",
+              "router/permute", "other kernels", "optimizer", "idle")
+_OPTIMIZER = re.compile(r"Optimizer\.step|clip_grad|_foreach_|multi_tensor|fused_adam", re.IGNORECASE)
+_EXPERT = re.compile(r"group|^aten::_(scaled_)?grouped_mm$", re.IGNORECASE)
+_WEIGHT_CAST = re.compile(r"weight_cache\.py|weight_codes")
+_ROUTER = re.compile(r"topk|sort|radix|scatter|gather|index|searchsorted|cumsum|softmax|bincount|nonzero|cub::",
+                     re.IGNORECASE)
+_LOSS = re.compile(r"log_softmax|cross_entropy|nll_loss", re.IGNORECASE)
+
+
+def kernel_category(kernel: str, chain: list[str]) -> str:
+    """Where a kernel's time goes, from its name and the CPU events that launched it (innermost first)."""
+    from lpbench.metrics import profile
+
+    names = [kernel, *chain]
+    if any(_OPTIMIZER.search(n) for n in names):
+        return "optimizer"
+    if any(_EXPERT.search(n) for n in names[:3]):
+        return "expert GEMMs"
+    kind = profile.classify(profile.label(names))
+    if kind == "attention":
+        return "attention"
+    if profile.classify(kernel) == "gemm":
+        return "dense GEMMs"
+    if any(_WEIGHT_CAST.search(n) for n in chain):
+        return "FP8 weight casts"
+    if kind == "quantize" or "scatter_reduce" in kernel:
+        return "FP8 activation casts"
+    if _ROUTER.search(kernel) and not _LOSS.search(kernel):
+        return "router/permute"
+    return "other kernels"
+
+
+def step_categories(trace: str, wall_ms: float) -> tuple[dict[str, float], list[tuple[float, str]]]:
+    """Kernel time of a profiled step by :data:`CATEGORIES` (ms; ``idle``: the step's wall time the GPU ran no
+    kernel), and the heaviest kernels of "other kernels". Each kernel is matched to its launch on the host
+    (the trace's correlation ids) and the CPU operators and Python frames around that launch."""
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    host = sorted((e for e in events if e.get("cat") in ("cpu_op", "python_function", "user_annotation",
+                                                           "cuda_runtime", "cuda_driver")),
+                  key=lambda e: (e["tid"], e["ts"], -e["dur"]))
+    chains, stacks = {}, {}
+    for e in host:  # an interval sweep per thread: the open events enclose this one
+        stack = stacks.setdefault(e["tid"], [])
+        while stack and stack[-1]["ts"] + stack[-1]["dur"] < e["ts"] + e["dur"] - 1e-3:
+            stack.pop()
+        corr = e.get("args", {}).get("correlation")
+        if e["cat"] in ("cuda_runtime", "cuda_driver") and corr is not None:
+            chains[corr] = [o["name"] for o in reversed(stack)]
+        stack.append(e)
+    times, other = dict.fromkeys(CATEGORIES, 0.0), {}
+    for k in kernels:
+        cat = kernel_category(k["name"], chains.get(k.get("args", {}).get("correlation"), []))
+        times[cat] += k["dur"] / 1e3
+        if cat == "other kernels":
+            other[k["name"][:90]] = other.get(k["name"][:90], 0.0) + k["dur"] / 1e3
+    busy, end = 0.0, None
+    for start, stop in sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels):
+        if end is None or start > end:
+            busy, end = busy + stop - start, stop
+        elif stop > end:
+            busy, end = busy + stop - end, stop
+    times["idle"] = max(0.0, wall_ms - busy / 1e3)
+    return times, sorted(((t, n) for n, t in other.items()), reverse=True)[:6]
+
+
+def category_table(model: str, profiles: dict[str, dict[str, float]], gbs: int) -> list[str]:
+    """Per-category time per micro-batch (the optimizer's step shared by the GBS micro-batches) of each profiled
+    variant, and the Amdahl bound on FP8's speedup over BF16 that the BF16 profile implies."""
+    labels = list(profiles)
+    lines = [f"CATEGORIES {model}: ms per micro-batch (step / {gbs}; the optimizer runs once per step)",
+             f"  {'':22s}" + "".join(f"{label:>24s}" for label in labels)]
+    for cat in (*CATEGORIES, "total"):
+        row = [sum(p.values()) if cat == "total" else p[cat] for p in profiles.values()]
+        lines.append(f"  {cat:22s}" + "".join(f"{t / gbs:24.2f}" for t in row))
+    bf16 = profiles.get("bf16")
+    if bf16 is None:
+        return lines
+    total = sum(bf16.values())
+    gemms = bf16["expert GEMMs"] + bf16["dense GEMMs"]
+    lines.append(f"AMDAHL {model}: BF16 step {total / gbs:.2f} ms per micro-batch, of which GEMMs {gemms / gbs:.2f} "
+                 f"(experts {bf16['expert GEMMs'] / gbs:.2f}); 1.2x needs {total / 6 / gbs:.2f} ms saved per micro-batch")
+    lines.append(f"  all GEMMs free, nothing else changed:            {total / (total - gemms):.3f}x")
+    lines.append(f"  all GEMMs 2x faster (FP8 peak), casts free:      {total / (total - gemms / 2):.3f}x")
+    for label, p in profiles.items():
+        if label != "bf16":
+            t = total - gemms + p["expert GEMMs"] + p["dense GEMMs"]
+            lines.append(f"  {label}'s measured GEMMs, casts free: {total / t:.3f}x "
+                         f"(measured casts {(p['FP8 activation casts'] + p['FP8 weight casts']) / gbs:.2f} ms)")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=4096)
@@ -111,7 +208,7 @@ def main() -> None:
           flush=True)
     for spec in args.models.split(","):
         name, layers = spec.split(":")
-        base = None
+        base, profiles = None, {}
         for label, precision, backend, mode in variants:
             capability.grouped_gemm = (lambda x: False) if mode == "loop" else native
             cfg = RunConfig(model=name, num_layers=int(layers), precision=precision, backend=backend,
@@ -131,6 +228,8 @@ def main() -> None:
                     print(f"PROFILE {name}@{layers}L {label}: step {1e3 * r.steps[-1]['step_time_s']:.1f} ms wall",
                           flush=True)
                     print("\n".join(kernel_table(trace)), flush=True)
+                    profiles[label], other = step_categories(trace, 1e3 * r.steps[-1]["step_time_s"])
+                    print("  heaviest other kernels: " + "; ".join(f"{t:.2f} ms {n}" for t, n in other), flush=True)
                     keep = os.path.join(args.out, f"trace-{name}-{label.replace('/', '-')}.json.gz")
                     with open(trace, "rb") as src, gzip.open(keep, "wb") as dst:
                         dst.write(src.read())
@@ -154,6 +253,8 @@ def main() -> None:
                       f"(wall {row['wall_s']:.0f} s)", flush=True)
             else:
                 print(f"RESULT {row['model']:20s} {label:22s} {row['status']}", flush=True)
+        if profiles:
+            print("\n".join(category_table(f"{name}@{layers}L", profiles, args.gbs)), flush=True)
 
 
 if __name__ == "__main__":
