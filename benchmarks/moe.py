@@ -113,7 +113,7 @@ def kernel_category(kernel: str, chain: list[str]) -> str:
         return "dense GEMMs"
     if any(_WEIGHT_CAST.search(n) for n in chain):
         return "FP8 weight casts"
-    if kind == "quantize" or "scatter_reduce" in kernel:
+    if kind == "quantize" or any("scatter_reduce" in n for n in names[:3]):  # the group amaxes' scatter
         return "FP8 activation casts"
     if _ROUTER.search(kernel) and not _LOSS.search(kernel):
         return "router/permute"
