@@ -11,7 +11,8 @@ Per model, in one process and one after another: ``bf16`` (grouped, ``torch._gro
 (``--backend torchao``: ``torchao.prototype.moe_training``); on request (``--variants``)
 ``fp8-rowwise-fast-grads``, lpbench's grouped FP8 with its gradient GEMMs in fast accumulation too (the
 recipe of that name, as torchao runs them). Tokens/s, model TFLOP/s (Megatron's count on the active experts)
-and MFU against the BF16 dense peak; ratios against the same model's grouped BF16 run. Each result is also written as one JSON line to ``DIR/moe.jsonl``.
+and MFU against the BF16 dense peak; ratios against the same model's grouped BF16 run. Each result is also
+written as one JSON line to ``DIR/moe.jsonl``.
 ``--profile`` traces the last step of each run (``--profile-steps``, left out of the timing) and prints
 its CUDA kernels by total time, with the kernel time of the step against its wall time; then, per model, the
 time per micro-batch by category (expert GEMMs, dense GEMMs, attention, FP8 casts, router/permute,
