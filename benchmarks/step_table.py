@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -98,6 +99,62 @@ def idle_gaps(trace: str | None, steps: int, n: int) -> tuple[float, list[tuple[
         if end is None or stop > end:
             end, last = stop, name
     return sum(g[0] for g in gaps) / steps, sorted(gaps, reverse=True)[:n], before.most_common(n)
+
+
+def _frame(name: str) -> str:
+    """A Python frame's name without the directories before the package (``lpbench/...``, ``torch/...``)."""
+    m = re.search(r"(?:^|/)((?:lpbench|torch|benchmarks|triton)/.*)$", name)
+    return m.group(1) if m else name
+
+
+def host_waits(trace: str | None, steps: int, n: int) -> tuple[list[tuple[float, str]], list[tuple[float, str]]]:
+    """Why the GPU idled: for each idle gap, whether the next kernel was launched only after the gap began
+    (the host was late) and, if so, the innermost lpbench frame and the innermost Python frame on the
+    launching thread at the launch ((ms per step, "lpbench frame | innermost frame") for the ``n`` largest);
+    and the ``n`` CUDA runtime calls that blocked the host longest in all (synchronisations, copies)."""
+    if not trace or not Path(trace).is_file():
+        return [], []
+    events = _trace_events(trace)
+    launches = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = e
+    busy = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation")) for e in events
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    queries, end, queued = [], None, 0.0
+    for start, stop, corr in busy:
+        if end is not None and start > end:
+            launch = launches.get(corr)
+            if launch is not None and launch["ts"] > end:  # the host launched it only after the GPU ran dry
+                queries.append((launch["ts"], launch["tid"], (start - end) / 1e3))
+            else:
+                queued += (start - end) / 1e3
+        if end is None or stop > end:
+            end = stop
+    frames = sorted(((e["ts"], -e["dur"], e["tid"], e["name"]) for e in events
+                     if e.get("cat") == "python_function" and "dur" in e))
+    stacks: dict = {}
+    late = Counter()
+    i = 0
+    for t, tid, ms in sorted(queries):
+        while i < len(frames) and frames[i][0] <= t:
+            ts, neg, ftid, name = frames[i]
+            stack = stacks.setdefault(ftid, [])
+            while stack and stack[-1][0] < ts:
+                stack.pop()
+            stack.append((ts - neg, _frame(name)))
+            i += 1
+        stack = [f for f in stacks.get(tid, []) if f[0] >= t]
+        stacks[tid] = stack
+        names = [name for _, name in stack]
+        ours = next((x for x in reversed(names) if x.startswith("lpbench/")), "-")
+        late[f"{ours} | {names[-1] if names else '-'}"] += ms / steps
+    late["(launched before the gap: the GPU waited on a dependency)"] += queued / steps
+    blocking = Counter()
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and re.search(r"Synchronize|Memcpy(?!Async)|MemcpyAsync", e["name"]):
+            blocking[e["name"]] += e["dur"] / 1e3 / steps
+    return late.most_common(n), blocking.most_common(n)
 
 
 def run_hf(args, log_dir: Path) -> dict | None:
@@ -222,6 +279,14 @@ def main() -> int:
             print("  idle before each kernel, summed (ms per step):")
             for name, ms in waited:
                 print(f"  {ms:8.2f}  {name[:140]}")
+            late, blocking = host_waits(prof.get("trace"), prof.get("n_steps", 1), 15)
+            print("  idle by where the host was when it launched the kernel after the gap (ms per step; "
+                  "lpbench frame | innermost frame):")
+            for name, ms in late:
+                print(f"  {ms:8.2f}  {name[:200]}")
+            print("  CUDA runtime calls that can block the host (ms per step):")
+            for name, ms in blocking:
+                print(f"  {ms:8.2f}  {name[:100]}")
     label = next((r["model"] for r in out if r.get("model")), args.model)
     gpu = next((r["gpu"] for r in out if r.get("gpu")), "?")
     print(f"\n{label}, seq {args.seq_len}, MBS {args.mbs}, GBS {args.gbs or args.mbs}, {gpu}, "
