@@ -117,7 +117,7 @@ def host_waits(trace: str | None, steps: int, n: int) -> tuple[list[tuple[float,
     events = _trace_events(trace)
     launches = {}
     for e in events:
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):  # Triton: driver
             launches[e["args"]["correlation"]] = e
     busy = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation")) for e in events
                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
