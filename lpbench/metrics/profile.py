@@ -33,7 +33,8 @@ RULES = (  # (category, pattern) in order; the first match wins
     ("gemm", r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|_grouped_mm|_scaled_grouped_mm)$"
              r"|gemm|cutlass|nvjet|xmma|wgmma|cublas|s16816"),
     ("other", r"softmax|cross_entropy"),  # their fused kernels name amax, which is not quantization here
-    ("quantize", r"quantiz|absmax|amax|float8|fp8|fp4|mxfp|hadamard|^_cast_kernel$"  # kernels/fp8_cast.py
+    ("quantize", r"quantiz|absmax|amax|float8|fp8|fp4|mxfp|hadamard"
+                 r"|^_(cast|history_scale|record)_kernel$"  # kernels/fp8_cast.py
                  r"|^triton_\w*fused\w*_to_copy\w*clamp"),  # torch.compile's saturating casts (FP8 codes)
 )
 _RULES = [(cat, re.compile(pattern, re.IGNORECASE)) for cat, pattern in RULES]
