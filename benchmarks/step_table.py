@@ -7,7 +7,9 @@ last two steps (``--profile-steps``; profiled steps are left out of the timing).
 tokens/s, model TFLOP/s, MFU, the ratio to lpbench BF16 of this call, and the profiled kernel time
 per step split into GEMM / quantize / attention / other (other: the trace's kernel total less
 the first three, comm included) and the kernel total, then each row's heaviest kernels and where the GPU
-idled between kernels (the longest gaps, and the kernels it waited for longest in all).
+idled between kernels (the longest gaps, the kernels it waited for longest in all, and where the
+host was when it launched the kernel after each gap: late launches, e.g. Python-launched kernels, against
+kernels that were queued but waited on a dependency).
 
     python benchmarks/step_table.py --model llama3-8b --num-layers 16 --seq-len 8192 --mbs 1 \\
         --results $OUT/table                  # the 8B-class table, one H100
