@@ -1,0 +1,60 @@
+"""benchmarks/step_table.py's trace readers: idle gaps between kernels and where the host was when it
+launched the kernel after each gap, on a Chrome trace written here."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def step_table():
+    spec = importlib.util.spec_from_file_location("step_table", ROOT / "benchmarks" / "step_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _x(cat, name, ts, dur, tid=1, corr=None):
+    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1}
+    if corr is not None:
+        e["args"] = {"correlation": corr}
+    return e
+
+
+@pytest.fixture
+def trace(tmp_path, step_table):
+    step_table._trace_events.cache_clear()
+    events = [
+        _x("python_function", "/site/lpbench/train/loop.py(170): train", 0, 2000),
+        _x("python_function", "/site/lpbench/precision/weight_cache.py(90): _refresh", 100, 700),
+        _x("python_function", "/site/torch/cuda/graphs.py(5): zeros", 300, 50),
+        _x("cuda_runtime", "cudaLaunchKernel", 10, 5, corr=1),
+        _x("cuda_driver", "cuLaunchKernelEx", 320, 5, corr=2),  # Triton launches through the driver API
+        _x("cuda_runtime", "cudaLaunchKernel", 330, 5, corr=3),
+        _x("cuda_runtime", "cudaStreamSynchronize", 1500, 400),
+        _x("kernel", "first", 20, 30, tid=7, corr=1),  # busy 20-50
+        _x("kernel", "late", 400, 100, tid=7, corr=2),  # idle 50-400: launched at 320, after the GPU ran dry
+        _x("kernel", "queued", 520, 10, tid=7, corr=3),  # idle 500-520: launched at 330, before the gap
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return str(path)
+
+
+def test_idle_gaps_sum_the_time_between_kernels(step_table, trace):
+    idle, gaps, waited = step_table.idle_gaps(trace, 1, 5)
+    assert idle == pytest.approx(0.37)
+    assert gaps[0] == (pytest.approx(0.35), "first", "late")
+    assert waited[0] == ("late", pytest.approx(0.35))
+
+
+def test_host_waits_name_the_frame_that_launched_late_and_the_blocking_calls(step_table, trace):
+    late, blocking = step_table.host_waits(trace, 2, 5)
+    assert dict(late) == {
+        "lpbench/precision/weight_cache.py(90): _refresh | torch/cuda/graphs.py(5): zeros": pytest.approx(0.175),
+        "(launched before the gap: the GPU waited on a dependency)": pytest.approx(0.01)}
+    assert blocking == [("cudaStreamSynchronize", pytest.approx(0.2))]
