@@ -112,8 +112,9 @@ def _frame(name: str) -> str:
 def host_waits(trace: str | None, steps: int, n: int) -> tuple[list[tuple[float, str]], list[tuple[float, str]]]:
     """Why the GPU idled: for each idle gap, whether the next kernel was launched only after the gap began
     (the host was late) and, if so, the innermost lpbench frame and the innermost Python frame on the
-    launching thread at the launch ((ms per step, "lpbench frame | innermost frame") for the ``n`` largest);
-    and the ``n`` CUDA runtime calls that blocked the host longest in all (synchronisations, copies)."""
+    launching thread at the launch (("lpbench frame | innermost frame", ms per step) for the ``n`` largest;
+    gaps before a kernel launched earlier are summed as waiting on a dependency); and the ``n`` CUDA runtime
+    calls that can block the host (synchronisations, copies) with their time per step."""
     if not trace or not Path(trace).is_file():
         return [], []
     events = _trace_events(trace)
@@ -154,7 +155,7 @@ def host_waits(trace: str | None, steps: int, n: int) -> tuple[list[tuple[float,
     late["(launched before the gap: the GPU waited on a dependency)"] += queued / steps
     blocking = Counter()
     for e in events:
-        if e.get("cat") == "cuda_runtime" and re.search(r"Synchronize|Memcpy(?!Async)|MemcpyAsync", e["name"]):
+        if e.get("cat") == "cuda_runtime" and re.search(r"Synchronize|Memcpy", e["name"]):
             blocking[e["name"]] += e["dur"] / 1e3 / steps
     return late.most_common(n), blocking.most_common(n)
 
