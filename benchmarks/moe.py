@@ -93,7 +93,7 @@ CATEGORIES = ("expert GEMMs", "dense GEMMs", "attention", "FP8 activation casts"
               "weight-grad casts + accumulation", "router/permute", "other kernels", "optimizer", "idle")
 CASTS = ("FP8 activation casts", "weight casts")
 _OPTIMIZER = re.compile(r"Optimizer\.step|clip_grad|_foreach_|multi_tensor|fused_adam", re.IGNORECASE)
-_WEIGHT_CODES = re.compile(r"weight_cache\.py|weight_codes")  # FP8 codes of the weights, once per step, eagerly
+_WEIGHT_CODES = re.compile(r"weight_cache\.py|weight_codes")  # FP8 codes of the weights, once per step
 _EXPERT = re.compile(r"GroupProblemShape|grouped_gemm|_grouped_mm")  # CUTLASS grouped GEMMs, or launched by the op
 _COPY_ONLY = re.compile(r"^triton_[a-z]+_fused_((_?grouped_mm|_?scaled_grouped_mm|_?to_copy|_?transpose|_?t|_?view"
                         r"|_?clone|_?permute|_?unsafe_view)_?)+\d+$")  # a dtype cast (and layout change) alone

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import shutil
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from lpbench.models.moe import MoE, load_balancing_loss, route, z_loss
 from lpbench.models.registry import ModelConfig
 from lpbench.precision import gemm, grouped
 from lpbench.precision.linear import QuantizedLinear
+from lpbench.precision.quantize import quantize_fp8
 from lpbench.precision.recipes import RECIPES, get_recipe
 
 CFG = ModelConfig("moe-test", 1, 32, 64, 2, 2, 64, n_experts=4, top_k=2)
@@ -163,6 +165,79 @@ def test_native_grouped_fp8_compiles_without_graph_breaks(monkeypatch):
     torch._dynamo.reset()
     explained = torch._dynamo.explain(step)(x.requires_grad_())
     assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
+
+
+def _stacked_weights(shape, seed=0):
+    """Expert weights spanning 60 binades across rows, a zero row and an all-zero expert (scale 1)."""
+    E, N, K = shape
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * torch.logspace(-30, 30, N)[None, :, None]
+    w[1, 3] = 0.0
+    w[2] = 0.0
+    return w
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+def _same_codes(got, want) -> bool:
+    return all(a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+               and torch.equal(_bits(a).cpu(), _bits(b).cpu()) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("name", ["fp8-rowwise", "fp8-tensorwise"])
+@pytest.mark.parametrize("shape", [(4, 64, 32), (4, 32, 96)])
+def test_weight_codes_are_each_experts_dense_quantization(name, shape):
+    """:func:`grouped.weight_codes` gives, bit for bit, each expert's weight as the dense quantizer gives it:
+    forward codes of w_e, data-gradient codes of w_eᵀ, with their decode scales."""
+    r = get_recipe(name)
+    fprop, dgrad = r.operand("weight", "fprop"), r.operand("weight", "dgrad")
+    w = _stacked_weights(shape)
+    wq, sw, wtq, swt = got = grouped.weight_codes(w, r)
+    for e in range(shape[0]):
+        ref = quantize_fp8(w[e], fprop.fmt, fprop.block, pow2=fprop.pow2)
+        ref_t = quantize_fp8(w[e].t(), dgrad.fmt, dgrad.block, pow2=dgrad.pow2)
+        assert torch.equal(_bits(wq[e]), _bits(ref.codes))
+        assert torch.equal(sw[e], ref.scale.reshape(-1).expand(shape[1]))
+        assert torch.equal(_bits(wtq[e]), _bits(ref_t.codes))
+        assert torch.equal(swt[e], ref_t.scale.reshape(-1).expand(shape[2]))
+    assert wtq.is_contiguous() and (sw[2] == 1).all()
+
+
+def test_weight_codes_compile_once_per_weight_shape():
+    """Static shapes, and recipes with the same weight quantization share a graph: an expert stack's two weight
+    shapes compile two graphs, whichever of fp8-rowwise / fp8-rowwise-fast-grads asks."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(grouped._codes, backend=counter, dynamic=False, fullgraph=True)
+    torch._dynamo.reset()
+    for name in ("fp8-rowwise", "fp8-rowwise-fast-grads"):
+        r = get_recipe(name)
+        for shape in ((4, 64, 32), (4, 32, 64), (4, 64, 32)):
+            compiled(_stacked_weights(shape), r.operand("weight", "fprop"), r.operand("weight", "dgrad"))
+    assert counter.frame_count == 2
+
+
+_CXX = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
+                          reason="inductor's CPU backend needs a C++ compiler")
+
+
+@pytest.mark.parametrize("name", ["fp8-rowwise", "fp8-tensorwise"])
+@pytest.mark.parametrize("device, shape", [
+    pytest.param("cpu", (4, 64, 32), marks=_CXX), pytest.param("cpu", (4, 32, 96), marks=_CXX),
+    *(pytest.param("cuda", s, marks=pytest.mark.gpu) for s in ((4, 64, 32), (8, 768, 2048), (8, 2048, 768)))])
+def test_compiled_weight_codes_are_the_eager_ones(name, device, shape):
+    """The graph that :func:`grouped.weight_codes` compiles on CUDA for the weight cache (inductor's Triton kernels
+    there, its C++ here) gives the eager ops' codes and scales bit for bit, in the same layouts."""
+    r = get_recipe(name)
+    w = _stacked_weights(shape, seed=3)
+    want = grouped.weight_codes(w, r)  # eager on the CPU
+    torch._dynamo.reset()
+    got = grouped._compiled_codes(w.to(device), r.operand("weight", "fprop"), r.operand("weight", "dgrad"))
+    assert _same_codes(got, want)
+    if device == "cuda":  # the cache's call compiles there
+        assert _same_codes(grouped.weight_codes(w.cuda(), r), want)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

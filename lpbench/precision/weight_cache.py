@@ -5,14 +5,15 @@ though it only changes at the optimizer step (llama3-8b@16L: ~35 GB of traffic p
 MoE FP8 grouped experts: casts costlier than the faster GEMMs saved). :class:`WeightCache` alone
 knows when codes are stale: after every ``optimizer.step()`` (a step post-hook: the fused AdamW
 does not bump version counters) and when a weight's version changed (``copy_``, a checkpoint
-load); a forward pre-hook on the model quantizes the stale ones, eagerly, before the forward:
+load); a forward pre-hook on the model quantizes the stale ones before the forward (outside the compiled
+graphs, each weight in a few fused launches):
 
 * fused FP8 tensorwise / delayed linears (:func:`eligible`): non-persistent buffers
   ``fp8_weight`` [N, K], ``fp8_weight_t`` [K, N], ``fp8_weight_scale``, filled by the linear's own
-  cast (:func:`lpbench.precision.kernels.fp8_linear.cache_weight`); 1 byte per weight held;
+  one-pass Triton cast (:func:`lpbench.precision.kernels.fp8_linear.cache_weight`); 1 byte per weight held;
 * experts on the FP8 grouped path (:func:`grouped_eligible`, native or emulated): each weight's
-  forward and data-gradient codes (:func:`lpbench.precision.grouped.weight_codes`) in
-  ``experts.weight_codes``, 2 bytes per weight, dropped at the step.
+  forward and data-gradient codes (:func:`lpbench.precision.grouped.weight_codes`, one compiled graph
+  per weight shape on CUDA) in ``experts.weight_codes``, 2 bytes per weight, dropped at the step.
 
 The codes are those the uncached forward computes from the same weight, so tensor-wise and
 row-wise scaling train bit-identically. fp8-delayed casts a weight once per step with the scale
