@@ -223,10 +223,13 @@ _CXX = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
                           reason="inductor's CPU backend needs a C++ compiler")
 
 
-@pytest.mark.parametrize("name", ["fp8-rowwise", "fp8-tensorwise"])
-@pytest.mark.parametrize("device, shape", [
-    pytest.param("cpu", (4, 64, 32), marks=_CXX), pytest.param("cpu", (4, 32, 96), marks=_CXX),
-    *(pytest.param("cuda", s, marks=pytest.mark.gpu) for s in ((4, 64, 32), (8, 768, 2048), (8, 2048, 768)))])
+_CPU_CASES = [(n, "cpu", s) for n in ("fp8-rowwise", "fp8-tensorwise") for s in ((4, 64, 32), (4, 32, 96))]
+_CUDA_CASES = [("fp8-rowwise", "cuda", (8, 768, 2048)), ("fp8-rowwise", "cuda", (8, 2048, 768)),
+               ("fp8-tensorwise", "cuda", (8, 768, 2048))]
+
+
+@pytest.mark.parametrize("name, device, shape", [*(pytest.param(*c, marks=_CXX) for c in _CPU_CASES),
+                                                 *(pytest.param(*c, marks=pytest.mark.gpu) for c in _CUDA_CASES)])
 def test_compiled_weight_codes_are_the_eager_ones(name, device, shape):
     """The graph that :func:`grouped.weight_codes` compiles on CUDA for the weight cache (inductor's Triton kernels
     there, its C++ here) gives the eager ops' codes and scales bit for bit, in the same layouts."""
