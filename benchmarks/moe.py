@@ -231,6 +231,10 @@ def main() -> None:
         print("\n".join(category_table("traces", profiles, args.gbs)))
         return
     variants = [v for v in VARIANTS if v[0] in args.variants.split(",")]
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        ap.exit(2, f"moe.py: --out {args.out}: {exc.strerror}\n")
     native = capability.grouped_gemm
     try:
         if not args.no_check:
