@@ -282,9 +282,9 @@ def test_delayed_scale_of_a_tiny_amax_keeps_its_subnormal_decode_scale():
 
     x = torch.full((64, 64), 1e-39, device="cuda")
     history = torch.zeros(16, device="cuda")
-    first, enc = fp8_cast.history_scale(x, history, E4M3, 0)
-    q, _, amax = fp8_cast.delayed_cast(x, enc, first, E4M3, 0, False)
-    dec = fp8_cast.record_amax(history, enc, first, amax, E4M3, 0)
+    enc = fp8_cast.history_scale(x, history, E4M3, 0)
+    q, _, amax = fp8_cast.cast_transpose(x, enc, E4M3, False)
+    dec = fp8_cast.record_amax(history, enc, amax)
     ref = quantize_fp8(x.cpu(), E4M3)
     assert torch.equal(dec.cpu().reshape(()), ref.scale.reshape(())) and ref.scale.item() > 0
     assert torch.equal(q.cpu().view(torch.uint8), ref.codes.view(torch.uint8))

@@ -77,14 +77,10 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
             return q, qt, fp8_decode_scale(enc, amax)
         return cast(t, amax, enc, fmt, write_t)
     if kernel and mod.tp_shard is None:  # three launches, one read of t (two in the first step)
-        history, margin = mod.amax_history(role), recipe.margin
-        first, enc = fp8_cast.history_scale(t.detach(), history, fmt, margin)
-        if out is not None:
-            q, qt = out
-            amax = fp8_cast.cast_transpose_into(t.detach(), enc, fmt, q, qt, first=first, margin=margin)
-        else:
-            q, qt, amax = fp8_cast.delayed_cast(t.detach(), enc, first, fmt, margin, write_t)
-        return q, qt, fp8_cast.record_amax(history, enc, first, amax, fmt, margin)
+        history = mod.amax_history(role)
+        enc = fp8_cast.history_scale(t.detach(), history, fmt, recipe.margin)
+        q, qt, amax = one_pass(enc)
+        return q, qt, fp8_cast.record_amax(history, enc, amax)
     if kernel:  # one read of t; the current amax only while the history is empty
         first = mod.reduce_amax(role, fp8_cast.amax_unless(t.detach(), mod.amax_history(role).max() > 0))
         enc = mod.history_scale(role, first)
