@@ -14,6 +14,7 @@ mxfp8, nvfp4, nvfp4-no-rht, nvfp4-no-sr, nvfp4-no-2d, nvfp4-no-bf16-tail, bf16-s
 
     PYTHONPATH=. python benchmarks/converge_100m.py run bf16 nvfp4 --out $OUT [--ckpt /tmp/ckpt]
     python benchmarks/converge_100m.py report [--runs benchmarks/converge-100M] [--plot FILE]
+    PYTHONPATH=. python benchmarks/converge_100m.py export nvfp4 --out $OUT   # a run whose wrapper was cut
 
 ``run`` records ``$CODE_REV`` as the code's commit where the tree that runs has no ``.git`` (a copy sent
 to a device), else the checkout's. It needs the prepared corpus at ``--data`` (default ``.corpus/prepared/docs_text_document``).
@@ -83,10 +84,12 @@ def corpus_identity(data: str) -> dict:
             "tokenizer_fingerprint": note.get("tokenizer_fingerprint"), "sha256": digest.hexdigest()}
 
 
-def export(name: str, work: Path, command: list[str], wall_s: float, corpus: dict) -> dict | None:
+def export(name: str, work: Path, command: list[str], wall_s: float | None, corpus: dict) -> dict | None:
     """The run's JSON record from its results database (None if it left no row)."""
     from lpbench.bench.store import ResultsStore
 
+    if not (work / name / "results.db").is_file():
+        return None
     store = ResultsStore(work / name)
     rows = store.runs("workload = 'converge'")
     if not rows:
@@ -106,7 +109,7 @@ def export(name: str, work: Path, command: list[str], wall_s: float, corpus: dic
         "tokens": cfg["steps"] * per_step, "tokens_per_step": per_step, "path": m.get("path"),
         "params": m.get("params"), "tokens_per_sec": m.get("tokens_per_sec_per_gpu"),
         "resumed_from_step": m.get("resumed_from_step"), "peak_mem_gb": m.get("peak_mem_allocated_gb"),
-        "wall_s": round(wall_s, 1), "train_loss_last10": m.get("train_loss"),
+        "wall_s": None if wall_s is None else round(wall_s, 1), "train_loss_last10": m.get("train_loss"),
         "val_loss": m["val_losses"][-1][1] if m.get("val_losses") else None,
         "val_losses": m.get("val_losses", []),
         "train": [[s["step"], round(s["loss"], 5), float(f"{s['lr']:.4g}"), round(s["grad_norm"], 4)] for s in steps],
@@ -146,6 +149,25 @@ def cmd_run(args) -> int:
               f"{record['tokens_per_sec'] or 0:,.0f} tokens/s, {record['wall_s']:.0f} s -> {out / name}.json",
               flush=True)
     return 1 if failed else 0
+
+
+def cmd_export(args) -> int:
+    """Each named run's JSON from its results database, for a run whose training finished (or stopped) after
+    ``run`` was cut, e.g. by a device call's time limit (its wall time is not known: ``wall_s`` is null)."""
+    out = Path(args.out)
+    work = out / "work" if args.work is None else Path(args.work)
+    corpus = corpus_identity(args.data)
+    failed = 0
+    for name in args.runs:
+        record = export(name, work, converge_command(args, name, work), None, corpus)
+        if record is None:
+            print(f"converge_100m: {name}: no result in {work / name}", file=sys.stderr)
+            failed += 1
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(dump(record))
+        print(f"converge_100m: {name}: {record['status']}, validation loss {record['val_loss']} -> {out / name}.json")
+    return 2 if failed else 0
 
 
 def load_runs(folder: Path) -> dict[str, dict]:
@@ -233,20 +255,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="train the named runs, one JSON each")
-    r.add_argument("runs", nargs="+", help="run names: <recipe> or <recipe>-seed<N>")
-    r.add_argument("--out", required=True, help="folder for <run>.json")
-    r.add_argument("--work", default=None, help="results databases and per-run plots (default OUT/work)")
-    r.add_argument("--data", default=".corpus/prepared/docs_text_document")
-    r.add_argument("--tokens", type=float, default=100e6)
-    r.add_argument("--model", default=MODEL)
-    r.add_argument("--seq-len", type=int, default=SEQ)
-    r.add_argument("--device", default="cuda")
-    r.add_argument("--mbs", type=int, default=64)
-    r.add_argument("--gbs", type=int, default=64)
-    r.add_argument("--eval-every", type=int, default=150)
-    r.add_argument("--ckpt", default=None, help="checkpoint folder (resume from it when a run's checkpoint is there)")
-    r.add_argument("--save-every", type=int, default=300)
+    e = sub.add_parser("export", help="the JSON of runs that trained but whose wrapper was stopped before writing it "
+                                      "(from their results databases in --work; the same flags as their run)")
+    for a in (r, e):
+        a.add_argument("runs", nargs="+", help="run names: <recipe> or <recipe>-seed<N>")
+        a.add_argument("--out", required=True, help="folder for <run>.json")
+        a.add_argument("--work", default=None, help="results databases and per-run plots (default OUT/work)")
+        a.add_argument("--data", default=".corpus/prepared/docs_text_document")
+        a.add_argument("--tokens", type=float, default=100e6)
+        a.add_argument("--model", default=MODEL)
+        a.add_argument("--seq-len", type=int, default=SEQ)
+        a.add_argument("--device", default="cuda")
+        a.add_argument("--mbs", type=int, default=64)
+        a.add_argument("--gbs", type=int, default=64)
+        a.add_argument("--eval-every", type=int, default=150)
+        a.add_argument("--ckpt", default=None, help="checkpoint folder (resume from it when a run's checkpoint is there)")
+        a.add_argument("--save-every", type=int, default=300)
     r.set_defaults(func=cmd_run)
+    e.set_defaults(func=cmd_export)
     q = sub.add_parser("report", help="table and figure from the JSON files")
     q.add_argument("--runs", default=str(Path(__file__).parent / "converge-100M"))
     q.add_argument("--plot", default=str(Path(__file__).parent / "converge-llama-125m-100M.png"))
