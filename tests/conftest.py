@@ -1,6 +1,11 @@
+import importlib.util
+from pathlib import Path
+
 import lpbench  # noqa: F401  (first: sets OpenMP's wait policy before torch loads OpenMP)
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_addoption(parser):
@@ -25,3 +30,16 @@ def precise_casts():
 
     with torch._inductor.config.patch(emulate_precision_casts=True):
         yield
+
+
+@pytest.fixture(scope="session")
+def benchmark_script():
+    """Loads ``benchmarks/<name>.py`` as a module (the scripts are not a package): ``benchmark_script(name)``."""
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -1,7 +1,6 @@
 """benchmarks/converge_100m.py: ``export`` rebuilds, from a run's results database, the JSON record that
 ``run`` writes (for a run whose wrapper was stopped after training), and refuses a run that left none."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,11 +12,8 @@ FLAGS = ["--data", "mock", "--model", "tiny", "--tokens", "2048", "--seq-len", "
 
 
 @pytest.fixture(scope="module")
-def study():
-    spec = importlib.util.spec_from_file_location("converge_100m", ROOT / "benchmarks" / "converge_100m.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def study(benchmark_script):
+    return benchmark_script("converge_100m")
 
 
 def test_export_writes_the_record_run_wrote(study, tmp_path, monkeypatch):

@@ -1,21 +1,14 @@
 """benchmarks/step_table.py's trace readers: idle gaps between kernels and where the host was when it
 launched the kernel after each gap, on a Chrome trace written here."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def step_table():
-    spec = importlib.util.spec_from_file_location("step_table", ROOT / "benchmarks" / "step_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def step_table(benchmark_script):
+    return benchmark_script("step_table")
 
 
 def _x(cat, name, ts, dur, tid=1, corr=None):
