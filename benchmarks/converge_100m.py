@@ -123,15 +123,20 @@ def dump(record: dict) -> str:
     return head[:-2] + ',\n "train": [\n  ' + rows + "\n ]\n}\n"
 
 
-def cmd_run(args) -> int:
+def _folders_and_corpus(args) -> tuple[Path, Path, dict]:
+    """``run``'s and ``export``'s OUT folder, work folder and corpus identity; exits on a bad run name or a
+    missing corpus."""
     for name in args.runs:
         parse_run(name)
     if args.data != "mock" and not Path(args.data + ".bin").is_file():
         raise SystemExit(f"converge_100m: no prepared corpus at {args.data}.bin (README.md, 'Real corpus')")
     out = Path(args.out)
-    work = out / "work" if args.work is None else Path(args.work)
+    return out, out / "work" if args.work is None else Path(args.work), corpus_identity(args.data)
+
+
+def cmd_run(args) -> int:
+    out, work, corpus = _folders_and_corpus(args)
     out.mkdir(parents=True, exist_ok=True)
-    corpus = corpus_identity(args.data)
     print(f"converge_100m: corpus {args.data}: {corpus}", flush=True)
     failed = 0
     for name in args.runs:
@@ -154,9 +159,7 @@ def cmd_run(args) -> int:
 def cmd_export(args) -> int:
     """Each named run's JSON from its results database, for a run whose training finished (or stopped) after
     ``run`` was cut, e.g. by a device call's time limit (its wall time is not known: ``wall_s`` is null)."""
-    out = Path(args.out)
-    work = out / "work" if args.work is None else Path(args.work)
-    corpus = corpus_identity(args.data)
+    out, work, corpus = _folders_and_corpus(args)
     failed = 0
     for name in args.runs:
         record = export(name, work, converge_command(args, name, work), None, corpus)

@@ -35,3 +35,9 @@ def test_export_of_a_run_that_left_no_database_fails(study, tmp_path, capsys):
                        *FLAGS]) == 2
     assert "nvfp4: no result" in capsys.readouterr().err
     assert not (tmp_path / "work" / "nvfp4").exists() and not (tmp_path / "out").exists()
+
+
+def test_export_without_the_corpus_exits_with_one_line(study, tmp_path):
+    flags = [tmp_path / "no-such-corpus" if f == "mock" else f for f in FLAGS]
+    with pytest.raises(SystemExit, match="no prepared corpus"):
+        study.main(["export", "bf16", "--out", str(tmp_path / "out"), *map(str, flags)])
