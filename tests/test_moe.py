@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import os
 import shutil
 
 import pytest
@@ -403,3 +404,127 @@ def test_bad_moe_flags_exit_2(capsys):
                  "--precision", "fp8-rowwise"]) == 2
     err = capsys.readouterr().err
     assert "--tp and --ep do not combine" in err and len(err.strip().splitlines()) == 1
+
+
+# The weight-gradient operands' group amaxes in one Triton pass (kernels/fp8_group.py) against the torch ops
+# (grouped._reference_amax): under Triton's interpreter on the CPU, and on CUDA with the codes too.
+_INTERPRET = grouped.capability.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+_GROUP_CASES = ["random", "idle-experts", "one-expert", "non-finite", "single-rows"]
+
+
+def _group_operand(case: str, cols: int, dtype, n_groups: int = 6, seed: int = 0):
+    """A :class:`grouped.Groups` buffer [rows, cols] as the MoE layer fills it (each expert's tokens, zeros between
+    and after), its row groups, and the tokens' expert ids: values spanning 40 binades across columns."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = {"random": 300, "idle-experts": 200, "one-expert": 150, "non-finite": 260, "single-rows": 5}[case]
+    if case == "random":
+        expert = torch.randint(0, n_groups, (tokens,), generator=g)
+    elif case == "idle-experts":  # experts 0, 2 and the last get nothing
+        expert = torch.tensor([1, 3, 4])[torch.randint(0, 3, (tokens,), generator=g)]
+    elif case == "one-expert":
+        expert = torch.full((tokens,), 2)
+    elif case == "single-rows":  # one token each for a few experts: every tile spans several
+        expert = torch.tensor([0, 1, 3, 4, 5])
+    else:
+        expert = torch.randint(0, n_groups, (tokens,), generator=g)
+    groups, dest = grouped.Groups.of(expert.sort().values, n_groups)
+    vals = torch.randn(tokens, cols, generator=g) * torch.logspace(-20, 20, cols)[None, :]
+    if case == "non-finite":  # +inf, -inf and NaN in some experts' columns; one whole column NaN
+        vals[3, 5], vals[100, 7], vals[200, 9] = float("inf"), float("-inf"), float("nan")
+        vals[:, cols - 1] = float("nan")
+    buf = torch.zeros(groups.rows, cols)
+    buf[dest] = vals
+    return buf.to(dtype), groups
+
+
+def _same_amax(got, want) -> bool:
+    nan = want.isnan()
+    return torch.equal(got.isnan(), nan) and torch.equal(got[~nan], want[~nan])
+
+
+@pytest.mark.skipif(not _INTERPRET, reason="needs Triton and TRITON_INTERPRET=1 (the kernel on the CPU)")
+@pytest.mark.parametrize("case", _GROUP_CASES)
+@pytest.mark.parametrize("cols, dtype, tile_rows", [(200, torch.bfloat16, 128), (96, torch.float32, 32),
+                                                     (130, torch.bfloat16, 64)])
+def test_group_amax_kernel_is_the_reference_under_the_interpreter(case, cols, dtype, tile_rows):
+    """The one-pass group column amaxes equal the block maxima scattered by expert, bit for bit (NaN where a NaN is
+    in the expert's column, inf where an inf is, 0 for experts without tokens), on shapes that are not tile
+    multiples, with tiles spanning several experts; and the decode scales made from them are the reference's."""
+    from lpbench.precision.kernels.fp8_group import launch_group_amax
+    from lpbench.precision.quantize import fp8_decode_scale, fp8_encode_scale
+
+    t, groups = _group_operand(case, cols, dtype)
+    spec = get_recipe("fp8-rowwise").operand("grad", "wgrad")
+    E = groups.counts.numel()
+    want = grouped._reference_amax(t.float(), spec, groups.row_group, E, True, grouped.ALIGN, None)
+    bits = torch.zeros(E, cols, dtype=torch.int32)
+    launch_group_amax(lambda k: k, t, groups.row_group, bits, tile_rows=tile_rows, tile_cols=64)
+    got = bits.view(torch.float32)
+    assert _same_amax(got, want)
+    assert (got[groups.counts == 0] == 0).all()
+    if case == "non-finite":
+        assert got.isnan().any() and got.isinf().any() and got[:, -1].isnan().sum() == (groups.counts > 0).sum()
+    dec = fp8_decode_scale(fp8_encode_scale(got, spec.fmt), got)
+    ref = fp8_decode_scale(fp8_encode_scale(want, spec.fmt), want)
+    assert torch.equal(dec.isnan(), ref.isnan()) and torch.equal(dec[~ref.isnan()], ref[~ref.isnan()])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _GROUP_CASES)
+@pytest.mark.parametrize("cols, dtype", [(200, torch.bfloat16), (4096, torch.bfloat16), (96, torch.float32)])
+def test_group_fp8_on_cuda_is_the_cpu_reference(case, cols, dtype):
+    """``grouped._group_fp8`` along each expert's rows on CUDA (the Triton amax op, then the cast) gives the CPU
+    path's codes and decode scales bit for bit (the CPU reference propagates NaN; CUDA's ``scatter_reduce`` does
+    not, so the CPU is the reference here)."""
+    if grouped.capability.triton is None:
+        pytest.skip("needs Triton")
+    t, groups = _group_operand(case, cols, dtype)
+    spec = get_recipe("fp8-rowwise").operand("grad", "wgrad")
+    E = groups.counts.numel()
+    want = grouped._group_fp8(t, spec, groups.row_group, E, along_rows=True)
+    got = grouped._group_fp8(t.cuda(), spec, groups.row_group.cuda(), E, along_rows=True)
+    assert torch.equal(_bits(got[0]).cpu(), _bits(want[0]))
+    assert _same_amax(got[1].cpu(), want[1])
+    from lpbench.precision.kernels.fp8_group import group_amax
+
+    ref = grouped._reference_amax(t.float(), spec, groups.row_group, E, True, grouped.ALIGN, None)
+    assert _same_amax(group_amax(t.cuda(), groups.row_group.cuda(), E).cpu(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fp8-rowwise", "fp8-rowwise-fast-grads"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_grouped_fp8_with_the_group_amax_kernel_is_bit_identical(monkeypatch, precise_casts, name, compiled):
+    """A native grouped FP8 MoE layer (forward and backward, eager and compiled) gives the same outputs and gradients
+    bit for bit with the Triton group amaxes as with the torch ops, routing that leaves experts idle included."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs the grouped FP8 GEMM (compute capability 9.0)")
+    cfg = dataclasses.replace(CFG, dim=256, ffn_dim=512, n_experts=8, top_k=2)
+    x = torch.randn(2, 700, 256, generator=torch.Generator().manual_seed(0)).cuda()
+    torch.manual_seed(1)
+    moe = MoE(cfg).cuda()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    with torch.no_grad():
+        moe.router.weight[5:] *= 0.01  # skewed routing: some experts get few or no tokens
+    moe.experts.set_recipe(get_recipe(name), native=True)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).cuda()
+
+    def run(kernel: bool):
+        monkeypatch.setattr(grouped.capability, "fp8_cast_kernel",
+                            fp8_cast_kernel if kernel else (lambda t: False))
+        torch._dynamo.reset()
+        fn = torch.compile(moe) if compiled else moe
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(xi)
+        return [y, *torch.autograd.grad(y, [xi, moe.experts.gate_up, moe.experts.down], dy.to(y.dtype))]
+
+    fp8_cast_kernel = grouped.capability.fp8_cast_kernel
+    calls = []
+    from lpbench.precision.kernels import fp8_group
+
+    monkeypatch.setattr(grouped, "group_amax", lambda *a: calls.append(1) or fp8_group.group_amax(*a))
+    with_kernel, without = run(True), run(False)
+    assert calls  # the kernel ran (twice per weight gradient, traced once when compiled)
+    assert all(torch.equal(a, b) for a, b in zip(with_kernel, without))

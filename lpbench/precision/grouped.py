@@ -34,6 +34,7 @@ import torch
 from lpbench.precision import capability
 from lpbench.precision.formats import decode, encode
 from lpbench.precision.gemm import hp_mm, linear, mm_fp32
+from lpbench.precision.kernels.fp8_group import group_amax
 from lpbench.precision.quantize import Scaling, all_reduce_max, fp8_decode_scale, fp8_encode_scale
 
 ALIGN = 16
@@ -118,10 +119,26 @@ def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_
     Group amaxes reduce each ``block`` rows first (no block straddles two groups: ALIGN in a
     :class:`Groups` buffer, an expert's rows in stacked weights) and scatter only the block maxima:
     max is exact in any order, and the scatter's atomics, one per element, had cost more than the
-    GEMMs they feed. ``amax_group``: the TP group whose ranks hold the other parts of the scaling groups
+    GEMMs they feed. On CUDA the row-wise ones take one Triton pass over ``t`` instead
+    (:mod:`lpbench.precision.kernels.fp8_group`: the same amaxes, without the block maxima and their
+    scatter). ``amax_group``: the TP group whose ranks hold the other parts of the scaling groups
     (:func:`_amax_group`); the amaxes are all-reduced (MAX) over it.
     """
+    one_pass = along_rows and spec.scaling is Scaling.ROW and capability.fp8_cast_kernel(t)
+    if one_pass:
+        amax = all_reduce_max(group_amax(t, group, n_groups), amax_group)
     t = t.float()
+    if not one_pass:
+        amax = _reference_amax(t, spec, group, n_groups, along_rows, block, amax_group)
+    enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
+    codes = encode(t * (enc[group] if along_rows else enc), spec.fmt)
+    dec = fp8_decode_scale(enc, amax)
+    return codes, (dec if along_rows else dec[:, 0])
+
+
+def _reference_amax(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_rows: bool, block: int,
+                    amax_group) -> torch.Tensor:
+    """The amaxes of :func:`_group_fp8` by torch ops: [R, 1] along C, else [n_groups, C]."""
     mag = t.abs()
     if spec.scaling is Scaling.TENSOR or along_rows:
         R, C = mag.shape
@@ -130,16 +147,11 @@ def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_
     if spec.scaling is Scaling.TENSOR:
         amax_g = all_reduce_max(mag.new_zeros(n_groups).scatter_reduce(0, block_group, blocks.amax(1), "amax"),
                                 amax_group)
-        amax = amax_g[group][:, None] if not along_rows else amax_g[:, None].expand(n_groups, t.shape[1])
-    elif along_rows:
-        amax = all_reduce_max(mag.new_zeros(n_groups, C).scatter_reduce(
+        return amax_g[group][:, None] if not along_rows else amax_g[:, None].expand(n_groups, t.shape[1])
+    if along_rows:
+        return all_reduce_max(mag.new_zeros(n_groups, C).scatter_reduce(
             0, block_group[:, None].expand_as(blocks), blocks, "amax"), amax_group)
-    else:
-        amax = all_reduce_max(mag.amax(1, keepdim=True), amax_group)
-    enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
-    codes = encode(t * (enc[group] if along_rows else enc), spec.fmt)
-    dec = fp8_decode_scale(enc, amax)
-    return codes, (dec if along_rows else dec[:, 0])
+    return all_reduce_max(mag.amax(1, keepdim=True), amax_group)
 
 
 def _amax_group(split, role: str, gemm: str, spec):
