@@ -444,9 +444,9 @@ def _same_amax(got, want) -> bool:
 
 @pytest.mark.skipif(not _INTERPRET, reason="needs Triton and TRITON_INTERPRET=1 (the kernel on the CPU)")
 @pytest.mark.parametrize("case", _GROUP_CASES)
-@pytest.mark.parametrize("cols, dtype, tile_rows", [(200, torch.bfloat16, 128), (96, torch.float32, 32),
-                                                     (130, torch.bfloat16, 64)])
-def test_group_amax_kernel_is_the_reference_under_the_interpreter(case, cols, dtype, tile_rows):
+@pytest.mark.parametrize("cols, dtype, tile", [(300, torch.bfloat16, {}), (96, torch.float32, dict(rows=32, cols=64)),
+                                                (130, torch.bfloat16, dict(rows=64, cols=64))])
+def test_group_amax_kernel_is_the_reference_under_the_interpreter(case, cols, dtype, tile):
     """The one-pass group column amaxes equal the block maxima scattered by expert, bit for bit (NaN where a NaN is
     in the expert's column, inf where an inf is, 0 for experts without tokens), on shapes that are not tile
     multiples, with tiles spanning several experts; and the decode scales made from them are the reference's."""
@@ -458,7 +458,7 @@ def test_group_amax_kernel_is_the_reference_under_the_interpreter(case, cols, dt
     E = groups.counts.numel()
     want = grouped._reference_amax(t.float(), spec, groups.row_group, E, True, grouped.ALIGN, None)
     bits = torch.zeros(E, cols, dtype=torch.int32)
-    launch_group_amax(lambda k: k, t, groups.row_group, bits, tile_rows=tile_rows, tile_cols=64)
+    launch_group_amax(lambda k: k, t, groups.row_group, bits, grouped.ALIGN, **tile)
     got = bits.view(torch.float32)
     assert _same_amax(got, want)
     assert (got[groups.counts == 0] == 0).all()
@@ -488,7 +488,7 @@ def test_group_fp8_on_cuda_is_the_cpu_reference(case, cols, dtype):
     from lpbench.precision.kernels.fp8_group import group_amax
 
     ref = grouped._reference_amax(t.float(), spec, groups.row_group, E, True, grouped.ALIGN, None)
-    assert _same_amax(group_amax(t.cuda(), groups.row_group.cuda(), E).cpu(), ref)
+    assert _same_amax(group_amax(t.cuda(), groups.row_group.cuda(), E, grouped.ALIGN).cpu(), ref)
 
 
 @pytest.mark.gpu

@@ -126,7 +126,7 @@ def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_
     """
     one_pass = along_rows and spec.scaling is Scaling.ROW and capability.fp8_cast_kernel(t)
     if one_pass:
-        amax = all_reduce_max(group_amax(t, group, n_groups), amax_group)
+        amax = all_reduce_max(group_amax(t, group, n_groups, block), amax_group)
     t = t.float()
     if not one_pass:
         amax = _reference_amax(t, spec, group, n_groups, along_rows, block, amax_group)

@@ -7,14 +7,17 @@ Hand-written (Triton) because the compiled ops cannot do it in one pass: inducto
 rows in one kernel and scatters the block maxima by expert in another (``scatter_reduce``), 2.7 ms a
 micro-batch on mixtral-8x7b@2L (an H200), for what one read of the operand does here.
 
-Each program reads a tile of rows and columns, reduces each expert's rows of the tile to one maximum
-per column (a tile rarely spans more than one expert: they hold hundreds of rows each) and folds it into
-the expert's row of the result by an integer atomic max on the bit patterns of ``|x|``, as
-``kernels/fp8_cast.py`` does for tensor amaxes: for non-negative floats the integer order is the
-float order, and NaN sorts above +inf, so a NaN in an expert's column gives NaN there, as the reference
-(``abs``, ``amax`` and ``scatter_reduce(..., "amax")`` on the CPU) does. Max is exact in any order, so
-the result is the reference's bit for bit (up to a NaN's payload, which no scale carries). Experts
-with no rows keep 0, as the reference's zero-initialised scatter does.
+Each program walks down ``ROWS`` rows of ``COLS`` columns in blocks of the caller's ``block`` rows (ALIGN
+in a Groups buffer: no block straddles two experts, the reference's own assumption, whose group is that of
+its first row), keeps the running column maxima in registers while the expert stays the same, and folds
+them into the expert's row of the result by an integer atomic max on the bit patterns of ``|x|`` when the
+expert changes and at its end, as ``kernels/fp8_cast.py`` does for tensor amaxes: for non-negative floats
+the integer order is the float order, and NaN sorts above +inf, so a NaN in an expert's column gives NaN
+there, as the reference (``abs``, ``amax`` and ``scatter_reduce(..., "amax")`` on the CPU; CUDA's
+``scatter_reduce`` drops NaN) does. Max is exact in any order, so the result is the reference's bit for
+bit (up to a NaN's payload, which no scale carries). Experts with no rows keep 0, as the reference's
+zero-initialised scatter does. Blocks of 16 rows keep a thread's registers few (48 on sm_90a, by ptxas), so
+many programs stream at once; a 128 x 128 tile reduced by expert in one go took 233.
 """
 
 from __future__ import annotations
@@ -24,48 +27,54 @@ from torch.library import wrap_triton
 
 from lpbench.precision.capability import kernel_op, tl, triton  # None without Triton
 
-TILE_ROWS = 128
-TILE_COLS = 128
-WARPS = 8
+ROWS = 128  # rows per program (a multiple of the block)
+COLS = 256  # columns per program
+WARPS = 4
 
 
-def launch_group_amax(launcher, x: torch.Tensor, group: torch.Tensor, bits: torch.Tensor,
-                      tile_rows: int = TILE_ROWS, tile_cols: int = TILE_COLS) -> None:
-    """Fold the group column amaxes of ``x`` [M, N] (row i in group ``group[i]``) into ``bits`` [G, N] (int32
-    bit patterns of FP32 amaxes; zeros to start). ``launcher``: ``wrap_triton`` inside an op, identity eagerly."""
+def launch_group_amax(launcher, x: torch.Tensor, group: torch.Tensor, bits: torch.Tensor, block: int,
+                      rows: int = ROWS, cols: int = COLS) -> None:
+    """Fold the group column amaxes of ``x`` [M, N] into ``bits`` [G, N] (int32 bit patterns of FP32 amaxes, zeros
+    to start): the rows of each ``block`` (M a multiple of it) belong to the group ``group`` gives its first row.
+    ``launcher``: ``wrap_triton`` inside an op, the identity eagerly."""
     m, n = x.shape
-    grid = (triton.cdiv(m, tile_rows), triton.cdiv(n, tile_cols))
-    launcher(_group_amax_kernel)[grid](x, group, bits, m, n, BM=tile_rows, BN=tile_cols, num_warps=WARPS)
+    rows = max(rows // block, 1) * block
+    grid = (triton.cdiv(m, rows), triton.cdiv(n, cols))
+    launcher(_group_amax_kernel)[grid](x, group, bits, m, n, ROWS=rows, BM=block, BN=cols, num_warps=WARPS)
 
 
 @kernel_op("lpbench::fp8_group_amax", ())
-def _group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
+def _group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int) -> torch.Tensor:
     bits = torch.zeros((n_groups, x.shape[1]), dtype=torch.int32, device=x.device)
-    launch_group_amax(wrap_triton, x, group, bits)
+    launch_group_amax(wrap_triton, x, group, bits, block)
     return bits.view(torch.float32)
 
 
-def group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """[n_groups, N] FP32: the amax of |x| over each group's rows per column, ``x`` [M, N] 2-D CUDA 16-bit or
-    FP32 (:func:`lpbench.precision.capability.fp8_cast_kernel`), ``group`` [M] the group of each row."""
-    return _group_amax(x.contiguous(), group.contiguous(), n_groups)
+def group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int) -> torch.Tensor:
+    """[n_groups, N] FP32: the amax of |x| over each group's rows per column; ``x`` [M, N] a 2-D CUDA 16-bit or FP32
+    tensor (:func:`lpbench.precision.capability.fp8_cast_kernel`), ``group`` [M] the group of each row, constant
+    over each ``block`` rows (a power of two dividing M)."""
+    return _group_amax(x.contiguous(), group.contiguous(), n_groups, block)
 
 
 if triton is not None:
     from lpbench.precision.kernels.fp8_cast import _bits_of_abs
 
     @triton.jit
-    def _group_amax_kernel(x_ptr, group_ptr, bits_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
-        rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    def _group_amax_kernel(x_ptr, group_ptr, bits_ptr, M, N, ROWS: tl.constexpr, BM: tl.constexpr,
+                           BN: tl.constexpr):
+        r0 = tl.program_id(0).to(tl.int64) * ROWS
         rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
-        rows, cols = rm < M, rn < N
-        bits = _bits_of_abs(tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=rows[:, None] & cols[None, :],
-                                    other=0.0))
-        first = tl.load(group_ptr + tl.program_id(0).to(tl.int64) * BM)
-        g = tl.where(rows, tl.load(group_ptr + rm, mask=rows, other=0), first).to(tl.int64)
-        last = tl.max(g, axis=0)
-        e = tl.min(g, axis=0)
-        while e <= last:  # each group in the tile, ascending (one trip where the tile is one expert's)
-            col_max = tl.max(tl.where((g == e)[:, None], bits, 0), axis=0)
-            tl.atomic_max(bits_ptr + e * N + rn, col_max, mask=cols)
-            e = tl.min(tl.where(g > e, g, last + 1), axis=0)
+        cols = rn < N
+        cur = tl.load(group_ptr + r0)  # the expert whose column maxima ``acc`` holds
+        acc = tl.zeros((BN,), dtype=tl.int32)
+        for i in range(0, ROWS, BM):
+            rm = r0 + i + tl.arange(0, BM)
+            tile = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=(rm < M)[:, None] & cols[None, :], other=0.0)
+            g = tl.load(group_ptr + r0 + i, mask=r0 + i < M, other=cur)
+            if g != cur:
+                tl.atomic_max(bits_ptr + cur * N + rn, acc, mask=cols)
+                acc = tl.zeros((BN,), dtype=tl.int32)
+                cur = g
+            acc = tl.maximum(acc, tl.max(_bits_of_abs(tile), axis=0))
+        tl.atomic_max(bits_ptr + cur * N + rn, acc, mask=cols)
