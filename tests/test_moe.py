@@ -457,10 +457,14 @@ def test_group_amax_kernel_is_the_reference_under_the_interpreter(case, cols, dt
     spec = get_recipe("fp8-rowwise").operand("grad", "wgrad")
     E = groups.counts.numel()
     want = grouped._reference_amax(t.float(), spec, groups.row_group, E, True, grouped.ALIGN, None)
-    bits = torch.zeros(E, cols, dtype=torch.int32)
-    launch_group_amax(lambda k: k, t, groups.row_group, bits, grouped.ALIGN, **tile)
+    bits, row_bits = torch.zeros(E, cols, dtype=torch.int32), torch.zeros(groups.rows, dtype=torch.int32)
+    launch_group_amax(lambda k: k, t, groups.row_group, bits, row_bits, grouped.ALIGN, **tile)
     got = bits.view(torch.float32)
     assert _same_amax(got, want)
+    assert _same_amax(row_bits.view(torch.float32), t.float().abs().amax(1))
+    only_groups = torch.zeros(E, cols, dtype=torch.int32)
+    launch_group_amax(lambda k: k, t, groups.row_group, only_groups, None, grouped.ALIGN, **tile)
+    assert torch.equal(only_groups, bits)
     assert (got[groups.counts == 0] == 0).all()
     if case == "non-finite":
         assert got.isnan().any() and got.isinf().any() and got[:, -1].isnan().sum() == (groups.counts > 0).sum()
@@ -488,7 +492,8 @@ def test_group_fp8_on_cuda_is_the_cpu_reference(case, cols, dtype):
     from lpbench.precision.kernels.fp8_group import group_amax
 
     ref = grouped._reference_amax(t.float(), spec, groups.row_group, E, True, grouped.ALIGN, None)
-    assert _same_amax(group_amax(t.cuda(), groups.row_group.cuda(), E, grouped.ALIGN).cpu(), ref)
+    cols_amax, rows_amax = group_amax(t.cuda(), groups.row_group.cuda(), E, grouped.ALIGN, row_amax=True)
+    assert _same_amax(cols_amax.cpu(), ref) and _same_amax(rows_amax.cpu(), t.float().abs().amax(1))
 
 
 @pytest.mark.gpu
@@ -524,7 +529,36 @@ def test_grouped_fp8_with_the_group_amax_kernel_is_bit_identical(monkeypatch, pr
     calls = []
     from lpbench.precision.kernels import fp8_group
 
-    monkeypatch.setattr(grouped, "group_amax", lambda *a: calls.append(1) or fp8_group.group_amax(*a))
+    monkeypatch.setattr(grouped, "group_amax", lambda *a, **k: calls.append(1) or fp8_group.group_amax(*a, **k))
     with_kernel, without = run(True), run(False)
     assert calls  # the kernel ran (twice per weight gradient, traced once when compiled)
     assert all(torch.equal(a, b) for a, b in zip(with_kernel, without))
+
+
+@pytest.mark.skipif(not _INTERPRET, reason="needs Triton and TRITON_INTERPRET=1 (the kernel on the CPU)")
+@pytest.mark.parametrize("case", CASES)
+def test_grouped_fp8_backward_with_the_group_amax_kernel_under_the_interpreter(monkeypatch, case):
+    """The grouped FP8 Function with the Triton amaxes (the kernel run by the interpreter on the CPU, the GEMMs
+    emulated): outputs and gradients bit for bit those of the torch ops; the output gradient's row and group
+    amaxes come from one call, the input's group amaxes from another."""
+    from lpbench.precision.kernels import fp8_group
+
+    recipe = get_recipe("fp8-rowwise")
+    moe, x = _case_moe(case, recipe)
+    moe.experts.set_recipe(recipe, native=False)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    calls = []
+
+    def run(kernel: bool):
+        monkeypatch.setattr(grouped.capability, "fp8_cast_kernel",
+                            (lambda t: t.dim() == 2 and t.dtype == torch.bfloat16) if kernel else (lambda t: False))
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = moe(xi)
+        return [y, *torch.autograd.grad(y, [xi, moe.experts.gate_up, moe.experts.down], dy.to(y.dtype))]
+
+    monkeypatch.setattr(grouped, "group_amax",
+                        lambda *a, **k: calls.append(k.get("row_amax", False)) or fp8_group.group_amax(*a, **k))
+    with_kernel, without = run(True), run(False)
+    assert sorted(calls) == [False, False, True, True]  # per weight (down, gate_up): dy's both, x's group amaxes
+    assert all(torch.equal(a, b) for a, b in zip(with_kernel, without, strict=True))

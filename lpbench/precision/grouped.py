@@ -109,7 +109,7 @@ def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torc
 
 
 def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_rows: bool = False,
-               block: int = ALIGN, amax_group=None):
+               block: int = ALIGN, amax_group=None, amax: torch.Tensor | None = None):
     """FP8 codes of ``t`` [R, C] and FP32 decode scales, as the dense linear quantizes each group's rows.
 
     Along C (``along_rows`` False): a scale per row (row-wise) or per group (tensor-wise), returned
@@ -122,13 +122,13 @@ def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_
     GEMMs they feed. On CUDA the row-wise ones take one Triton pass over ``t`` instead
     (:mod:`lpbench.precision.kernels.fp8_group`: the same amaxes, without the block maxima and their
     scatter). ``amax_group``: the TP group whose ranks hold the other parts of the scaling groups
-    (:func:`_amax_group`); the amaxes are all-reduced (MAX) over it.
+    (:func:`_amax_group`); the amaxes are all-reduced (MAX) over it. ``amax``: the amaxes, all-reduced, where the
+    caller has them (:func:`_grad_amaxes`).
     """
-    one_pass = along_rows and spec.scaling is Scaling.ROW and capability.fp8_cast_kernel(t)
-    if one_pass:
-        amax = all_reduce_max(group_amax(t, group, n_groups, block), amax_group)
+    if amax is None and along_rows and spec.scaling is Scaling.ROW and capability.fp8_cast_kernel(t):
+        amax = all_reduce_max(group_amax(t, group, n_groups, block)[0], amax_group)
     t = t.float()
-    if not one_pass:
+    if amax is None:
         amax = _reference_amax(t, spec, group, n_groups, along_rows, block, amax_group)
     enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
     codes = encode(t * (enc[group] if along_rows else enc), spec.fmt)
@@ -152,6 +152,19 @@ def _reference_amax(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, a
         return all_reduce_max(mag.new_zeros(n_groups, C).scatter_reduce(
             0, block_group[:, None].expand_as(blocks), blocks, "amax"), amax_group)
     return all_reduce_max(mag.amax(1, keepdim=True), amax_group)
+
+
+def _grad_amaxes(dy: torch.Tensor, dgrad, wgrad, group: torch.Tensor, n_groups: int, split):
+    """The output gradient's row amaxes [R, 1] (data gradient, scaled along its columns) and group column amaxes
+    [n_groups, C] (weight gradient, along each expert's rows), all-reduced, in one Triton pass over ``dy`` where
+    both scalings are row-wise and the kernel takes it; (None, None) otherwise. ``dgrad``/``wgrad``: their specs,
+    None where that gradient is not wanted."""
+    if not (dgrad and wgrad and dgrad.scaling is Scaling.ROW and wgrad.scaling is Scaling.ROW
+            and capability.fp8_cast_kernel(dy)):
+        return None, None
+    cols, rows = group_amax(dy, group, n_groups, ALIGN, row_amax=True)
+    return (all_reduce_max(rows[:, None], _amax_group(split, "grad", "dgrad", dgrad)),
+            all_reduce_max(cols, _amax_group(split, "grad", "wgrad", wgrad)))
 
 
 def _amax_group(split, role: str, gemm: str, spec):
@@ -276,18 +289,22 @@ class _Fp8GroupedFn(torch.autograd.Function):
         gid = groups.row_group
         dx = dw = None
         with torch.autocast(dy.device.type, enabled=False):
+            dgrad_spec = recipe.operand("grad", "dgrad") if ctx.needs_input_grad[0] else None
+            wgrad_spec = recipe.operand("grad", "wgrad") if ctx.needs_input_grad[1] else None
+            row_amax, col_amax = _grad_amaxes(dy, dgrad_spec, wgrad_spec, gid, E, split)
             if ctx.needs_input_grad[0]:
-                spec = recipe.operand("grad", "dgrad")
-                gq, sg = _group_fp8(dy, spec, gid, E, amax_group=_amax_group(split, "grad", "dgrad", spec))
+                spec = dgrad_spec
+                gq, sg = _group_fp8(dy, spec, gid, E, amax_group=_amax_group(split, "grad", "dgrad", spec),
+                                    amax=row_amax)
                 wtq, swt = dgrad_codes or _weight_dgrad(w, recipe, split)
                 dx = _scaled_grouped(gq, sg, wtq, swt, groups, native, recipe.fast_accum_grads, x.dtype)
             if ctx.needs_input_grad[1]:
-                if recipe.operand("grad", "wgrad") is None:  # weight gradient in the compute dtype
+                if wgrad_spec is None:  # weight gradient in the compute dtype
                     dw = _hp_wgrad(dy, x, groups)
                 else:
-                    spec_g, spec_x = recipe.operand("grad", "wgrad"), recipe.operand("input", "wgrad")
+                    spec_g, spec_x = wgrad_spec, recipe.operand("input", "wgrad")
                     gq, sg = _group_fp8(dy, spec_g, gid, E, along_rows=True,
-                                        amax_group=_amax_group(split, "grad", "wgrad", spec_g))
+                                        amax_group=_amax_group(split, "grad", "wgrad", spec_g), amax=col_amax)
                     xq, sx = _group_fp8(x, spec_x, gid, E, along_rows=True,
                                         amax_group=_amax_group(split, "input", "wgrad", spec_x))
                     # FP32 when emulated; natively BF16 (the only output the grouped FP8 GEMM has, as the dense

@@ -13,11 +13,13 @@ its first row), keeps the running column maxima in registers while the expert st
 them into the expert's row of the result by an integer atomic max on the bit patterns of ``|x|`` when the
 expert changes and at its end, as ``kernels/fp8_cast.py`` does for tensor amaxes: for non-negative floats
 the integer order is the float order, and NaN sorts above +inf, so a NaN in an expert's column gives NaN
-there, as the reference (``abs``, ``amax`` and ``scatter_reduce(..., "amax")`` on the CPU; CUDA's
-``scatter_reduce`` drops NaN) does. Max is exact in any order, so the result is the reference's bit for
+there, as the definition (the dense quantizer's ``abs().amax()``) and the reference on the CPU do (CUDA's
+eager ``scatter_reduce`` takes ``fmaxf``, which drops NaN). Max is exact in any order, so the result is the reference's bit for
 bit (up to a NaN's payload, which no scale carries). Experts with no rows keep 0, as the reference's
-zero-initialised scatter does. Blocks of 16 rows keep a thread's registers few (48 on sm_90a, by ptxas), so
-many programs stream at once; a 128 x 128 tile reduced by expert in one go took 233.
+zero-initialised scatter does. For the output gradient, whose data-gradient codes are row-wise, the same
+read also folds each row's amax (one atomic per row and program). Blocks of 16 rows keep a thread's
+registers few (46 on sm_90a by ptxas, 72 with the row amaxes), so many programs stream at once; a
+128 x 128 tile reduced by expert in one go took 233.
 """
 
 from __future__ import annotations
@@ -32,37 +34,43 @@ COLS = 256  # columns per program
 WARPS = 4
 
 
-def launch_group_amax(launcher, x: torch.Tensor, group: torch.Tensor, bits: torch.Tensor, block: int,
-                      rows: int = ROWS, cols: int = COLS) -> None:
+def launch_group_amax(launcher, x: torch.Tensor, group: torch.Tensor, bits: torch.Tensor, row_bits: torch.Tensor | None,
+                      block: int, rows: int = ROWS, cols: int = COLS) -> None:
     """Fold the group column amaxes of ``x`` [M, N] into ``bits`` [G, N] (int32 bit patterns of FP32 amaxes, zeros
-    to start): the rows of each ``block`` (M a multiple of it) belong to the group ``group`` gives its first row.
-    ``launcher``: ``wrap_triton`` inside an op, the identity eagerly."""
+    to start): the rows of each ``block`` (M a multiple of it) belong to the group ``group`` gives its first row;
+    and, given ``row_bits`` [M] (zeros), the amax of each row. ``launcher``: ``wrap_triton`` inside an op, the
+    identity eagerly."""
     m, n = x.shape
     rows = max(rows // block, 1) * block
     grid = (triton.cdiv(m, rows), triton.cdiv(n, cols))
-    launcher(_group_amax_kernel)[grid](x, group, bits, m, n, ROWS=rows, BM=block, BN=cols, num_warps=WARPS)
+    launcher(_group_amax_kernel)[grid](x, group, bits, bits if row_bits is None else row_bits, m, n,
+                                       ROW_AMAX=row_bits is not None, ROWS=rows, BM=block, BN=cols, num_warps=WARPS)
 
 
 @kernel_op("lpbench::fp8_group_amax", ())
-def _group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int) -> torch.Tensor:
+def _group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int,
+                row_amax: bool) -> tuple[torch.Tensor, torch.Tensor]:
     bits = torch.zeros((n_groups, x.shape[1]), dtype=torch.int32, device=x.device)
-    launch_group_amax(wrap_triton, x, group, bits, block)
-    return bits.view(torch.float32)
+    row_bits = torch.zeros((x.shape[0] if row_amax else 0,), dtype=torch.int32, device=x.device)
+    launch_group_amax(wrap_triton, x, group, bits, row_bits if row_amax else None, block)
+    return bits.view(torch.float32), row_bits.view(torch.float32)
 
 
-def group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int) -> torch.Tensor:
-    """[n_groups, N] FP32: the amax of |x| over each group's rows per column; ``x`` [M, N] a 2-D CUDA 16-bit or FP32
-    tensor (:func:`lpbench.precision.capability.fp8_cast_kernel`), ``group`` [M] the group of each row, constant
-    over each ``block`` rows (a power of two dividing M)."""
-    return _group_amax(x.contiguous(), group.contiguous(), n_groups, block)
+def group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int,
+               row_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """([n_groups, N] FP32: the amax of |x| over each group's rows per column, [M] FP32: each row's amax, or empty
+    unless ``row_amax``) in one read of ``x`` [M, N], a 2-D CUDA 16-bit or FP32 tensor
+    (:func:`lpbench.precision.capability.fp8_cast_kernel`); ``group`` [M]: the group of each row, constant over
+    each ``block`` rows (a power of two dividing M)."""
+    return _group_amax(x.contiguous(), group.contiguous(), n_groups, block, row_amax)
 
 
 if triton is not None:
     from lpbench.precision.kernels.fp8_cast import _bits_of_abs
 
     @triton.jit
-    def _group_amax_kernel(x_ptr, group_ptr, bits_ptr, M, N, ROWS: tl.constexpr, BM: tl.constexpr,
-                           BN: tl.constexpr):
+    def _group_amax_kernel(x_ptr, group_ptr, bits_ptr, row_bits_ptr, M, N, ROW_AMAX: tl.constexpr,
+                           ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         r0 = tl.program_id(0).to(tl.int64) * ROWS
         rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
         cols = rn < N
@@ -70,11 +78,14 @@ if triton is not None:
         acc = tl.zeros((BN,), dtype=tl.int32)
         for i in range(0, ROWS, BM):
             rm = r0 + i + tl.arange(0, BM)
-            tile = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=(rm < M)[:, None] & cols[None, :], other=0.0)
+            tile = _bits_of_abs(tl.load(x_ptr + rm[:, None] * N + rn[None, :],
+                                        mask=(rm < M)[:, None] & cols[None, :], other=0.0))
+            if ROW_AMAX:
+                tl.atomic_max(row_bits_ptr + rm, tl.max(tile, axis=1), mask=rm < M)
             g = tl.load(group_ptr + r0 + i, mask=r0 + i < M, other=cur)
             if g != cur:
                 tl.atomic_max(bits_ptr + cur * N + rn, acc, mask=cols)
                 acc = tl.zeros((BN,), dtype=tl.int32)
                 cur = g
-            acc = tl.maximum(acc, tl.max(_bits_of_abs(tile), axis=0))
+            acc = tl.maximum(acc, tl.max(tile, axis=0))
         tl.atomic_max(bits_ptr + cur * N + rn, acc, mask=cols)
