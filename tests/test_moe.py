@@ -536,11 +536,12 @@ def test_grouped_fp8_with_the_group_amax_kernel_is_bit_identical(monkeypatch, pr
 
 
 @pytest.mark.skipif(not _INTERPRET, reason="needs Triton and TRITON_INTERPRET=1 (the kernel on the CPU)")
-@pytest.mark.parametrize("case", CASES)
-def test_grouped_fp8_backward_with_the_group_amax_kernel_under_the_interpreter(monkeypatch, case):
+@pytest.mark.parametrize("case, compiled", [*((c, False) for c in CASES), ("random", True)])
+def test_grouped_fp8_backward_with_the_group_amax_kernel_under_the_interpreter(monkeypatch, case, compiled):
     """The grouped FP8 Function with the Triton amaxes (the kernel run by the interpreter on the CPU, the GEMMs
     emulated): outputs and gradients bit for bit those of the torch ops; the output gradient's row and group
-    amaxes come from one call, the input's group amaxes from another."""
+    amaxes come from one call, the input's group amaxes from another. Compiled (Dynamo and AOTAutograd, which
+    trace the kernel's op and functionalize its launch), against the torch ops compiled alike."""
     from lpbench.precision.kernels import fp8_group
 
     recipe = get_recipe("fp8-rowwise")
@@ -552,9 +553,11 @@ def test_grouped_fp8_backward_with_the_group_amax_kernel_under_the_interpreter(m
     def run(kernel: bool):
         monkeypatch.setattr(grouped.capability, "fp8_cast_kernel",
                             (lambda t: t.dim() == 2 and t.dtype == torch.bfloat16) if kernel else (lambda t: False))
+        torch._dynamo.reset()
+        fn = torch.compile(moe, backend="aot_eager") if compiled else moe
         xi = x.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = moe(xi)
+            y = fn(xi)
         return [y, *torch.autograd.grad(y, [xi, moe.experts.gate_up, moe.experts.down], dy.to(y.dtype))]
 
     monkeypatch.setattr(grouped, "group_amax",
