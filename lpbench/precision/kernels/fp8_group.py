@@ -13,9 +13,9 @@ its first row), keeps the running column maxima in registers while the expert st
 them into the expert's row of the result by an integer atomic max on the bit patterns of ``|x|`` when the
 expert changes and at its end, as ``kernels/fp8_cast.py`` does for tensor amaxes: for non-negative floats
 the integer order is the float order, and NaN sorts above +inf, so a NaN in an expert's column gives NaN
-there, as the definition (the dense quantizer's ``abs().amax()``) and the reference on the CPU do (CUDA's
-eager ``scatter_reduce`` takes ``fmaxf``, which drops NaN). Max is exact in any order, so the result is the reference's bit for
-bit (up to a NaN's payload, which no scale carries). Experts with no rows keep 0, as the reference's
+there, as the definition (the dense quantizer's ``abs().amax()``) and the reference on the CPU do
+(CUDA's eager ``scatter_reduce`` takes ``fmaxf``, which drops NaN). Max is exact in any order, so the
+result is the reference's bit for bit (up to a NaN's payload, which no scale carries). Experts with no rows keep 0, as the reference's
 zero-initialised scatter does. For the output gradient, whose data-gradient codes are row-wise, the same
 read also folds each row's amax (one atomic per row and program). Blocks of 16 rows keep a thread's
 registers few (46 on sm_90a by ptxas, 72 with the row amaxes), so many programs stream at once; a
@@ -34,8 +34,8 @@ COLS = 256  # columns per program
 WARPS = 4
 
 
-def launch_group_amax(launcher, x: torch.Tensor, group: torch.Tensor, bits: torch.Tensor, row_bits: torch.Tensor | None,
-                      block: int, rows: int = ROWS, cols: int = COLS) -> None:
+def launch_group_amax(launcher, x: torch.Tensor, group: torch.Tensor, bits: torch.Tensor,
+                      row_bits: torch.Tensor | None, block: int, rows: int = ROWS, cols: int = COLS) -> None:
     """Fold the group column amaxes of ``x`` [M, N] into ``bits`` [G, N] (int32 bit patterns of FP32 amaxes, zeros
     to start): the rows of each ``block`` (M a multiple of it) belong to the group ``group`` gives its first row;
     and, given ``row_bits`` [M] (zeros), the amax of each row. ``launcher``: ``wrap_triton`` inside an op, the
