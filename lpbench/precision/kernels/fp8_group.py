@@ -15,8 +15,8 @@ expert changes and at its end, as ``kernels/fp8_cast.py`` does for tensor amaxes
 the integer order is the float order, and NaN sorts above +inf, so a NaN in an expert's column gives NaN
 there, as the definition (the dense quantizer's ``abs().amax()``) and the reference on the CPU do
 (CUDA's eager ``scatter_reduce`` takes ``fmaxf``, which drops NaN). Max is exact in any order, so the
-result is the reference's bit for bit (up to a NaN's payload, which no scale carries). Experts with no rows keep 0, as the reference's
-zero-initialised scatter does. For the output gradient, whose data-gradient codes are row-wise, the same
+result is the reference's bit for bit (up to a NaN's payload, which no scale carries). Experts with no
+rows keep 0, as the reference's zero-initialised scatter does. For the output gradient, whose data-gradient codes are row-wise, the same
 read also folds each row's amax (one atomic per row and program). Blocks of 16 rows keep a thread's
 registers few (46 on sm_90a by ptxas, 72 with the row amaxes), so many programs stream at once; a
 128 x 128 tile reduced by expert in one go took 233.
