@@ -7,19 +7,19 @@ Hand-written (Triton) because the compiled ops cannot do it in one pass: inducto
 rows in one kernel and scatters the block maxima by expert in another (``scatter_reduce``), 2.7 ms a
 micro-batch on mixtral-8x7b@2L (an H200), for what one read of the operand does here.
 
-Each program walks down ``ROWS`` rows of ``COLS`` columns in blocks of the caller's ``block`` rows (ALIGN
-in a Groups buffer: no block straddles two experts, the reference's own assumption, whose group is that of
-its first row), keeps the running column maxima in registers while the expert stays the same, and folds
-them into the expert's row of the result by an integer atomic max on the bit patterns of ``|x|`` when the
-expert changes and at its end, as ``kernels/fp8_cast.py`` does for tensor amaxes: for non-negative floats
-the integer order is the float order, and NaN sorts above +inf, so a NaN in an expert's column gives NaN
-there, as the definition (the dense quantizer's ``abs().amax()``) and the reference on the CPU do
-(CUDA's eager ``scatter_reduce`` takes ``fmaxf``, which drops NaN). Max is exact in any order, so the
-result is the reference's bit for bit (up to a NaN's payload, which no scale carries). Experts with no
-rows keep 0, as the reference's zero-initialised scatter does. For the output gradient, whose data-gradient codes are row-wise, the same
-read also folds each row's amax (one atomic per row and program). Blocks of 16 rows keep a thread's
-registers few (46 on sm_90a by ptxas, 72 with the row amaxes), so many programs stream at once; a
-128 x 128 tile reduced by expert in one go took 233.
+Each program walks down ``ROWS`` rows of ``COLS`` columns in blocks of the caller's ``block`` rows (ALIGN in
+a Groups buffer: no block straddles two experts, the reference's own assumption, whose group is that of its
+first row), keeps the running column maxima in registers while the expert stays the same, and folds them
+into the expert's row of the result by an integer atomic max on the bit patterns of ``|x|`` when the expert
+changes and at its end, as ``kernels/fp8_cast.py`` does for tensor amaxes: for non-negative floats the
+integer order is the float order, and NaN sorts above +inf, so a NaN in an expert's column gives NaN there,
+as the definition (the dense quantizer's ``abs().amax()``) and the reference on the CPU do (CUDA's eager
+``scatter_reduce`` takes ``fmaxf``, which drops NaN). Max is exact in any order, so the result is the
+reference's bit for bit (up to a NaN's payload, which no scale carries). Experts with no rows keep 0, as the
+reference's zero-initialised scatter does. For the output gradient, whose data-gradient codes are row-wise,
+the same read also folds each row's amax (one atomic per row and program). Blocks of 16 rows keep a thread's
+registers few (46 on sm_90a by ptxas, 72 with the row amaxes), so many programs stream at once; a 128 x 128
+tile reduced by expert in one go took 233.
 """
 
 from __future__ import annotations
