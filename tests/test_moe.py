@@ -437,6 +437,14 @@ def _group_operand(case: str, cols: int, dtype, n_groups: int = 6, seed: int = 0
     return buf.to(dtype), groups
 
 
+def _amax_by_expert(t: torch.Tensor, groups) -> torch.Tensor:
+    """[E, C]: the amax of |t| over each expert's rows (its tokens and the padding after them; NaN if a NaN is
+    among them, 0 for an expert without rows), from the definition."""
+    mag = t.float().abs()
+    return torch.stack([mag[groups.row_group == e].amax(0) if (groups.row_group == e).any() else mag.new_zeros(
+        mag.shape[1]) for e in range(groups.counts.numel())])
+
+
 def _same_amax(got, want) -> bool:
     nan = want.isnan()
     return torch.equal(got.isnan(), nan) and torch.equal(got[~nan], want[~nan])
@@ -456,7 +464,7 @@ def test_group_amax_kernel_is_the_reference_under_the_interpreter(case, cols, dt
     t, groups = _group_operand(case, cols, dtype)
     spec = get_recipe("fp8-rowwise").operand("grad", "wgrad")
     E = groups.counts.numel()
-    want = grouped._reference_amax(t.float(), spec, groups.row_group, E, True, grouped.ALIGN, None)
+    want = _amax_by_expert(t, groups)
     bits, row_bits = torch.zeros(E, cols, dtype=torch.int32), torch.zeros(groups.rows, dtype=torch.int32)
     launch_group_amax(lambda k: k, t, groups.row_group, bits, row_bits, grouped.ALIGN, **tile)
     got = bits.view(torch.float32)
@@ -473,27 +481,71 @@ def test_group_amax_kernel_is_the_reference_under_the_interpreter(case, cols, dt
     assert torch.equal(dec.isnan(), ref.isnan()) and torch.equal(dec[~ref.isnan()], ref[~ref.isnan()])
 
 
+def _grad_operands(t, groups, device):
+    r = get_recipe("fp8-rowwise")
+    E = groups.counts.numel()
+    gid = groups.row_group.to(device)
+    dgrad, wgrad = grouped._grad_codes(t.to(device), r.operand("grad", "dgrad"), r.operand("grad", "wgrad"), gid, E,
+                                       None)
+    spec_x = r.operand("input", "wgrad")
+    return [*dgrad, *wgrad, *grouped._group_codes_t(t.to(device), spec_x, gid, E, None)]
+
+
+def _interpreted_group_cast(x, row_enc, group, group_enc, fmt):
+    """:func:`fp8_group.group_cast` run by Triton's interpreter into FP32 buffers, then converted by torch: the
+    interpreter's own FP32 -> FP8 conversion is not the GPU's (it rounds some values a step off and turns NaN into
+    -256), so the kernel's scaled, saturated values are checked here and the conversion on CUDA."""
+    from lpbench.precision.kernels.fp8_group import launch_group_cast
+
+    m, n = x.shape
+    q = torch.full((m, n) if row_enc is not None else (0,), 7.0)
+    qt = torch.full((n, m), 7.0)
+    launch_group_cast(lambda k: k, x.contiguous(), None if row_enc is None else row_enc.reshape(-1).contiguous(),
+                      group, group_enc.contiguous(), q, qt, fmt.max)
+    return q.to(fmt.dtype), qt.to(fmt.dtype)
+
+
+@pytest.mark.skipif(not _INTERPRET, reason="needs Triton and TRITON_INTERPRET=1 (the kernel on the CPU)")
+@pytest.mark.parametrize("case", _GROUP_CASES)
+@pytest.mark.parametrize("cols, dtype", [(200, torch.bfloat16), (96, torch.float32)])
+def test_group_cast_kernel_under_the_interpreter(monkeypatch, case, cols, dtype):
+    """The output gradient's data- and weight-gradient operands and the input's weight-gradient operand through the
+    Triton amaxes and cast (its values converted by torch, :func:`_interpreted_group_cast`) are the torch ops' codes
+    and decode scales bit for bit, in the same layouts: idle experts, one expert, inf and NaN, tiles that span
+    experts and shapes that are not tile multiples."""
+    t, groups = _group_operand(case, cols, dtype)
+    want = _grad_operands(t, groups, "cpu")
+    monkeypatch.setattr(grouped.capability, "fp8_cast_kernel", lambda t: t.dim() == 2)
+    monkeypatch.setattr(grouped, "group_cast", _interpreted_group_cast)
+    got = _grad_operands(t, groups, "cpu")
+    assert _same_codes([g for g in got if g.dtype.itemsize == 1], [w for w in want if w.dtype.itemsize == 1])
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        assert torch.equal(_bits(a), _bits(b)) if a.dtype.itemsize == 1 else _same_amax(a, b)
+    if case == "non-finite":
+        assert got[0].float().isnan().any() and got[1].isnan().any() and got[3].isnan().any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", _GROUP_CASES)
 @pytest.mark.parametrize("cols, dtype", [(200, torch.bfloat16), (4096, torch.bfloat16), (96, torch.float32)])
-def test_group_fp8_on_cuda_is_the_cpu_reference(case, cols, dtype):
-    """``grouped._group_fp8`` along each expert's rows on CUDA (the Triton amax op, then the cast) gives the CPU
-    path's codes and decode scales bit for bit (the CPU reference propagates NaN; CUDA's ``scatter_reduce`` does
-    not, so the CPU is the reference here)."""
+def test_grad_operands_on_cuda_are_the_cpu_reference(case, cols, dtype):
+    """The output gradient's and the input's weight-gradient operands on CUDA (the Triton amaxes and casts) are the
+    CPU torch ops' codes and decode scales bit for bit, in the same layouts (the CPU reference propagates NaN;
+    CUDA's ``scatter_reduce`` does not, so the CPU is the reference here); and the amaxes are the definition's."""
+    from lpbench.precision.kernels.fp8_group import group_amax
+
     if grouped.capability.triton is None:
         pytest.skip("needs Triton")
     t, groups = _group_operand(case, cols, dtype)
-    spec = get_recipe("fp8-rowwise").operand("grad", "wgrad")
+    got, want = _grad_operands(t, groups, "cuda"), _grad_operands(t, groups, "cpu")
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        assert torch.equal(_bits(a).cpu(), _bits(b)) if a.dtype.itemsize == 1 else _same_amax(a.cpu(), b)
     E = groups.counts.numel()
-    want = grouped._group_fp8(t, spec, groups.row_group, E, along_rows=True)
-    got = grouped._group_fp8(t.cuda(), spec, groups.row_group.cuda(), E, along_rows=True)
-    assert torch.equal(_bits(got[0]).cpu(), _bits(want[0]))
-    assert _same_amax(got[1].cpu(), want[1])
-    from lpbench.precision.kernels.fp8_group import group_amax
-
-    ref = grouped._reference_amax(t.float(), spec, groups.row_group, E, True, grouped.ALIGN, None)
     cols_amax, rows_amax = group_amax(t.cuda(), groups.row_group.cuda(), E, grouped.ALIGN, row_amax=True)
-    assert _same_amax(cols_amax.cpu(), ref) and _same_amax(rows_amax.cpu(), t.float().abs().amax(1))
+    assert _same_amax(cols_amax.cpu(), _amax_by_expert(t, groups))
+    assert _same_amax(rows_amax.cpu(), t.float().abs().amax(1))
 
 
 @pytest.mark.gpu
@@ -501,7 +553,7 @@ def test_group_fp8_on_cuda_is_the_cpu_reference(case, cols, dtype):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_grouped_fp8_with_the_group_amax_kernel_is_bit_identical(monkeypatch, precise_casts, name, compiled):
     """A native grouped FP8 MoE layer (forward and backward, eager and compiled) gives the same outputs and gradients
-    bit for bit with the Triton group amaxes as with the torch ops, routing that leaves experts idle included."""
+    bit for bit with the Triton group amaxes and casts as with the torch ops, routing that leaves experts idle included."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs the grouped FP8 GEMM (compute capability 9.0)")
     cfg = dataclasses.replace(CFG, dim=256, ffn_dim=512, n_experts=8, top_k=2)
@@ -538,10 +590,11 @@ def test_grouped_fp8_with_the_group_amax_kernel_is_bit_identical(monkeypatch, pr
 @pytest.mark.skipif(not _INTERPRET, reason="needs Triton and TRITON_INTERPRET=1 (the kernel on the CPU)")
 @pytest.mark.parametrize("case, compiled", [*((c, False) for c in CASES), ("random", True)])
 def test_grouped_fp8_backward_with_the_group_amax_kernel_under_the_interpreter(monkeypatch, case, compiled):
-    """The grouped FP8 Function with the Triton amaxes (the kernel run by the interpreter on the CPU, the GEMMs
-    emulated): outputs and gradients bit for bit those of the torch ops; the output gradient's row and group
-    amaxes come from one call, the input's group amaxes from another. Compiled (Dynamo and AOTAutograd, which
-    trace the kernel's op and functionalize its launch), against the torch ops compiled alike."""
+    """The grouped FP8 Function with the Triton amaxes and casts (run by the interpreter on the CPU, the casts'
+    values converted by torch; the GEMMs emulated): outputs and gradients bit for bit those of the torch ops; the
+    output gradient's row and group amaxes come from one call, the input's group amaxes from another. Compiled
+    (Dynamo and AOTAutograd trace the amax op and functionalize its launch), against the torch ops compiled
+    alike."""
     from lpbench.precision.kernels import fp8_group
 
     recipe = get_recipe("fp8-rowwise")
@@ -562,6 +615,7 @@ def test_grouped_fp8_backward_with_the_group_amax_kernel_under_the_interpreter(m
 
     monkeypatch.setattr(grouped, "group_amax",
                         lambda *a, **k: calls.append(k.get("row_amax", False)) or fp8_group.group_amax(*a, **k))
+    monkeypatch.setattr(grouped, "group_cast", _interpreted_group_cast)
     with_kernel, without = run(True), run(False)
     assert sorted(calls) == [False, False, True, True]  # per weight (down, gate_up): dy's both, x's group amaxes
     assert all(torch.equal(a, b) for a, b in zip(with_kernel, without, strict=True))

@@ -34,7 +34,7 @@ import torch
 from lpbench.precision import capability
 from lpbench.precision.formats import decode, encode
 from lpbench.precision.gemm import hp_mm, linear, mm_fp32
-from lpbench.precision.kernels.fp8_group import group_amax
+from lpbench.precision.kernels.fp8_group import group_amax, group_cast
 from lpbench.precision.quantize import Scaling, all_reduce_max, fp8_decode_scale, fp8_encode_scale
 
 ALIGN = 16
@@ -109,7 +109,7 @@ def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torc
 
 
 def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_rows: bool = False,
-               block: int = ALIGN, amax_group=None, amax: torch.Tensor | None = None):
+               block: int = ALIGN, amax_group=None):
     """FP8 codes of ``t`` [R, C] and FP32 decode scales, as the dense linear quantizes each group's rows.
 
     Along C (``along_rows`` False): a scale per row (row-wise) or per group (tensor-wise), returned
@@ -119,26 +119,11 @@ def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_
     Group amaxes reduce each ``block`` rows first (no block straddles two groups: ALIGN in a
     :class:`Groups` buffer, an expert's rows in stacked weights) and scatter only the block maxima:
     max is exact in any order, and the scatter's atomics, one per element, had cost more than the
-    GEMMs they feed. On CUDA the row-wise ones take one Triton pass over ``t`` instead
-    (:mod:`lpbench.precision.kernels.fp8_group`: the same amaxes, without the block maxima and their
-    scatter). ``amax_group``: the TP group whose ranks hold the other parts of the scaling groups
-    (:func:`_amax_group`); the amaxes are all-reduced (MAX) over it. ``amax``: the amaxes, all-reduced, where the
-    caller has them (:func:`_grad_amaxes`).
+    GEMMs they feed (on CUDA the weight-gradient operands take :func:`_grad_codes` instead).
+    ``amax_group``: the TP group whose ranks hold the other parts of the scaling groups
+    (:func:`_amax_group`); the amaxes are all-reduced (MAX) over it.
     """
-    if amax is None and along_rows and spec.scaling is Scaling.ROW and capability.fp8_cast_kernel(t):
-        amax = all_reduce_max(group_amax(t, group, n_groups, block)[0], amax_group)
     t = t.float()
-    if amax is None:
-        amax = _reference_amax(t, spec, group, n_groups, along_rows, block, amax_group)
-    enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
-    codes = encode(t * (enc[group] if along_rows else enc), spec.fmt)
-    dec = fp8_decode_scale(enc, amax)
-    return codes, (dec if along_rows else dec[:, 0])
-
-
-def _reference_amax(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_rows: bool, block: int,
-                    amax_group) -> torch.Tensor:
-    """The amaxes of :func:`_group_fp8` by torch ops: [R, 1] along C, else [n_groups, C]."""
     mag = t.abs()
     if spec.scaling is Scaling.TENSOR or along_rows:
         R, C = mag.shape
@@ -147,24 +132,47 @@ def _reference_amax(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, a
     if spec.scaling is Scaling.TENSOR:
         amax_g = all_reduce_max(mag.new_zeros(n_groups).scatter_reduce(0, block_group, blocks.amax(1), "amax"),
                                 amax_group)
-        return amax_g[group][:, None] if not along_rows else amax_g[:, None].expand(n_groups, t.shape[1])
-    if along_rows:
-        return all_reduce_max(mag.new_zeros(n_groups, C).scatter_reduce(
+        amax = amax_g[group][:, None] if not along_rows else amax_g[:, None].expand(n_groups, t.shape[1])
+    elif along_rows:
+        amax = all_reduce_max(mag.new_zeros(n_groups, C).scatter_reduce(
             0, block_group[:, None].expand_as(blocks), blocks, "amax"), amax_group)
-    return all_reduce_max(mag.amax(1, keepdim=True), amax_group)
+    else:
+        amax = all_reduce_max(mag.amax(1, keepdim=True), amax_group)
+    enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
+    codes = encode(t * (enc[group] if along_rows else enc), spec.fmt)
+    dec = fp8_decode_scale(enc, amax)
+    return codes, (dec if along_rows else dec[:, 0])
 
 
-def _grad_amaxes(dy: torch.Tensor, dgrad, wgrad, group: torch.Tensor, n_groups: int, split):
-    """The output gradient's row amaxes [R, 1] (data gradient, scaled along its columns) and group column amaxes
-    [n_groups, C] (weight gradient, along each expert's rows), all-reduced, in one Triton pass over ``dy`` where
-    both scalings are row-wise and the kernel takes it; (None, None) otherwise. ``dgrad``/``wgrad``: their specs,
-    None where that gradient is not wanted."""
-    if not (dgrad and wgrad and dgrad.scaling is Scaling.ROW and wgrad.scaling is Scaling.ROW
+def _grad_codes(dy: torch.Tensor, dgrad, wgrad, group: torch.Tensor, n_groups: int, split):
+    """The output gradient's FP8 operands: for the data gradient (``dgrad`` its spec, None if not wanted) codes
+    [R, C] and scales [R] as :func:`_group_fp8` along C; for the weight gradient (``wgrad``) the codes along each
+    expert's rows transposed, [C, R] as the grouped GEMM takes them, and scales [n_groups, C]; None where not
+    wanted. Where both are row-wise and the kernels take ``dy``, two reads of it (:mod:`kernels.fp8_group`: the
+    row and group amaxes, then both codes); else the torch ops."""
+    ag_d = dgrad and _amax_group(split, "grad", "dgrad", dgrad)
+    ag_w = wgrad and _amax_group(split, "grad", "wgrad", wgrad)
+    if (dgrad and wgrad and dgrad.scaling is Scaling.ROW and wgrad.scaling is Scaling.ROW and dgrad.fmt == wgrad.fmt
             and capability.fp8_cast_kernel(dy)):
-        return None, None
-    cols, rows = group_amax(dy, group, n_groups, ALIGN, row_amax=True)
-    return (all_reduce_max(rows[:, None], _amax_group(split, "grad", "dgrad", dgrad)),
-            all_reduce_max(cols, _amax_group(split, "grad", "wgrad", wgrad)))
+        cols, rows = group_amax(dy, group, n_groups, ALIGN, row_amax=True)
+        row_amax, col_amax = all_reduce_max(rows[:, None], ag_d), all_reduce_max(cols, ag_w)
+        enc_r = fp8_encode_scale(row_amax, dgrad.fmt, pow2=dgrad.pow2)
+        enc_c = fp8_encode_scale(col_amax, wgrad.fmt, pow2=wgrad.pow2)
+        q, qt = group_cast(dy, enc_r, group, enc_c, dgrad.fmt)
+        return (q, fp8_decode_scale(enc_r, row_amax)[:, 0]), (qt, fp8_decode_scale(enc_c, col_amax))
+    return (_group_fp8(dy, dgrad, group, n_groups, amax_group=ag_d) if dgrad else None,
+            _group_codes_t(dy, wgrad, group, n_groups, ag_w) if wgrad else None)
+
+
+def _group_codes_t(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, amax_group):
+    """The weight-gradient operand of ``t`` [R, C]: codes along each group's rows transposed, [C, R], and scales
+    [n_groups, C]; row-wise by the kernels where they take ``t`` (two reads), else the torch ops."""
+    if spec.scaling is Scaling.ROW and capability.fp8_cast_kernel(t):
+        amax = all_reduce_max(group_amax(t, group, n_groups, ALIGN)[0], amax_group)
+        enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
+        return group_cast(t, None, group, enc, spec.fmt)[1], fp8_decode_scale(enc, amax)
+    q, s = _group_fp8(t, spec, group, n_groups, along_rows=True, amax_group=amax_group)
+    return q.t().contiguous(), s
 
 
 def _amax_group(split, role: str, gemm: str, spec):
@@ -291,26 +299,20 @@ class _Fp8GroupedFn(torch.autograd.Function):
         with torch.autocast(dy.device.type, enabled=False):
             dgrad_spec = recipe.operand("grad", "dgrad") if ctx.needs_input_grad[0] else None
             wgrad_spec = recipe.operand("grad", "wgrad") if ctx.needs_input_grad[1] else None
-            row_amax, col_amax = _grad_amaxes(dy, dgrad_spec, wgrad_spec, gid, E, split)
+            dgrad_op, wgrad_op = _grad_codes(dy, dgrad_spec, wgrad_spec, gid, E, split)
             if ctx.needs_input_grad[0]:
-                spec = dgrad_spec
-                gq, sg = _group_fp8(dy, spec, gid, E, amax_group=_amax_group(split, "grad", "dgrad", spec),
-                                    amax=row_amax)
                 wtq, swt = dgrad_codes or _weight_dgrad(w, recipe, split)
-                dx = _scaled_grouped(gq, sg, wtq, swt, groups, native, recipe.fast_accum_grads, x.dtype)
+                dx = _scaled_grouped(*dgrad_op, wtq, swt, groups, native, recipe.fast_accum_grads, x.dtype)
             if ctx.needs_input_grad[1]:
                 if wgrad_spec is None:  # weight gradient in the compute dtype
                     dw = _hp_wgrad(dy, x, groups)
                 else:
-                    spec_g, spec_x = wgrad_spec, recipe.operand("input", "wgrad")
-                    gq, sg = _group_fp8(dy, spec_g, gid, E, along_rows=True,
-                                        amax_group=_amax_group(split, "grad", "wgrad", spec_g), amax=col_amax)
-                    xq, sx = _group_fp8(x, spec_x, gid, E, along_rows=True,
-                                        amax_group=_amax_group(split, "input", "wgrad", spec_x))
+                    spec_x = recipe.operand("input", "wgrad")
+                    xqt, sx = _group_codes_t(x, spec_x, gid, E, _amax_group(split, "input", "wgrad", spec_x))
                     # FP32 when emulated; natively BF16 (the only output the grouped FP8 GEMM has, as the dense
                     # native GEMM's BF16 output)
-                    dw = _scaled_grouped(gq.t().contiguous(), sg, xq.t().contiguous(), sx, groups, native,
-                                         recipe.fast_accum_grads, torch.bfloat16 if native else torch.float32)
+                    dw = _scaled_grouped(*wgrad_op, xqt, sx, groups, native, recipe.fast_accum_grads,
+                                         torch.bfloat16 if native else torch.float32)
                 dw = dw.to(w.dtype)
         return dx, dw, None, None, None, None, None, None, None, None
 

@@ -1,25 +1,30 @@
-"""Group-wise column amaxes of a grouped-GEMM operand in one read (the weight-gradient GEMM's FP8 scaling).
+"""The weight gradient's FP8 operands of grouped experts in two reads: group-wise column amaxes, then the codes.
 
-The weight gradient of grouped experts reduces over each expert's tokens, so its FP8 operands (the
-output gradient and the input, rows sorted by expert in a :class:`lpbench.precision.grouped.Groups`
-buffer) take one scale per expert and column: the amax of each column over the expert's rows.
-Hand-written (Triton) because the compiled ops cannot do it in one pass: inductor reduces blocks of
-rows in one kernel and scatters the block maxima by expert in another (``scatter_reduce``), 2.7 ms a
-micro-batch on mixtral-8x7b@2L (an H200), for what one read of the operand does here.
+The weight gradient of grouped experts reduces over each expert's tokens, so its FP8 operands (the output
+gradient and the input, rows sorted by expert in a :class:`lpbench.precision.grouped.Groups` buffer) take one
+scale per expert and column: the amax of each column over the expert's rows; the grouped GEMM takes them
+transposed. Hand-written (Triton) because the compiled ops take more: inductor reduced blocks of rows in one
+kernel and scattered the block maxima by expert in another (``scatter_reduce``), 2.7 ms a micro-batch on
+mixtral-8x7b@2L (an H200), and its transposed writes are slow (as ``kernels/fp8_cast.py`` found).
 
-Each program walks down ``ROWS`` rows of ``COLS`` columns in blocks of the caller's ``block`` rows (ALIGN in
-a Groups buffer: no block straddles two experts, the reference's own assumption, whose group is that of its
-first row), keeps the running column maxima in registers while the expert stays the same, and folds them
-into the expert's row of the result by an integer atomic max on the bit patterns of ``|x|`` when the expert
-changes and at its end, as ``kernels/fp8_cast.py`` does for tensor amaxes: for non-negative floats the
-integer order is the float order, and NaN sorts above +inf, so a NaN in an expert's column gives NaN there,
-as the definition (the dense quantizer's ``abs().amax()``) and the reference on the CPU do (CUDA's eager
-``scatter_reduce`` takes ``fmaxf``, which drops NaN). Max is exact in any order, so the result is the
-reference's bit for bit (up to a NaN's payload, which no scale carries). Experts with no rows keep 0, as the
-reference's zero-initialised scatter does. For the output gradient, whose data-gradient codes are row-wise,
-the same read also folds each row's amax (one atomic per row and program). Blocks of 16 rows keep a thread's
-registers few (46 on sm_90a by ptxas, 72 with the row amaxes), so many programs stream at once; a 128 x 128
-tile reduced by expert in one go took 233.
+:func:`group_amax`: each program walks down ``ROWS`` rows of ``COLS`` columns in blocks of the caller's
+``block`` rows (ALIGN in a Groups buffer: no block straddles two experts, the reference's own assumption,
+whose group is that of its first row), keeps the running column maxima in registers while the expert stays
+the same, and folds them into the expert's row of the result by an integer atomic max on the bit patterns of
+``|x|`` when the expert changes and at its end, as ``kernels/fp8_cast.py`` does for tensor amaxes: for
+non-negative floats the integer order is the float order, and NaN sorts above +inf, so a NaN in an expert's
+column gives NaN there, as the definition (the dense quantizer's ``abs().amax()``) and the reference on the
+CPU do (CUDA's eager ``scatter_reduce`` takes ``fmaxf``, which drops NaN). Max is exact in any order, so the
+result is the reference's bit for bit (up to a NaN's payload, which no scale carries). Experts with no rows
+keep 0, as the reference's zero-initialised scatter does. For the output gradient, whose data-gradient codes
+are row-wise, the same read also folds each row's amax. Blocks of 16 rows keep a thread's registers few (56
+on sm_90a by ptxas, 80 with the row amaxes), so many programs stream at once; a 128 x 128 tile reduced by
+expert in one go took 233.
+
+:func:`group_cast`: ``kernels/fp8_cast.py``'s tiled cast with a scale per row's group and column (gathered from
+the [groups, columns] encode scales): the transposed codes, and for the output gradient the row-wise codes of
+the data gradient from the same read. The scales are the torch ops' (``fp8_encode_scale``), so the codes are
+``encode``'s bit for bit (saturate, NaN kept, round to nearest even); 106 registers (86 without the row codes).
 """
 
 from __future__ import annotations
@@ -65,6 +70,42 @@ def group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int,
     return _group_amax(x.contiguous(), group.contiguous(), n_groups, block, row_amax)
 
 
+CAST_TILE = 128  # rows and columns per program of the cast (kernels/fp8_cast.py's tile)
+CAST_WARPS = 8
+
+
+def launch_group_cast(launcher, x: torch.Tensor, row_enc: torch.Tensor | None, group: torch.Tensor,
+                      group_enc: torch.Tensor, q: torch.Tensor, qt: torch.Tensor, fp8_max: float,
+                      tile: int = CAST_TILE) -> None:
+    """Cast ``x`` [M, N] into ``qt`` [N, M]: the transposed codes of x x ``group_enc[group[i], j]`` (each row's
+    group's column scales), and, given ``row_enc`` [M], into ``q`` [M, N] the codes of x x ``row_enc[i]``; both
+    saturating, round to nearest even, in one read."""
+    m, n = x.shape
+    grid = (triton.cdiv(m, tile), triton.cdiv(n, tile))
+    launcher(_group_cast_kernel)[grid](x, group_enc if row_enc is None else row_enc, group, group_enc, q, qt, m, n,
+                                       FMAX=fp8_max, WRITE_ROWS=row_enc is not None, BM=tile, BN=tile,
+                                       num_warps=CAST_WARPS)
+
+
+@kernel_op("lpbench::fp8_group_cast", ())
+def _group_cast(x: torch.Tensor, row_enc: torch.Tensor | None, group: torch.Tensor, group_enc: torch.Tensor,
+                fp8_max: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n = x.shape
+    q = torch.empty((m, n) if row_enc is not None else (0,), dtype=dtype, device=x.device)
+    qt = torch.empty((n, m), dtype=dtype, device=x.device)
+    launch_group_cast(wrap_triton, x, row_enc, group, group_enc, q, qt, fp8_max)
+    return q, qt
+
+
+def group_cast(x: torch.Tensor, row_enc: torch.Tensor | None, group: torch.Tensor, group_enc: torch.Tensor,
+               fmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row-wise codes [M, N] of ``x`` x ``row_enc`` [M] (empty without it), transposed group-wise codes [N, M] of
+    ``x`` x ``group_enc[group]``) in ``fmt`` (a FloatFormat with a torch dtype), from one read of ``x`` [M, N]: the
+    data- and weight-gradient operands that ``encode`` gives, the second stored as the grouped GEMM takes it."""
+    return _group_cast(x.contiguous(), None if row_enc is None else row_enc.reshape(-1).contiguous(),
+                       group.contiguous(), group_enc.contiguous(), fmt.max, fmt.dtype)
+
+
 if triton is not None:
     from lpbench.precision.kernels.fp8_cast import _bits_of_abs
 
@@ -89,3 +130,20 @@ if triton is not None:
                 cur = g
             acc = tl.maximum(acc, tl.max(tile, axis=0))
         tl.atomic_max(bits_ptr + cur * N + rn, acc, mask=cols)
+
+    @triton.jit
+    def _group_cast_kernel(x_ptr, row_enc_ptr, group_ptr, group_enc_ptr, q_ptr, qt_ptr, M, N, FMAX: tl.constexpr,
+                           WRITE_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+        rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
+        rows = rm < M
+        mask = rows[:, None] & (rn[None, :] < N)
+        x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        if WRITE_ROWS:  # x x its row's scale, row-major
+            y = x * tl.load(row_enc_ptr + rm, mask=rows, other=1.0)[:, None]
+            y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))  # saturate; NaN stays NaN
+            tl.store(q_ptr + rm[:, None] * N + rn[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+        g = tl.load(group_ptr + rm, mask=rows, other=0)
+        y = x * tl.load(group_enc_ptr + g[:, None] * N + rn[None, :], mask=mask, other=1.0)
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
+        tl.store(qt_ptr + rn[None, :] * M + rm[:, None], y.to(qt_ptr.dtype.element_ty), mask=mask)
