@@ -532,7 +532,8 @@ def test_group_cast_kernel_under_the_interpreter(monkeypatch, case, cols, dtype)
 def test_grad_operands_on_cuda_are_the_cpu_reference(case, cols, dtype):
     """The output gradient's and the input's weight-gradient operands on CUDA (the Triton amaxes and casts) are the
     CPU torch ops' codes and decode scales bit for bit, in the same layouts (the CPU reference propagates NaN;
-    CUDA's ``scatter_reduce`` does not, so the CPU is the reference here); and the amaxes are the definition's."""
+    CUDA's ``scatter_reduce`` does not, so the CPU is the reference here; NaN codes may differ in sign); and the
+    amaxes are the definition's."""
     from lpbench.precision.kernels.fp8_group import group_amax
 
     if grouped.capability.triton is None:
@@ -541,7 +542,11 @@ def test_grad_operands_on_cuda_are_the_cpu_reference(case, cols, dtype):
     got, want = _grad_operands(t, groups, "cuda"), _grad_operands(t, groups, "cpu")
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-        assert torch.equal(_bits(a).cpu(), _bits(b)) if a.dtype.itemsize == 1 else _same_amax(a.cpu(), b)
+        if a.dtype.itemsize == 1:  # NaN codes compare as NaN: the GPU's conversion drops a NaN's sign, torch's keeps it
+            nan = b.float().isnan()
+            assert torch.equal(a.float().isnan().cpu(), nan) and torch.equal(_bits(a).cpu()[~nan], _bits(b)[~nan])
+        else:
+            assert _same_amax(a.cpu(), b)
     E = groups.counts.numel()
     cols_amax, rows_amax = group_amax(t.cuda(), groups.row_group.cuda(), E, grouped.ALIGN, row_amax=True)
     assert _same_amax(cols_amax.cpu(), _amax_by_expert(t, groups))
@@ -553,7 +558,8 @@ def test_grad_operands_on_cuda_are_the_cpu_reference(case, cols, dtype):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_grouped_fp8_with_the_group_amax_kernel_is_bit_identical(monkeypatch, precise_casts, name, compiled):
     """A native grouped FP8 MoE layer (forward and backward, eager and compiled) gives the same outputs and gradients
-    bit for bit with the Triton group amaxes and casts as with the torch ops, routing that leaves experts idle included."""
+    bit for bit with the Triton group amaxes and casts as with the torch ops, routing that leaves experts idle
+    included."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs the grouped FP8 GEMM (compute capability 9.0)")
     cfg = dataclasses.replace(CFG, dim=256, ffn_dim=512, n_experts=8, top_k=2)
