@@ -10,6 +10,9 @@
 #    bit; a native MoE layer bit-identical with and without it, eager and compiled);
 # 2. benchmarks/moe.py at GBS 8 (mixtral-8x7b and qwen3-30b-a3b cut to 2 blocks; BF16 is each model's baseline
 #    in the same process) from MAIN_TREE, then from this tree, each with its own --out under $OUT.
+# ALSO=DIR benchmarks a third tree too (e.g. a checkout of branch moe-amax-amaxonly: the amaxes without the
+# cast), into $OUT/also; PROFILE=1 then profiles mixtral's bf16 and fp8-rowwise-fast-grads from this tree
+# (the last step traced; its CATEGORIES table splits the casts).
 # Each step's output goes to $OUT/*.log too; a failing step does not stop the ones after it.
 set -uo pipefail
 
@@ -37,5 +40,17 @@ echo "== benchmark, main tree ($MAIN_TREE)"
 echo "== benchmark, this tree ($HERE)"
 PYTHONPATH="$HERE" "$PYTHON" benchmarks/moe.py "${BENCH[@]}" --out "$OUT/branch" 2>&1 | tee "$OUT/bench-branch.log" \
     || status=1
-grep -h "^RESULT\|^device" "$OUT/bench-main.log" "$OUT/bench-branch.log"
+if [[ -n "${ALSO:-}" ]]; then
+    ALSO=$(cd "$ALSO" && pwd)
+    echo "== benchmark, also ($ALSO)"
+    (cd "$ALSO" && PYTHONPATH="$ALSO" "$PYTHON" benchmarks/moe.py "${BENCH[@]}" --out "$OUT/also") 2>&1 \
+        | tee "$OUT/bench-also.log" || status=1
+fi
+if [[ -n "${PROFILE:-}" ]]; then
+    echo "== profile, this tree"
+    PYTHONPATH="$HERE" "$PYTHON" benchmarks/moe.py --models mixtral-8x7b:2 --gbs 8 \
+        --variants bf16,fp8-rowwise-fast-grads --steps 4 --warmup 2 --profile --no-check --out "$OUT/profile" 2>&1 \
+        | tee "$OUT/profile.log" || status=1
+fi
+grep -h "^RESULT\|^device" "$OUT"/bench-*.log
 exit $status
