@@ -27,6 +27,7 @@ GBS their traces cost minutes).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import re
@@ -118,22 +119,7 @@ def host_waits(trace: str | None, steps: int, n: int) -> tuple[list[tuple[float,
     if not trace or not Path(trace).is_file():
         return [], []
     events = _trace_events(trace)
-    launches = {}
-    for e in events:
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):  # Triton: driver
-            launches[e["args"]["correlation"]] = e
-    busy = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation")) for e in events
-                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
-    queries, end, queued = [], None, 0.0
-    for start, stop, corr in busy:
-        if end is not None and start > end:
-            launch = launches.get(corr)
-            if launch is not None and launch["ts"] > end:  # the host launched it only after the GPU ran dry
-                queries.append((launch["ts"], launch["tid"], (start - end) / 1e3))
-            else:
-                queued += (start - end) / 1e3
-        if end is None or stop > end:
-            end = stop
+    queries, queued = _late_launches(events)
     frames = sorted(((e["ts"], -e["dur"], e["tid"], e["name"]) for e in events
                      if e.get("cat") == "python_function" and "dur" in e))
     stacks: dict = {}
@@ -154,10 +140,57 @@ def host_waits(trace: str | None, steps: int, n: int) -> tuple[list[tuple[float,
         late[f"{ours} | {names[-1] if names else '-'}"] += ms / steps
     late["(launched before the gap: the GPU waited on a dependency)"] += queued / steps
     blocking = Counter()
-    for e in events:
-        if e.get("cat") == "cuda_runtime" and re.search(r"Synchronize|Memcpy", e["name"]):
-            blocking[e["name"]] += e["dur"] / 1e3 / steps
+    for e in _blocking_calls(events):
+        blocking[e["name"]] += e["dur"] / 1e3 / steps
     return late.most_common(n), blocking.most_common(n)
+
+
+def _blocking_calls(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("cat") == "cuda_runtime" and re.search(r"Synchronize|Memcpy", e["name"])]
+
+
+def _late_launches(events: list[dict]) -> tuple[list[tuple[float, int, float]], float]:
+    """Each idle gap whose next kernel the host launched only after the GPU ran dry, as (launch time, launching
+    thread, idle ms), and the idle ms before kernels launched earlier (the GPU waited on a dependency)."""
+    launches = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):  # Triton: driver
+            launches[e["args"]["correlation"]] = e
+    busy = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation")) for e in events
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    late, end, queued = [], None, 0.0
+    for start, stop, corr in busy:
+        if end is not None and start > end:
+            launch = launches.get(corr)
+            if launch is not None and launch["ts"] > end:  # the host launched it only after the GPU ran dry
+                late.append((launch["ts"], launch["tid"], (start - end) / 1e3))
+            else:
+                queued += (start - end) / 1e3
+        if end is None or stop > end:
+            end = stop
+    return late, queued
+
+
+SINCE_BLOCKING_MS = (5.0, 50.0, 500.0)
+
+
+def idle_after_blocking(trace: str | None, steps: int) -> list[tuple[str, float]]:
+    """The host-late idle (ms per step) split by how long before the late launch the host last returned from a
+    call that blocks it (a synchronisation or a copy): idle soon after one is the GPU refilling after the
+    host drained it; idle long after one is the host falling behind on its own."""
+    if not trace or not Path(trace).is_file():
+        return []
+    events = _trace_events(trace)
+    ends = sorted(e["ts"] + e["dur"] for e in _blocking_calls(events))
+    edges = [f"< {SINCE_BLOCKING_MS[0]:g} ms"] + [f"{a:g}-{b:g} ms" for a, b in
+                                                 zip(SINCE_BLOCKING_MS, SINCE_BLOCKING_MS[1:])]
+    edges.append(f">= {SINCE_BLOCKING_MS[-1]:g} ms or none before")
+    split = dict.fromkeys(edges, 0.0)
+    for t, _tid, ms in _late_launches(events)[0]:
+        i = bisect.bisect_right(ends, t)
+        since = (t - ends[i - 1]) / 1e3 if i else float("inf")
+        split[edges[bisect.bisect_right(SINCE_BLOCKING_MS, since)]] += ms / steps
+    return list(split.items())
 
 
 def run_hf(args, log_dir: Path) -> dict | None:
@@ -290,6 +323,9 @@ def main() -> int:
             print("  CUDA runtime calls that can block the host (ms per step):")
             for name, ms in blocking:
                 print(f"  {ms:8.2f}  {name[:100]}")
+            print("  host-late idle by time since the host last returned from a blocking call (ms per step):")
+            for name, ms in idle_after_blocking(prof.get("trace"), prof.get("n_steps", 1)):
+                print(f"  {ms:8.2f}  {name}")
     label = next((r["model"] for r in out if r.get("model")), args.model)
     gpu = next((r["gpu"] for r in out if r.get("gpu")), "?")
     print(f"\n{label}, seq {args.seq_len}, MBS {args.mbs}, GBS {args.gbs or args.mbs}, {gpu}, "

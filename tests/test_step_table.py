@@ -51,3 +51,21 @@ def test_host_waits_name_the_frame_that_launched_late_and_the_blocking_calls(ste
         "lpbench/precision/weight_cache.py(90): _refresh | torch/cuda/graphs.py(5): zeros": pytest.approx(0.175),
         "(launched before the gap: the GPU waited on a dependency)": pytest.approx(0.01)}
     assert blocking == [("cudaStreamSynchronize", pytest.approx(0.2))]
+
+
+def test_idle_after_blocking_splits_late_idle_by_time_since_the_host_was_blocked(step_table, tmp_path):
+    step_table._trace_events.cache_clear()
+    events = [
+        _x("cuda_runtime", "cudaStreamSynchronize", 0, 1000),  # the host returns at 1000 us
+        _x("cuda_runtime", "cudaLaunchKernel", 1002, 3, corr=1),  # 2 us after it: refilling the drained GPU
+        _x("cuda_runtime", "cudaLaunchKernel", 80_000, 3, corr=2),  # 79 ms after it: behind on its own
+        _x("kernel", "busy", 500, 400, tid=7),
+        _x("kernel", "refill", 1010, 10, tid=7, corr=1),  # idle 900-1010
+        _x("kernel", "behind", 80_010, 10, tid=7, corr=2),  # idle 1020-80010
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    split = dict(step_table.idle_after_blocking(str(path), 1))
+    assert split["< 5 ms"] == pytest.approx(0.11)
+    assert split["50-500 ms"] == pytest.approx(78.99)
+    assert split["5-50 ms"] == 0.0 and split[">= 500 ms or none before"] == 0.0
