@@ -1,7 +1,8 @@
-"""The fast FP8 tensorwise casts against the reference quantizer: identical codes and scales.
+"""The fast FP8 tensorwise and delayed casts against the reference quantizer: identical codes and scales.
 
-The casts are plain torch ops that torch.compile fuses; they are checked eagerly on CPU and,
-compiled by inductor, on CUDA (``gpu`` tests).
+The casts are plain torch ops that torch.compile fuses, or Triton kernels; the ops are checked eagerly
+and compiled on CPU and, compiled by inductor, on CUDA (``gpu`` tests); the Triton kernels on CUDA and,
+under Triton's interpreter (``TRITON_INTERPRET=1``), on CPU.
 """
 
 import os
@@ -15,8 +16,8 @@ import torch
 
 from lpbench.precision import capability
 from lpbench.precision.formats import E4M3, E5M2
-from lpbench.precision.kernels.fp8_linear import cast
-from lpbench.precision.quantize import delayed_encode_scale, fp8_encode_scale, quantize_fp8, update_amax_history
+from lpbench.precision.kernels.fp8_linear import cast, producer_cast
+from lpbench.precision.quantize import delayed_scaled_max, delayed_update, fp8_encode_scale, quantize_fp8
 
 SHAPES = [(256, 512), (1000, 300), (64, 4096), (4097, 130)]
 
@@ -70,10 +71,80 @@ def test_encode_scale_is_the_correctly_rounded_quotient():
 
 def test_delayed_scale_matches_reference():
     x = torch.randn(512, 256, dtype=torch.bfloat16) * 3
-    history = torch.rand(1024) * 5
-    amax = x.abs().amax().float()
-    q, qt, dec = cast(x, amax, delayed_encode_scale(history, amax, E4M3), E4M3, True)
-    _same(q, qt, dec, quantize_fp8(x, E4M3, encode_scale=delayed_encode_scale(history, x.float().abs().max(), E4M3)))
+    amax, enc = x.abs().amax().float(), torch.tensor(37.3)  # a stored scale that saturates some values
+    _same(*cast(x, amax, enc, E4M3, True), quantize_fp8(x, E4M3, encode_scale=enc))
+    q, amax_p = producer_cast(x, enc, E4M3)
+    assert torch.equal(q.view(torch.uint8), quantize_fp8(x, E4M3, encode_scale=enc).codes.view(torch.uint8))
+    assert torch.equal(amax_p, amax)
+
+
+def _norm(x, w):
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-5)
+
+
+def _swiglu(x, w):
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
+@pytest.mark.parametrize("producer", [_norm, _swiglu], ids=["rmsnorm", "swiglu"])
+def test_cast_fused_into_its_producer_is_the_cast_of_the_materialised_operand(precise_casts, producer):
+    """Inductor fuses ``producer_cast`` into the kernel that makes the operand; with emulate_precision_casts
+    (as ``run`` compiles) the BF16 rounding of the operand is kept, so the codes and the amax are those of
+    the BF16 tensor the unfused producer writes, bit for bit (without it they are not: the fused kernel
+    casts the unrounded FP32 value)."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(96, 512, generator=g) * torch.logspace(-2, 2, 512)).bfloat16()
+    w = (torch.rand(512, generator=g) + 0.5).bfloat16()
+    enc = torch.tensor(448.0 / 300)
+    fused = torch.compile(lambda x, w, enc: producer_cast(producer(x, w), enc, E4M3))
+    q, amax = fused(x, w, enc)
+    t = torch.compile(producer)(x, w)  # the unfused producer: its BF16 output materialised
+    ref = quantize_fp8(t, E4M3, encode_scale=enc)
+    assert torch.equal(q.view(torch.uint8), ref.codes.view(torch.uint8))
+    assert torch.equal(amax, t.float().abs().amax())
+
+
+INTERPRETED = pytest.mark.skipif(capability.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="Triton kernels on CPU need Triton's interpreter (TRITON_INTERPRET=1)")
+AMAXES = [0.0, 3.0, 10.0, 0.0, 5.0, float("inf"), 2.0, float("nan"), 7.5, 1e-39, 0.5, 6.0, 1e-38, 3e38]
+
+
+def _device_or_interpreter(device):
+    return pytest.param(device, marks=pytest.mark.gpu if device == "cuda" else INTERPRETED)
+
+
+@pytest.mark.parametrize("device", [_device_or_interpreter("cuda"), _device_or_interpreter("cpu")])
+@pytest.mark.parametrize("length, margin, algo, fmt", [(1024, 0, "max", E4M3), (5, 2, "max", E5M2),
+                                                       (1, 0, "max", E4M3), (4, 1, "most_recent", E4M3)])
+def test_record_kernel_is_the_reference_update(device, length, margin, algo, fmt):
+    """The Triton update (decode scale of the cast, history, scale in one launch) against ``delayed_update``."""
+    from lpbench.precision.kernels import fp8_cast
+
+    history, scale = torch.zeros(length, device=device), torch.ones((), device=device)
+    ref_history, ref_scale = torch.zeros(length), torch.ones(())
+    smax = delayed_scaled_max(fmt, margin)
+    for step, a in enumerate(AMAXES):
+        amax = torch.tensor(a)
+        dec = fp8_cast.record_amax(history, scale, amax.to(device), history, smax, algo)
+        want = quantize_fp8(torch.tensor([[a]]), fmt, encode_scale=ref_scale).scale.reshape(())
+        assert torch.equal(dec.cpu(), want) or (dec.isnan().item() and want.isnan().item()), step
+        delayed_update(ref_history, ref_scale, amax, smax, algo)
+        assert torch.equal(scale.cpu(), ref_scale), (step, scale.item(), ref_scale.item())
+        assert torch.equal(history.cpu().nan_to_num(-1.0), ref_history.nan_to_num(-1.0)), step
+
+
+@pytest.mark.parametrize("device", [_device_or_interpreter("cuda"), _device_or_interpreter("cpu")])
+@pytest.mark.parametrize("shape", [(1, 1), (64, 64), (130, 70), (257, 1000)])
+def test_transpose_codes_moves_the_bytes(device, shape):
+    from lpbench.precision.kernels import fp8_cast
+
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    qt = fp8_cast.transpose_codes(codes.to(device))
+    assert qt.dtype == codes.dtype and qt.shape == shape[::-1] and qt.is_contiguous()
+    assert torch.equal(qt.cpu().view(torch.uint8), codes.t().contiguous().view(torch.uint8))
 
 
 def _fwd_bwd(mod, weight, bias, step, device):
@@ -107,7 +178,9 @@ def test_compiled_fast_linear_equals_eager_on_cpu(monkeypatch, precise_casts, re
         assert torch.equal(eager[1], comp[1]) and torch.equal(eager[2], comp[2])  # dx, dW: same codes, same GEMMs
         assert (eager[0] - comp[0]).norm() / eager[0].norm() < 5e-3  # y: the bias add may round once or twice
     if recipe == "fp8-delayed":
-        assert torch.equal(mods[0].amax_history_grad, mods[1].amax_history_grad)
+        for role in ("input", "weight", "grad"):
+            assert torch.equal(mods[0].amax_history(role), mods[1].amax_history(role))
+            assert torch.equal(mods[0].scale_buffer(role), mods[1].scale_buffer(role))
 
 
 # ------------------------------------------------------------------------------------ CUDA
@@ -120,18 +193,6 @@ def test_compiled_cast_matches_reference_on_cuda(shape, dtype, fmt):
     fn = torch.compile(_tensorwise, dynamic=False)
     x = _inputs(shape, dtype, "cuda")
     _same(*fn(x, fmt), quantize_fp8(x.cpu(), fmt))  # the CPU reference: IEEE arithmetic throughout
-
-
-@pytest.mark.gpu
-def test_history_update_kernel_matches_reference():
-    from lpbench.precision.kernels.fp8 import update_amax_history as fast_update
-
-    history = torch.rand(1024, device="cuda") * 5
-    ref = history.cpu().clone()
-    for amax in (3.0, float("inf"), 0.5):
-        fast_update(history, torch.tensor(amax, device="cuda"))
-        update_amax_history(ref, torch.tensor(amax))
-        assert torch.equal(history.cpu(), ref)
 
 
 @pytest.mark.gpu
@@ -153,7 +214,8 @@ def test_fast_linear_matches_emulated_reference(precise_casts, recipe, compiled)
             assert (a - b).norm() / b.norm() < 5e-3  # same codes and scales; BF16 outputs, other summation order
     if recipe == "fp8-delayed":
         for role in ("input", "weight", "grad"):
-            assert torch.equal(getattr(fast, f"amax_history_{role}"), getattr(ref, f"amax_history_{role}"))
+            assert torch.equal(fast.amax_history(role), ref.amax_history(role))
+            assert torch.equal(fast.scale_buffer(role), ref.scale_buffer(role))
 
 
 @pytest.mark.parametrize("recipe, fprop_fast, grads_fast", [("fp8-tensorwise", True, False),
@@ -191,8 +253,8 @@ def test_one_pass_delayed_cast_matches_reference_on_cuda(shape, dtype, fmt):
     from lpbench.precision.kernels import fp8_cast
 
     x = _inputs(shape, torch.float32).clamp(-6e4, 6e4).to(dtype)
-    history = torch.rand(1024) * float(x.abs().max()) * 1.5  # scales that saturate some values, others not
-    enc = delayed_encode_scale(history, x.float().abs().max(), fmt)
+    enc = fmt.max / (x.float().abs().max() * 0.7)  # a stored scale that saturates some values
+
     for write_t in (True, False):
         q, qt, amax = fp8_cast.cast_transpose(x.cuda(), enc.cuda(), fmt, write_t)
         ref = quantize_fp8(x, fmt, encode_scale=enc)
@@ -205,18 +267,15 @@ def test_one_pass_delayed_cast_matches_reference_on_cuda(shape, dtype, fmt):
 
 
 @pytest.mark.gpu
-def test_one_pass_amax_propagates_nan_and_inf_and_skips_when_told():
+def test_one_pass_amax_propagates_nan_and_inf():
     from lpbench.precision.kernels import fp8_cast
 
     x = torch.randn(300, 700, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(fp8_cast.amax_unless(x, torch.tensor(False, device="cuda")), x.float().abs().amax())
-    assert fp8_cast.amax_unless(x, torch.tensor(True, device="cuda")).item() == 0.0
     one = torch.ones((), device="cuda")
     x[7, 9] = float("inf")
     assert fp8_cast.cast_transpose(x, one, E4M3, True)[2].item() == float("inf")
     x[100, 600] = float("nan")
     assert fp8_cast.cast_transpose(x, one, E4M3, True)[2].isnan()
-    assert fp8_cast.amax_unless(x, torch.tensor(False, device="cuda")).isnan()
 
 
 @pytest.mark.gpu
@@ -243,12 +302,13 @@ def test_tensorwise_one_pass_cast_matches_reference_on_cuda(shape, role, dtype, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, compiled", [(s, False) for s in SHAPES] + [(SHAPES[1], True)])
+@pytest.mark.parametrize("shape, compiled", [(s, False) for s in SHAPES] + [(SHAPES[1], True), (SHAPES[3], True)])
 @pytest.mark.parametrize("dtype, fmt", [(torch.bfloat16, E4M3), (torch.bfloat16, E5M2), (torch.float32, E4M3)])
 @pytest.mark.parametrize("margin", [0, 2])
-def test_delayed_three_launch_cast_matches_reference_on_cuda(shape, dtype, fmt, margin, compiled):
-    """Delayed scaling's CUDA path (scale from the history, cast, decode scale and history update: three
-    launches): the reference's codes, decode scale and history, from an empty history and a filled one."""
+def test_delayed_cast_matches_reference_on_cuda(precise_casts, shape, dtype, fmt, margin, compiled):
+    """Delayed scaling's CUDA path (cast with the stored scale, then decode scale and update in one launch;
+    compiled 16-bit operands: the producer's torch ops and the codes' transpose): the reference's codes,
+    decode scale, history and scale over steps with a first scale of 1, a zero amax and an Inf."""
     import dataclasses
 
     from lpbench.precision.kernels.fp8_linear import _quantize
@@ -257,23 +317,25 @@ def test_delayed_three_launch_cast_matches_reference_on_cuda(shape, dtype, fmt, 
 
     recipe = dataclasses.replace(get_recipe("fp8-delayed"), margin=margin)
     mod = QuantizedLinear.from_linear(torch.nn.Linear(16, 16, device="cuda"), recipe, native=True)
-    ref_history = torch.zeros(recipe.amax_history_len)
+    role = "input" if fmt is E4M3 else "grad"
+    ref_history, ref_scale = torch.zeros(recipe.amax_history_len), torch.ones(())
     torch._dynamo.reset()
     fn = torch.compile(_quantize, dynamic=False) if compiled else _quantize
-    for step in range(3):
+    for step in range(4):
         x = _inputs(shape, torch.float32).clamp(-6e4, 6e4).mul(1 + step).to(dtype)
-        if step == 2:
-            x[1, 2] = float("inf")  # the decode scale turns NaN, the history records 0
-        amax = x.float().abs().amax()
-        ref = quantize_fp8(x, fmt, encode_scale=delayed_encode_scale(ref_history, amax, fmt, margin))
-        update_amax_history(ref_history, amax)
-        q, qt, dec = fn(mod, "input" if fmt is E4M3 else "grad", x.cuda(), True)
-        if step < 2:
+        if step == 1:
+            x.zero_()  # recorded nowhere, the scale kept
+        if step == 3:
+            x[1, 2] = float("inf")  # the decode scale turns NaN, the history holds the Inf
+        ref = quantize_fp8(x, fmt, encode_scale=ref_scale)
+        delayed_update(ref_history, ref_scale, x.float().abs().amax(), delayed_scaled_max(fmt, margin))
+        q, qt, dec = fn(mod, role, x.cuda(), True)
+        if step < 3:
             _same(q, qt, dec, ref)
         else:
             assert dec.isnan() and ref.scale.isnan()
-        assert torch.equal(getattr(mod, "amax_history_input" if fmt is E4M3 else "amax_history_grad").cpu(),
-                           ref_history)
+        assert torch.equal(mod.amax_history(role).cpu(), ref_history)
+        assert torch.equal(mod.scale_buffer(role).cpu(), ref_scale)
 
 
 @pytest.mark.gpu
@@ -281,11 +343,11 @@ def test_delayed_scale_of_a_tiny_amax_keeps_its_subnormal_decode_scale():
     from lpbench.precision.kernels import fp8_cast
 
     x = torch.full((64, 64), 1e-39, device="cuda")
-    history = torch.zeros(16, device="cuda")
-    enc = fp8_cast.history_scale(x, history, E4M3, 0)
-    q, _, amax = fp8_cast.cast_transpose(x, enc, E4M3, False)
-    dec = fp8_cast.record_amax(history, enc, amax)
-    ref = quantize_fp8(x.cpu(), E4M3)
+    history, scale = torch.zeros(16, device="cuda"), torch.ones((), device="cuda")
+    for _ in range(2):  # the second cast: the scale of the first one's amax, the FP32 max
+        q, _, amax = fp8_cast.cast_transpose(x, scale.clone(), E4M3, False)
+        dec = fp8_cast.record_amax(history, scale, amax, q, E4M3.max)
+    ref = quantize_fp8(x.cpu(), E4M3, encode_scale=torch.tensor(torch.finfo(torch.float32).max))
     assert torch.equal(dec.cpu().reshape(()), ref.scale.reshape(())) and ref.scale.item() > 0
     assert torch.equal(q.cpu().view(torch.uint8), ref.codes.view(torch.uint8))
 

@@ -12,6 +12,7 @@ from lpbench.precision import RECIPES
 from lpbench.precision.linear import QuantizedLinear, qgemm
 from lpbench.precision.quantize import (
     QSpec,
+    Scaling,
     apply_rht,
     quantize,
     quantize_fp8,
@@ -29,7 +30,9 @@ def randn(*shape, seed=0, scale=1.0):
 
 
 def deq(t, recipe, role, gemm):
-    return quantize(t, recipe.operand(role, gemm)).dequantize().double()
+    """``t`` quantized as a module's first cast of it does (delayed scaling: with the initial scale, 1.0)."""
+    enc = torch.ones(()) if recipe.scaling is Scaling.DELAYED else None
+    return quantize(t, recipe.operand(role, gemm), encode_scale=enc).dequantize().double()
 
 
 def close(a, b, rtol=1e-5):
@@ -94,7 +97,8 @@ def test_dgrad_weight_copy_is_the_weight_quantized_along_its_columns(name):
     r = get_recipe(name)
     w = randn(128, 256, seed=2) * torch.logspace(-3, 0, 256) * torch.logspace(0, -2, 128)[:, None]
     _, wd = QuantizedLinear.from_linear(nn.Linear(256, 128), r)._weight_operands(w, True)
-    ref = quantize(w.t(), r.operand("weight", "dgrad"))
+    ref = quantize(w.t(), r.operand("weight", "dgrad"),
+                   encode_scale=torch.ones(()) if r.scaling is Scaling.DELAYED else None)  # delayed: the initial scale
     assert wd.block == ref.block and wd.codes.is_contiguous()
     assert torch.equal(wd.codes.view(torch.uint8), ref.codes.view(torch.uint8))
     assert wd.scale.dtype == ref.scale.dtype and torch.equal(scale_to_float(wd.scale), scale_to_float(ref.scale))
@@ -154,26 +158,33 @@ def test_is_an_nn_linear_with_the_same_state_dict():
         QuantizedLinear(64, 32, recipe=RECIPES["bf16"])
 
 
-def test_delayed_scaling_histories_are_buffers_and_used():
+def test_delayed_scaling_state_is_buffers_and_used_as_transformer_engine_does():
     r = RECIPES["fp8-delayed"]
     lin = nn.Linear(64, 32, bias=False)
     q = QuantizedLinear.from_linear(lin, r)
-    assert {"amax_history_input", "amax_history_weight", "amax_history_grad"} <= set(q.state_dict())
-    assert q.amax_history_input.shape == (1024,)
-    x = randn(8, 64).requires_grad_()
+    roles = ("input", "weight", "grad")
+    assert {f"{kind}_{role}" for kind in ("amax_history", "delayed_scale") for role in roles} <= set(q.state_dict())
+    assert q.amax_history_input.shape == (1024,) and all(q.scale_buffer(role).item() == 1.0 for role in roles)
+    x = randn(8, 64, scale=3).requires_grad_()
     dy = randn(8, 32, seed=1)
-    q(x).backward(dy)
-    assert q.amax_history_input[0] == x.abs().max() and q.amax_history_weight[0] == lin.weight.abs().max()
+    w = lin.weight.detach()
+
+    def expected(enc_x, enc_w):
+        xq = quantize_fp8(x.detach(), E4M3, encode_scale=torch.tensor(enc_x)).dequantize().double()
+        return xq @ quantize_fp8(w, E4M3, encode_scale=torch.tensor(enc_w)).dequantize().double().t()
+
+    y = q(x)  # the first step casts with scale 1.0, reading no amax first
+    assert close(y, expected(1.0, 1.0)) and not close(y, expected(448.0 / x.abs().max().item(), 1.0), rtol=1e-7)
+    y.backward(dy)
+    assert q.amax_history_input[0] == x.abs().max() and q.amax_history_weight[0] == w.abs().max()
     assert q.amax_history_grad[0] == dy.abs().max()
-    # the next step scales X by FP8_MAX / max(history), not by the current amax
-    q.amax_history_input[7] = 1000.0
+    for role, t, fmax in (("input", x, 448.0), ("weight", w, 448.0), ("grad", dy, 57344.0)):  # updated for step 2
+        assert q.scale_buffer(role).item() == (torch.tensor(fmax, dtype=torch.float64) / t.abs().max()).float().item()
+    q.amax_history_input[7] = 1000.0  # enters the next update, not the scale step 2 casts with
     y = q(x)
-    enc = torch.tensor(448.0) / 1000.0
-    xq = quantize_fp8(x.detach(), E4M3, encode_scale=enc).dequantize().double()
-    wq = quantize_fp8(lin.weight.detach(), E4M3, encode_scale=448.0 / q.amax_history_weight.max()).dequantize().double()
-    assert close(y, xq @ wq.t())
-    assert not close(y, quantize_fp8(x.detach()).dequantize().double() @ wq.t(), rtol=1e-7)
+    assert close(y, expected(448.0 / x.abs().max().item(), 448.0 / w.abs().max().item()))
     assert q.amax_history_input[0] == x.abs().max() and q.amax_history_input[8] == 1000.0
+    assert q.delayed_scale_input.item() == pytest.approx(0.448)
 
 
 def test_odd_token_counts_and_empty_input():

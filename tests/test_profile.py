@@ -15,7 +15,7 @@ from lpbench.models.registry import MODELS, ModelConfig
     ("aten::mm", "gemm"), ("aten::addmm", "gemm"), ("aten::_scaled_mm", "gemm"), ("aten::bmm", "gemm"),
     ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "gemm"),
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "gemm"), ("cutlass::Kernel2<cutlass_80_tensorop_s16816gemm>", "gemm"),
-    ("_absmax_kernel", "quantize"), ("_cast_kernel", "quantize"), ("_history_scale_kernel", "quantize"),
+    ("_absmax_kernel", "quantize"), ("_cast_kernel", "quantize"), ("_amax_scale_kernel", "quantize"), ("_transpose_kernel", "quantize"),
     ("_record_kernel", "quantize"), ("triton_poi_fused__scaled_mm__to_copy_clamp_clone_mul_t_0", "quantize"),
     ("lpbench/precision/quantize.py(229): quantize", "quantize"), ("nn.Module: QuantizedLinear_0", "quantize"),
     ("nn.Module: Float8Linear_3", "quantize"), ("triton_red_fused_abs_amax_0", "quantize"),

@@ -3,6 +3,7 @@
 import math
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,14 +12,14 @@ from lpbench.precision.formats import E2M1, E4M3, E5M2, decode, e8m0_to_float, e
 from lpbench.precision.quantize import (
     QTensor,
     apply_rht,
-    delayed_encode_scale,
+    delayed_scaled_max,
+    delayed_update,
     hadamard,
     quantize,
     quantize_fp8,
     quantize_mx,
     quantize_nvfp4,
     rht_matrix,
-    update_amax_history,
 )
 
 
@@ -188,19 +189,67 @@ def test_non_dividing_shapes_raise(fn):
         fn(torch.ones(2, 128, 128))
 
 
-def test_delayed_scaling_uses_history_max():
-    hist = torch.zeros(1024)
-    assert delayed_encode_scale(hist, torch.tensor(4.0), E4M3).item() == 112.0  # no history yet: current amax
+class TEDelayedScaling:
+    """Transformer Engine's DelayedScaling state, written from its fused update kernel
+    (``common/recipe/delayed_scaling.cu``, ``kernel_bulk``) in its own layout: slot 0 of the history is
+    the current step's amax, slots 1..L-1 the past ones, oldest first; scale starts at 1.0."""
+
+    def __init__(self, length, fp8_max, margin, algo):
+        self.h = np.zeros(length, np.float32)
+        self.scale = np.float32(1.0)
+        self.scaled_max = np.float32(fp8_max * 2.0**-margin)
+        self.algo = algo
+
+    def update(self, amax):
+        last, amax_ref = np.float32(amax), np.float32(0)
+        if last != 0:
+            window = np.append(self.h[1:], last)  # a = h[i + 1], the last one the current amax
+            for a in window:
+                amax_ref = np.fmax(amax_ref, a)  # fmaxf: NaN ignored
+            self.h = np.append(np.float32(0), window[1:])
+        if self.algo == "most_recent":
+            amax_ref = last
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            scale = self.scaled_max / amax_ref if np.isfinite(amax_ref) and amax_ref > 0 else self.scale
+        self.scale = np.float32(np.finfo(np.float32).max) if np.isinf(scale) else np.float32(scale)
+
+
+AMAXES = [0.0, 3.0, 10.0, 0.0, 5.0, math.inf, 2.0, math.nan, 7.5, 1e-38, 0.5, 6.0, 0.25, 3e38, 1.5]
+
+
+@pytest.mark.parametrize("length,margin,algo,fmt", [(1024, 0, "max", E4M3), (4, 0, "max", E4M3), (3, 2, "max", E5M2),
+                                                    (1, 0, "max", E4M3), (4, 1, "most_recent", E4M3)])
+def test_delayed_update_is_transformer_engines_rule(length, margin, algo, fmt):
+    hist, scale = torch.zeros(length), torch.ones(())
+    te = TEDelayedScaling(length, fmt.max, margin, algo)
+    for step, a in enumerate(AMAXES):
+        delayed_update(hist, scale, torch.tensor(a), delayed_scaled_max(fmt, margin), algo)
+        te.update(a)
+        assert scale.numpy().tobytes() == te.scale.tobytes(), (step, a, scale.item(), te.scale)
+        # the same amaxes, newest first (TE keeps L - 1 of them between updates)
+        assert np.array_equal(hist[: length - 1].numpy(), te.h[1:][::-1], equal_nan=True), step
+
+
+def test_delayed_update_cases():
+    hist, scale = torch.zeros(4), torch.ones(())
+    delayed_update(hist, scale, torch.tensor(0.0), 448.0)  # a zero amax: nothing recorded, scale kept (1.0)
+    assert hist.tolist() == [0.0] * 4 and scale.item() == 1.0
     for a in (3.0, 10.0, 5.0):
-        update_amax_history(hist, torch.tensor(a))
-    assert hist[:3].tolist() == [5.0, 10.0, 3.0]
-    assert delayed_encode_scale(hist, torch.tensor(2.0), E4M3).item() == pytest.approx(44.8)
-    assert delayed_encode_scale(hist, torch.tensor(2.0), E4M3, margin=1).item() == pytest.approx(22.4)
-    assert delayed_encode_scale(hist, torch.tensor(2.0), E5M2).item() == pytest.approx(5734.4)
-    update_amax_history(hist, torch.tensor(math.inf))
-    assert hist[0].item() == 0.0 and hist[3].item() == 3.0
-    x = randn(8, 8, scale=100)  # amax well above 10: saturates with the delayed scale
-    q = quantize_fp8(x, E4M3, encode_scale=delayed_encode_scale(hist, x.abs().max(), E4M3))
+        delayed_update(hist, scale, torch.tensor(a), 448.0)
+    assert hist.tolist() == [5.0, 10.0, 3.0, 0.0] and scale.item() == pytest.approx(44.8)
+    delayed_update(hist, scale, torch.tensor(math.inf), 448.0)  # Inf enters the history: the scale is held
+    assert hist[0].item() == math.inf and scale.item() == pytest.approx(44.8)
+    for a in (1.0, 1.0, 1.0):  # ... until it leaves it
+        delayed_update(hist, scale, torch.tensor(a), 448.0)
+    assert scale.item() == pytest.approx(44.8)
+    delayed_update(hist, scale, torch.tensor(1.0), 448.0)
+    assert scale.item() == 448.0
+    delayed_update(hist, scale, torch.tensor(math.nan), delayed_scaled_max(E4M3, 1))  # NaN: ignored by the max
+    assert math.isnan(hist[0].item()) and scale.item() == 224.0
+    delayed_update(torch.zeros(1), scale, torch.tensor(1e-38), 448.0)  # the quotient overflows: the FP32 max
+    assert scale.item() == torch.finfo(torch.float32).max
+    x = randn(8, 8, scale=100)  # a cast with scale 448 / 10 saturates an amax well above 10
+    q = quantize_fp8(x, E4M3, encode_scale=torch.tensor(44.8))
     assert q.scale.item() == pytest.approx(10 / 448) and q.values().abs().max().item() == 448.0
 
 

@@ -34,7 +34,7 @@ RULES = (  # (category, pattern) in order; the first match wins
              r"|gemm|cutlass|nvjet|xmma|wgmma|cublas|s16816"),
     ("other", r"softmax|cross_entropy"),  # their fused kernels name amax, which is not quantization here
     ("quantize", r"quantiz|absmax|amax|float8|fp8|fp4|mxfp|hadamard"
-                 r"|^_(cast|history_scale|record)_kernel$"  # kernels/fp8_cast.py
+                 r"|^_(cast|amax_scale|record|transpose)_kernel$"  # kernels/fp8_cast.py
                  r"|^triton_\w*fused\w*_to_copy\w*clamp"),  # torch.compile's saturating casts (FP8 codes)
 )
 _RULES = [(cat, re.compile(pattern, re.IGNORECASE)) for cat, pattern in RULES]

@@ -1,20 +1,36 @@
-"""Delayed scaling's state, written once: the amax histories of a module's operands and the scales they give.
+"""Delayed scaling's state, written once: per operand an amax history and a persistent encode scale.
+
+The semantics are Transformer Engine's ``DelayedScaling`` (``quantize.delayed_update`` states the rule):
+each quantized operand (role ``input``, ``weight``, ``grad``) has a scale buffer, 1.0 at first; a cast
+multiplies by the scale as it stands, then its amax is recorded in the history and the scale recomputed
+from the history (``FP8_MAX / max(history) / 2**margin``, or from the most recent amax with the recipe's
+``amax_compute_algo="most_recent"``), keeping the previous scale where that amax is 0 or not finite.
+So every scale a step uses is known before the step runs: a cast reads no amax first, and on the
+compiled path the operand's producer (RMSNorm, SwiGLU, ...) writes the FP8 codes itself
+(``kernels/fp8_linear.py``). Each operand is updated right after its cast: with each module casting
+each operand once per pass, as TE's linears do, that is TE's update at the end of each forward and
+backward pass.
+
+Before, the encode scale was computed from the history with no stored scale, and while the history
+was empty (the first step, or after zero and non-finite amaxes recorded as 0) the current amax stood
+in, so the first cast read its operand before writing any code. Now the first step casts with scale
+1.0 (TE's choice: the first steps' codes saturate or underflow where the operand is far from 1), a
+zero amax neither enters the history nor changes the scale, and NaN and Inf amaxes enter the history
+(Inf holds the previous scale until it leaves the history; NaN is ignored by the max, as TE's ``fmaxf``).
 
 Every module that quantizes with delayed scaling (QuantizedLinear, an MoE expert's ExpertGemms, the
 frozen linear of LoRA) inherits :class:`DelayedScaling`, and every path (emulated GEMMs, the fused
-FP8 linear, FSDP's FP8 all-gather) reads and records through it. The histories are buffers
-``amax_history_{role}``, so they follow the module to devices, checkpoints and FSDP; an operand's
-encode scale is ``FP8_MAX / max(history) / 2**margin``, the current amax standing in while the
-history is empty (:func:`lpbench.precision.quantize.delayed_encode_scale`); recording shifts the
-history by one (``kernels/fp8.py``: one Triton kernel on CUDA, the reference elsewhere).
+FP8 linear, the weight cache, FSDP's FP8 all-gather) reads and updates through it. The buffers are
+``amax_history_{role}`` and ``delayed_scale_{role}``, so they follow the module to devices,
+checkpoints and FSDP; the update is one custom op (``kernels/fp8.py``: one Triton kernel on CUDA).
 """
 
 from __future__ import annotations
 
 import torch
 
-from lpbench.precision.kernels.fp8 import update_amax_history
-from lpbench.precision.quantize import Scaling, delayed_encode_scale
+from lpbench.precision.kernels.fp8 import delayed_update
+from lpbench.precision.quantize import Scaling, delayed_scaled_max
 
 
 class DelayedScaling:
@@ -25,22 +41,27 @@ class DelayedScaling:
         if self.recipe.scaling is Scaling.DELAYED:
             for role in roles:
                 self.register_buffer(f"amax_history_{role}", torch.zeros(self.recipe.amax_history_len, device=device))
+                self.register_buffer(f"delayed_scale_{role}", torch.ones((), device=device))
 
     def amax_history(self, role: str) -> torch.Tensor:
         return getattr(self, f"amax_history_{role}")
 
-    def history_scale(self, role: str, amax: torch.Tensor) -> torch.Tensor:
-        """The encode scale of operand ``role`` from its history (``amax`` while the history is empty)."""
-        return delayed_encode_scale(self.amax_history(role), amax, self.recipe.element_format(role), self.recipe.margin)
+    def scale_buffer(self, role: str) -> torch.Tensor:
+        """Operand ``role``'s persistent encode scale (the buffer itself: the update changes it in place)."""
+        return getattr(self, f"delayed_scale_{role}")
 
-    def record_amax(self, role: str, amax: torch.Tensor) -> None:
-        update_amax_history(self.amax_history(role), amax)
+    def scaled_max(self, role: str) -> float:
+        return delayed_scaled_max(self.recipe.element_format(role), self.recipe.margin)
+
+    def record_amax(self, role: str, amax: torch.Tensor) -> torch.Tensor:
+        """Record the amax of a cast of ``role`` and update its scale for the next cast (TE's rule); returns the
+        scale before the update (a new tensor: the encode scale of that cast)."""
+        return delayed_update(self.amax_history(role), self.scale_buffer(role), amax.float().reshape(()),
+                              self.scaled_max(role), self.recipe.amax_compute_algo == "most_recent")
 
     def _delayed_scale(self, role: str, t: torch.Tensor) -> torch.Tensor | None:
-        """Delayed scaling: the encode scale of ``t`` as operand ``role``, then its amax recorded; None otherwise."""
+        """Delayed scaling: the encode scale to cast ``t`` as operand ``role`` with (the scale as it stands),
+        ``t``'s amax recorded and the scale updated; None otherwise."""
         if self.recipe.scaling is not Scaling.DELAYED:
             return None
-        amax = self.reduce_amax(role, t.detach().abs().amax().float())
-        scale = self.history_scale(role, amax)
-        self.record_amax(role, amax)
-        return scale
+        return self.record_amax(role, self.reduce_amax(role, t.detach().abs().amax().float()))

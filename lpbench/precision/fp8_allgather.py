@@ -80,7 +80,7 @@ class Fp8AllGatherWeight(torch.Tensor):
         amax = module.reduce_amax("weight", all_reduce_max(w.abs().amax().float(), mesh.get_group()))
         spec, recipe = module.recipe.operand("weight", "fprop"), module.recipe
         if recipe.scaling is Scaling.DELAYED:
-            enc = module.history_scale("weight", amax)
+            enc = module.scale_buffer("weight")  # the scale as it stands (gathered() records the amax)
         else:
             enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
         q = quantize(w, spec, encode_scale=enc)
@@ -138,7 +138,7 @@ class Fp8Weight(torch.Tensor):
 def gathered(module: nn.Module, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(E4M3 codes, FP32 decode scale) of a weight FSDP all-gathered in FP8, else None.
 
-    A delayed-scaling linear records the weight's amax in its history, as quantizing it would.
+    A delayed-scaling linear records the weight's amax and updates its scale, as quantizing it would.
     """
     if not isinstance(weight, Fp8Weight):
         return None

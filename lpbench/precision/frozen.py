@@ -12,8 +12,9 @@ One copy serves both GEMMs when the recipe quantizes W and Wᵀ alike (one scale
 square 2-D blocks: FP8 tensorwise / delayed / blockwise, NVFP4); row-wise and MX recipes scale
 along each GEMM's own reduction dim, so they keep two copies (MXFP8: about BF16's bytes).
 Inputs and output gradients are quantized per step exactly as in ``QuantizedLinear`` (delayed
-scaling keeps input and grad amax histories; the weight's scale is its own amax, which is what
-its history would hold); there is no weight-gradient GEMM. So outputs and input gradients equal
+scaling keeps input and grad amax histories and scales; the weight is cast once with the scale
+Transformer Engine's rule gives after recording its amax, FP8_MAX / amax / 2**margin: a frozen
+weight's history never holds another amax); there is no weight-gradient GEMM. So outputs and input gradients equal
 those of a ``QuantizedLinear`` over the same frozen weight.
 
 Codes and scales are uint8 buffers holding raw bytes (E2M1 codes packed two per byte), their
@@ -30,7 +31,7 @@ from torch import nn
 from lpbench.precision.formats import pack_e2m1, unpack_e2m1
 from lpbench.precision.gemm import compute_dtype
 from lpbench.precision.linear import QuantizedGemms, QuantizedLinear, QuantizedLinearFn, Reference
-from lpbench.precision.quantize import QTensor, Scaling, delayed_encode_scale, quantize
+from lpbench.precision.quantize import QTensor, Scaling, delayed_scaled_max, delayed_update, quantize
 from lpbench.precision.recipes import Recipe
 
 
@@ -49,20 +50,22 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         self.shared = spec_f == spec_d and spec_f.block[0] == spec_f.block[1]
         w = weight.detach()
         enc = None
-        if recipe.scaling is Scaling.DELAYED:  # the scale a history holding only this weight's amax gives
-            amax = w.abs().amax().float()
-            enc = delayed_encode_scale(torch.zeros_like(amax), amax, recipe.element_format("weight"), recipe.margin)
+        if recipe.scaling is Scaling.DELAYED:  # the scale TE's rule gives once this weight's amax is recorded
+            enc = torch.ones((), device=w.device)
+            delayed_update(torch.zeros(1, device=w.device), enc, w.abs().amax().float(),
+                           delayed_scaled_max(recipe.element_format("weight"), recipe.margin))
         self._store("w", quantize(w, spec_f, encode_scale=enc))
         if not self.shared:
             self._store("wt", quantize(w.t(), spec_d, encode_scale=enc))
 
     @classmethod
     def from_linear(cls, linear: QuantizedLinear) -> FrozenQuantizedLinear:
-        """The stored form of ``linear`` (its recipe, path and delayed-scaling histories)."""
+        """The stored form of ``linear`` (its recipe, path and delayed-scaling histories and scales)."""
         new = cls(linear.weight, linear.bias, linear.recipe, native=linear.native)
         if linear.recipe.scaling is Scaling.DELAYED:
             for role in ("input", "grad"):
                 new.amax_history(role).copy_(linear.amax_history(role))
+                new.scale_buffer(role).copy_(linear.scale_buffer(role))
         return new
 
     def _put(self, name: str, t: torch.Tensor) -> None:

@@ -236,26 +236,36 @@ def quantize_fp8(
     return QTensor(codes, fp8_decode_scale(enc, amax), blk, fmt)
 
 
-def delayed_encode_scale(
-    history: torch.Tensor, amax: torch.Tensor, fmt: FloatFormat, margin: int = 0
-) -> torch.Tensor:
-    """Delayed scaling: FP8_MAX / max(history) / 2**margin (TE DelayedScaling, algo "max").
+def delayed_scaled_max(fmt: FloatFormat, margin: int = 0) -> float:
+    """Delayed scaling's target: FP8_MAX × 2**-margin (exact in FP32)."""
+    return fmt.max * 2.0**-margin
 
-    Before any amax has been recorded (all zeros) the current ``amax`` stands in.
+
+def delayed_update(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, scaled_max: float,
+                   algo: str = "max") -> None:
+    """Record ``amax`` and recompute the encode ``scale`` from ``history`` (both in place), by Transformer
+    Engine's DelayedScaling rule (its fused ``amax_and_scale_update`` kernel):
+
+    * amax == 0 records nothing and keeps the scale (a tensor of zeros says nothing about the range);
+    * otherwise amax enters ``history`` at index 0 (the oldest entry drops out; NaN and Inf are kept);
+    * the reference amax is the max over the history ("max", NaN entries ignored as ``fmaxf`` does) or
+      the recorded amax ("most_recent");
+    * scale = ``scaled_max`` (:func:`delayed_scaled_max`: FP8_MAX·2**-margin) / reference, correctly rounded in FP32, kept at its previous value where
+      the reference is 0 or not finite, and the FP32 max where the quotient overflows.
+
+    The scale a cast uses is the one this update left the step before; it starts at 1.0.
     """
-    ref = history.max()
-    ref = torch.where(ref > 0, ref, amax.float())
-    return fp8_encode_scale(ref, fmt) / 2**margin
-
-
-def update_amax_history(history: torch.Tensor, amax: torch.Tensor) -> None:
-    """Record ``amax`` at index 0 of ``history`` (in place; the oldest entry drops out).
-
-    A non-finite amax is recorded as 0 so one bad step does not poison 1024 scales.
-    """
-    amax = amax.float()
-    history.copy_(torch.roll(history, 1))
-    history[0] = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    amax = amax.float().reshape(())
+    recorded = amax != 0
+    history.copy_(torch.where(recorded, torch.cat([amax.reshape(1), history[:-1]]), history))
+    if algo == "max":
+        ref = torch.where(torch.isnan(history), torch.zeros_like(history), history).max()
+        ref = torch.where(recorded, ref, torch.zeros_like(ref))
+    else:
+        ref = amax
+    new = _div(scaled_max, ref)
+    new = torch.where(torch.isfinite(ref) & (ref > 0), new, scale.reshape(()))
+    scale.copy_(torch.where(torch.isinf(new), torch.full_like(new, FP32_MAX), new).reshape(scale.shape))
 
 
 def _ceil_log2(v: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ class Recipe:
     mx_scale_rounding: str = "rceil"  # "rceil" | "floor" (OCP MX v1.0)
     amax_history_len: int = 1024  # delayed scaling
     margin: int = 0  # delayed scaling: scale = FP8_MAX / amax / 2**margin
+    amax_compute_algo: str = "max"  # delayed scaling: the history's max, or "most_recent" amax (TE's choices)
     wgrad_bf16: bool = False  # weight-gradient GEMM in the compute dtype
     rht_wgrad: bool = False  # 16×16 random Hadamard transform on both wgrad operands
     rht_signs: tuple[int, ...] = TE_RHT_SIGNS  # its random sign vector (16 × ±1; Transformer Engine's by default)
@@ -55,6 +56,10 @@ class Recipe:
                 raise ValueError(f"{self.name}: unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
         if self.scaling in (Scaling.BLOCK, Scaling.MX, Scaling.NVFP4) and not self.block:
             raise ValueError(f"{self.name}: {self.scaling} scaling needs a block size")
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(f"{self.name}: amax_compute_algo must be 'max' or 'most_recent'")
+        if self.amax_history_len < 1:
+            raise ValueError(f"{self.name}: amax_history_len must be at least 1")
         if self.mx_scale_rounding not in ("rceil", "floor"):
             raise ValueError(f"{self.name}: mx_scale_rounding must be 'rceil' or 'floor'")
         for field in ("fast_accum_fprop", "fast_accum_grads"):

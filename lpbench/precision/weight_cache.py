@@ -16,10 +16,10 @@ graphs, each weight in a few fused launches):
   per weight shape on CUDA) in ``experts.weight_codes``, 2 bytes per weight, dropped at the step.
 
 The codes are those the uncached forward computes from the same weight, so tensor-wise and
-row-wise scaling train bit-identically. fp8-delayed casts a weight once per step with the scale
-its history gives then and records its amax once: the step's later micro-batches reuse the first
-one's codes (as Transformer Engine does), where the uncached forward cast again with a history
-that already held the weight's amax. Without accumulation the two are identical.
+row-wise scaling train bit-identically. fp8-delayed casts a weight once per step with its scale as it
+stands, then records its amax and updates the scale once: the step's later micro-batches reuse the
+first one's codes (as Transformer Engine does), where the uncached forward cast again with the scale
+the first micro-batch's update left. Without accumulation the two are identical.
 
 The training loop installs it only with gradient accumulation (at GBS = MBS the eager refill cost
 more than the in-graph cast: llama3.2-1b on an H200, 138.0 ms a step against 126.9) and only with

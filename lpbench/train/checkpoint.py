@@ -5,7 +5,8 @@ and ``lpbench.json`` (lpbench version, step, the config fields a resume must mat
 records of steps 1..K: loss, LR, validation loss ..., so a resumed run reports its whole curve). It
 contains the model (parameters and buffers), the optimizer, the LR scheduler, the data position,
 the step, and per rank: RNG states (torch CPU and CUDA, numpy, python) and persistent buffers
-(the delayed-scaling amax histories differ between data-parallel ranks). Model and optimizer go
+(the delayed-scaling amax histories and scales differ between data-parallel ranks; a checkpoint
+saved before fp8-delayed kept its scales is refused with one line). Model and optimizer go
 through ``get_state_dict``/``set_state_dict``, so one process, DDP and FSDP2 save and load alike
 (each rank writes its shards; the folder must be on a filesystem all ranks see). MoE experts split
 over ranks (``--ep``, or ``--tp``'s slices of them) are plain tensors that differ between ranks
@@ -282,6 +283,10 @@ class Checkpointer:
             return 0, []
         ckpt, meta = check_resumable(self.cfg)
         state = self._state(0)
+        if any("delayed_scale_" in k for k in state["model"]) and not any(
+                "delayed_scale_" in k for k in _VerifiedReader(ckpt, meta["files"]).read_metadata().state_dict_metadata):
+            raise UsageError(f"--load {ckpt}: no delayed-scaling scales in it (saved before fp8-delayed kept a "
+                             "persistent scale per operand); resume it with the lpbench that saved it")
         try:
             with _single_process_ok():
                 dcp.load(state, storage_reader=_VerifiedReader(ckpt, meta["files"]), no_dist=self.world == 1)

@@ -286,10 +286,10 @@ def eval_batch_count(cfg: RunConfig, valid) -> int:
 def evaluate(module: torch.nn.Module, batches, n_batches: int, device: torch.device, autocast) -> float:
     """Mean loss per label token over ``n_batches`` micro-batches on every rank, without gradients.
 
-    Delayed scaling's amax histories (the buffers a forward changes) are restored afterwards:
-    evaluating does not change the training that follows.
+    Delayed scaling's amax histories and scales (the buffers a forward changes) are restored afterwards:
+    evaluating does not change the training that follows (as in TE, whose no-grad forwards update no scale).
     """
-    histories = [b for name, b in module.named_buffers() if "amax_history" in name]
+    histories = [b for name, b in module.named_buffers() if "amax_history" in name or "delayed_scale" in name]
     saved = [b.clone() for b in histories]
     module.eval()
     total = count = 0.0

@@ -1,10 +1,10 @@
-"""The delayed-scaling amax history update as a torch custom op (one Triton kernel on CUDA).
+"""Delayed scaling's amax-and-scale update as a torch custom op (one Triton kernel on CUDA).
 
-Hand-written because the update mutates a module buffer from both the forward and the
-backward pass: as an opaque custom op with declared mutation, torch.compile keeps it in the
-graph (no graph break, no functionalisation of a 1024-entry roll per operand). On CUDA one
-tiny Triton kernel replaces the roll + index-write of the reference
-(``quantize.update_amax_history``), with which it is bit-exact (tested on CUDA); elsewhere,
+Hand-written because the update mutates two module buffers (the amax history and the scale) from
+both the forward and the backward pass: as an opaque custom op with declared mutation,
+torch.compile keeps it in the graph (no graph break, no functionalisation of a 1024-entry roll per
+operand). On CUDA the single-program Triton kernel of ``kernels/fp8_cast.py`` (``_record_kernel``)
+replaces the reference (``quantize.delayed_update``), with which it is bit-exact (tested); elsewhere,
 and where Triton is not installed (CPU-only torch), the op runs the reference.
 """
 
@@ -12,35 +12,30 @@ from __future__ import annotations
 
 import torch
 
-from lpbench.precision.capability import tl, triton  # None without Triton
-from lpbench.precision.quantize import update_amax_history as reference_update
+from lpbench.precision.capability import triton  # None without Triton
+from lpbench.precision.quantize import delayed_update as reference_update
 
 
-@torch.library.custom_op("lpbench::update_amax_history", mutates_args=("history",))
-def update_amax_history(history: torch.Tensor, amax: torch.Tensor) -> None:
-    """In place: shift ``history`` by one, record ``amax`` at index 0 (as the reference does)."""
-    reference_update(history, amax)
+@torch.library.custom_op("lpbench::delayed_update", mutates_args=("history", "scale"))
+def delayed_update(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, scaled_max: float,
+                   most_recent: bool) -> torch.Tensor:
+    """In place: ``amax`` recorded in ``history`` and ``scale`` recomputed (``quantize.delayed_update``).
+    Returns a copy of the scale before the update: what a cast that follows the update must use (a read of
+    the buffer itself could be scheduled after the update by a compiler)."""
+    old = scale.clone()
+    reference_update(history, scale, amax, scaled_max, "most_recent" if most_recent else "max")
+    return old
 
 
-@update_amax_history.register_fake
-def _(history, amax):
-    return None
+@delayed_update.register_fake
+def _(history, scale, amax, scaled_max, most_recent):
+    return torch.empty_like(scale)
 
 
 if triton is not None:
 
-    @triton.jit
-    def _update_history_kernel(hist_ptr, amax_ptr, HIST_LEN, BLOCK: tl.constexpr):
-        """Shift the history by one and record amax at index 0 (non-finite amax recorded as 0)."""
-        idx = tl.arange(0, BLOCK)
-        h = tl.load(hist_ptr + idx, mask=idx < HIST_LEN - 1, other=0.0)
-        tl.debug_barrier()
-        tl.store(hist_ptr + idx + 1, h, mask=idx < HIST_LEN - 1)
-        a = tl.load(amax_ptr)
-        finite = (a == a) & (a < float("inf"))
-        tl.store(hist_ptr, tl.where(finite, a, 0.0))
+    @delayed_update.register_kernel("cuda")
+    def _(history, scale, amax, scaled_max, most_recent):
+        from lpbench.precision.kernels.fp8_cast import _record_amax
 
-    @update_amax_history.register_kernel("cuda")
-    def _(history, amax):
-        n = history.numel()
-        _update_history_kernel[(1,)](history, amax, n, BLOCK=triton.next_power_of_2(max(n, 2)), num_warps=4)
+        return _record_amax(history, scale, amax.float().reshape(()), scale, scaled_max, most_recent, True)[1]

@@ -14,15 +14,21 @@ operands (16-bit activations and gradients, FP32 master weights) are then cast b
 Triton kernel of ``kernels/fp8_cast.py``, which writes the row-major and the transposed copy in
 one read (inductor's own transposed write made the casts of an llama3-8b@16L step take 2.4x the
 time of the delayed path's). The scales are the reference's own functions (``quantize.fp8_encode_scale`` /
-``delayed_encode_scale`` / ``fp8_decode_scale``), whose division is exact eager or compiled,
+``delayed_update`` / ``fp8_decode_scale``), whose division is exact eager or compiled,
 so codes and scales are bit-exact with the reference. Delayed scaling needs no amax before
-the cast (the scale comes from the history); for CUDA operands three Triton launches
-(``kernels/fp8_cast.py``) do it all: the scale from the history (the current amax only while the
-history is empty), the cast with both copies and the amax in one read, then the decode scale
-and the history's update. Before, the small scale and history ops were each their own launch and
-the update a Python-dispatched custom op, ~6 launches per operand: the GPU waited on the host
-~40 ms a step on llama3-8b@16L at GBS 2. Tensor parallelism (an amax all-reduce between the
-launches) keeps the separate ops.
+the cast: its scale is the module's persistent buffer (Transformer Engine's rule,
+``lpbench.precision.delayed``). So on the compiled path a 16-bit operand (activation or gradient)
+is cast by plain torch ops that inductor fuses into the kernel that produces it: RMSNorm writes
+qkv's and gate_up's input codes, SwiGLU down's, SwiGLU's backward gate_up's gradient codes, and the
+row amax is reduced there too. ``emulate_precision_casts`` (set by ``parallel.plan`` whenever it
+compiles) keeps the producer's rounding to BF16 that inductor would otherwise elide inside the
+fused kernel (the generated code multiplies the unrounded FP32 value), so these codes, amaxes and
+scales are the reference's bit for bit and no hand-written producer kernel is needed. The
+transposed copy for wgrad is made from the FP8 codes (``fp8_cast.transpose_codes``: the same bytes,
+one in and one out per element, where transposing the 16-bit operand read two). Then one launch
+gives the decode scale and updates history and scale. Eager (no producer to fuse into) and FP32
+master weights take the one-pass Triton cast (both copies and the amax in one read) and the same
+update. Tensor parallelism (an amax all-reduce before the update) keeps the separate ops.
 
 A linear whose weight :mod:`lpbench.precision.weight_cache` keeps in FP8 uses those codes (cast once
 per optimizer step by :func:`cache_weight`, with this module's own cast) instead of casting the
@@ -48,13 +54,21 @@ def cast(t: torch.Tensor, amax: torch.Tensor, enc: torch.Tensor, fmt: FloatForma
     return q, (q.t().contiguous() if write_t else q.new_empty((0,))), fp8_decode_scale(enc, amax)
 
 
+def producer_cast(t: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row-major codes, amax of |t|) of ``t`` cast with the known encode ``scale``: plain torch ops for inductor
+    to fuse into the kernel that produces ``t``. The amax is a max of row maxima, a row reduction that fuses
+    into a producer that reduces rows itself (RMSNorm) or writes them (SwiGLU), leaving a tiny reduction."""
+    q = (t.float() * scale).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    return q, t.float().abs().amax(dim=-1).amax()
+
+
 def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
     """(codes, transposed codes, decode scale) of ``t`` for ``role`` under mod's recipe.
 
     ``mod.reduce_amax`` makes the amax the whole tensor's under tensor parallelism. Delayed
-    scaling takes its scale from the amax history (the current amax only while the history
-    is empty) and records the current amax. ``out``: (codes, transposed codes) buffers the
-    one-pass kernel writes into (eager only; other paths return new tensors).
+    scaling casts with the module's persistent scale, then records the amax and updates the scale
+    (``lpbench.precision.delayed``). ``out``: (codes, transposed codes) buffers the one-pass kernel
+    writes into (eager only; other paths return new tensors).
     """
     recipe = mod.recipe
     fmt = recipe.element_format(role)
@@ -76,22 +90,21 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
             q, qt, _ = one_pass(enc)
             return q, qt, fp8_decode_scale(enc, amax)
         return cast(t, amax, enc, fmt, write_t)
-    if kernel and mod.tp_shard is None:  # three launches, one read of t (two in the first step)
-        history = mod.amax_history(role)
-        enc = fp8_cast.history_scale(t.detach(), history, fmt, recipe.margin)
-        q, qt, amax = one_pass(enc)
-        return q, qt, fp8_cast.record_amax(history, enc, amax)
-    if kernel:  # one read of t; the current amax only while the history is empty
-        first = mod.reduce_amax(role, fp8_cast.amax_unless(t.detach(), mod.amax_history(role).max() > 0))
-        enc = mod.history_scale(role, first)
-        q, qt, amax = one_pass(enc)
-        amax = mod.reduce_amax(role, amax)
-        out = q, qt, fp8_decode_scale(enc, amax)
-    else:
+    if not kernel:
         amax = mod.reduce_amax(role, t.detach().abs().amax().float())
-        out = cast(t, amax, mod.history_scale(role, amax), fmt, write_t)
-    mod.record_amax(role, amax)
-    return out
+        return cast(t, amax, mod.record_amax(role, amax), fmt, write_t)
+    scale = mod.scale_buffer(role)
+    if t.element_size() == 2 and torch.compiler.is_compiling():
+        # the producer's kernel writes the row-major codes and reduces the amax (inductor fuses these ops into
+        # it; emulate_precision_casts keeps its rounding to 16 bits, so the codes are the reference's); wgrad's
+        # copy is transposed from the codes, one byte per element each way
+        q, amax = producer_cast(t.detach(), scale, fmt)
+        qt = fp8_cast.transpose_codes(q) if write_t else q.new_empty((0,))
+    else:  # one read of t: both copies and the amax
+        q, qt, amax = one_pass(scale)
+    amax = mod.reduce_amax(role, amax)
+    return q, qt, fp8_cast.record_amax(mod.amax_history(role), scale, amax, q, mod.scaled_max(role),
+                                       recipe.amax_compute_algo)
 
 
 def cache_weight(mod) -> None:
