@@ -67,10 +67,31 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(kw, tmp_path):
         assert _trace(saving, key)[:3] + _trace(resumed, key) == _trace(straight, key)  # bit for bit
     saved = FileSystemReader(str(tmp_path / "step-3")).read_metadata().state_dict_metadata
     assert any(k.startswith("optim.state.") for k in saved)
-    if cfg.precision == "fp8-delayed":  # the amax histories, whose loss effect the resume must carry
-        assert any(k.endswith("amax_history_grad") for k in saved)
+    if cfg.precision == "fp8-delayed":  # the amax histories and scales, whose loss effect the resume must carry
+        assert any(k.endswith("amax_history_grad") for k in saved) and any(k.endswith("delayed_scale_grad") for k in saved)
     meta = json.loads((tmp_path / "step-3" / META_FILE).read_text())
     assert meta["step"] == 3 and meta["config"]["precision"] == cfg.precision and meta["config"]["mbs"] == cfg.mbs
+
+
+def test_a_delayed_checkpoint_without_scales_is_refused_with_one_line(monkeypatch, tmp_path):
+    """A checkpoint saved before fp8-delayed kept its scales (histories only) cannot resume the run exactly."""
+    import lpbench.train.checkpoint as ckpt
+
+    state = ckpt.Checkpointer._state
+
+    def without_scales(self, step):  # what an older lpbench saved
+        out = state(self, step)
+        for part in (out["model"], *(r["buffers"] for r in out["rank"].values())):
+            for name in [k for k in part if "delayed_scale_" in k]:
+                del part[name]
+        return out
+
+    cfg = BASE.with_(precision="fp8-delayed", steps=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(ckpt.Checkpointer, "_state", without_scales)
+        _train(cfg.with_(save_every=2, save_dir=str(tmp_path)))
+    with pytest.raises(UsageError, match=r"no delayed-scaling scales in it .* resume it with the lpbench that saved it"):
+        loop.train(cfg.with_(load=str(tmp_path / "step-2"), steps=3), log=lambda line: None)
 
 
 KILL_SCRIPT = textwrap.dedent("""

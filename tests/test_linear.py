@@ -185,6 +185,9 @@ def test_delayed_scaling_state_is_buffers_and_used_as_transformer_engine_does():
     assert close(y, expected(448.0 / x.abs().max().item(), 448.0 / w.abs().max().item()))
     assert q.amax_history_input[0] == x.abs().max() and q.amax_history_input[8] == 1000.0
     assert q.delayed_scale_input.item() == pytest.approx(0.448)
+    q.to(torch.bfloat16)  # the state stays FP32 (a BF16 scale would change the codes)
+    assert q.weight.dtype == torch.bfloat16 and q.delayed_scale_input.dtype == q.amax_history_grad.dtype == torch.float32
+    assert q.delayed_scale_input.item() == pytest.approx(0.448)
 
 
 def test_odd_token_counts_and_empty_input():

@@ -24,6 +24,7 @@ from lpbench.config import RunConfig
 from lpbench.models.moe import Experts, moe_layers
 from lpbench.parallel.dp import apply_ddp, apply_fsdp
 from lpbench.parallel.ep import apply_ep
+from lpbench.precision.delayed import DelayedScaling
 from lpbench.precision.policy import apply_fp8_all_gather
 from lpbench.parallel.tp import apply_tp, interleave
 
@@ -106,7 +107,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     ``Decoder.init_weights`` draws every parameter whole, in order, from one seeded generator;
     each rank keeps its shard of those values (rows of TP-fused weights interleaved as
     ``apply_tp`` stores them), so the gathered weights equal a single process's bit for bit.
-    Buffers (amax histories) start at zero. A model not on the meta device is left as it is.
+    Buffers start at zero, but delayed scaling's scales at 1.0. A model not on the meta device is left as it is.
     """
     if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         return
@@ -120,6 +121,9 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
             setattr(module, name, getattr(*places[0]))
     for buffer in model.buffers():
         buffer.zero_()
+    for module in model.modules():
+        if isinstance(module, DelayedScaling):  # scales start at 1.0
+            module.reset_delayed_state()
     splits = {name: m.tp_shard for name, m in model.named_modules() if getattr(m, "tp_shard", None) is not None}
     experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
 

@@ -43,6 +43,26 @@ class DelayedScaling:
                 self.register_buffer(f"amax_history_{role}", torch.zeros(self.recipe.amax_history_len, device=device))
                 self.register_buffer(f"delayed_scale_{role}", torch.ones((), device=device))
 
+    def _apply(self, fn, recurse=True):
+        """As ``nn.Module._apply``, but the histories and scales stay FP32 under a dtype cast (``.to(bf16)``
+        would round the scales and change the codes); they still move between devices."""
+        state = {n: b for n, b in self._buffers.items() if n.startswith(("amax_history_", "delayed_scale_"))}
+        out = super()._apply(fn, recurse)
+        for name, old in state.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != torch.float32:
+                self._buffers[name] = old.to(new.device)
+        return out
+
+    @torch.no_grad()
+    def reset_delayed_state(self) -> None:
+        """Histories empty, scales 1.0: the state of a new module (after ``to_empty``, which leaves it undefined)."""
+        for name, buf in self._buffers.items():
+            if name.startswith("amax_history_"):
+                buf.zero_()
+            elif name.startswith("delayed_scale_"):
+                buf.fill_(1.0)
+
     def amax_history(self, role: str) -> torch.Tensor:
         return getattr(self, f"amax_history_{role}")
 
