@@ -352,6 +352,59 @@ def test_delayed_scale_of_a_tiny_amax_keeps_its_subnormal_decode_scale():
     assert torch.equal(q.cpu().view(torch.uint8), ref.codes.view(torch.uint8))
 
 
+class _NormSwiGLU(torch.nn.Module):
+    """RMSNorm -> gate_up -> SwiGLU -> down, the producers whose casts the compiled delayed path fuses;
+    ``unfused``: a graph break after each producer, so its BF16 output is written and cast apart."""
+
+    def __init__(self, recipe, unfused):
+        from lpbench.precision.linear import QuantizedLinear
+
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(256, device="cuda")
+        self.gate_up = QuantizedLinear(256, 1024, bias=False, recipe=recipe, native=True, device="cuda")
+        self.down = QuantizedLinear(512, 256, bias=False, recipe=recipe, native=True, device="cuda")
+        self.unfused = unfused
+
+    def forward(self, x):
+        h = self.norm(x)
+        if self.unfused:
+            torch._dynamo.graph_break()
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        a = torch.nn.functional.silu(gate) * up
+        if self.unfused:
+            torch._dynamo.graph_break()
+        return self.down(a)
+
+
+@pytest.mark.gpu
+def test_casts_fused_into_their_producers_are_the_unfused_casts_on_cuda(precise_casts):
+    """The compiled delayed path with the casts in the RMSNorm and SwiGLU kernels (forward) and SwiGLU's
+    backward (gate_up's gradient), against the same model with graph breaks after each producer: the same
+    outputs, gradients, histories and scales, bit for bit, over three steps (the first at scale 1.0)."""
+    from lpbench.precision.recipes import get_recipe
+
+    recipe = get_recipe("fp8-delayed")
+    torch.manual_seed(0)
+    fused, unfused = _NormSwiGLU(recipe, False), _NormSwiGLU(recipe, True)
+    unfused.load_state_dict(fused.state_dict())
+    torch._dynamo.reset()
+    runs = [torch.compile(m) for m in (fused, unfused)]
+    for step in range(3):
+        outs = []
+        for run, mod in zip(runs, (fused, unfused)):
+            x = (torch.randn(2, 512, 256, generator=torch.Generator().manual_seed(step)) * (1 + step)).cuda()
+            x = x.bfloat16().requires_grad_()
+            y = run(x)
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(9 + step)).cuda().bfloat16())
+            outs.append([y, x.grad] + [p.grad.clone() for p in mod.parameters()])
+            mod.zero_grad(set_to_none=True)
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), step
+        for name, buf in fused.named_buffers():
+            assert torch.equal(buf, unfused.get_buffer(name)), (step, name)
+    assert fused.gate_up.delayed_scale_input.item() != 1.0  # the scales moved
+
+
 @pytest.mark.skipif(capability.triton is not None, reason="the warning is torch's where Triton is missing")
 def test_the_triton_kernels_import_without_a_warning_where_triton_is_missing():
     code = "import lpbench.precision.kernels.fp8_cast, lpbench.precision.kernels.nvfp4"
