@@ -92,8 +92,8 @@ def _transpose_codes(q: torch.Tensor) -> torch.Tensor:
     m, n = q.shape
     qt = torch.empty((n, m), dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(m, TRANSPOSE_TILE), triton.cdiv(n, TRANSPOSE_TILE))
-    wrap_triton(_transpose_kernel)[grid](q.view(torch.uint8), qt.view(torch.uint8), m, n, BM=TRANSPOSE_TILE,
-                                         BN=TRANSPOSE_TILE, num_warps=8)
+    src, dst = (q, qt) if q.is_cuda else (q.view(torch.uint8), qt.view(torch.uint8))  # the interpreter: bytes
+    wrap_triton(_transpose_kernel)[grid](src, dst, m, n, BM=TRANSPOSE_TILE, BN=TRANSPOSE_TILE, num_warps=8)
     return qt
 
 
