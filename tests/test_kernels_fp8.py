@@ -380,7 +380,8 @@ class _NormSwiGLU(torch.nn.Module):
 def test_casts_fused_into_their_producers_are_the_unfused_casts_on_cuda(precise_casts):
     """The compiled delayed path with the casts in the RMSNorm and SwiGLU kernels (forward) and SwiGLU's
     backward (gate_up's gradient), against the same model with graph breaks after each producer: the same
-    outputs, gradients, histories and scales, bit for bit, over three steps (the first at scale 1.0)."""
+    outputs, weight gradients, histories and scales, bit for bit, over three steps (the first at scale 1.0);
+    the input's gradient up to FP32 rounding (RMSNorm's backward, which no cast touches, compiles apart)."""
     from lpbench.precision.recipes import get_recipe
 
     recipe = get_recipe("fp8-delayed")
@@ -393,13 +394,18 @@ def test_casts_fused_into_their_producers_are_the_unfused_casts_on_cuda(precise_
         outs = []
         for run, mod in zip(runs, (fused, unfused)):
             x = (torch.randn(2, 512, 256, generator=torch.Generator().manual_seed(step)) * (1 + step)).cuda()
-            x = x.bfloat16().requires_grad_()
-            y = run(x)
-            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(9 + step)).cuda().bfloat16())
-            outs.append([y, x.grad] + [p.grad.clone() for p in mod.parameters()])
+            x.requires_grad_()
+            with torch.autocast("cuda", dtype=torch.bfloat16):  # as training runs: BF16 operands
+                y = run(x)
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(9 + step)).cuda().to(y.dtype))
+            outs.append({"y": y, "dx": x.grad, **{n: p.grad.clone() for n, p in mod.named_parameters()}})
             mod.zero_grad(set_to_none=True)
-        for a, b in zip(*outs):
-            assert torch.equal(a, b), step
+        assert outs[0]["y"].dtype == torch.bfloat16
+        for name in outs[0]:
+            if name == "dx":  # RMSNorm's own backward, compiled in another graph: FP32 rounding may differ
+                assert (outs[0][name] - outs[1][name]).abs().max() <= 1e-5 * outs[1][name].abs().max(), step
+            else:
+                assert torch.equal(outs[0][name], outs[1][name]), (step, name)
         for name, buf in fused.named_buffers():
             assert torch.equal(buf, unfused.get_buffer(name)), (step, name)
     assert fused.gate_up.delayed_scale_input.item() != 1.0  # the scales moved
