@@ -22,7 +22,8 @@ Every module that quantizes with delayed scaling (QuantizedLinear, an MoE expert
 frozen linear of LoRA) inherits :class:`DelayedScaling`, and every path (emulated GEMMs, the fused
 FP8 linear, the weight cache, FSDP's FP8 all-gather) reads and updates through it. The buffers are
 ``amax_history_{role}`` and ``delayed_scale_{role}``, so they follow the module to devices,
-checkpoints and FSDP; the update is one custom op (``kernels/fp8.py``: one Triton kernel on CUDA).
+checkpoints and FSDP. The update is one custom op (``kernels/fp8.py``: one Triton kernel on CUDA); the
+fused FP8 linear launches the same kernel itself, which also gives the cast's decode scale.
 """
 
 from __future__ import annotations

@@ -244,7 +244,8 @@ def delayed_scaled_max(fmt: FloatFormat, margin: int = 0) -> float:
 def delayed_update(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, scaled_max: float,
                    algo: str = "max") -> None:
     """Record ``amax`` and recompute the encode ``scale`` from ``history`` (both in place), by Transformer
-    Engine's DelayedScaling rule (its fused ``amax_and_scale_update`` kernel):
+    Engine's DelayedScaling rule (its default, fused update: ``amax_and_scale_update_after_reduction``;
+    its unfused Python update, for custom algorithms, records a zero amax too):
 
     * amax == 0 records nothing and keeps the scale (a tensor of zeros says nothing about the range);
     * otherwise amax enters ``history`` at index 0 (the oldest entry drops out; NaN and Inf are kept);
