@@ -73,9 +73,9 @@ def test_delayed_scale_matches_reference():
     x = torch.randn(512, 256, dtype=torch.bfloat16) * 3
     amax, enc = x.abs().amax().float(), torch.tensor(37.3)  # a stored scale that saturates some values
     _same(*cast(x, amax, enc, E4M3, True), quantize_fp8(x, E4M3, encode_scale=enc))
-    q, amax_p = producer_cast(x, enc, E4M3)
+    q, rows = producer_cast(x, enc, E4M3)
     assert torch.equal(q.view(torch.uint8), quantize_fp8(x, E4M3, encode_scale=enc).codes.view(torch.uint8))
-    assert torch.equal(amax_p, amax)
+    assert torch.equal(rows, x.float().abs().amax(dim=-1)) and torch.equal(rows.amax(), amax)
 
 
 def _norm(x, w):
@@ -100,11 +100,11 @@ def test_cast_fused_into_its_producer_is_the_cast_of_the_materialised_operand(pr
     w = (torch.rand(512, generator=g) + 0.5).bfloat16()
     enc = torch.tensor(448.0 / 300)
     fused = torch.compile(lambda x, w, enc: producer_cast(producer(x, w), enc, E4M3))
-    q, amax = fused(x, w, enc)
+    q, rows = fused(x, w, enc)
     t = torch.compile(producer)(x, w)  # the unfused producer: its BF16 output materialised
     ref = quantize_fp8(t, E4M3, encode_scale=enc)
     assert torch.equal(q.view(torch.uint8), ref.codes.view(torch.uint8))
-    assert torch.equal(amax, t.float().abs().amax())
+    assert torch.equal(rows, t.float().abs().amax(dim=-1))
 
 
 INTERPRETED = pytest.mark.skipif(capability.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
@@ -120,7 +120,8 @@ def _device_or_interpreter(device):
 @pytest.mark.parametrize("length, margin, algo, fmt", [(1024, 0, "max", E4M3), (5, 2, "max", E5M2),
                                                        (1, 0, "max", E4M3), (4, 1, "most_recent", E4M3)])
 def test_record_kernel_is_the_reference_update(device, length, margin, algo, fmt):
-    """The Triton update (decode scale of the cast, history, scale in one launch) against ``delayed_update``."""
+    """The Triton update (decode scale of the cast, history, scale in one launch) against ``delayed_update``;
+    the amax given whole, as 3 partial amaxes or as 5,000 (more than one loop trip of the reduction)."""
     from lpbench.precision.kernels import fp8_cast
 
     history, scale = torch.zeros(length, device=device), torch.ones((), device=device)
@@ -128,7 +129,8 @@ def test_record_kernel_is_the_reference_update(device, length, margin, algo, fmt
     smax = delayed_scaled_max(fmt, margin)
     for step, a in enumerate(AMAXES):
         amax = torch.tensor(a)
-        dec = fp8_cast.record_amax(history, scale, amax.to(device), history, smax, algo)
+        parts = [amax, torch.tensor([a * 0.5, a, 0.0]), torch.full((5000,), a * 0.5).index_fill(0, torch.tensor(4321), a)]
+        dec = fp8_cast.record_amax(history, scale, parts[step % 3].to(device), history, smax, algo)
         want = quantize_fp8(torch.tensor([[a]]), fmt, encode_scale=ref_scale).scale.reshape(())
         assert torch.equal(dec.cpu(), want) or (dec.isnan().item() and want.isnan().item()), step
         delayed_update(ref_history, ref_scale, amax, smax, algo)

@@ -80,10 +80,12 @@ def _record_amax(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
                  scaled_max: float, most_recent: bool, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
     dec = torch.empty((), dtype=torch.float32, device=history.device)
     old = torch.empty((), dtype=torch.float32, device=history.device)
-    length = history.numel()
-    wrap_triton(_record_kernel)[(1,)](history, scale, amax, after, dec, old, length, SMAX=scaled_max,
+    length, n = history.numel(), amax.numel()
+    ablock = min(triton.next_power_of_2(max(n, 2)), 4096)
+    wrap_triton(_record_kernel)[(1,)](history, scale, amax, after, dec, old, length, n, SMAX=scaled_max,
                                       MOST_RECENT=most_recent, RECORD=record,
-                                      HBLOCK=triton.next_power_of_2(max(length, 2)), num_warps=4)
+                                      HBLOCK=triton.next_power_of_2(max(length, 2)), ABLOCK=ablock,
+                                      ATRIPS=triton.cdiv(n, ablock), num_warps=4)
     return dec, old
 
 
@@ -116,10 +118,11 @@ def record_amax(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, 
     """The decode scale of the cast that made ``codes`` with the encode scale ``scale`` (NaN if its ``amax`` is
     not finite); then, in the same launch and in place, ``amax`` recorded in ``history`` and ``scale`` updated
     for the next cast (``quantize.delayed_update``; ``scaled_max``: ``quantize.delayed_scaled_max``).
+    ``amax``: the operand's amax, or partial amaxes (e.g. one per row) that this launch reduces.
 
     ``codes`` is passed to the kernel unread: it makes the update depend on the cast, so no compiler
     schedules the update (a write of ``scale``) before the kernel that casts with ``scale``."""
-    return _record_amax(history, scale, amax.float().reshape(()), codes, scaled_max, algo == "most_recent", True)[0]
+    return _record_amax(history, scale, amax.float().reshape(-1), codes, scaled_max, algo == "most_recent", True)[0]
 
 
 def transpose_codes(q: torch.Tensor) -> torch.Tensor:
@@ -184,12 +187,18 @@ if triton is not None:
             tl.store(enc_ptr, _encode(amax, FMAX, 1.0))
 
     @triton.jit
-    def _record_kernel(hist_ptr, scale_ptr, amax_ptr, after_ptr, dec_ptr, old_ptr, HIST_LEN, SMAX: tl.constexpr,
-                       MOST_RECENT: tl.constexpr, RECORD: tl.constexpr, HBLOCK: tl.constexpr):
+    def _record_kernel(hist_ptr, scale_ptr, amax_ptr, after_ptr, dec_ptr, old_ptr, HIST_LEN, AMAX_N,
+                       SMAX: tl.constexpr, MOST_RECENT: tl.constexpr, RECORD: tl.constexpr, HBLOCK: tl.constexpr,
+                       ABLOCK: tl.constexpr, ATRIPS: tl.constexpr):
         """The decode scale of the cast with the scale at ``scale_ptr`` and that scale (``old_ptr``); with RECORD,
-        delayed scaling's update (``quantize.delayed_update``): amax shifted into the history unless 0, the
-        scale recomputed. ``after_ptr``: unread (a dependency, see ``record_amax``)."""
-        a = tl.load(amax_ptr)
+        delayed scaling's update (``quantize.delayed_update``): amax (the max of AMAX_N partial amaxes, NaN if
+        any is NaN) shifted into the history unless 0, the scale recomputed. ``after_ptr``: unread (a
+        dependency, see ``record_amax``)."""
+        bits = tl.zeros((ABLOCK,), dtype=tl.int32)
+        for trip in tl.static_range(ATRIPS):  # unrolled: one trip for a whole amax, a few for row amaxes
+            offs = trip * ABLOCK + tl.arange(0, ABLOCK)
+            bits = tl.maximum(bits, _bits_of_abs(tl.load(amax_ptr + offs, mask=offs < AMAX_N, other=0.0)))
+        a = tl.max(bits, axis=0).to(tl.float32, bitcast=True)
         s = tl.load(scale_ptr)
         finite = (a == a) & (a < float("inf"))
         tl.store(dec_ptr, tl.where(finite, _div(1.0, s), float("nan")))

@@ -55,11 +55,12 @@ def cast(t: torch.Tensor, amax: torch.Tensor, enc: torch.Tensor, fmt: FloatForma
 
 
 def producer_cast(t: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row-major codes, amax of |t|) of ``t`` cast with the known encode ``scale``: plain torch ops for inductor
-    to fuse into the kernel that produces ``t``. The amax is a max of row maxima, a row reduction that fuses
-    into a producer that reduces rows itself (RMSNorm) or writes them (SwiGLU), leaving a tiny reduction."""
+    """(row-major codes, amax of each row of |t|) of ``t`` cast with the known encode ``scale``: plain torch ops
+    for inductor to fuse into the kernel that produces ``t``. Row maxima are a row reduction that fuses into a
+    producer that reduces rows itself (RMSNorm) or writes them (SwiGLU); ``fp8_cast.record_amax`` reduces them
+    (no launch of its own)."""
     q = (t.float() * scale).clamp(-fmt.max, fmt.max).to(fmt.dtype)
-    return q, t.float().abs().amax(dim=-1).amax()
+    return q, t.float().abs().amax(dim=-1)
 
 
 def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
@@ -102,7 +103,8 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
         qt = fp8_cast.transpose_codes(q) if write_t else q.new_empty((0,))
     else:  # one read of t: both copies and the amax
         q, qt, amax = one_pass(scale)
-    amax = mod.reduce_amax(role, amax)
+    if mod.tp_shard is not None:
+        amax = mod.reduce_amax(role, amax.amax())
     return q, qt, fp8_cast.record_amax(mod.amax_history(role), scale, amax, q, mod.scaled_max(role),
                                        recipe.amax_compute_algo)
 
