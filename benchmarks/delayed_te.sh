@@ -8,10 +8,12 @@
 #   2. benchmarks/step_table.py on llama3-8b@16L (seq 8192, MBS 1, GBS 8): bf16 and fp8-delayed from
 #      the baseline tree MAIN, then fp8-delayed from this tree. Ratios against MAIN's bf16 row.
 #
-# Run from the root of this tree (about 6 minutes on one H200):
+# Run from the root of this tree (about 6 minutes on one H200), e.g. with this tree copied into
+# .dev-delayed-te/ of a main checkout:
 #
-#     PYTHONPATH=. OUT=/some/dir bash benchmarks/delayed_te.sh /path/to/main-tree
+#     cd .dev-delayed-te && PYTHONPATH=. OUT=$OUT bash benchmarks/delayed_te.sh ..
 #
+# The tests stop after TEST_TIMEOUT seconds (default 300) so the table still runs.
 # Writes $OUT/tests.log, $OUT/main.log, $OUT/branch.log, $OUT/device.txt and each tree's step tables
 # ($OUT/main/table.json, $OUT/branch/table.json).
 set -euo pipefail
@@ -32,7 +34,7 @@ export PYTHONUNBUFFERED=1
 cat "$OUT/device.txt"
 
 echo "== gpu tests (this tree)"
-PYTHONPATH=. "$PYTHON" -m pytest -q -m gpu tests/test_kernels_fp8.py tests/test_weight_cache.py \
+PYTHONPATH=. timeout "${TEST_TIMEOUT:-300}" "$PYTHON" -m pytest -q -m gpu tests/test_kernels_fp8.py tests/test_weight_cache.py \
     tests/test_linear.py 2>&1 | tail -40 | tee "$OUT/tests.log" || true
 
 TABLE=(--model llama3-8b --num-layers 16 --seq-len 8192 --mbs 1 --gbs 8 --steps 5 --warmup-steps 2
