@@ -147,11 +147,11 @@ if triton is not None:
         return tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True)
 
     @triton.jit
-    def _encode(ref, FMAX: tl.constexpr, DOWN: tl.constexpr):
-        """``fp8_encode_scale(ref) * DOWN`` (DOWN = 2**-margin): FMAX / ref divided in FP64 and rounded once,
-        as the reference (``quantize._div``) does; 1 where ref is not positive; capped at the FP32 max."""
+    def _encode(ref, FMAX: tl.constexpr):
+        """``fp8_encode_scale(ref)``: FMAX / ref divided in FP64 and rounded once, as the reference
+        (``quantize._div``) does; 1 where ref is not positive; capped at the FP32 max."""
         s = tl.where(ref > 0, _div(FMAX, ref), 1.0)
-        return tl.minimum(s, 3.4028234663852886e38) * DOWN
+        return tl.minimum(s, 3.4028234663852886e38)
 
     @triton.jit
     def _div(num: tl.constexpr, den):
@@ -184,7 +184,7 @@ if triton is not None:
         tl.atomic_max(scratch_ptr, tl.max(bits, axis=0))
         if tl.atomic_add(scratch_ptr + 1, 1) == tl.num_programs(0) - 1:  # acq_rel: every program's max is in
             amax = tl.atomic_max(scratch_ptr, 0).to(tl.float32, bitcast=True)
-            tl.store(enc_ptr, _encode(amax, FMAX, 1.0))
+            tl.store(enc_ptr, _encode(amax, FMAX))
 
     @triton.jit
     def _record_kernel(hist_ptr, scale_ptr, amax_ptr, after_ptr, dec_ptr, old_ptr, HIST_LEN, AMAX_N,
