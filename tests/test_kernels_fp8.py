@@ -382,8 +382,9 @@ class _NormSwiGLU(torch.nn.Module):
 def test_casts_fused_into_their_producers_are_the_unfused_casts_on_cuda(precise_casts):
     """The compiled delayed path with the casts in the RMSNorm and SwiGLU kernels (forward) and SwiGLU's
     backward (gate_up's gradient), against the same model with graph breaks after each producer: the same
-    outputs, weight gradients, histories and scales, bit for bit, over three steps (the first at scale 1.0);
-    the input's gradient up to FP32 rounding (RMSNorm's backward, which no cast touches, compiles apart)."""
+    outputs, the linears' weight gradients, histories and scales, bit for bit, over three steps (the first at
+    scale 1.0); the input's and the norm weight's gradients up to FP32 rounding (RMSNorm's backward, which no
+    cast touches, compiles into another graph and reduces in another order)."""
     from lpbench.precision.recipes import get_recipe
 
     recipe = get_recipe("fp8-delayed")
@@ -404,7 +405,7 @@ def test_casts_fused_into_their_producers_are_the_unfused_casts_on_cuda(precise_
             mod.zero_grad(set_to_none=True)
         assert outs[0]["y"].dtype == torch.bfloat16
         for name in outs[0]:
-            if name == "dx":  # RMSNorm's own backward, compiled in another graph: FP32 rounding may differ
+            if name in ("dx", "norm.weight"):  # RMSNorm's own backward: FP32 rounding may differ
                 assert (outs[0][name] - outs[1][name]).abs().max() <= 1e-5 * outs[1][name].abs().max(), step
             else:
                 assert torch.equal(outs[0][name], outs[1][name]), (step, name)
