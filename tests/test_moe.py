@@ -325,7 +325,7 @@ def test_gradient_accumulation_trains_the_same_with_cached_weight_codes(monkeypa
                         lambda w, recipe, split: made.append(w) or quantize(w, recipe, split))
     cached = loop.train(cfg, log=lambda line: None)
     assert len(made) == 3 * 2 * 2  # steps x layers x weights: once per optimizer step
-    monkeypatch.setattr(weight_cache, "install", lambda model, optimizer: None)
+    monkeypatch.setattr(weight_cache, "install", lambda model, optimizer, bf16: None)
     uncached = loop.train(cfg, log=lambda line: None)
     assert [s["loss"] for s in cached.steps] == [s["loss"] for s in uncached.steps]
     assert [s["grad_norm"] for s in cached.steps] == [s["grad_norm"] for s in uncached.steps]

@@ -164,3 +164,72 @@ def test_cached_weights_train_exactly_like_uncached_on_cuda(recipe, accum):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     for (name, a), b in zip(plain.state_dict().items(), cached.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def _bf16_model(device="cpu") -> nn.Sequential:
+    """The decoder's Linear and a BF16 MoE layer, FP32 weights (the BF16 recipe's model)."""
+    from lpbench.models.decoder import Linear
+    from lpbench.models.moe import MoE
+    from lpbench.models.registry import ModelConfig
+
+    torch.manual_seed(0)
+    moe = MoE(ModelConfig("moe", 1, 32, 64, 2, 2, 64, n_experts=4, top_k=2))
+    for p in moe.experts.parameters():
+        nn.init.normal_(p, std=0.2)
+    return nn.Sequential(Linear(64, 32), moe).to(device)
+
+
+@pytest.fixture
+def bf16_on_cpu(monkeypatch):
+    """The BF16 cache on CPU, through autocast's BF16 GEMMs (not the FP32 route of CPUs without BF16)."""
+    from lpbench.precision import gemm
+
+    monkeypatch.setattr(gemm, "fp32_route", lambda x: False)
+    monkeypatch.setattr(weight_cache, "_plain_fp32_on_cuda", lambda w: w.dtype == torch.float32)
+
+
+def test_bf16_weights_cast_once_per_step_train_exactly_like_autocast(bf16_on_cpu):
+    """The BF16 recipe with the cache: the decoder's linear and the BF16 experts take their weights' BF16 copies,
+    made once per optimizer step; losses, weights and optimizer states equal autocast's casts in every forward."""
+    plain, cached = _bf16_model(), _bf16_model()
+    want, opt_plain = _train(plain, cached=False)
+    got, opt_cached = _train(cached, cached=True)
+    assert cached[0].bf16_weight.dtype == torch.bfloat16
+    assert set(cached[1].experts.weight_codes) == set()  # the last step dropped the experts' copies
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for (name, a), b in zip(plain.state_dict().items(), cached.state_dict().values()):
+        assert torch.equal(a, b), name
+    for a, b in zip(opt_plain.state.values(), opt_cached.state.values()):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
+def test_the_bf16_copy_is_what_the_forward_reads_and_only_under_bf16_autocast(bf16_on_cpu):
+    model = _bf16_model()
+    cache = weight_cache.install(model, torch.optim.AdamW(model.parameters()))
+    assert cache is not None and cache.bf16_linears == [model[0]] and cache.experts == [model[1].experts]
+    x = torch.randn(8, 64)
+    lin = model[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(lin(x), nn.functional.linear(x, lin.weight, lin.bias))  # made at install
+        model(x)  # the pre-hook fills the copies
+        lin.bf16_weight.mul_(2)  # a copy that no longer is the weight's: the forward must show it
+        assert torch.equal(lin(x), nn.functional.linear(x, 2 * lin.weight.detach(), lin.bias))
+    assert torch.equal(lin(x), nn.functional.linear(x, lin.weight, lin.bias))  # no autocast: the FP32 weight
+    assert weight_cache.install(_bf16_model(), torch.optim.AdamW(model.parameters()), bf16=False) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bf16_weights_cast_once_per_step_train_exactly_like_autocast_on_cuda(compiled):
+    """On CUDA: the decoder's linear and the grouped BF16 experts (torch's grouped GEMM), eager and compiled."""
+    plain, cached = _bf16_model("cuda"), _bf16_model("cuda")
+    assert weight_cache.bf16_eligible(cached[0]) and weight_cache.bf16_eligible(cached[1].experts)
+    if compiled:
+        torch._dynamo.reset()
+        plain[0].compile()
+        cached[0].compile()
+    want, _ = _train(plain, cached=False, device="cuda")
+    got, _ = _train(cached, cached=True, device="cuda")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for (name, a), b in zip(plain.state_dict().items(), cached.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -31,6 +31,7 @@ from lpbench.models.fused_loss import linear_cross_entropy
 from lpbench.models.moe import MoE, expert_shape
 from lpbench.models.registry import ModelConfig
 from lpbench.precision import gemm
+from lpbench.precision.weight_cache import cast_once
 from lpbench.precision.tp_local import local_linear
 
 
@@ -78,14 +79,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose BF16 GEMMs run as FP32 GEMMs on a CPU without native BF16 (:mod:`lpbench.precision.gemm`)."""
+    """``nn.Linear`` whose BF16 GEMMs run as FP32 GEMMs on a CPU without native BF16 (:mod:`lpbench.precision.gemm`),
+    and under autocast take the BF16 weight the weight cache made once per optimizer step, if it made one."""
 
     tp_aware = True  # on the FP32 route its GEMM runs on the tensor-parallel shards (local_linear)
+    caches_bf16_weight = True  # lpbench.precision.weight_cache.bf16_eligible
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if gemm.fp32_route(x):
             return local_linear(self, x, gemm.linear)
-        return super().forward(x)
+        w = cast_once(self.weight, getattr(self, "bf16_weight", None), x)
+        return super().forward(x) if w is None else F.linear(x, w, self.bias)
 
 
 class Attention(nn.Module):

@@ -39,6 +39,7 @@ from torch import nn
 
 from lpbench.models.registry import ModelConfig
 from lpbench.precision.grouped import GROUPED_FP8_SCALINGS, Groups, fp8_grouped, grouped_linear, looped
+from lpbench.precision.weight_cache import cast_once
 
 ROUTERS = ("mixtral", "qwen3")
 
@@ -116,7 +117,7 @@ class Experts(nn.Module):
         self.gemms = None  # ModuleDict of per-expert ExpertGemms (looped recipes)
         self.tp = None  # lpbench.parallel.tp.ExpertsTP: this rank's slice of every expert's FFN width
         self.adapters = nn.ModuleDict()  # LoRA: weight name -> lpbench.models.lora.ExpertLoRA
-        self.weight_codes: dict[str, tuple] = {}  # FP8 grouped: this step's codes of each weight (weight_cache)
+        self.weight_codes: dict = {}  # this step's FP8 codes (FP8 grouped) or BF16 copy of each weight (weight_cache)
 
     def set_recipe(self, recipe, native: bool) -> None:
         from lpbench.precision.linear import ExpertGemms
@@ -162,7 +163,7 @@ class Experts(nn.Module):
             return groups.clear_tail(self.torchao(x, w.transpose(1, 2), groups.offs, x.dtype,
                                                   pad_token_groups_for_grouped_mm=False))
         if self.recipe is None:
-            return grouped_linear(x, w, groups)
+            return grouped_linear(x, w, groups, cast_once(w, self.weight_codes.get(name), x))
         if self.gemms is None:
             return fp8_grouped(x, w, groups, self.recipe, self.native, self.weight_codes.get(name), self.split(name))
         return looped(x, w, groups, self.gemms[name])

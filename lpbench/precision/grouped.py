@@ -94,9 +94,10 @@ class Groups:
         return torch.cat(out)
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
-    """``x_e · w_eᵀ`` for every expert in ``x``'s dtype (w cast to it): rows of ``x`` [rows, K] by ``groups``."""
-    w = w.to(x.dtype)
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups, cast: torch.Tensor | None = None) -> torch.Tensor:
+    """``x_e · w_eᵀ`` for every expert in ``x``'s dtype (w cast to it, or ``cast``: w already cast, as
+    ``weight_cache.cast_once`` gives it): rows of ``x`` [rows, K] by ``groups``."""
+    w = w.to(x.dtype) if cast is None or cast.dtype != x.dtype else cast
     if capability.grouped_gemm(x) and x.dtype == torch.bfloat16:
         return groups.clear_tail(torch._grouped_mm(x, w.transpose(1, 2), offs=groups.offs))
     return _per_expert_linear(x, w, groups)

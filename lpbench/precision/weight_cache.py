@@ -13,10 +13,16 @@ graphs, each weight in a few fused launches):
   one-pass Triton cast (:func:`lpbench.precision.kernels.fp8_linear.cache_weight`); 1 byte per weight held;
 * experts on the FP8 grouped path (:func:`grouped_eligible`, native or emulated): each weight's
   forward and data-gradient codes (:func:`lpbench.precision.grouped.weight_codes`, one compiled graph
-  per weight shape on CUDA) in ``experts.weight_codes``, 2 bytes per weight, dropped at the step.
+  per weight shape on CUDA) in ``experts.weight_codes``, 2 bytes per weight, dropped at the step;
+* the 16-bit linears and experts autocast would cast every micro-batch (:func:`bf16_eligible`: the
+  decoder's ``Linear`` and BF16 grouped experts with FP32 CUDA weights): a BF16 copy, ``bf16_weight``
+  or ``experts.weight_codes[name]``, 2 bytes per weight, taken through :func:`cast_once`. The BF16
+  baseline then casts its master weights once per optimizer step, as Megatron's BF16 parameters do;
+  cast every micro-batch it paid ~9 % of mixtral-8x7b@2L's BF16 step (``benchmarks/moe.py --profile``),
+  which flattered every low-precision recipe's ratio to it.
 
 The codes are those the uncached forward computes from the same weight, so tensor-wise and
-row-wise scaling train bit-identically. fp8-delayed casts a weight once per step with its scale as it
+row-wise scaling and BF16 train bit-identically. fp8-delayed casts a weight once per step with its scale as it
 stands, then records its amax and updates the scale once: the step's later micro-batches reuse the
 first one's codes (as Transformer Engine does), where the uncached forward cast again with the scale
 the first micro-batch's update left. Without accumulation the two are identical.
@@ -48,6 +54,45 @@ def eligible(mod: nn.Module) -> bool:
             and w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)
 
 
+def bf16_eligible(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a linear (a class that sets ``caches_bf16_weight``, the decoder's ``Linear``) or BF16
+    grouped experts whose plain FP32 CUDA weights autocast casts in every forward."""
+    if getattr(type(mod), "caches_bf16_weight", False):
+        names = ["weight"]
+    elif is_experts(mod) and mod.recipe is None and mod.torchao is None:
+        names = [mod.in_name, "down"]
+    else:
+        return False
+    return all(_plain_fp32_on_cuda(getattr(mod, name)) for name in names)
+
+
+def _plain_fp32_on_cuda(w: torch.Tensor) -> bool:
+    return type(w) is nn.Parameter and w.is_cuda and w.dtype == torch.float32
+
+
+class _CastOnce(torch.autograd.Function):
+    """``w.to(w16.dtype)`` with the cast already done: forward returns the cached ``w16``, backward casts
+    the gradient back to ``w``'s dtype, as the cast's own backward does (so training is bit-identical)."""
+
+    @staticmethod
+    def forward(ctx, w, w16):
+        ctx.dtype = w.dtype
+        return w16.view_as(w16)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+def cast_once(w: torch.Tensor, cached: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """``w`` as the autocast GEMM on ``x`` would use it, from ``cached`` (its BF16 copy, :class:`WeightCache`), or
+    None where that copy does not apply (no copy, autocast off or to another dtype)."""
+    kind = x.device.type
+    if cached is None or not torch.is_autocast_enabled(kind) or torch.get_autocast_dtype(kind) != cached.dtype:
+        return None
+    return _CastOnce.apply(w, cached)
+
+
 def grouped_eligible(mod: nn.Module) -> bool:
     """Whether ``mod`` is an MoE layer's experts whose plain weights the FP8 grouped GEMMs quantize."""
     return (is_experts(mod) and mod.recipe is not None and mod.gemms is None and mod.torchao is None
@@ -57,9 +102,13 @@ def grouped_eligible(mod: nn.Module) -> bool:
 class WeightCache:
     """The quantized weights of a model's eligible linears and experts, and when they are stale (see the module doc)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, bf16: bool = True):
         self.linears = [m for m in model.modules() if eligible(m)]
-        self.experts = [m for m in model.modules() if grouped_eligible(m)]
+        bf16 = [m for m in model.modules() if bf16_eligible(m)] if bf16 else []
+        self.bf16_linears = [m for m in bf16 if not is_experts(m)]
+        self.experts = [m for m in model.modules() if grouped_eligible(m)] + [m for m in bf16 if is_experts(m)]
+        for m in self.bf16_linears:
+            m.register_buffer("bf16_weight", m.weight.detach().to(torch.bfloat16), persistent=False)
         for m in self.linears:
             w = m.weight
             fmt = m.recipe.element_format("weight").dtype
@@ -67,8 +116,8 @@ class WeightCache:
             m.register_buffer("fp8_weight_t", torch.empty(w.shape[::-1], dtype=fmt, device=w.device),
                               persistent=False)
             m.register_buffer("fp8_weight_scale", torch.ones((), device=w.device), persistent=False)
-        self.weights = [(m, "weight") for m in self.linears] + [(m, name) for m in self.experts
-                                                                  for name in (m.in_name, "down")]
+        self.weights = [(m, "weight") for m in self.linears + self.bf16_linears] + [
+            (m, name) for m in self.experts for name in (m.in_name, "down")]
         self.versions: list[int | None] = [None] * len(self.weights)
         self.handles = [model.register_forward_pre_hook(self._refresh),
                         optimizer.register_step_post_hook(self._stale)]
@@ -84,8 +133,13 @@ class WeightCache:
         for i, (m, name) in enumerate(self.weights):
             w = getattr(m, name)
             if self.versions[i] != w._version:
-                if name == "weight":
+                if name == "weight" and hasattr(m, "bf16_weight"):
+                    with torch.no_grad():
+                        m.bf16_weight.copy_(w)
+                elif name == "weight":
                     cache_weight(m)
+                elif m.recipe is None:  # BF16 grouped experts
+                    m.weight_codes[name] = w.detach().to(torch.bfloat16)
                 else:
                     m.weight_codes[name] = weight_codes(w.detach(), m.recipe, m.split(name))
                 self.versions[i] = w._version
@@ -97,13 +151,16 @@ class WeightCache:
         for m in self.linears:
             for name in ("fp8_weight", "fp8_weight_t", "fp8_weight_scale"):
                 delattr(m, name)
+        for m in self.bf16_linears:
+            delattr(m, "bf16_weight")
         for m in self.experts:
             m.weight_codes.clear()
 
 
-def install(model: nn.Module, optimizer: torch.optim.Optimizer) -> WeightCache | None:
-    """Quantize ``model``'s eligible linears' and experts' weights once per optimizer step (None: it has none)."""
-    cache = WeightCache(model, optimizer)
+def install(model: nn.Module, optimizer: torch.optim.Optimizer, bf16: bool = True) -> WeightCache | None:
+    """Quantize ``model``'s eligible linears' and experts' weights once per optimizer step, and cast its 16-bit ones
+    to BF16 once per step if ``bf16`` (the run's compute dtype is BF16); None: it has none."""
+    cache = WeightCache(model, optimizer, bf16)
     if not cache.weights:
         cache.remove()
         return None

@@ -129,7 +129,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     spread = expert_params(par.module)  # expert parallel: each rank's own experts
     optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda")
     if cfg.grad_accum > 1 and not (use_compile and cfg.compile_scope == "model"):  # its pre-hook runs eagerly
-        weight_cache.install(model, optimizer)  # FP8 weights (linears, experts) cast once per optimizer step
+        # FP8 and BF16 weights (linears, experts) cast once per optimizer step
+        weight_cache.install(model, optimizer, bf16=recipe.compute_dtype == torch.bfloat16)
     scheduler = build_scheduler(optimizer, cfg)
     memory.reset_peak(device)  # after building, sharding and initialising the model
     splits = build_data(cfg, model_cfg)
