@@ -261,6 +261,7 @@ def main() -> None:
                 m = r.metrics
                 row = {"model": f"{name}@{layers}L", "variant": label, "status": r.status,
                        "tokens_per_s": m.get("tokens_per_sec_per_gpu"), "step_ms": 1e3 * m.get("step_time_s", 0),
+                       "step_ms_p25": 1e3 * m.get("step_time_p25_s", 0), "step_ms_p75": 1e3 * m.get("step_time_p75_s", 0),
                        "tflops": m.get("tflops_per_gpu"), "mfu_bf16": m.get("mfu_bf16"),
                        "peak_gb": m.get("peak_mem_allocated_gb"), "wall_s": time.time() - t0}
                 if args.profile and "profile" in m:
@@ -288,7 +289,8 @@ def main() -> None:
                 f.write(json.dumps(row) + "\n")
             if row.get("tokens_per_s"):
                 print(f"RESULT {row['model']:20s} {label:22s} {row['tokens_per_s']:9.0f} tok/s  "
-                      f"{row['step_ms']:8.1f} ms  {row['tflops']:6.1f} TFLOP/s  MFU {row['mfu_bf16']:.3f}  "
+                      f"{row['step_ms']:8.1f} ms ({row['step_ms_p25']:.1f}-{row['step_ms_p75']:.1f})  "
+                      f"{row['tflops']:6.1f} TFLOP/s  MFU {row['mfu_bf16']:.3f}  "
                       f"peak {row['peak_gb']:.1f} GB  {row.get('vs_grouped_bf16', float('nan')):.2f}x grouped bf16  "
                       f"(wall {row['wall_s']:.0f} s)", flush=True)
             else:
