@@ -18,7 +18,7 @@ kernels that were queued but waited on a dependency).
 
 Rows (``--rows``, comma-separated): a recipe name (``mxfp8``/``nvfp4``/... run emulated where the
 GPU lacks them), ``torchao:RECIPE`` (torchao's Float8Linear), ``hf`` (the baseline); a row
-ending ``/unfused`` runs with ``--no-fused-loss`` (the unfused LM head + cross-entropy, for A/B).
+ending ``/fused-loss`` runs with ``--fused-loss`` (the chunked LM head + cross-entropy, for A/B).
 ``--gbs`` above ``--mbs`` accumulates gradients, so the optimizer step is shared by GBS/MBS
 micro-batches as in Megatron's runs; ``--no-profile`` times without the profiled steps (at large
 GBS their traces cost minutes).
@@ -42,7 +42,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ROWS = ("bf16,fp8-tensorwise,fp8-delayed,fp8-rowwise,fp8-blockwise,torchao:fp8-tensorwise,"
-                "mxfp8,nvfp4,hf")
+                "torchao:fp8-rowwise,mxfp8,nvfp4,hf")
 PARTS = ("gemm", "quantize", "attention", "other")
 
 
