@@ -37,6 +37,15 @@ def _train(model, cached: bool, steps=3, accum=2, device="cpu"):
     return losses, opt
 
 
+def _assert_trained_alike(got, want, cached, plain, *optimizers):
+    """Equal losses, final states (weights, histories) and, given two optimizers, AdamW second moments."""
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for (name, a), b in zip(plain.state_dict().items(), cached.state_dict().values()):
+        assert torch.equal(a, b), name
+    for a, b in zip(*(opt.state.values() for opt in optimizers)):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
     """The fused FP8 linear and the cache on CPU (``torch._scaled_mm`` runs there; no Triton: the torch cast)."""
@@ -62,11 +71,7 @@ def test_cached_weights_train_exactly_like_uncached(fused_on_cpu, recipe, accum)
     got, opt_cached = _train(cached, cached=True, accum=accum)
     assert n_plain == 2 * 3 * accum  # two linears, every micro-batch
     assert fused_on_cpu.count("weight") - n_plain == 2 * 3  # once per optimizer step
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    for (name, a), b in zip(plain.state_dict().items(), cached.state_dict().values()):
-        assert torch.equal(a, b), name
-    for a, b in zip(opt_plain.state.values(), opt_cached.state.values()):
-        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    _assert_trained_alike(got, want, cached, plain, opt_plain, opt_cached)
 
 
 def test_delayed_weight_keeps_one_scale_through_the_step(fused_on_cpu):
@@ -147,9 +152,7 @@ def test_the_optimizer_step_alone_makes_linears_and_experts_stale(fused_on_cpu, 
     want, opt_plain = _train(plain, cached=False)
     got, opt_cached = _train(cached, cached=True)
     assert fused_on_cpu.count("weight") == 2 * 3 + 3 and len(made) == 2 * 3  # uncached: every micro-batch
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    for (name, a), b in zip(plain.state_dict().items(), cached.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_trained_alike(got, want, cached, plain)
     assert not cached[1].experts.weight_codes  # the last step dropped them: stale codes are not held
 
 
@@ -161,9 +164,7 @@ def test_cached_weights_train_exactly_like_uncached_on_cuda(recipe, accum):
     assert all(weight_cache.eligible(m) for m in (cached[0], cached[2]))
     want, _ = _train(plain, cached=False, accum=accum, device="cuda")
     got, _ = _train(cached, cached=True, accum=accum, device="cuda")
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    for (name, a), b in zip(plain.state_dict().items(), cached.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_trained_alike(got, want, cached, plain)
 
 
 def _bf16_model(device="cpu") -> nn.Sequential:
@@ -196,11 +197,7 @@ def test_bf16_weights_cast_once_per_step_train_exactly_like_autocast(bf16_on_cpu
     got, opt_cached = _train(cached, cached=True)
     assert cached[0].bf16_weight.dtype == torch.bfloat16
     assert set(cached[1].experts.weight_codes) == set()  # the last step dropped the experts' copies
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    for (name, a), b in zip(plain.state_dict().items(), cached.state_dict().values()):
-        assert torch.equal(a, b), name
-    for a, b in zip(opt_plain.state.values(), opt_cached.state.values()):
-        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    _assert_trained_alike(got, want, cached, plain, opt_plain, opt_cached)
 
 
 def test_the_bf16_copy_is_what_the_forward_reads_and_only_under_bf16_autocast(bf16_on_cpu):
@@ -230,6 +227,4 @@ def test_bf16_weights_cast_once_per_step_train_exactly_like_autocast_on_cuda(com
         cached[0].compile()
     want, _ = _train(plain, cached=False, device="cuda")
     got, _ = _train(cached, cached=True, device="cuda")
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    for (name, a), b in zip(plain.state_dict().items(), cached.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_trained_alike(got, want, cached, plain)
