@@ -1,4 +1,4 @@
-"""Weights quantized once per optimizer step, not once per micro-batch.
+"""Weights quantized (or cast to BF16) once per optimizer step, not once per micro-batch.
 
 With gradient accumulation every micro-batch's forward quantized each FP32 master weight again,
 though it only changes at the optimizer step (llama3-8b@16L: ~35 GB of traffic per micro-batch;
