@@ -31,8 +31,8 @@ from lpbench.models.fused_loss import linear_cross_entropy
 from lpbench.models.moe import MoE, expert_shape
 from lpbench.models.registry import ModelConfig
 from lpbench.precision import gemm
-from lpbench.precision.weight_cache import cast_once
 from lpbench.precision.tp_local import local_linear
+from lpbench.precision.weight_cache import cast_once
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:

@@ -104,9 +104,9 @@ class WeightCache:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, bf16: bool = True):
         self.linears = [m for m in model.modules() if eligible(m)]
-        bf16 = [m for m in model.modules() if bf16_eligible(m)] if bf16 else []
-        self.bf16_linears = [m for m in bf16 if not is_experts(m)]
-        self.experts = [m for m in model.modules() if grouped_eligible(m)] + [m for m in bf16 if is_experts(m)]
+        halves = [m for m in model.modules() if bf16_eligible(m)] if bf16 else []
+        self.bf16_linears = [m for m in halves if not is_experts(m)]
+        self.experts = [m for m in model.modules() if grouped_eligible(m)] + [m for m in halves if is_experts(m)]
         for m in self.bf16_linears:
             m.register_buffer("bf16_weight", m.weight.detach().to(torch.bfloat16), persistent=False)
         for m in self.linears:
