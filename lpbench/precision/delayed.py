@@ -11,12 +11,10 @@ compiled path the operand's producer (RMSNorm, SwiGLU, ...) writes the FP8 codes
 each operand once per pass, as TE's linears do, that is TE's update at the end of each forward and
 backward pass.
 
-Before, the encode scale was computed from the history with no stored scale, and while the history
-was empty (the first step, or after zero and non-finite amaxes recorded as 0) the current amax stood
-in, so the first cast read its operand before writing any code. Now the first step casts with scale
-1.0 (TE's choice: the first steps' codes saturate or underflow where the operand is far from 1), a
-zero amax neither enters the history nor changes the scale, and NaN and Inf amaxes enter the history
-(Inf holds the previous scale until it leaves the history; NaN is ignored by the max, as TE's ``fmaxf``).
+The first step casts with scale 1.0 (TE's choice: the first steps' codes saturate or underflow where
+the operand is far from 1); a zero amax neither enters the history nor changes the scale; NaN and Inf
+amaxes enter the history (Inf holds the previous scale until it leaves the history; NaN is ignored by
+the max, as TE's ``fmaxf``).
 
 Every module that quantizes with delayed scaling (QuantizedLinear, an MoE expert's ExpertGemms, the
 frozen linear of LoRA) inherits :class:`DelayedScaling`, and every path (emulated GEMMs, the fused
@@ -34,6 +32,15 @@ from lpbench.precision.kernels.fp8 import delayed_update
 from lpbench.precision.quantize import Scaling, delayed_scaled_max
 
 
+HISTORY, SCALE = "amax_history_", "delayed_scale_"  # buffer names: the prefix, then the role
+
+
+def is_delayed_state(name: str, kinds: tuple[str, ...] = (HISTORY, SCALE)) -> bool:
+    """Whether buffer ``name`` (a module's own or a dotted state-dict key) is delayed scaling's state of one of
+    ``kinds``: an amax history (:data:`HISTORY`) or a scale (:data:`SCALE`)."""
+    return name.rpartition(".")[2].startswith(kinds)
+
+
 class DelayedScaling:
     """Mixin of an ``nn.Module`` with a ``recipe`` and ``reduce_amax`` (the whole operand's amax from this
     module's part; :class:`lpbench.precision.linear.QuantizedGemms`): its delayed-scaling histories and scales."""
@@ -41,13 +48,13 @@ class DelayedScaling:
     def _init_histories(self, device, roles=("input", "weight", "grad")) -> None:
         if self.recipe.scaling is Scaling.DELAYED:
             for role in roles:
-                self.register_buffer(f"amax_history_{role}", torch.zeros(self.recipe.amax_history_len, device=device))
-                self.register_buffer(f"delayed_scale_{role}", torch.ones((), device=device))
+                self.register_buffer(HISTORY + role, torch.zeros(self.recipe.amax_history_len, device=device))
+                self.register_buffer(SCALE + role, torch.ones((), device=device))
 
     def _apply(self, fn, recurse=True):
         """As ``nn.Module._apply``, but the histories and scales stay FP32 under a dtype cast (``.to(bf16)``
         would round the scales and change the codes); they still move between devices."""
-        state = {n: b for n, b in self._buffers.items() if n.startswith(("amax_history_", "delayed_scale_"))}
+        state = {n: b for n, b in self._buffers.items() if is_delayed_state(n)}
         out = super()._apply(fn, recurse)
         for name, old in state.items():
             new = self._buffers[name]
@@ -59,17 +66,17 @@ class DelayedScaling:
     def reset_delayed_state(self) -> None:
         """Histories empty, scales 1.0: the state of a new module (after ``to_empty``, which leaves it undefined)."""
         for name, buf in self._buffers.items():
-            if name.startswith("amax_history_"):
+            if is_delayed_state(name, HISTORY):
                 buf.zero_()
-            elif name.startswith("delayed_scale_"):
+            elif is_delayed_state(name, SCALE):
                 buf.fill_(1.0)
 
     def amax_history(self, role: str) -> torch.Tensor:
-        return getattr(self, f"amax_history_{role}")
+        return getattr(self, HISTORY + role)
 
     def scale_buffer(self, role: str) -> torch.Tensor:
         """Operand ``role``'s persistent encode scale (the buffer itself: the update changes it in place)."""
-        return getattr(self, f"delayed_scale_{role}")
+        return getattr(self, SCALE + role)
 
     def scaled_max(self, role: str) -> float:
         return delayed_scaled_max(self.recipe.element_format(role), self.recipe.margin)

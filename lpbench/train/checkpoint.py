@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from lpbench import __version__
 from lpbench.errors import UsageError
 from lpbench.parallel.ep import expert_params
+from lpbench.precision.delayed import SCALE, is_delayed_state
 
 META_FILE = "lpbench.json"
 STEP_DIR = re.compile(r"step-(\d+)")
@@ -283,8 +284,8 @@ class Checkpointer:
             return 0, []
         ckpt, meta = check_resumable(self.cfg)
         state = self._state(0)
-        if any("delayed_scale_" in k for k in state["model"]) and not any(
-                "delayed_scale_" in k for k in _VerifiedReader(ckpt, meta["files"]).read_metadata().state_dict_metadata):
+        if any(is_delayed_state(k, SCALE) for k in state["model"]) and not any(
+                is_delayed_state(k, SCALE) for k in _VerifiedReader(ckpt, meta["files"]).read_metadata().state_dict_metadata):
             raise UsageError(f"--load {ckpt}: no delayed-scaling scales in it (saved before fp8-delayed kept a "
                              "persistent scale per operand); resume it with the lpbench that saved it")
         try:

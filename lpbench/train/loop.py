@@ -29,6 +29,7 @@ from lpbench.parallel.ep import expert_params, sync_expert_grads
 from lpbench.parallel.env import all_reduce, init_distributed
 from lpbench.parallel.plan import parallelize
 from lpbench.precision import gemm, weight_cache
+from lpbench.precision.delayed import is_delayed_state
 from lpbench.precision.recipes import get_recipe
 from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError, validated
 from lpbench.train.workload import (build_data, describe_lora, prepare_model, run_flops_per_token,
@@ -290,8 +291,8 @@ def evaluate(module: torch.nn.Module, batches, n_batches: int, device: torch.dev
     Delayed scaling's amax histories and scales (the buffers a forward changes) are restored afterwards:
     evaluating does not change the training that follows (as in TE, whose no-grad forwards update no scale).
     """
-    histories = [b for name, b in module.named_buffers() if "amax_history" in name or "delayed_scale" in name]
-    saved = [b.clone() for b in histories]
+    state = [b for name, b in module.named_buffers() if is_delayed_state(name)]
+    saved = [b.clone() for b in state]
     module.eval()
     total = count = 0.0
     with torch.no_grad():
@@ -301,7 +302,7 @@ def evaluate(module: torch.nn.Module, batches, n_batches: int, device: torch.dev
             with autocast:
                 total += module(*args).item() * n
             count += n
-    for buf, old in zip(histories, saved):
+    for buf, old in zip(state, saved):
         buf.copy_(old)
     module.train()
     total, count = all_reduce([total, count], "sum", device)
