@@ -33,9 +33,8 @@ def _(history, scale, amax, scaled_max, most_recent):
 
 
 if triton is not None:
+    from lpbench.precision.kernels.fp8_cast import _record_amax
 
     @delayed_update.register_kernel("cuda")
     def _(history, scale, amax, scaled_max, most_recent):
-        from lpbench.precision.kernels.fp8_cast import _record_amax
-
         return _record_amax(history, scale, amax.float().reshape(()), scale, scaled_max, most_recent, True)[1]
