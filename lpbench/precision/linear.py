@@ -29,8 +29,9 @@ exactly on any device:
 Autocast: inputs are cast to the autocast dtype, then all quantization and GEMMs run with
 autocast disabled; the output has the input's compute dtype, dW the weight's dtype. Delayed
 scaling keeps its amax histories and scales as buffers (``amax_history_{input,weight,grad}``,
-``delayed_scale_{input,weight,grad}``; :mod:`lpbench.precision.delayed`), so they are checkpointed. The token dim is zero-padded for the wgrad GEMM when its block needs it
-(MoE experts see any number of tokens); zeros change neither amax nor the product.
+``delayed_scale_{input,weight,grad}``; :mod:`lpbench.precision.delayed`), so they are checkpointed.
+The token dim is zero-padded for the wgrad GEMM when its block needs it (MoE experts see any number
+of tokens); zeros change neither amax nor the product.
 
 Tensor parallelism (``tp_shard``, set by :func:`lpbench.parallel.tp.apply_tp`): the GEMMs run
 on the local shards, and each shard is quantized as the unsharded tensor would be: the amax of

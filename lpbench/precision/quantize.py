@@ -251,8 +251,9 @@ def delayed_update(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
     * otherwise amax enters ``history`` at index 0 (the oldest entry drops out; NaN and Inf are kept);
     * the reference amax is the max over the history ("max", NaN entries ignored as ``fmaxf`` does) or
       the recorded amax ("most_recent");
-    * scale = ``scaled_max`` (:func:`delayed_scaled_max`: FP8_MAX·2**-margin) / reference, correctly rounded in FP32, kept at its previous value where
-      the reference is 0 or not finite, and the FP32 max where the quotient overflows.
+    * scale = ``scaled_max`` (:func:`delayed_scaled_max`: FP8_MAX·2**-margin) / reference, correctly
+      rounded in FP32, kept at its previous value where the reference is 0 or not finite, and the FP32
+      max where the quotient overflows.
 
     The scale a cast uses is the one this update left the step before; it starts at 1.0.
     """

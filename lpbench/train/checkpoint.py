@@ -284,7 +284,7 @@ class Checkpointer:
             return 0, []
         ckpt, meta = check_resumable(self.cfg)
         state = self._state(0)
-        if any(is_delayed_state(k, SCALE) for k in state["model"]) and not any(
+        if any(is_delayed_state(k, SCALE) for k in state["model"]) and not any(  # the file's keys read only then
                 is_delayed_state(k, SCALE) for k in _VerifiedReader(ckpt, meta["files"]).read_metadata().state_dict_metadata):
             raise UsageError(f"--load {ckpt}: no delayed-scaling scales in it (saved before fp8-delayed kept a "
                              "persistent scale per operand); resume it with the lpbench that saved it")
