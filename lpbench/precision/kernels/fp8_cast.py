@@ -9,7 +9,8 @@ non-negative floats the integer order is the float order, and NaN sorts above +i
 anywhere gives NaN, as ``abs().amax()`` does).
 
 * tensorwise scaling: the scale of the amax (:func:`tensorwise_cast_into`: the scale launch, the
-  cast, the decode scale), or of the amax its producer reduced (the compiled path);
+  cast, the decode scale), or of the amax its producer reduced (the compiled path; the cast then
+  reduces no amax, which takes a fifth of its time);
 * delayed scaling (Transformer Engine's rule, ``quantize.delayed_update``): the cast reads the
   module's persistent scale buffer, so it needs nothing computed first; :func:`record_amax` then
   gives the decode scale of that cast and, in the same single-program launch, shifts the amax into
@@ -36,31 +37,31 @@ from torch.library import wrap_triton
 from lpbench.precision.capability import kernel_op, tl, triton  # None without Triton
 from lpbench.precision.formats import FloatFormat
 
-TILE = 128  # rows and columns per program of the cast (benchmarks/fp8_cast.py: 128x8 the fastest on an H200)
-WARPS = 8  # warps per program
+CAST_LAUNCH = (64, 128, 4)  # rows, columns and warps per program of the cast (benchmarks/fp8_cast.py)
 AMAX_BLOCK = 8192  # elements per program (per loop trip) of the amax
 SCALE_PROGRAMS = 1024  # the most programs of the tensorwise scale launch (each loops over its share of x)
-TRANSPOSE_TILE = 64  # rows and columns per program of the FP8 codes' transpose
+TRANSPOSE_LAUNCH = (64, 256, 8)  # rows, columns and warps per program of the FP8 codes' transpose
 
 
-def _launch(launcher, x, q, qt, encode_scale, fp8_max, write_t, tile=None, warps=None) -> torch.Tensor:
-    """Run the cast of ``x`` into ``q`` (and ``qt``); the amax of x (FP32)."""
+def _launch(launcher, x, q, qt, encode_scale, fp8_max, write_t, amax=True, launch=None) -> torch.Tensor:
+    """Run the cast of ``x`` into ``q`` (and ``qt``); the amax of x (FP32), or an empty tensor if not ``amax``
+    (the kernel then skips its reduction: a fifth of its time at llama3-8b shapes on an H200)."""
     m, n = x.shape
-    tile, warps = tile or TILE, warps or WARPS
-    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-    grid = (triton.cdiv(m, tile), triton.cdiv(n, tile))
-    launcher(_cast_kernel)[grid](x, q, qt, encode_scale, amax_bits, m, n, FMAX=fp8_max, WRITE_T=write_t, BM=tile,
-                                 BN=tile, num_warps=warps)
+    bm, bn, warps = launch or CAST_LAUNCH
+    amax_bits = torch.zeros(() if amax else (0,), dtype=torch.int32, device=x.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    launcher(_cast_kernel)[grid](x, q, qt, encode_scale, amax_bits, m, n, FMAX=fp8_max, WRITE_T=write_t, AMAX=amax,
+                                 BM=bm, BN=bn, num_warps=warps)
     return amax_bits.view(torch.float32)
 
 
 @kernel_op("lpbench::fp8_cast_transpose", ())
 def _cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
-                    write_t: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    write_t: bool, amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = x.shape
     q = torch.empty((m, n), dtype=dtype, device=x.device)
     qt = torch.empty((n, m) if write_t else (0,), dtype=dtype, device=x.device)
-    return q, qt, _launch(wrap_triton, x, q, qt, encode_scale, fp8_max, write_t)
+    return q, qt, _launch(wrap_triton, x, q, qt, encode_scale, fp8_max, write_t, amax)
 
 
 @kernel_op("lpbench::fp8_amax_scale", ())
@@ -89,28 +90,35 @@ def _record_amax(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     return dec, old
 
 
+def launch_transpose(launcher, q: torch.Tensor, qt: torch.Tensor, launch=None) -> None:
+    """Write ``q.t()`` of FP8 codes [M, N] into ``qt`` [N, M]."""
+    m, n = q.shape
+    bm, bn, warps = launch or TRANSPOSE_LAUNCH
+    src, dst = (q, qt) if q.is_cuda else (q.view(torch.uint8), qt.view(torch.uint8))  # the interpreter: bytes
+    launcher(_transpose_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](src, dst, m, n, BM=bm, BN=bn,
+                                                                          num_warps=warps)
+
+
 @kernel_op("lpbench::fp8_transpose_codes", ())
 def _transpose_codes(q: torch.Tensor) -> torch.Tensor:
     m, n = q.shape
     qt = torch.empty((n, m), dtype=q.dtype, device=q.device)
-    grid = (triton.cdiv(m, TRANSPOSE_TILE), triton.cdiv(n, TRANSPOSE_TILE))
-    src, dst = (q, qt) if q.is_cuda else (q.view(torch.uint8), qt.view(torch.uint8))  # the interpreter: bytes
-    wrap_triton(_transpose_kernel)[grid](src, dst, m, n, BM=TRANSPOSE_TILE, BN=TRANSPOSE_TILE, num_warps=8)
+    launch_transpose(wrap_triton, q, qt)
     return qt
 
 
-def cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fmt: FloatFormat, write_t: bool):
-    """(codes, transposed codes or empty, amax of x): saturating round-to-nearest-even cast of
-    x × encode_scale, in one read of x (CUDA; see :func:`lpbench.precision.capability.fp8_cast_kernel`)."""
-    return _cast_transpose(x.contiguous(), encode_scale.float().reshape(()), fmt.max, fmt.dtype, write_t)
+def cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fmt: FloatFormat, write_t: bool, amax: bool = True):
+    """(codes, transposed codes or empty, amax of x or empty if not ``amax``): saturating round-to-nearest-even
+    cast of x × encode_scale, in one read of x (CUDA; see :func:`lpbench.precision.capability.fp8_cast_kernel`)."""
+    return _cast_transpose(x.contiguous(), encode_scale.float().reshape(()), fmt.max, fmt.dtype, write_t, amax)
 
 
 def cast_transpose_into(x: torch.Tensor, encode_scale: torch.Tensor, fmt: FloatFormat, q: torch.Tensor,
-                        qt: torch.Tensor, tile: int | None = None, warps: int | None = None) -> torch.Tensor:
+                        qt: torch.Tensor, amax: bool = True, launch=None) -> torch.Tensor:
     """:func:`cast_transpose` into given ``q`` [M, N] and ``qt`` [N, M] (eager only: a plain kernel launch, for
-    buffers that outlive the call); returns the amax of x. ``tile``/``warps``: the launch shape
-    (``benchmarks/fp8_cast.py`` times the choices)."""
-    return _launch(lambda k: k, x.contiguous(), q, qt, encode_scale.float().reshape(()), fmt.max, True, tile, warps)
+    buffers that outlive the call); returns the amax of x (empty if not ``amax``). ``launch``: (rows, columns,
+    warps) per program (``benchmarks/fp8_cast.py`` times the choices)."""
+    return _launch(lambda k: k, x.contiguous(), q, qt, encode_scale.float().reshape(()), fmt.max, True, amax, launch)
 
 
 def record_amax(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, codes: torch.Tensor,
@@ -126,7 +134,7 @@ def record_amax(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, 
 
 
 def transpose_codes(q: torch.Tensor) -> torch.Tensor:
-    """``q.t().contiguous()`` of FP8 codes [M, N] (CUDA; the same bytes, moved in 64x64 tiles)."""
+    """``q.t().contiguous()`` of FP8 codes [M, N] (CUDA; the same bytes, moved in tiles)."""
     return _transpose_codes(q.contiguous())
 
 
@@ -160,7 +168,7 @@ if triton is not None:
 
     @triton.jit
     def _cast_kernel(x_ptr, q_ptr, qt_ptr, enc_ptr, amax_ptr, M, N, FMAX: tl.constexpr, WRITE_T: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr):
+                     AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
         rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -171,7 +179,8 @@ if triton is not None:
         tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
         if WRITE_T:
             tl.store(qt_ptr + rn[None, :] * M + rm[:, None], q, mask=mask)
-        tl.atomic_max(amax_ptr, tl.max(tl.max(_bits_of_abs(x), axis=1), axis=0))
+        if AMAX:
+            tl.atomic_max(amax_ptr, tl.max(tl.max(_bits_of_abs(x), axis=1), axis=0))
 
     @triton.jit
     def _amax_scale_kernel(x_ptr, scratch_ptr, enc_ptr, numel, TRIPS, FMAX: tl.constexpr, BLOCK: tl.constexpr):

@@ -77,10 +77,10 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
         return pre[0], pre[0].t().contiguous() if write_t else pre[0].new_empty((0,)), pre[1]
     kernel = capability.fp8_cast_kernel(t)
 
-    def one_pass(enc):  # one tiled pass writes both copies (inductor's transposed write is slow)
+    def one_pass(enc, amax=True):  # one tiled pass writes both copies (inductor's transposed write is slow)
         if out is not None:
-            return (*out, fp8_cast.cast_transpose_into(t.detach(), enc, fmt, *out))
-        return fp8_cast.cast_transpose(t.detach(), enc, fmt, write_t)
+            return (*out, fp8_cast.cast_transpose_into(t.detach(), enc, fmt, *out, amax))
+        return fp8_cast.cast_transpose(t.detach(), enc, fmt, write_t, amax)
 
     if recipe.scaling is not Scaling.DELAYED:
         if kernel and out is not None and mod.tp_shard is None:  # eager: three launches
@@ -88,7 +88,7 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
         amax = mod.reduce_amax(role, t.detach().abs().amax().float())
         enc = fp8_encode_scale(amax, fmt)
         if kernel:
-            q, qt, _ = one_pass(enc)
+            q, qt, _ = one_pass(enc, amax=False)  # the amax is known: the cast skips its reduction
             return q, qt, fp8_decode_scale(enc, amax)
         return cast(t, amax, enc, fmt, write_t)
     if not kernel:
