@@ -23,7 +23,7 @@ def trace(tmp_path, step_table):
     step_table._trace_events.cache_clear()
     events = [
         _x("python_function", "/site/lpbench/train/loop.py(170): train", 0, 2000),
-        _x("python_function", "/site/lpbench/precision/weight_cache.py(90): _refresh", 100, 700),
+        _x("python_function", "/site/lpbench/precision/weight_cache.py(90): refresh", 100, 700),
         _x("python_function", "/site/torch/cuda/graphs.py(5): zeros", 300, 50),
         _x("cuda_runtime", "cudaLaunchKernel", 10, 5, corr=1),
         _x("cuda_driver", "cuLaunchKernelEx", 320, 5, corr=2),  # Triton launches through the driver API
@@ -48,7 +48,7 @@ def test_idle_gaps_sum_the_time_between_kernels(step_table, trace):
 def test_host_waits_name_the_frame_that_launched_late_and_the_blocking_calls(step_table, trace):
     late, blocking = step_table.host_waits(trace, 2, 5)
     assert dict(late) == {
-        "lpbench/precision/weight_cache.py(90): _refresh | torch/cuda/graphs.py(5): zeros": pytest.approx(0.175),
+        "lpbench/precision/weight_cache.py(90): refresh | torch/cuda/graphs.py(5): zeros": pytest.approx(0.175),
         "(launched before the gap: the GPU waited on a dependency)": pytest.approx(0.01)}
     assert blocking == [("cudaStreamSynchronize", pytest.approx(0.2))]
 

@@ -156,6 +156,43 @@ def test_the_optimizer_step_alone_makes_linears_and_experts_stale(fused_on_cpu, 
     assert not cached[1].experts.weight_codes  # the last step dropped them: stale codes are not held
 
 
+def test_training_loop_refills_after_the_optimizer_step_without_changing_training(fused_on_cpu, monkeypatch,
+                                                                                   tmp_path):
+    """The loop casts the next step's weights right after the optimizer step (not after the last step, nor before
+    an evaluation or a checkpoint save); fp8-delayed trains bit-identically with and without that, with
+    evaluations (evaluate restores the amaxes its refill recorded, so the cache is cast again) and resumed from a
+    checkpoint (which holds the amaxes from before the cast)."""
+    from lpbench.config import RunConfig
+    from lpbench.train import loop
+
+    monkeypatch.setattr(capability, "why_emulated", lambda recipe, device: None)  # native: the fused linears
+    cfg = RunConfig(model="tiny", precision="fp8-delayed", seq_len=32, mbs=2, gbs=4, steps=6, warmup_steps=1,
+                    device="cpu", log_interval=100)
+    by_loop = []
+    refresh = weight_cache.WeightCache.refresh
+
+    def spy(cache, *hook_args):
+        if not hook_args:  # called by the loop, not as the forward pre-hook
+            by_loop.append(sum(v is None for v in cache.versions))
+        refresh(cache, *hook_args)
+
+    monkeypatch.setattr(weight_cache.WeightCache, "refresh", spy)
+
+    def losses(**changes):
+        return [s["loss"] for s in loop.train(cfg.with_(**changes), log=lambda line: None).steps]
+
+    plain = losses()
+    n_linears = by_loop[0]
+    assert n_linears > 0 and by_loop == [n_linears] * 5  # after steps 1-5, every weight stale
+    by_loop.clear()
+    assert losses(eval_every=2, eval_batches=2) == plain
+    assert len(by_loop) == 3  # after steps 1, 3 and 5
+    assert losses(save_every=3, save_dir=str(tmp_path)) == plain
+    assert losses(load=str(tmp_path / "step-3")) == plain[3:]
+    monkeypatch.setattr(loop, "prefetch_weights", lambda *args: False)
+    assert losses() == plain
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe, accum", [("fp8-tensorwise", 2), ("fp8-delayed", 1)])
 def test_cached_weights_train_exactly_like_uncached_on_cuda(recipe, accum):

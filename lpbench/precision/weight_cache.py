@@ -6,7 +6,8 @@ MoE FP8 grouped experts: casts costlier than the faster GEMMs saved). :class:`We
 knows when codes are stale: after every ``optimizer.step()`` (a step post-hook: the fused AdamW
 does not bump version counters) and when a weight's version changed (``copy_``, a checkpoint
 load); a forward pre-hook on the model quantizes the stale ones before the forward (outside the compiled
-graphs, each weight in a few fused launches):
+graphs, each weight in a few fused launches), and the training loop calls the same refill right after the
+optimizer step, while the GPU still runs it (``train.loop.prefetch_weights`` says when it may):
 
 * fused FP8 tensorwise / delayed linears (:func:`eligible`): non-persistent buffers
   ``fp8_weight`` [N, K], ``fp8_weight_t`` [K, N], ``fp8_weight_scale``, filled by the linear's own
@@ -119,15 +120,18 @@ class WeightCache:
         self.weights = [(m, "weight") for m in self.linears + self.bf16_linears] + [
             (m, name) for m in self.experts for name in (m.in_name, "down")]
         self.versions: list[int | None] = [None] * len(self.weights)
-        self.handles = [model.register_forward_pre_hook(self._refresh),
-                        optimizer.register_step_post_hook(self._stale)]
+        self.handles = [model.register_forward_pre_hook(self.refresh),
+                        optimizer.register_step_post_hook(self.invalidate)]
 
-    def _stale(self, *_) -> None:
+    def invalidate(self, *_) -> None:
+        """Mark every weight stale (the optimizer's step post-hook)."""
         self.versions = [None] * len(self.weights)
         for m in self.experts:  # not held past the step
             m.weight_codes.clear()
 
-    def _refresh(self, *_) -> None:
+    def refresh(self, *_) -> None:
+        """Cast the stale weights (the model's forward pre-hook; the training loop calls it after the optimizer
+        step as well, :func:`lpbench.train.loop.prefetch_weights`)."""
         from lpbench.precision.kernels.fp8_linear import cache_weight
 
         for i, (m, name) in enumerate(self.weights):

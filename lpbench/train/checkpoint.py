@@ -310,10 +310,14 @@ class Checkpointer:
         self.log(f"lpbench: resumed from {ckpt} at step {step}{note}")
         return step, meta["history"]
 
+    def saves(self, step: int) -> bool:
+        """Whether :meth:`maybe_save` writes a checkpoint after ``step``."""
+        return bool(self.cfg.save_every) and step % self.cfg.save_every == 0
+
     def maybe_save(self, step: int, history: list[dict]) -> Path | None:
         """Write ``save_dir/step-K`` atomically when ``step`` is a multiple of ``save_every``; ``history``
         is the records of steps 1..K (rank 0's), kept in ``lpbench.json``."""
-        if not self.cfg.save_every or step % self.cfg.save_every:
+        if not self.saves(step):
             return None
         root = Path(self.cfg.save_dir)
         final, tmp = root / f"step-{step}", root / f".step-{step}.tmp-{self.pid}"
