@@ -31,7 +31,8 @@ def _launches(spec: str) -> list[tuple[int, int, int]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--casts", default=CASTS, help=f"ROWSxCOLSxWARPS,... of the cast (default {CASTS})")
-    ap.add_argument("--transposes", default=TRANSPOSES, help=f"the same for the codes' transpose (default {TRANSPOSES})")
+    ap.add_argument("--transposes", default=TRANSPOSES,
+                    help=f"the same for the codes' transpose (default {TRANSPOSES})")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("fp8_cast.py: needs a CUDA device", file=sys.stderr)
@@ -46,7 +47,8 @@ def main() -> int:
         return do_bench(fn, warmup=25, rep=200, return_mode="median")
 
     print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__}")
-    print(f"{'shape':<22} {'kernel':<10} {'launch':>9} {'amax':>5} {'us':>8} {'GB/s':>6} {'copy GB/s':>9} {'exact':>5}  operand")
+    print(f"{'shape':<22} {'kernel':<10} {'launch':>9} {'amax':>5} {'us':>8} {'GB/s':>6} {'copy GB/s':>9} "
+          f"{'exact':>5}  operand")
     ok_all = True
     for m, n, dtype, what in SHAPES:
         x = (torch.randn(m, n, device="cuda") * 3).to(dtype)

@@ -17,8 +17,9 @@ kernels that were queued but waited on a dependency).
         --rows bf16,fp8-tensorwise,torchao:fp8-tensorwise
 
 Rows (``--rows``, comma-separated): a recipe name (``mxfp8``/``nvfp4``/... run emulated where the
-GPU lacks them), ``torchao:RECIPE`` (torchao's Float8Linear), ``hf`` (the baseline); a row
-ending ``/fused-loss`` runs with ``--fused-loss`` (the chunked LM head + cross-entropy, for A/B).
+GPU lacks them), ``torchao:RECIPE`` (torchao's Float8Linear), ``hf`` (the baseline); suffixes change a
+row's settings, for A/B: ``/fused-loss`` runs it with ``--fused-loss`` (the chunked LM head + cross-entropy),
+``/model-scope`` with ``--compile-scope model`` (one compiled graph for the model, not one per block).
 ``--gbs`` above ``--mbs`` accumulates gradients, so the optimizer step is shared by GBS/MBS
 micro-batches as in Megatron's runs; ``--no-profile`` times without the profiled steps (at large
 GBS their traces cost minutes).
@@ -46,14 +47,21 @@ DEFAULT_ROWS = ("bf16,fp8-tensorwise,fp8-delayed,fp8-rowwise,fp8-blockwise,torch
 PARTS = ("gemm", "quantize", "attention", "other")
 
 
+SUFFIXES = {"fused-loss": ("fused_loss", True), "model-scope": ("compile_scope", "model")}  # row suffix: setting
+
+
 def spec_for(args, rows: list[str]) -> dict:
     recipes = []
     for row in rows:
-        row, fused, _ = row.partition("/fused-loss")
+        row, *suffixes = row.split("/")
         backend, _, precision = row.rpartition(":")
         point = {"precision": precision, "backend": backend or "lpbench"}
-        if fused:
-            point["fused_loss"] = True
+        for suffix in suffixes:
+            if suffix not in SUFFIXES:
+                raise SystemExit(f"step_table.py: unknown row suffix /{suffix}; valid: "
+                                 f"{', '.join('/' + k for k in SUFFIXES)}")
+            key, value = SUFFIXES[suffix]
+            point[key] = value
         if precision in ("mxfp8", "mxfp4", "nvfp4", "fp8-blockwise"):
             point["emulate"] = True  # native where the GPU has it, exact emulation where it does not
         recipes.append(point)
@@ -278,7 +286,8 @@ def main() -> int:
             first, _, last = str(prof.get("steps", "")).partition(":")
             prof["n_steps"] = int(last) - int(first) + 1 if last else 1
             name = cfg["precision"] + (f" ({r['backend']})" if r["backend"] != "lpbench" else "") + \
-                (" fused loss" if cfg.get("fused_loss") else "")
+                (" fused loss" if cfg.get("fused_loss") else "") + \
+                (" model scope" if cfg.get("compile_scope") == "model" else "")
             out.append({"name": name, "status": r["status"], "error": r.get("error"), "path": m.get("path", ""),
                         "step_ms": (r.get("step_time_s") or 0) * 1e3, "tps": r.get("tokens_per_sec_per_gpu"),
                         "tflops": r.get("tflops_per_gpu"), "mfu": r.get("mfu_bf16"),

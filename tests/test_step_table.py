@@ -69,3 +69,21 @@ def test_idle_after_blocking_splits_late_idle_by_time_since_the_host_was_blocked
     assert split["< 5 ms"] == pytest.approx(0.11)
     assert split["50-500 ms"] == pytest.approx(78.99)
     assert split["5-50 ms"] == 0.0 and split[">= 500 ms or none before"] == 0.0
+
+
+def test_row_suffixes_set_the_rows_settings_in_a_spec_the_sweep_accepts(step_table):
+    import argparse
+
+    from lpbench.bench.sweep_spec import expand
+
+    args = argparse.Namespace(timeout=60.0, model="tiny", seq_len=32, mbs=2, gbs=4, steps=5, warmup_steps=1,
+                              profile=True, num_layers=None)
+    spec = step_table.spec_for(args, ["bf16", "fp8-tensorwise/model-scope",
+                                      "torchao:fp8-rowwise/fused-loss/model-scope"])
+    runs = [r.config for r in expand(spec).runs]
+    assert [(c.precision, c.backend, c.compile_scope, c.fused_loss) for c in runs] == [
+        ("bf16", "lpbench", "block", False), ("fp8-tensorwise", "lpbench", "model", False),
+        ("fp8-rowwise", "torchao", "model", True)]
+    assert runs[0].profile_steps == "4:5"
+    with pytest.raises(SystemExit, match="unknown row suffix /fused; valid: /fused-loss, /model-scope"):
+        step_table.spec_for(args, ["bf16/fused"])
