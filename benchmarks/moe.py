@@ -31,6 +31,7 @@ import traceback
 
 import torch
 
+from lpbench.metrics import trace as chrome_trace
 from lpbench.precision import capability
 from lpbench.config import RunConfig
 from lpbench.train.loop import train
@@ -74,18 +75,11 @@ def check_native(device: str = "cuda") -> None:
 
 def kernel_table(trace: str, top: int = 25) -> list[str]:
     """The ``top`` CUDA kernels of a Chrome trace by summed time (ms, calls, share of all kernel time)."""
-    with open(trace) as f:
-        events = json.load(f)["traceEvents"]
-    times, calls = {}, {}
-    for e in events:
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            name = e["name"][:110]
-            times[name] = times.get(name, 0.0) + e.get("dur", 0) / 1e3
-            calls[name] = calls.get(name, 0) + 1
+    times, calls = chrome_trace.kernel_totals(chrome_trace.read(trace))
     total = sum(times.values())
     lines = [f"  kernels: {total:.1f} ms in {sum(calls.values())} launches"]
-    for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"  {t:8.2f} ms {calls[name]:6d}x {100 * t / total:5.1f}%  {name}")
+    for name, t in times.most_common(top):
+        lines.append(f"  {t:8.2f} ms {calls[name]:6d}x {100 * t / total:5.1f}%  {name[:110]}")
     return lines
 
 
@@ -141,11 +135,10 @@ def step_categories(trace: str, wall_ms: float | None = None) -> tuple[dict[str,
     trace's span, in which the GPU ran no kernel), and the heaviest kernels of "other kernels". Each kernel is
     matched to its launch on the host (the trace's correlation ids) and the CPU operators and Python frames
     around that launch. ``trace``: a Chrome trace, gzipped or not."""
-    with (gzip.open if trace.endswith(".gz") else open)(trace, "rt") as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    events = chrome_trace.read(trace)
     if wall_ms is None:
         wall_ms = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kernels = chrome_trace.device_events(events)
     host = sorted((e for e in events if e.get("cat") in ("cpu_op", "python_function", "user_annotation",
                                                            "cuda_runtime", "cuda_driver")),
                   key=lambda e: (e["tid"], e["ts"], -e["dur"]))
@@ -164,13 +157,7 @@ def step_categories(trace: str, wall_ms: float | None = None) -> tuple[dict[str,
         times[cat] += k["dur"] / 1e3
         if cat == "other kernels":
             other[k["name"][:90]] = other.get(k["name"][:90], 0.0) + k["dur"] / 1e3
-    busy, end = 0.0, None
-    for start, stop in sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels):
-        if end is None or start > end:
-            busy, end = busy + stop - start, stop
-        elif stop > end:
-            busy, end = busy + stop - end, stop
-    times["idle"] = max(0.0, wall_ms - busy / 1e3)
+    times["idle"] = max(0.0, wall_ms - chrome_trace.busy_ms(events))
     return times, sorted(((t, n) for n, t in other.items()), reverse=True)[:6]
 
 

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import yaml
 
+from lpbench.metrics import trace as chrome_trace
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ROWS = ("bf16,fp8-tensorwise,fp8-delayed,fp8-rowwise,fp8-blockwise,torchao:fp8-tensorwise,"
                 "torchao:fp8-rowwise,mxfp8,nvfp4,hf")
@@ -77,7 +79,7 @@ def spec_for(args, rows: list[str]) -> dict:
 
 @lru_cache(maxsize=1)
 def _trace_events(trace: str) -> list[dict]:
-    return json.loads(Path(trace).read_text()).get("traceEvents", [])
+    return chrome_trace.read(trace)
 
 
 def top_kernels(trace: str | None, steps: int, n: int) -> tuple[list[tuple[str, float]], float]:
@@ -85,11 +87,7 @@ def top_kernels(trace: str | None, steps: int, n: int) -> tuple[list[tuple[str, 
     total per step (ms): a check on the profile's breakdown, which sums the same kernels."""
     if not trace or not Path(trace).is_file():
         return [], 0.0
-    events = _trace_events(trace)
-    per = Counter()
-    for e in events:
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-            per[e["name"]] += e["dur"] / 1e3 / steps
+    per = Counter({name: ms / steps for name, ms in chrome_trace.kernel_totals(_trace_events(trace))[0].items()})
     return per.most_common(n), sum(per.values())
 
 
@@ -99,17 +97,12 @@ def idle_gaps(trace: str | None, steps: int, n: int) -> tuple[float, list[tuple[
     (ms per step, name): where the device waited on the host."""
     if not trace or not Path(trace).is_file():
         return 0.0, [], []
-    events = _trace_events(trace)
-    busy = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
-    gaps, end, last, before = [], None, "", Counter()
-    for start, stop, name in busy:
-        if end is not None and start > end:
-            gaps.append(((start - end) / 1e3, last, name))
-            before[name] += (start - end) / 1e3 / steps
-        if end is None or stop > end:
-            end, last = stop, name
-    return sum(g[0] for g in gaps) / steps, sorted(gaps, reverse=True)[:n], before.most_common(n)
+    gaps = [((after["ts"] - start) / 1e3, before["name"], after["name"])
+            for start, before, after in chrome_trace.gaps(_trace_events(trace))]
+    waited = Counter()
+    for ms, _, name in gaps:
+        waited[name] += ms / steps
+    return sum(g[0] for g in gaps) / steps, sorted(gaps, reverse=True)[:n], waited.most_common(n)
 
 
 def _frame(name: str) -> str:
@@ -164,18 +157,13 @@ def _late_launches(events: list[dict]) -> tuple[list[tuple[float, int, float]], 
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):  # Triton: driver
             launches[e["args"]["correlation"]] = e
-    busy = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation")) for e in events
-                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
-    late, end, queued = [], None, 0.0
-    for start, stop, corr in busy:
-        if end is not None and start > end:
-            launch = launches.get(corr)
-            if launch is not None and launch["ts"] > end:  # the host launched it only after the GPU ran dry
-                late.append((launch["ts"], launch["tid"], (start - end) / 1e3))
-            else:
-                queued += (start - end) / 1e3
-        if end is None or stop > end:
-            end = stop
+    late, queued = [], 0.0
+    for start, _, after in chrome_trace.gaps(events):
+        launch = launches.get(after.get("args", {}).get("correlation"))
+        if launch is not None and launch["ts"] > start:  # the host launched it only after the GPU ran dry
+            late.append((launch["ts"], launch["tid"], (after["ts"] - start) / 1e3))
+        else:
+            queued += (after["ts"] - start) / 1e3
     return late, queued
 
 
