@@ -121,9 +121,10 @@ def cmd_run(args) -> int:
 
 # ----------------------------------------------------------------------------- report
 def cmd_report(args) -> int:
+    from lpbench.bench.store import ResultsStore
     from lpbench.report.build import run_report
 
-    return run_report(args)
+    return run_report(args, lambda: ResultsStore(args.results, create=False))
 
 
 # ----------------------------------------------------------------------------- flops

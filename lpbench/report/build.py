@@ -34,14 +34,14 @@ def report_markdown(rows: list[dict], plot_files: list[Path] = ()) -> str:
     return "\n\n".join(blocks)
 
 
-def run_report(args) -> int:
-    from lpbench.bench.store import ResultsStore
-
+def run_report(args, open_store) -> int:
+    """``lpbench report``; ``open_store()`` opens the results database (a ``bench.store.ResultsStore``: the
+    command layer's, so that reports need not import the layer that records runs)."""
     if args.html:
         check_file(args.html, "--html")
     if args.plots:
         check_dir(args.plots, "--plots")
-    store = ResultsStore(args.results, create=False)
+    store = open_store()
     runs = select_runs(store.runs(), args.group)
     rows = summary_rows(runs)
     plots: dict[str, bytes] = {}
