@@ -50,8 +50,13 @@ def cast(t: torch.Tensor, amax: torch.Tensor, enc: torch.Tensor, fmt: FloatForma
 
     The decode scale is NaN when ``amax`` (of t) is not finite, as in the reference.
     """
-    q = (t.float() * enc).clamp(-fmt.max, fmt.max).to(fmt.dtype).contiguous()
+    q = _codes(t, enc, fmt).contiguous()
     return q, (q.t().contiguous() if write_t else q.new_empty((0,))), fp8_decode_scale(enc, amax)
+
+
+def _codes(t: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Saturating round-to-nearest-even codes of t × scale (NaN stays NaN), as plain torch ops."""
+    return (t.float() * scale).clamp(-fmt.max, fmt.max).to(fmt.dtype)
 
 
 def producer_cast(t: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,8 +64,7 @@ def producer_cast(t: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat) -> tup
     for inductor to fuse into the kernel that produces ``t``. Row maxima are a row reduction that fuses into a
     producer that reduces rows itself (RMSNorm) or writes them (SwiGLU); ``fp8_cast.record_amax`` reduces them
     (no launch of its own)."""
-    q = (t.float() * scale).clamp(-fmt.max, fmt.max).to(fmt.dtype)
-    return q, t.float().abs().amax(dim=-1)
+    return _codes(t, scale, fmt), t.float().abs().amax(dim=-1)
 
 
 def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
