@@ -162,6 +162,11 @@ if triton is not None:
         return tl.minimum(s, 3.4028234663852886e38)
 
     @triton.jit
+    def _saturate(y, FMAX: tl.constexpr):
+        """y clamped to ±FMAX, NaN kept (the reference's saturating cast, before rounding to FP8)."""
+        return tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
+
+    @triton.jit
     def _div(num: tl.constexpr, den):
         """FP32 num / den correctly rounded: an IEEE FP64 division (Triton's FP32 ``/`` is approximate)."""
         return (tl.full(den.shape, num, tl.float64) / den.to(tl.float64)).to(tl.float32)
@@ -173,9 +178,7 @@ if triton is not None:
         rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = x * tl.load(enc_ptr)
-        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))  # saturate; NaN stays NaN
-        q = y.to(q_ptr.dtype.element_ty)
+        q = _saturate(x * tl.load(enc_ptr), FMAX).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
         if WRITE_T:
             tl.store(qt_ptr + rn[None, :] * M + rm[:, None], q, mask=mask)

@@ -70,7 +70,7 @@ def group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int,
     return _group_amax(x.contiguous(), group.contiguous(), n_groups, block, row_amax)
 
 
-CAST_TILE = 128  # rows and columns per program of the cast (kernels/fp8_cast.py's tile)
+CAST_TILE = 128  # rows and columns per program of the cast (not re-timed when kernels/fp8_cast.py's changed)
 CAST_WARPS = 8
 
 
@@ -107,7 +107,7 @@ def group_cast(x: torch.Tensor, row_enc: torch.Tensor | None, group: torch.Tenso
 
 
 if triton is not None:
-    from lpbench.precision.kernels.fp8_cast import _bits_of_abs
+    from lpbench.precision.kernels.fp8_cast import _bits_of_abs, _saturate
 
     @triton.jit
     def _group_amax_kernel(x_ptr, group_ptr, bits_ptr, row_bits_ptr, M, N, ROW_AMAX: tl.constexpr,
@@ -140,10 +140,8 @@ if triton is not None:
         mask = rows[:, None] & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
         if WRITE_ROWS:  # x x its row's scale, row-major
-            y = x * tl.load(row_enc_ptr + rm, mask=rows, other=1.0)[:, None]
-            y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))  # saturate; NaN stays NaN
+            y = _saturate(x * tl.load(row_enc_ptr + rm, mask=rows, other=1.0)[:, None], FMAX)
             tl.store(q_ptr + rm[:, None] * N + rn[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
         g = tl.load(group_ptr + rm, mask=rows, other=0)
-        y = x * tl.load(group_enc_ptr + g[:, None] * N + rn[None, :], mask=mask, other=1.0)
-        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
+        y = _saturate(x * tl.load(group_enc_ptr + g[:, None] * N + rn[None, :], mask=mask, other=1.0), FMAX)
         tl.store(qt_ptr + rn[None, :] * M + rm[:, None], y.to(qt_ptr.dtype.element_ty), mask=mask)
