@@ -89,7 +89,10 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
     if recipe.scaling is not Scaling.DELAYED:
         if kernel and out is not None and mod.tp_shard is None:  # eager: three launches
             return (*out, fp8_cast.tensorwise_cast_into(t.detach(), fmt, *out))
-        amax = mod.reduce_amax(role, t.detach().abs().amax().float())
+        # the max of the row maxima (the same value, max is exact in any order): inductor fuses a row reduction
+        # into the kernel that produces t (SwiGLU, its backward), where a whole-tensor one recomputed the producer
+        # or read t once more
+        amax = mod.reduce_amax(role, t.detach().abs().amax(dim=-1).amax().float())
         enc = fp8_encode_scale(amax, fmt)
         if kernel:
             q, qt, _ = one_pass(enc, amax=False)  # the amax is known: the cast skips its reduction
