@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from lpbench.models.fused_loss import linear_cross_entropy
 from lpbench.models.moe import MoE, expert_shape
 from lpbench.models.registry import ModelConfig
+from lpbench.models.swiglu import swiglu
 from lpbench.precision import gemm
 from lpbench.precision.tp_local import local_linear
 from lpbench.precision.weight_cache import cast_once
@@ -138,8 +139,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
+            hidden = swiglu(self.gate_up(x))
         elif self.activation == "sqrelu":
             hidden = F.relu(self.up(x)).square()
         else:

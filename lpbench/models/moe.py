@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lpbench.models.registry import ModelConfig
+from lpbench.models.swiglu import swiglu
 from lpbench.precision.grouped import GROUPED_FP8_SCALINGS, Groups, fp8_grouped, grouped_linear, looped
 from lpbench.precision.weight_cache import cast_once
 
@@ -175,8 +176,7 @@ class Experts(nn.Module):
             x = self.tp.enter(x)
         h = self._project(self.in_name, x, groups)
         if self.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = swiglu(h)
         elif self.activation == "sqrelu":
             h = F.relu(h).square()
         else:
