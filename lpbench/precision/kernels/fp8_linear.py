@@ -19,8 +19,8 @@ so codes and scales are bit-exact with the reference. Delayed scaling needs no a
 the cast: its scale is the module's persistent buffer (Transformer Engine's rule,
 ``lpbench.precision.delayed``). So on the compiled path a 16-bit operand (activation or gradient)
 is cast by plain torch ops that inductor fuses into the kernel that produces it: RMSNorm writes
-qkv's and gate_up's input codes, SwiGLU down's, SwiGLU's backward gate_up's gradient codes, and the
-row amax is reduced there too. ``emulate_precision_casts`` (set by ``parallel.plan`` whenever it
+qkv's and gate_up's input codes, SwiGLU down's, and the row amax is reduced there too (gate_up's gradient
+comes from SwiGLU's hand-written backward, ``models/swiglu.py``, and is cast by the next kernel that reads it). ``emulate_precision_casts`` (set by ``parallel.plan`` whenever it
 compiles) keeps the producer's rounding to BF16 that inductor would otherwise elide inside the
 fused kernel (the generated code multiplies the unrounded FP32 value), so these codes, amaxes and
 scales are the reference's bit for bit and no hand-written producer kernel is needed. The
@@ -90,8 +90,7 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
         if kernel and out is not None and mod.tp_shard is None:  # eager: three launches
             return (*out, fp8_cast.tensorwise_cast_into(t.detach(), fmt, *out))
         # the max of the row maxima (the same value, max is exact in any order): inductor fuses a row reduction
-        # into the kernel that produces t (SwiGLU, its backward), where a whole-tensor one recomputed the producer
-        # or read t once more
+        # into the kernel that produces t (SwiGLU for down's input), where a whole-tensor one recomputed SwiGLU
         amax = mod.reduce_amax(role, t.detach().abs().amax(dim=-1).amax().float())
         enc = fp8_encode_scale(amax, fmt)
         if kernel:
