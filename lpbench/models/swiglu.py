@@ -43,7 +43,8 @@ def reference_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tenso
 
 
 def _kernel(gate_up: torch.Tensor, grad: torch.Tensor) -> bool:
-    return (triton is not None and gate_up.is_cuda and not isinstance(gate_up, DTensor) and not isinstance(grad, DTensor)
+    return (triton is not None and gate_up.is_cuda and gate_up.numel() > 0
+            and not isinstance(gate_up, DTensor) and not isinstance(grad, DTensor)
             and gate_up.dtype in (torch.bfloat16, torch.float16, torch.float32) and grad.dtype == gate_up.dtype)
 
 
