@@ -27,9 +27,9 @@ code multiplies the unrounded FP32 value), so these codes, amaxes and scales are
 for bit and the casts need no hand-written producer kernel. The transposed copy for wgrad is made
 from the FP8 codes (``fp8_cast.transpose_codes``: the same bytes, one in and one out per element, where
 transposing the 16-bit operand read two). Then one launch gives the decode scale and updates history
-and scale. Eager (no producer to fuse into) and FP32
-master weights take the one-pass Triton cast (both copies and the amax in one read) and the same
-update. Under tensor parallelism the amax is all-reduced before the update.
+and scale. Eager (no producer to fuse into) and FP32 master weights take the one-pass Triton cast (both
+copies and the amax in one read) and the same update. Under tensor parallelism the amax is all-reduced
+before the update.
 
 A linear whose weight :mod:`lpbench.precision.weight_cache` keeps in FP8 uses those codes (cast once
 per optimizer step by :func:`cache_weight`, with this module's own cast) instead of casting the
