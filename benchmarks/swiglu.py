@@ -1,6 +1,8 @@
 """SwiGLU's backward (``lpbench/models/swiglu.py``) at the zoo's MLP shapes: the Triton kernel against inductor's
 compiled autograd of ``silu(gate) * up`` (what the decoder ran before) and a copy of the gradient, with whether
-each is eager autograd's gradient bit for bit.
+each is eager autograd's gradient bit for bit; then the kernel's FP8 epilogues (the gate+up linear's gradient
+quantized inside it) against the passes they replace: its amax (tensorwise) against a separate amax of the
+gradient, its E5M2 codes and their transpose (delayed) against the one-pass cast of the 16-bit gradient.
 
     python benchmarks/swiglu.py                      # CUDA only
 """
@@ -26,6 +28,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--launches", default="32x128x4,16x256x4,32x256x8,64x128x8",
                     help="TOKENSxCOLUMNSxWARPS,... of the kernel (the first is the module's default)")
+    ap.add_argument("--cast-launches", default="32x128x4,64x64x4,64x128x4",
+                    help="the same for the kernel that stores FP8 codes and their transpose")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("swiglu.py: needs a CUDA device", file=sys.stderr)
@@ -38,7 +42,13 @@ def main() -> int:
         p25, p50, p75 = do_bench(fn, warmup=50, rep=300, quantiles=[0.25, 0.5, 0.75])
         return f"{p50 * 1e3:8.1f} ({p25 * 1e3:.1f}-{p75 * 1e3:.1f})"
 
-    launches = [tuple(int(v) for v in s.split("x")) for s in args.launches.split(",")]
+    from lpbench.precision.formats import E5M2
+    from lpbench.precision.kernels import fp8_cast
+
+    def parse(spec):
+        return [tuple(int(v) for v in s.split("x")) for s in spec.split(",")]
+
+    launches, cast_launches = parse(args.launches), parse(args.cast_launches)
     print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | BF16 | us: median (p25-p75) of "
           f"triton.testing.do_bench")
     print(f"{'tokens x ffn':>14} {'variant':>22} {'us':>22} {'== eager':>9}  shape")
@@ -71,6 +81,26 @@ def main() -> int:
                       f"{us(lambda: sw.launch_backward(lambda k: k, gate_up, grad, out, launch)):>22} "
                       f"{str(torch.equal(out, eager)):>9}")
             print(f"{row} {'copy of the gradient':>22} {us(lambda: gate_up.clone()):>22}")
+            print(f"{row} {'kernel, then amax':>22} "
+                  f"{us(lambda: (sw.launch_backward(lambda k: k, gate_up, grad, out), out.abs().amax())):>22}")
+            for launch in launches:
+                name = "kernel + amax " + "x".join(map(str, launch))
+                print(f"{row} {name:>22} "
+                      f"{us(lambda: sw.launch_backward(lambda k: k, gate_up, grad, out, launch, True).amax()):>22}")
+            enc = torch.tensor(E5M2.max / (4 * eager.float().abs().amax().item()), device="cuda")
+            q, qt = torch.empty_like(gate_up, dtype=E5M2.dtype), torch.empty_like(gate_up.t(), dtype=E5M2.dtype)
+
+            def unfused():
+                sw.launch_backward(lambda k: k, gate_up, grad, out)
+                fp8_cast.cast_transpose_into(out, enc, E5M2, q, qt)
+
+            print(f"{row} {'kernel, then cast':>22} {us(unfused):>22}")
+            for launch in cast_launches:
+                name = "kernel + cast " + "x".join(map(str, launch))
+                cast = (enc, E5M2.max, qt)
+                print(f"{row} {name:>22} "
+                      f"{us(lambda: sw.launch_backward(lambda k: k, gate_up, grad, q, launch, True, cast)):>22}")
+            del q, qt
             del gate_up, grad, x, y, eager, out
     return 0
 

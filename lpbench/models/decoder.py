@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from lpbench.models.fused_loss import linear_cross_entropy
 from lpbench.models.moe import MoE, expert_shape
 from lpbench.models.registry import ModelConfig
-from lpbench.models.swiglu import swiglu
+from lpbench.models.swiglu import swiglu_of
 from lpbench.precision import gemm
 from lpbench.precision.tp_local import local_linear
 from lpbench.precision.weight_cache import cast_once
@@ -139,7 +139,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
-            hidden = swiglu(self.gate_up(x))
+            hidden = swiglu_of(self.gate_up, x)
         elif self.activation == "sqrelu":
             hidden = F.relu(self.up(x)).square()
         else:

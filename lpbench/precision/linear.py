@@ -49,6 +49,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lpbench.precision import capability, fp8_allgather
 from lpbench.precision.delayed import DelayedScaling
@@ -131,10 +132,14 @@ class QuantizedLinearFn(torch.autograd.Function):
     :class:`Reference` (lpbench's quantizers; emulated or native GEMMs) or the fused FP8 tensorwise/delayed
     linear (``kernels/fp8_linear.py: Fused``). Operands are the kernel's own; this only wires the three
     GEMMs. A frozen base passes no weight: its stored operands are read (Wᵀ in the backward, not held
-    from the forward) and it gets no weight gradient."""
+    from the forward) and it gets no weight gradient.
+
+    ``epilogue`` (the gate+up linear's SwiGLU, ``models/swiglu.py: Epilogue``; only with a kernel that has
+    ``epilogue_operands``, no bias and quantized wgrad): the output is ``epilogue.forward(x · weightᵀ)``, and
+    the backward has the kernel quantize the gradient of ``x · weightᵀ`` inside the epilogue's backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mod, kernel):
+    def forward(ctx, x, weight, bias, mod, kernel, epilogue=None):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
@@ -145,10 +150,11 @@ class QuantizedLinearFn(torch.autograd.Function):
             else:
                 wq, ctx.w_dgrad = kernel.operands(mod, weight, "weight", "fprop", True, need_dx)
             y = kernel.mm(mod, xq, wq, x.dtype, bias, mod.recipe.fast_accum_fprop)
-            ctx.mod, ctx.kernel, ctx.x_shape, ctx.x_dtype = mod, kernel, x.shape, x.dtype
+            ctx.mod, ctx.kernel, ctx.epilogue, ctx.x_shape, ctx.x_dtype = mod, kernel, epilogue, x.shape, x.dtype
             ctx.w_dtype = None if weight is None else weight.dtype
-            if need_dw and not ctx.quantized_wgrad:
-                ctx.save_for_backward(x2)
+            ctx.save_for_backward(x2 if need_dw and not ctx.quantized_wgrad else None, y if epilogue else None)
+            if epilogue is not None:
+                y = epilogue.forward(y)
         return y.reshape(*x.shape[:-1], -1)
 
     @staticmethod
@@ -158,19 +164,22 @@ class QuantizedLinearFn(torch.autograd.Function):
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1])
-            gq, gq_wgrad = kernel.operands(mod, dy2, "grad", "dgrad", need_dx, ctx.quantized_wgrad)
+            x2, y = ctx.saved_tensors
+            if ctx.epilogue is None:
+                gq, gq_wgrad = kernel.operands(mod, dy2, "grad", "dgrad", need_dx, ctx.quantized_wgrad)
+            else:  # dy2 is the gradient of the epilogue's output
+                gq, gq_wgrad = kernel.epilogue_operands(mod, ctx.epilogue, y, dy2, need_dx, ctx.quantized_wgrad)
             if need_dx:
                 wt = mod.weight_operand("dgrad") if ctx.w_dgrad is None else ctx.w_dgrad
                 dx = kernel.mm(mod, gq, wt, ctx.x_dtype, None, mod.recipe.fast_accum_grads).reshape(ctx.x_shape)
             if ctx.quantized_wgrad:
                 dw = kernel.mm(mod, gq_wgrad, ctx.x_wgrad, ctx.w_dtype, None, mod.recipe.fast_accum_grads)
             elif need_dw:
-                (x2,) = ctx.saved_tensors
                 dw = hp_mm(dy2.t(), x2.t(), ctx.x_dtype).to(ctx.w_dtype)
             if ctx.needs_input_grad[2]:
                 db = dy2.float().sum(0).to(ctx.w_dtype)
         ctx.w_dgrad = ctx.x_wgrad = None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 class Reference:
@@ -289,14 +298,19 @@ class QuantizedGemms(DelayedScaling):
         t = F.pad(t, (0, 0, 0, -t.shape[0] % multiple)).t()
         return apply_rht(t, self.recipe.rht_signs) if self.recipe.rht_wgrad else t
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The GEMMs on plain tensors (under TP, this rank's shards)."""
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue=None) -> torch.Tensor:
+        """The GEMMs on plain tensors (under TP, this rank's shards), then ``epilogue`` (see :class:`QuantizedLinearFn`;
+        inside its Function where the kernel takes it, else applied to the output with autograd)."""
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
-            return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))  # no FLOPs
+            y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))  # no FLOPs
+            return y if epilogue is None else epilogue.apply(y)
         kernel = Reference
         if self.native and self.recipe.scaling.per_tensor and capability.fused_fp8_linear(x, weight):
             from lpbench.precision.kernels.fp8_linear import Fused as kernel  # imports Triton's kernels
-        return QuantizedLinearFn.apply(x, weight, bias, self, kernel)
+        if epilogue is None or (hasattr(kernel, "epilogue_operands") and bias is None
+                                and self.recipe.operand("input", "wgrad") is not None):
+            return QuantizedLinearFn.apply(x, weight, bias, self, kernel, epilogue)
+        return epilogue.apply(QuantizedLinearFn.apply(x, weight, bias, self, kernel))
 
 
 class QuantizedLinear(QuantizedGemms, nn.Linear):
@@ -316,8 +330,20 @@ class QuantizedLinear(QuantizedGemms, nn.Linear):
         q._init_histories(linear.weight.device)
         return q
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return local_linear(self, x.to(compute_dtype(x)), self._linear)
+    @property
+    def takes_epilogue(self) -> bool:
+        """Whether :meth:`forward` takes an ``epilogue`` (models/swiglu.py's ``swiglu_of``): not under tensor
+        parallelism, whose parallel style converts the module's output after ``forward``."""
+        return not isinstance(self.weight, DTensor)
+
+    def forward(self, x: torch.Tensor, epilogue=None) -> torch.Tensor:
+        """``x · weightᵀ + bias``, then ``epilogue`` (e.g. SwiGLU, :class:`QuantizedLinearFn`) if one is given."""
+        x = x.to(compute_dtype(x))
+        if epilogue is None:
+            return local_linear(self, x, self._linear)
+        if not self.takes_epilogue:
+            raise ValueError("an epilogue under tensor parallelism: apply it to the module's output instead")
+        return self._linear(x, self.weight, self.bias, epilogue)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, path={'native' if self.native else 'emulated'}"

@@ -68,13 +68,14 @@ def producer_cast(t: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat) -> tup
     return _codes(t, scale, fmt), t.float().abs().amax(dim=-1)
 
 
-def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
+def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None, amax=None):
     """(codes, transposed codes, decode scale) of ``t`` for ``role`` under mod's recipe.
 
     ``mod.reduce_amax`` makes the amax the whole tensor's under tensor parallelism. Delayed
     scaling casts with the module's persistent scale, then records the amax and updates the scale
     (``lpbench.precision.delayed``). ``out``: (codes, transposed codes) buffers the one-pass kernel
-    writes into (eager only; other paths return new tensors).
+    writes into (eager only; other paths return new tensors). ``amax``: tensorwise, t's amax if the
+    kernel that produced t reduced it (no TP).
     """
     recipe = mod.recipe
     fmt = recipe.element_format(role)
@@ -90,9 +91,10 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
     if recipe.scaling is not Scaling.DELAYED:
         if kernel and out is not None and mod.tp_shard is None:  # eager: three launches
             return (*out, fp8_cast.tensorwise_cast_into(t.detach(), fmt, *out))
-        # the max of the row maxima (the same value, max is exact in any order): inductor fuses a row reduction
-        # into the kernel that produces t (SwiGLU for down's input), where a whole-tensor one recomputed SwiGLU
-        amax = mod.reduce_amax(role, t.detach().abs().amax(dim=-1).amax().float())
+        if amax is None:
+            # the max of the row maxima (the same value, max is exact in any order): inductor fuses a row reduction
+            # into the kernel that produces t (SwiGLU for down's input), where a whole-tensor one recomputed SwiGLU
+            amax = mod.reduce_amax(role, t.detach().abs().amax(dim=-1).amax().float())
         enc = fp8_encode_scale(amax, fmt)
         if kernel:
             q, qt, _ = one_pass(enc, amax=False)  # the amax is known: the cast skips its reduction
@@ -112,8 +114,13 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None):
         q, qt, amax = one_pass(scale)
     if mod.tp_shard is not None:
         amax = mod.reduce_amax(role, amax.amax())
-    return q, qt, fp8_cast.record_amax(mod.amax_history(role), scale, amax, q, mod.scaled_max(role),
-                                       recipe.amax_compute_algo)
+    return q, qt, _record(mod, role, scale, amax, q)
+
+
+def _record(mod, role: str, scale: torch.Tensor, amax: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Delayed scaling: the decode scale of codes ``q`` cast with ``scale``; ``amax`` recorded, the scale updated."""
+    return fp8_cast.record_amax(mod.amax_history(role), scale, amax, q, mod.scaled_max(role),
+                                mod.recipe.amax_compute_algo)
 
 
 def cache_weight(mod) -> None:
@@ -140,6 +147,23 @@ class Fused:
             q, qt, dec = mod.fp8_weight, mod.fp8_weight_t, mod.fp8_weight_scale
         else:
             q, qt, dec = _quantize(mod, role, t, col)
+        return (q, dec), ((qt, dec) if col else None)
+
+    @staticmethod
+    def epilogue_operands(mod, epilogue, y, grad, row, col):
+        """:meth:`operands` of the gradient of ``y`` (``role`` "grad") from ``grad``, the gradient of
+        ``epilogue.forward(y)``: its codes (delayed) or amax (tensorwise) come out of the epilogue's backward
+        kernel, which reads y once (``models/swiglu.py``); bit-exact with casting ``epilogue.backward(y, grad)``."""
+        if mod.tp_shard is not None or not epilogue.fuses_cast(y, grad):
+            return Fused.operands(mod, epilogue.backward(y, grad), "grad", "dgrad", row, col)
+        fmt = mod.recipe.element_format("grad")
+        if mod.recipe.scaling is Scaling.DELAYED:
+            scale = mod.scale_buffer("grad")
+            q, qt, amax = epilogue.backward_cast(y, grad, scale, fmt, col)
+            dec = _record(mod, "grad", scale, amax, q)
+        else:
+            g, amax = epilogue.backward_amax(y, grad)
+            q, qt, dec = _quantize(mod, "grad", g, col, amax=amax)
         return (q, dec), ((qt, dec) if col else None)
 
     @staticmethod
