@@ -19,9 +19,10 @@ so codes and scales are bit-exact with the reference. Delayed scaling needs no a
 the cast: its scale is the module's persistent buffer (Transformer Engine's rule,
 ``lpbench.precision.delayed``). So on the compiled path a 16-bit operand (activation or gradient)
 is cast by plain torch ops that inductor fuses into the kernel that produces it: RMSNorm writes
-qkv's and gate_up's input codes, SwiGLU down's, and the row amax is reduced there too (gate_up's
-gradient comes from SwiGLU's hand-written backward, ``models/swiglu.py``, and is cast by the next kernel
-that reads it). ``emulate_precision_casts`` (set by ``parallel.plan`` whenever it compiles) keeps the
+qkv's and gate_up's input codes, SwiGLU down's, and the row amax is reduced there too. Gate_up's
+gradient comes from SwiGLU's hand-written backward (``models/swiglu.py``), which inductor cannot fuse
+into: gate_up runs SwiGLU as its epilogue (:meth:`Fused.epilogue_operands`), and that kernel writes the
+gradient's codes (delayed) or its amax (tensorwise) itself. ``emulate_precision_casts`` (set by ``parallel.plan`` whenever it compiles) keeps the
 producer's rounding to BF16 that inductor would otherwise elide inside the fused kernel (the generated
 code multiplies the unrounded FP32 value), so these codes, amaxes and scales are the reference's bit
 for bit and the casts need no hand-written producer kernel. The transposed copy for wgrad is made
