@@ -16,7 +16,7 @@ ATen's ``silu_backward`` (dy · s · (1 + x · (1 - s)), s = 1 / (1 + exp(-x))) 
 ``expf``, IEEE division and the FMA nvcc contracts, so its gradient is eager autograd's bit for bit
 (``gpu`` test). Elsewhere (CPU, a DTensor, no Triton) the backward is eager autograd's own ops.
 
-:data:`SWIGLU` is SwiGLU as the epilogue of the gate+up linear (:func:`swiglu_of`): the fused FP8 linear
+:class:`Epilogue` is SwiGLU as the epilogue of the gate+up linear (:func:`swiglu_of`): the fused FP8 linear
 (``precision/kernels/fp8_linear.py``) runs it inside its own autograd Function, so the gradient of gate_up,
 which only that linear reads, is quantized in this kernel, as Transformer Engine's fused SwiGLU backward +
 cast does: with delayed scaling (a known scale) the kernel stores the FP8 codes, row-major and transposed,
@@ -46,9 +46,9 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 def swiglu_of(linear, x: torch.Tensor) -> torch.Tensor:
     """``swiglu(linear(x))``; a linear that takes an epilogue (``takes_epilogue``: the quantized linear) is
-    given :data:`SWIGLU` to run inside its own autograd Function."""
+    given :class:`Epilogue` to run inside its own autograd Function."""
     if getattr(linear, "takes_epilogue", False):
-        return linear(x, epilogue=SWIGLU)
+        return linear(x, epilogue=Epilogue)
     return swiglu(linear(x))
 
 
@@ -116,8 +116,6 @@ class Epilogue:
         return _backward_cast(y.contiguous(), grad.contiguous(), encode_scale.float().reshape(()), fmt.max,
                               fmt.dtype, write_t)
 
-
-SWIGLU = Epilogue
 
 
 @kernel_op("lpbench::swiglu_backward", ())

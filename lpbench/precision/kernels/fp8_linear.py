@@ -22,10 +22,11 @@ is cast by plain torch ops that inductor fuses into the kernel that produces it:
 qkv's and gate_up's input codes, SwiGLU down's, and the row amax is reduced there too. Gate_up's
 gradient comes from SwiGLU's hand-written backward (``models/swiglu.py``), which inductor cannot fuse
 into: gate_up runs SwiGLU as its epilogue (:meth:`Fused.epilogue_operands`), and that kernel writes the
-gradient's codes (delayed) or its amax (tensorwise) itself. ``emulate_precision_casts`` (set by ``parallel.plan`` whenever it compiles) keeps the
-producer's rounding to BF16 that inductor would otherwise elide inside the fused kernel (the generated
-code multiplies the unrounded FP32 value), so these codes, amaxes and scales are the reference's bit
-for bit and the casts need no hand-written producer kernel. The transposed copy for wgrad is made
+gradient's codes (delayed) or its amax (tensorwise) itself. ``emulate_precision_casts`` (set by
+``parallel.plan`` whenever it compiles) keeps the producer's rounding to BF16 that inductor would
+otherwise elide inside the fused kernel (the generated code multiplies the unrounded FP32 value), so
+these codes, amaxes and scales are the reference's bit for bit and the casts need no hand-written
+producer kernel. The transposed copy for wgrad is made
 from the FP8 codes (``fp8_cast.transpose_codes``: the same bytes, one in and one out per element, where
 transposing the 16-bit operand read two). Then one launch gives the decode scale and updates history
 and scale. Eager (no producer to fuse into) and FP32 master weights take the one-pass Triton cast (both
