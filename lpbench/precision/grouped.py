@@ -14,11 +14,12 @@ Paths, each giving every expert's tokens the numbers the dense linear of its rec
   (``torch._scaled_grouped_mm``, Hopper) but not the quantization of grouped operands: rows are
   quantized per token, the weights per expert row; tensor-wise takes one scale per expert's
   tokens; the weight gradient quantizes along each expert's tokens (one scale per expert and
-  column). Codes and scales are those of ``QuantizedLinear`` on that expert's tokens; on other
-  devices the GEMM is emulated per expert exactly as the dense linear's emulation. The weights' codes
-  can be computed once per optimizer step (:func:`weight_codes`, the weight cache's). The native GEMM
-  takes E4M3 operands only, so recipes with E5M2 gradients (fp8-tensorwise) run natively per
-  expert (below).
+  column). Codes and scales are those of ``QuantizedLinear`` on that expert's tokens. Precise
+  accumulation of small experts runs lpbench's own grouped GEMM (``kernels/grouped_mm.py``: torch's
+  was slower there than BF16). On other devices the GEMM is emulated per expert exactly as the dense
+  linear's emulation. The weights' codes can be computed once per optimizer step
+  (:func:`weight_codes`, the weight cache's). The native GEMM takes E4M3 operands only, so recipes
+  with E5M2 gradients (fp8-tensorwise) run natively per expert (below).
 * everything else (delayed scaling with its per-expert histories, blockwise, MX, NVFP4) runs each
   expert's tokens through the dense quantized linear's own GEMMs (:class:`ExpertGemms`): exact by
   construction; emulation is about the numbers, not speed.
@@ -34,6 +35,7 @@ import torch
 from lpbench.precision import capability
 from lpbench.precision.formats import decode, encode
 from lpbench.precision.gemm import hp_mm, linear, mm_fp32
+from lpbench.precision.kernels import grouped_mm
 from lpbench.precision.kernels.fp8_group import group_amax, group_cast
 from lpbench.precision.quantize import Scaling, all_reduce_max, fp8_decode_scale, fp8_encode_scale
 
@@ -193,8 +195,13 @@ def _scaled_grouped(a, sa, b, sb, groups: Groups, native: bool, fast_accum: bool
     2-D × 3-D (forward, data gradient): a [rows, K], sa [rows], b [E, N, K], sb [E, N] -> [rows, N].
     2-D × 2-D (weight gradient; ``b`` 2-D): a [N, rows], sa [E, N], b [K, rows], sb [E, K] -> [E, N, K],
     each expert reducing over its own rows.
+    Natively ``torch._scaled_grouped_mm``, or lpbench's kernel where it is the faster (:mod:`kernels.grouped_mm`:
+    precise accumulation of small experts).
     """
     wgrad = b.dim() == 2
+    if native and grouped_mm.takes(a, b, groups.offs.shape[0], fast_accum, out_dtype):
+        y = grouped_mm.grouped_mm(a, b, sa, sb, groups.offs)
+        return y if wgrad else groups.clear_tail(y)
     if native:
         if wgrad:
             return torch._scaled_grouped_mm(a, b.t(), sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(),
