@@ -466,18 +466,21 @@ def test_group_amax_kernel_is_the_reference_under_the_interpreter(case, cols, dt
     """The one-pass group column amaxes equal the block maxima scattered by expert, bit for bit (NaN where a NaN is
     in the expert's column, inf where an inf is, 0 for experts without tokens), on shapes that are not tile
     multiples, with tiles spanning several experts; and the decode scales made from them are the reference's."""
-    from lpbench.precision.kernels.fp8_group import launch_group_amax
+    from lpbench.precision.kernels.fp8_group import column_blocks, launch_group_amax
     from lpbench.precision.quantize import fp8_decode_scale, fp8_encode_scale
 
     t, groups = _group_operand(case, cols, dtype)
     spec = get_recipe("fp8-rowwise").operand("grad", "wgrad")
     E = groups.counts.numel()
     want = _amax_by_expert(t, groups)
-    bits, row_bits = torch.zeros(E, cols, dtype=torch.int32), torch.zeros(groups.rows, dtype=torch.int32)
+    bits = torch.zeros(E, cols, dtype=torch.int32)
+    row_bits = torch.full((column_blocks(cols, **{k: v for k, v in tile.items() if k == "cols"}), groups.rows), -1,
+                          dtype=torch.int32)  # every entry written: none keeps this
     launch_group_amax(lambda k: k, t, groups.row_group, bits, row_bits, grouped.ALIGN, **tile)
     got = bits.view(torch.float32)
     assert _same_amax(got, want)
-    assert _same_amax(row_bits.view(torch.float32), t.float().abs().amax(1))
+    assert (row_bits >= 0).all()  # every column block wrote its row maxima
+    assert _same_amax(row_bits.amax(0).view(torch.float32), t.float().abs().amax(1))
     only_groups = torch.zeros(E, cols, dtype=torch.int32)
     launch_group_amax(lambda k: k, t, groups.row_group, only_groups, None, grouped.ALIGN, **tile)
     assert torch.equal(only_groups, bits)

@@ -17,14 +17,16 @@ column gives NaN there, as the definition (the dense quantizer's ``abs().amax()`
 CPU do (CUDA's eager ``scatter_reduce`` takes ``fmaxf``, which drops NaN). Max is exact in any order, so the
 result is the reference's bit for bit (up to a NaN's payload, which no scale carries). Experts with no rows
 keep 0, as the reference's zero-initialised scatter does. For the output gradient, whose data-gradient codes
-are row-wise, the same read also folds each row's amax. Blocks of 16 rows keep a thread's registers few (56
-on sm_90a by ptxas, 80 with the row amaxes), so many programs stream at once; a 128 x 128 tile reduced by
-expert in one go took 233.
+are row-wise, the same read also stores each block of columns' row maxima, which the op reduces (an atomic
+max per row from every column block had cost 2-6 % more). Programs of 128 rows by 512 columns of 4 warps, in
+blocks of 16 rows: on an H200 (``benchmarks/group_amax.py``) mixtral-8x7b's gate_up gradient (8320 x 28672,
+BF16) takes 229 us with its row amaxes, as long as a copy of it (227); 256 columns took 556.
 
 :func:`group_cast`: ``kernels/fp8_cast.py``'s tiled cast with a scale per row's group and column (gathered from
 the [groups, columns] encode scales): the transposed codes, and for the output gradient the row-wise codes of
 the data gradient from the same read. The scales are the torch ops' (``fp8_encode_scale``), so the codes are
-``encode``'s bit for bit (saturate, NaN kept, round to nearest even); 106 registers (86 without the row codes).
+``encode``'s bit for bit (saturate, NaN kept, round to nearest even). Tiles of 64 x 64 of 4 warps: 278 us for
+both codes of that gradient, where 128 x 128 of 8 warps took 349.
 """
 
 from __future__ import annotations
@@ -35,30 +37,39 @@ from torch.library import wrap_triton
 from lpbench.precision.capability import kernel_op, tl, triton  # None without Triton
 
 ROWS = 128  # rows per program (a multiple of the block)
-COLS = 256  # columns per program
+COLS = 512  # columns per program
 WARPS = 4
 
 
 def launch_group_amax(launcher, x: torch.Tensor, group: torch.Tensor, bits: torch.Tensor,
-                      row_bits: torch.Tensor | None, block: int, rows: int = ROWS, cols: int = COLS) -> None:
+                      row_bits: torch.Tensor | None, block: int, rows: int = ROWS, cols: int = COLS,
+                      warps: int = WARPS) -> None:
     """Fold the group column amaxes of ``x`` [M, N] into ``bits`` [G, N] (int32 bit patterns of FP32 amaxes, zeros
     to start): the rows of each ``block`` (M a multiple of it) belong to the group ``group`` gives its first row;
-    and, given ``row_bits`` [M] (zeros), the amax of each row. ``launcher``: ``wrap_triton`` inside an op, the
+    and, given ``row_bits`` [:func:`column_blocks`, M], store each block of ``cols`` columns' row maxima in its
+    row (their maximum over the blocks is each row's amax). ``launcher``: ``wrap_triton`` inside an op, the
     identity eagerly."""
     m, n = x.shape
     rows = max(rows // block, 1) * block
     grid = (triton.cdiv(m, rows), triton.cdiv(n, cols))
     launcher(_group_amax_kernel)[grid](x, group, bits, bits if row_bits is None else row_bits, m, n,
-                                       ROW_AMAX=row_bits is not None, ROWS=rows, BM=block, BN=cols, num_warps=WARPS)
+                                       ROW_AMAX=row_bits is not None, ROWS=rows, BM=block, BN=cols, num_warps=warps)
+
+
+def column_blocks(n: int, cols: int = COLS) -> int:
+    """How many blocks of ``cols`` columns :func:`launch_group_amax` splits ``n`` columns into."""
+    return -(-n // cols)
 
 
 @kernel_op("lpbench::fp8_group_amax", ())
 def _group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int,
                 row_amax: bool) -> tuple[torch.Tensor, torch.Tensor]:
     bits = torch.zeros((n_groups, x.shape[1]), dtype=torch.int32, device=x.device)
-    row_bits = torch.zeros((x.shape[0] if row_amax else 0,), dtype=torch.int32, device=x.device)
+    row_bits = torch.empty((column_blocks(x.shape[1]) if row_amax else 0, x.shape[0]), dtype=torch.int32,
+                           device=x.device)
     launch_group_amax(wrap_triton, x, group, bits, row_bits if row_amax else None, block)
-    return bits.view(torch.float32), row_bits.view(torch.float32)
+    rows = row_bits.amax(0) if row_amax else row_bits.new_zeros(0)
+    return bits.view(torch.float32), rows.view(torch.float32)
 
 
 def group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int,
@@ -70,13 +81,13 @@ def group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int,
     return _group_amax(x.contiguous(), group.contiguous(), n_groups, block, row_amax)
 
 
-CAST_TILE = 128  # rows and columns per program of the cast (not re-timed when kernels/fp8_cast.py's changed)
-CAST_WARPS = 8
+CAST_TILE = 64  # rows and columns per program of the cast
+CAST_WARPS = 4
 
 
 def launch_group_cast(launcher, x: torch.Tensor, row_enc: torch.Tensor | None, group: torch.Tensor,
                       group_enc: torch.Tensor, q: torch.Tensor, qt: torch.Tensor, fp8_max: float,
-                      tile: int = CAST_TILE) -> None:
+                      tile: int = CAST_TILE, warps: int = CAST_WARPS) -> None:
     """Cast ``x`` [M, N] into ``qt`` [N, M]: the transposed codes of x x ``group_enc[group[i], j]`` (each row's
     group's column scales), and, given ``row_enc`` [M], into ``q`` [M, N] the codes of x x ``row_enc[i]``; both
     saturating, round to nearest even, in one read."""
@@ -84,7 +95,7 @@ def launch_group_cast(launcher, x: torch.Tensor, row_enc: torch.Tensor | None, g
     grid = (triton.cdiv(m, tile), triton.cdiv(n, tile))
     launcher(_group_cast_kernel)[grid](x, group_enc if row_enc is None else row_enc, group, group_enc, q, qt, m, n,
                                        FMAX=fp8_max, WRITE_ROWS=row_enc is not None, BM=tile, BN=tile,
-                                       num_warps=CAST_WARPS)
+                                       num_warps=warps)
 
 
 @kernel_op("lpbench::fp8_group_cast", ())
@@ -121,8 +132,8 @@ if triton is not None:
             rm = r0 + i + tl.arange(0, BM)
             tile = _bits_of_abs(tl.load(x_ptr + rm[:, None] * N + rn[None, :],
                                         mask=(rm < M)[:, None] & cols[None, :], other=0.0))
-            if ROW_AMAX:
-                tl.atomic_max(row_bits_ptr + rm, tl.max(tile, axis=1), mask=rm < M)
+            if ROW_AMAX:  # this column block's row maxima, reduced by the caller (one address per row, no atomics)
+                tl.store(row_bits_ptr + tl.program_id(1) * M + rm, tl.max(tile, axis=1), mask=rm < M)
             g = tl.load(group_ptr + r0 + i, mask=r0 + i < M, other=cur)
             if g != cur:
                 tl.atomic_max(bits_ptr + cur * N + rn, acc, mask=cols)
