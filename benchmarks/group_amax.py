@@ -1,8 +1,10 @@
-"""The grouped FP8 weight gradient's operand amaxes (``lpbench/precision/kernels/fp8_group.py: group_amax``) at the
-MoE experts' shapes: the group column amaxes alone and with each row's amax (the output gradient's), against a
-torch copy of the operand (the read-and-write bound) and torch's row amax.
+"""The grouped FP8 weight gradient's operand kernels (``lpbench/precision/kernels/fp8_group.py``) at the MoE
+experts' shapes: the group column amaxes alone and with each row's amax (the output gradient's), against a torch
+copy of the operand (the read-and-write bound) and torch's row amax; on request the amax kernel in other launch
+shapes (``--launches``) and the group cast, both codes, in tile sizes (``--cast-launches``).
 
-    python benchmarks/group_amax.py [--tokens 4096]        # CUDA only; run it from each tree to compare
+    python benchmarks/group_amax.py [--tokens 4096] [--launches 128x512x4x16,...] [--cast-launches 64x4,...]
+    # CUDA only; run it from each tree to compare trees
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--launches", default="",
-                    help="ROWSxCOLSxWARPSxBLOCK,... of the amax kernel to time too (group + row amax, launched directly)")
+                    help="ROWSxCOLSxWARPSxBLOCK,... of the amax kernel to time too (group + row amax, "
+                         "launched directly)")
     ap.add_argument("--cast-launches", default="",
                     help="TILExWARPS,... of group_cast's kernel to time (both codes, as for the output gradient)")
     args = ap.parse_args()
@@ -63,7 +66,8 @@ def main() -> int:
             group_enc = torch.rand(experts, cols, device="cuda") + 0.5
             q = torch.empty(groups.rows, cols, dtype=torch.float8_e4m3fn, device="cuda")
             qt = torch.empty(cols, groups.rows, dtype=torch.float8_e4m3fn, device="cuda")
-            fn = lambda: launch_group_cast(lambda k: k, x, row_enc, gid, group_enc, q, qt, 448.0, tile, warps)  # noqa: E731
+            fn = lambda: launch_group_cast(  # noqa: E731
+                lambda k: k, x, row_enc, gid, group_enc, q, qt, 448.0, tile, warps)
             print(f"{model:>14} {what:>14} {groups.rows:>6} x {cols:<6} {'cast ' + launch:>17} {us(fn):>24}",
                   flush=True)
     return 0

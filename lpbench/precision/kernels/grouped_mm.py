@@ -13,9 +13,9 @@ torch's are the faster at 2,048 and 4,096 tokens (1817 against 2357 us, 2737 aga
 with torch (within a few percent of this kernel either way).
 
 Precise accumulation is CUTLASS's rule: the tensor cores' partial sums are added into an FP32 accumulator
-every ``PROMOTE`` (128) elements of the reduction (Triton's ``max_num_imprecise_acc``). The results equal the
-reference (decoded codes, an FP32 matmul per expert, then the scales) up to the order of the FP32 additions,
-as any GEMM's do; on the benchmark's operands they equalled torch's bit for bit.
+every ``PROMOTE`` (128) elements of the reduction (Triton's ``max_num_imprecise_acc``). The results are the
+reference's (decoded codes, an FP32 matmul per expert, then the scales) but for the tensor cores' own summation
+of each 128-long slice and BF16's rounding, and torch's precise kernel's bit for bit (the GPU tests assert both).
 
 Layout (:class:`lpbench.precision.grouped.Groups`): ``offs`` [E] int32 are the experts' padded ends along the
 grouped dimension, ascending multiples of 16. Forward / data gradient: ``a`` [R, K] row-major, ``b`` [E, N, K]
@@ -50,6 +50,7 @@ def launch(launcher, a, b, sa, sb, offs, out, fast: bool, config=CONFIG) -> None
     else:
         m, k = a.shape
         n, s_bg = b.shape[1], b.stride(0)
+    # one program per SM (a few under Triton's interpreter, on the CPU)
     programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
     launcher(_grouped_kernel)[(programs,)](
         a, b, sa, sb, offs, out, offs.shape[0], m, n, k, a.stride(0), s_bg, b.stride(-2),
@@ -89,8 +90,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Ten
 
 if triton is not None:
     @triton.jit
-    def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, G: tl.constexpr, M, N, K, s_am, s_bg, s_bn, s_og, s_om,
-                        WGRAD: tl.constexpr, FAST: tl.constexpr, PROMOTE: tl.constexpr,
+    def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, G: tl.constexpr, M, N, K,
+                        s_am, s_bg, s_bn, s_og, s_om, WGRAD: tl.constexpr, FAST: tl.constexpr, PROMOTE: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PROGRAMS: tl.constexpr):
         tile = tl.program_id(0)
         before = 0  # output tiles of the experts before g
