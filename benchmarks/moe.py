@@ -88,7 +88,8 @@ CATEGORIES = ("expert GEMMs", "dense GEMMs", "attention", "FP8 activation casts"
 CASTS = ("FP8 activation casts", "weight casts")
 _OPTIMIZER = re.compile(r"Optimizer\.step|clip_grad|_foreach_|multi_tensor|fused_adam", re.IGNORECASE)
 _WEIGHT_CODES = re.compile(r"weight_cache\.py|weight_codes")  # FP8 codes of the weights, once per step
-_EXPERT = re.compile(r"GroupProblemShape|grouped_gemm|_grouped_mm")  # CUTLASS grouped GEMMs, or launched by the op
+# CUTLASS grouped GEMMs, lpbench's grouped FP8 kernel (kernels/grouped_mm.py), or launched by the op
+_EXPERT = re.compile(r"GroupProblemShape|grouped_gemm|_grouped_mm|^_grouped_kernel$")
 _COPY_ONLY = re.compile(r"^triton_[a-z]+_fused_((_?grouped_mm|_?scaled_grouped_mm|_?to_copy|_?transpose|_?t|_?view"
                         r"|_?clone|_?permute|_?unsafe_view)_?)+\d+$")  # a dtype cast (and layout change) alone
 _ROUTER = re.compile(r"topk|sort|radix|scatter|gather|index|searchsorted|cumsum|softmax|bincount|nonzero|cub::",
@@ -100,8 +101,8 @@ def kernel_category(kernel: str, chain: list[str]) -> str:
     """Where a kernel's time goes, from its name and the CPU events that launched it (innermost first): the
     optimizer step; autograd's accumulation of weight gradients into the FP32 ``.grad`` (micro-batches after the
     first) and the compiled casts of BF16 weight gradients to FP32 before it; weight casts (the weight cache's FP8
-    codes, the compiled FP32 -> BF16 copies of the forward); grouped expert GEMMs (CUTLASS, not the Triton
-    kernels inductor names after the GEMM they feed); attention; other GEMMs; FP8 casts of activations and
+    codes, the compiled FP32 -> BF16 copies of the forward); grouped expert GEMMs (CUTLASS and lpbench's kernel,
+    not the Triton kernels inductor names after the GEMM they feed); attention; other GEMMs; FP8 casts of activations and
     gradients (amaxes, scales, codes); routing and token permutation."""
     from lpbench.metrics import profile
 
