@@ -55,6 +55,7 @@ def main() -> int:
     from triton.testing import do_bench
 
     from lpbench.models import get_model_config
+    from lpbench.precision.kernels import grouped_mm as gm
 
     def timed(fn):
         p25, p50, p75 = do_bench(fn, warmup=25, rep=200, quantiles=[0.25, 0.5, 0.75])
@@ -68,6 +69,7 @@ def main() -> int:
 
     variants = [("bf16", torch.bfloat16, bf16_mm, False), ("fp8 precise", torch.float8_e4m3fn, fp8_mm, False),
                 ("fp8 fast", torch.float8_e4m3fn, fp8_mm, True)]
+    op_of = {label: op for label, _, op, _ in variants}
     print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | {args.tokens} tokens | us: median "
           f"(p25-p75) of triton.testing.do_bench; TFLOP/s from the median")
     print(f"{'model':>14} {'proj':>7} {'gemm':>5} {'variant':>12} {'kernel':>10} {'us':>24} {'TFLOP/s':>8}")
@@ -99,9 +101,6 @@ def main() -> int:
             return
         print(f"{name:>14} {proj:>7} {gemm:>5} {label:>12} {kernel:>10} {text:>24} {flops / ms / 1e9:8.1f}",
               flush=True)
-
-    op_of = {label: op for label, _, op, _ in variants}
-    from lpbench.precision.kernels import grouped_mm as gm
 
     def ours(config):
         def fn(a, b, sa, sb, offs, fast, out_dtype):

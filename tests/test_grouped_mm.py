@@ -105,11 +105,11 @@ def test_takes_only_precise_small_experts_on_hopper():
     x = torch.zeros(1024, K, dtype=torch.float8_e4m3fn, device="cuda")
     small = torch.zeros(E, gm.SMALL_EXPERT // K - 128, K, dtype=torch.float8_e4m3fn, device="cuda")
     large = torch.zeros(E, gm.SMALL_EXPERT // K, K, dtype=torch.float8_e4m3fn, device="cuda")
-    assert gm.takes(x, small, E, False, torch.bfloat16)
-    assert not gm.takes(x, large, E, False, torch.bfloat16)
-    assert not gm.takes(x, small, E, True, torch.bfloat16)
-    assert not gm.takes(x, small, E, False, torch.float32)
-    assert not gm.takes(x[:, :200], small[..., :200], E, False, torch.bfloat16)  # not a multiple of BK
+    assert gm.takes(x, small, False, torch.bfloat16)
+    assert not gm.takes(x, large, False, torch.bfloat16)
+    assert not gm.takes(x, small, True, torch.bfloat16)
+    assert not gm.takes(x, small, False, torch.float32)
+    assert not gm.takes(x[:, :200], small[..., :200], False, torch.bfloat16)  # not a multiple of BK
     dy_t, x_t = torch.zeros(small.shape[1], 1024, device="cuda"), torch.zeros(K, 1024, device="cuda")
-    assert gm.takes(dy_t, x_t, E, False, torch.bfloat16)  # weight gradient: [N, rows] x [K, rows]
-    assert not gm.takes(torch.zeros(large.shape[1], 1024, device="cuda"), x_t, E, False, torch.bfloat16)
+    assert gm.takes(dy_t, x_t, False, torch.bfloat16)  # weight gradient: [N, rows] x [K, rows]
+    assert not gm.takes(torch.zeros(large.shape[1], 1024, device="cuda"), x_t, False, torch.bfloat16)

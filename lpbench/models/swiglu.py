@@ -117,7 +117,6 @@ class Epilogue:
                               fmt.dtype, write_t)
 
 
-
 @kernel_op("lpbench::swiglu_backward", ())
 def backward_kernel(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The gradient of contiguous ``gate_up`` [tokens, 2 x ffn] from ``grad`` [tokens, ffn] (the Triton kernel)."""

@@ -199,10 +199,10 @@ def _scaled_grouped(a, sa, b, sb, groups: Groups, native: bool, fast_accum: bool
     precise accumulation of small experts).
     """
     wgrad = b.dim() == 2
-    if native and grouped_mm.takes(a, b, groups.offs.shape[0], fast_accum, out_dtype):
-        y = grouped_mm.grouped_mm(a, b, sa, sb, groups.offs)
-        return y if wgrad else groups.clear_tail(y)
     if native:
+        if grouped_mm.takes(a, b, fast_accum, out_dtype):
+            y = grouped_mm.grouped_mm(a, b, sa, sb, groups.offs)
+            return y if wgrad else groups.clear_tail(y)
         if wgrad:
             return torch._scaled_grouped_mm(a, b.t(), sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(),
                                             offs=groups.offs, out_dtype=out_dtype, use_fast_accum=fast_accum)

@@ -65,10 +65,10 @@ def column_blocks(n: int, cols: int = COLS) -> int:
 def _group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int,
                 row_amax: bool) -> tuple[torch.Tensor, torch.Tensor]:
     bits = torch.zeros((n_groups, x.shape[1]), dtype=torch.int32, device=x.device)
-    row_bits = torch.empty((column_blocks(x.shape[1]) if row_amax else 0, x.shape[0]), dtype=torch.int32,
-                           device=x.device)
-    launch_group_amax(wrap_triton, x, group, bits, row_bits if row_amax else None, block)
-    rows = row_bits.amax(0) if row_amax else row_bits.new_zeros(0)
+    row_bits = (torch.empty((column_blocks(x.shape[1]), x.shape[0]), dtype=torch.int32, device=x.device)
+                if row_amax else None)
+    launch_group_amax(wrap_triton, x, group, bits, row_bits, block)
+    rows = row_bits.amax(0) if row_amax else bits.new_zeros(0)
     return bits.view(torch.float32), rows.view(torch.float32)
 
 

@@ -68,7 +68,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Te
     return out
 
 
-def takes(a: torch.Tensor, b: torch.Tensor, experts: int, fast: bool, out_dtype: torch.dtype) -> bool:
+def takes(a: torch.Tensor, b: torch.Tensor, fast: bool, out_dtype: torch.dtype) -> bool:
     """Whether the grouped GEMM of E4M3 codes ``a``, ``b`` (the layouts of the module doc) runs here rather than in
     torch: precise accumulation into BF16 on SM 9.x, experts' weights of fewer than ``SMALL_EXPERT`` elements, the
     reduction contiguous and, for the forward and data gradient, a multiple of the reduction block (the zoo's
