@@ -2,12 +2,14 @@
 row-wise (``torch._scaled_grouped_mm``, precise and fast accumulation) and lpbench's grouped FP8 kernel
 (``lpbench/precision/kernels/grouped_mm.py``) in each of ``--configs`` (with its relative error against torch's
 result); on request (``--autotune``) what inductor's ``max-autotune`` picks (its Triton grouped template against
-the aten kernel; the choice table goes to stderr). Then the weight gradient's accumulation into the FP32 master
-gradient, as autograd does it (cast, then add) against one mixed-dtype add. Operands in the layouts
+the aten kernel; the choice table goes to stderr). Then the weight gradient into the FP32 gradient buffer: the
+GEMM then autograd's cast and add, the GEMM then one mixed-dtype add, and lpbench's kernel adding its FP32 product
+in the epilogue (``--into-configs``; BF16 operands in autograd's layouts, dy and x untransposed). Operands in the layouts
 ``lpbench/precision/grouped.py`` gives them (rows sorted by expert, each expert's rows padded to 16); tokens
 spread evenly over the experts.
 
     python benchmarks/grouped_gemm.py [--models mixtral-8x7b,qwen3-30b-a3b] [--tokens 4096] [--configs ...]
+                                      [--into-only] [--into-configs ...]
                                       [--autotune 'fp8 precise,fp8 fast']
 """
 
@@ -46,6 +48,10 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=4096, help="tokens a micro-batch (seq x MBS)")
     ap.add_argument("--configs", default="128x128x128x8x4,128x256x128x8x3,64x128x128x4x4,128x128x64x4x4",
                     help="BMxBNxBKxWARPSxSTAGES,... of lpbench's kernel (kernels/grouped_mm.py) to time")
+    ap.add_argument("--into-configs", default="128x128x128x8x4,128x256x128x8x3,128x128x64x8x3,128x256x64x8x3,"
+                    "128x128x64x4x4,256x128x64x8x3",
+                    help="configs of lpbench's kernel adding the weight gradient into FP32 (BK 128: FP8, else BF16)")
+    ap.add_argument("--into-only", action="store_true", help="time only the weight gradient into FP32")
     ap.add_argument("--autotune", default="",
                     help="variants also compiled with max-autotune (comma-separated; empty: none)")
     args = ap.parse_args()
@@ -112,26 +118,52 @@ def main() -> int:
             wgrad = b.dim() == 2
             out = (torch.empty(offs.shape[0], a.shape[0], b.shape[0], dtype=out_dtype, device="cuda") if wgrad
                    else torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device="cuda"))
-            gm.launch(lambda k: k, a, b, sa, sb, offs, out, fast, config)
+            gm.launch(lambda k: k, a, b, sa, sb, offs, out, fast, config=config)
             return out
         return fn
 
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
-    for case in cases:
+    for case in cases if not args.into_only else ():
         for label, dtype, op, fast in variants:
             run(case, label, "aten", op, dtype, fast)
             if label != "bf16":
                 for config in configs:
                     run(case, label, "x".join(map(str, config)), ours(config), dtype, fast)
-    # the weight gradient into the FP32 master gradient: autograd's cast then add, against one mixed add
+    # the weight gradient into the FP32 gradient buffer: autograd's (the GEMM's BF16 output cast, then added), one
+    # mixed-dtype add after the GEMM, or lpbench's kernel adding the FP32 product in its epilogue (``--into-configs``)
+    into = [tuple(int(v) for v in c.split("x")) for c in args.into_configs.split(",") if c]
     for name, proj, gemm, rows, n, k, E, offs, flops in cases:
-        if gemm == "wgrad":
-            dw = torch.randn(E, n, k, device="cuda", dtype=torch.bfloat16)
-            grad = torch.randn(E, n, k, device="cuda")
-            for label, fn in (("cast, add", lambda: grad.add_(dw.to(torch.float32))),
-                              ("mixed add", lambda: grad.add_(dw))):
+        if gemm != "wgrad":
+            continue
+        grad = torch.zeros(E, n, k, device="cuda")
+        for label, dtype, op, fast in variants:
+            torch.manual_seed(1)
+            if dtype == torch.bfloat16:  # dy [rows, n] and x [rows, k] as autograd holds them
+                dy, x = operands("dgrad", rows, n, k, E, dtype)[0], operands("fprop", rows, n, k, E, dtype)[0]
+                a, b, sa, sb = dy.t(), x, None, None
+            else:
+                a, b, sa, sb = operands(gemm, rows, n, k, E, dtype)
+
+            def gemm_out(a=a, b=b, sa=sa, sb=sb, op=op, fast=fast):
+                return op(a, b, sa, sb, offs, fast, torch.bfloat16)
+
+            rows_of = [("GEMM, cast, add", lambda: grad.add_(gemm_out().float())),
+                       ("GEMM, mixed add", lambda: grad.add_(gemm_out()))]
+            for config in into:
+                if (config[2] == 128) == (dtype != torch.bfloat16):  # BK 128: FP8 configs; else 16-bit
+                    rows_of.append(("x".join(map(str, config)), lambda config=config, a=a, b=b, sa=sa, sb=sb, fast=fast:
+                                    gm.launch(lambda kern: kern, a, b.t(), sa, sb, offs, grad, fast, True, config)))
+            for kernel, fn in rows_of:
                 _, text = timed(fn)
-                print(f"{name:>14} {proj:>7} {'acc':>5} {label:>12} {'':>10} {text:>24}", flush=True)
+                if kernel not in ("GEMM, cast, add", "GEMM, mixed add"):  # against the mixed add on zeros
+                    grad.zero_()
+                    fn()
+                    got = grad.clone()
+                    grad.zero_()
+                    grad.add_(gemm_out())
+                    text += f"  rel.err {((got - grad).norm() / grad.norm()).item():.1e}"
+                print(f"{name:>14} {proj:>7} {'into':>5} {label:>12} {kernel:>16} {text:>24} "
+                      f"{flops / float(text.split()[0]) / 1e6:8.1f}", flush=True)
     if args.autotune:
         wanted = args.autotune.split(",")
         for case in cases:

@@ -113,3 +113,40 @@ def test_takes_only_precise_small_experts_on_hopper():
     dy_t, x_t = torch.zeros(small.shape[1], 1024, device="cuda"), torch.zeros(K, 1024, device="cuda")
     assert gm.takes(dy_t, x_t, False, torch.bfloat16)  # weight gradient: [N, rows] x [K, rows]
     assert not gm.takes(torch.zeros(large.shape[1], 1024, device="cuda"), x_t, False, torch.bfloat16)
+
+
+@pytest.mark.parametrize("operands", ["fp8", "bf16"])
+@pytest.mark.parametrize("case", COUNTS)
+def test_weight_gradient_into_an_fp32_buffer_is_the_reference(case, operands):
+    """The weight gradient added into an FP32 buffer (what the buffer held plus each expert's FP32 product, never
+    rounded to BF16): FP8 codes with their scales, or BF16 operands as autograd holds them (dy [R, M] and x [R, N],
+    read transposed); an expert without rows leaves its slice as it was."""
+    _hopper()
+    from lpbench.precision.kernels import grouped_mm as gm
+
+    gen = torch.Generator().manual_seed(2)
+    counts = COUNTS[case]
+    E, M, N = len(counts), 320, 256
+    offs, spans, R = _layout(counts)
+    if operands == "fp8":
+        a, b = _codes(M, R, gen=gen), _codes(N, R, gen=gen)
+        sa, sb = (torch.rand(E, M, generator=gen) + 0.5).cuda(), (torch.rand(E, N, generator=gen) + 0.5).cuda()
+    else:
+        a = torch.randn(R, M, generator=gen).bfloat16().cuda().t()
+        b = torch.randn(R, N, generator=gen).bfloat16().cuda().t()
+        sa = sb = None
+    assert gm.takes_wgrad_into(a, b, torch.empty(E, M, N, device="cuda"))
+    before = torch.randn(E, M, N, generator=gen).cuda()
+    out = before.clone()
+    gm.wgrad_into(out, a, b, offs, sa, sb)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        ae, be = a[:, start:end].float(), b[:, start:end].float()
+        scale = sa[e][:, None] * sb[e][None, :] if sa is not None else 1.0
+        product, magnitude = (ae @ be.t()) * scale, (ae.abs() @ be.abs().t()) * scale
+        # FP32 out: only the GEMM's own summation (FP8's 128-long slices; BF16 in FP32) and the final add round
+        err = (out[e] - before[e] - product).abs()
+        assert (err <= 2 ** -20 * before[e].abs() + 2 ** -7 * magnitude + 1e-6).all(), (err / magnitude).max()
+        if end == start:
+            assert torch.equal(out[e], before[e])
+        start = end

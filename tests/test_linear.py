@@ -259,7 +259,9 @@ def test_one_autograd_function_for_every_quantized_linear(monkeypatch):
     from lpbench.precision import capability
     from lpbench.precision.frozen import FrozenQuantizedLinear
 
-    not_linears = {"_Fp8GroupedFn": "MoE grouped GEMMs", "_AllToAll": "expert-parallel dispatch",
+    not_linears = {"_Fp8GroupedFn": "MoE grouped GEMMs",
+                   "_GroupedIntoFn": "MoE grouped GEMMs in the compute dtype, weight gradients into FP32 buffers",
+                   "_AllToAll": "expert-parallel dispatch",
                    "_AttachLoss": "MoE auxiliary loss", "_LinearCrossEntropy": "LM head fused with the loss",
                    "_Enter": "MoE tensor parallelism's entry", "_Leave": "MoE tensor parallelism's exit",
                    "_CastOnce": "a weight's BF16 copy, cast once per optimizer step",

@@ -35,6 +35,8 @@ SCENARIOS = {
         **{f"tp-{name}": dict(tp=2, model=name) for name in ARCHS},
         "tp-no-sp-test-moe": dict(tp=2, model="test-moe", sequence_parallel=False, mbs=4),
         "ddp-test-moe": dict(mbs=4, model="test-moe"), "ep2-test-moe": dict(mbs=4, model="test-moe", ep=2),
+        # gradient accumulation: DDP reduces the experts' .grad; split experts accumulate in FP32 buffers
+        "ddp-ga-test-moe": dict(mbs=2, model="test-moe"), "ep2-ga-test-moe": dict(mbs=2, model="test-moe", ep=2),
         "ep2-fsdp-test-moe": dict(mbs=2, model="test-moe", ep=2, fsdp=True),
         "ep2-test-moe-aux": dict(mbs=4, model="test-moe", ep=2, moe_aux_loss_coeff=0.1),
         "ddp-test-moe-aux": dict(mbs=4, model="test-moe", moe_aux_loss_coeff=0.1)},

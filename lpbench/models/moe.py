@@ -119,6 +119,7 @@ class Experts(nn.Module):
         self.tp = None  # lpbench.parallel.tp.ExpertsTP: this rank's slice of every expert's FFN width
         self.adapters = nn.ModuleDict()  # LoRA: weight name -> lpbench.models.lora.ExpertLoRA
         self.weight_codes: dict = {}  # this step's FP8 codes (FP8 grouped) or BF16 copy of each weight (weight_cache)
+        self.main_grads: dict = {}  # FP32 buffers the weight gradients are added into (precision.main_grads)
 
     def set_recipe(self, recipe, native: bool) -> None:
         from lpbench.precision.linear import ExpertGemms
@@ -163,10 +164,11 @@ class Experts(nn.Module):
         if self.torchao is not None:  # groups padded to 16 rows, as torchao requires
             return groups.clear_tail(self.torchao(x, w.transpose(1, 2), groups.offs, x.dtype,
                                                   pad_token_groups_for_grouped_mm=False))
+        main_grad, codes = self.main_grads.get(name), self.weight_codes.get(name)
         if self.recipe is None:
-            return grouped_linear(x, w, groups, cast_once(w, self.weight_codes.get(name), x))
+            return grouped_linear(x, w, groups, codes if main_grad is not None else cast_once(w, codes, x), main_grad)
         if self.gemms is None:
-            return fp8_grouped(x, w, groups, self.recipe, self.native, self.weight_codes.get(name), self.split(name))
+            return fp8_grouped(x, w, groups, self.recipe, self.native, codes, self.split(name), main_grad)
         return looped(x, w, groups, self.gemms[name])
 
     def forward(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:

@@ -20,6 +20,8 @@ Paths, each giving every expert's tokens the numbers the dense linear of its rec
   linear's emulation. The weights' codes can be computed once per optimizer step
   (:func:`weight_codes`, the weight cache's). The native GEMM takes E4M3 operands only, so recipes
   with E5M2 gradients (fp8-tensorwise) run natively per expert (below).
+* weight gradients into FP32 buffers (``main_grad``, :mod:`lpbench.precision.main_grads`): the compute-dtype and
+  FP8 grouped paths add them there (:func:`add_wgrad`) and hand autograd none for the weight.
 * everything else (delayed scaling with its per-expert histories, blockwise, MX, NVFP4) runs each
   expert's tokens through the dense quantized linear's own GEMMs (:class:`ExpertGemms`): exact by
   construction; emulation is about the numbers, not speed.
@@ -96,13 +98,73 @@ class Groups:
         return torch.cat(out)
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups, cast: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups, cast: torch.Tensor | None = None,
+                   main_grad: torch.Tensor | None = None) -> torch.Tensor:
     """``x_e · w_eᵀ`` for every expert in ``x``'s dtype (w cast to it, or ``cast``: w already cast, as
-    ``weight_cache.cast_once`` gives it): rows of ``x`` [rows, K] by ``groups``."""
+    ``weight_cache.cast_once`` gives it, or the weight cache's copy itself with ``main_grad``): rows of ``x``
+    [rows, K] by ``groups``. ``main_grad``: the FP32 buffer ``w``'s gradient is added into (:func:`add_wgrad`),
+    ``w`` itself then gets none."""
+    if main_grad is not None:
+        w16 = cast if cast is not None and cast.dtype == x.dtype else None
+        return _GroupedIntoFn.apply(x, w, w16, groups, main_grad)
     w = w.to(x.dtype) if cast is None or cast.dtype != x.dtype else cast
+    return _grouped(x, w, groups)
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
     if capability.grouped_gemm(x) and x.dtype == torch.bfloat16:
         return groups.clear_tail(torch._grouped_mm(x, w.transpose(1, 2), offs=groups.offs))
     return _per_expert_linear(x, w, groups)
+
+
+class _GroupedIntoFn(torch.autograd.Function):
+    """:func:`grouped_linear` whose weight gradient is added into ``main_grad``: the forward and data gradient the
+    grouped GEMMs of ``x``'s dtype (``w16``: the weight in it, else cast here), the weight gradient
+    :func:`add_wgrad`'s."""
+
+    @staticmethod
+    def forward(ctx, x, w, w16, groups: Groups, main_grad):
+        w16 = w.detach().to(x.dtype) if w16 is None else w16
+        ctx.save_for_backward(x, w16)
+        ctx.groups, ctx.main_grad = groups, main_grad
+        return _grouped(x, w16, groups)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w16 = ctx.saved_tensors
+        groups = ctx.groups
+        dx = _grouped(dy, w16.transpose(1, 2), groups) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            add_wgrad(ctx.main_grad, dy.t(), x.t(), groups)
+        return dx, None, None, None, None
+
+
+@torch.library.custom_op("lpbench::accumulate_", mutates_args=("out",))
+def _accumulate(out: torch.Tensor, grad: torch.Tensor) -> None:
+    """``out += grad`` in ``out``'s dtype, as one op a compiled backward keeps (an input mutated in backward)."""
+    out.add_(grad)
+
+
+@_accumulate.register_fake
+def _(out, grad):
+    return None
+
+
+def add_wgrad(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, groups: Groups, sa=None, sb=None,
+              native: bool = True, fast: bool = False) -> None:
+    """``out[e] += a_e · b_eᵀ`` over each expert's rows (the weight gradient into its FP32 buffer ``out`` [E, M, N]):
+    ``a`` [M, rows] and ``b`` [N, rows] in the compute dtype, or FP8 codes with decode scales ``sa`` [E, M] and ``sb``
+    [E, N] (native: the device's FP8 GEMMs, else emulated). On Hopper lpbench's grouped GEMM adds its FP32 product
+    in its epilogue (:func:`kernels.grouped_mm.wgrad_into`), where the grouped GEMMs' BF16 output had been cast and
+    added by autograd: on mixtral-8x7b's gate_up 4.4 against 7.6 ms in FP8, 5.3 against 8.1 in BF16 (H200,
+    ``benchmarks/grouped_gemm.py``). Elsewhere the GEMM's output is added (:func:`_accumulate`)."""
+    if (sa is None or native) and grouped_mm.takes_wgrad_into(a, b, out):
+        grouped_mm.wgrad_into(out, a, b, groups.offs, sa, sb, fast)
+    elif sa is None:
+        _accumulate(out, _hp_wgrad(a.t(), b.t(), groups))
+    else:
+        _accumulate(out, _scaled_grouped(a, sa, b, sb, groups, native, fast,
+                                         torch.bfloat16 if native else torch.float32))
 
 
 @torch.compiler.disable  # per-expert shapes: run eagerly, never specialised and recompiled on the counts
@@ -285,7 +347,7 @@ def weight_codes(w: torch.Tensor, recipe, split=None) -> tuple[torch.Tensor, ...
 
 class _Fp8GroupedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, groups: Groups, recipe, native: bool, split, wq, sw, wtq, swt):
+    def forward(ctx, x, w, groups: Groups, recipe, native: bool, split, main_grad, wq, sw, wtq, swt):
         E = w.shape[0]
         with torch.autocast(x.device.type, enabled=False):
             spec = recipe.operand("input", "fprop")
@@ -294,7 +356,7 @@ class _Fp8GroupedFn(torch.autograd.Function):
                 wq, sw = _weight_fprop(w, recipe, split)
             y = _scaled_grouped(xq, sx, wq, sw, groups, native, recipe.fast_accum_fprop, x.dtype)
         ctx.save_for_backward(x, w, *((wtq, swt) if wtq is not None else ()))
-        ctx.groups, ctx.recipe, ctx.native, ctx.split = groups, recipe, native, split
+        ctx.groups, ctx.recipe, ctx.native, ctx.split, ctx.main_grad = groups, recipe, native, split, main_grad
         return y
 
     @staticmethod
@@ -312,17 +374,28 @@ class _Fp8GroupedFn(torch.autograd.Function):
                 wtq, swt = dgrad_codes or _weight_dgrad(w, recipe, split)
                 dx = _scaled_grouped(*dgrad_op, wtq, swt, groups, native, recipe.fast_accum_grads, x.dtype)
             if ctx.needs_input_grad[1]:
-                if wgrad_spec is None:  # weight gradient in the compute dtype
-                    dw = _hp_wgrad(dy, x, groups)
-                else:
-                    spec_x = recipe.operand("input", "wgrad")
-                    xqt, sx = _group_codes_t(x, spec_x, gid, E, _amax_group(split, "input", "wgrad", spec_x))
-                    # FP32 when emulated; natively BF16 (the only output the grouped FP8 GEMM has, as the dense
-                    # native GEMM's BF16 output)
-                    dw = _scaled_grouped(*wgrad_op, xqt, sx, groups, native, recipe.fast_accum_grads,
-                                         torch.bfloat16 if native else torch.float32)
-                dw = dw.to(w.dtype)
-        return dx, dw, None, None, None, None, None, None, None, None
+                dw = _fp8_wgrad(ctx, dy, x, w, wgrad_op, wgrad_spec)
+        return dx, dw, None, None, None, None, None, None, None, None, None
+
+
+def _fp8_wgrad(ctx, dy, x, w, wgrad_op, wgrad_spec):
+    """:class:`_Fp8GroupedFn`'s weight gradient in ``w``'s dtype, or None: added into ``ctx.main_grad``."""
+    groups, native, recipe, main_grad = ctx.groups, ctx.native, ctx.recipe, ctx.main_grad
+    if wgrad_spec is None:  # weight gradient in the compute dtype
+        if main_grad is None:
+            return _hp_wgrad(dy, x, groups).to(w.dtype)
+        add_wgrad(main_grad, dy.t(), x.t(), groups)
+        return None
+    spec_x = recipe.operand("input", "wgrad")
+    xqt, sx = _group_codes_t(x, spec_x, groups.row_group, w.shape[0], _amax_group(ctx.split, "input", "wgrad", spec_x))
+    if main_grad is not None:
+        add_wgrad(main_grad, wgrad_op[0], xqt, groups, wgrad_op[1], sx, native, recipe.fast_accum_grads)
+        return None
+    # FP32 when emulated; natively BF16 (the only output the grouped FP8 GEMM has, as the dense native GEMM's BF16
+    # output)
+    dw = _scaled_grouped(*wgrad_op, xqt, sx, groups, native, recipe.fast_accum_grads,
+                         torch.bfloat16 if native else torch.float32)
+    return dw.to(w.dtype)
 
 
 @torch.compiler.disable
@@ -332,12 +405,13 @@ def _hp_wgrad(dy: torch.Tensor, x: torch.Tensor, groups: Groups) -> torch.Tensor
 
 
 def fp8_grouped(x: torch.Tensor, w: torch.Tensor, groups: Groups, recipe, native: bool,
-                codes: tuple | None = None, split=None) -> torch.Tensor:
+                codes: tuple | None = None, split=None, main_grad: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 row-wise / tensor-wise grouped ``x_e · w_eᵀ`` (x in the compute dtype, w the master weight);
     ``codes``: :func:`weight_codes` of ``w`` (else ``w`` is quantized in this call); ``split``: ``w``'s
     :class:`lpbench.parallel.tp.TPShard` when it is a tensor-parallel slice (each operand's slice then
-    quantized as the whole operand, :func:`_amax_group`)."""
-    return _Fp8GroupedFn.apply(x, w, groups, recipe, native, split, *(codes or (None,) * 4))
+    quantized as the whole operand, :func:`_amax_group`); ``main_grad``: the FP32 buffer ``w``'s gradient is
+    added into (:func:`add_wgrad`), ``w`` itself then gets none."""
+    return _Fp8GroupedFn.apply(x, w, groups, recipe, native, split, main_grad, *(codes or (None,) * 4))
 
 
 @torch.compiler.disable

@@ -28,7 +28,7 @@ from lpbench.parallel.dp import clip_grad_norm_, grad_sync
 from lpbench.parallel.ep import expert_params, sync_expert_grads
 from lpbench.parallel.env import all_reduce, init_distributed
 from lpbench.parallel.plan import parallelize
-from lpbench.precision import gemm, weight_cache
+from lpbench.precision import gemm, main_grads, weight_cache
 from lpbench.precision.delayed import is_delayed_state
 from lpbench.precision.recipes import get_recipe
 from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError, validated
@@ -129,10 +129,12 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     params = [p for p in par.module.parameters() if p.requires_grad]
     spread = expert_params(par.module)  # expert parallel: each rank's own experts
     optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda")
-    cache = None
+    cache = fused = None
     if cfg.grad_accum > 1 and not (use_compile and cfg.compile_scope == "model"):  # its pre-hook runs eagerly
         # FP8 and BF16 weights (linears, experts) cast once per optimizer step
         cache = weight_cache.install(model, optimizer, bf16=recipe.compute_dtype == torch.bfloat16)
+        # experts' weight gradients accumulated in FP32 by their GEMMs, where no data-parallel wrapper reduces them
+        fused = main_grads.install(model, optimizer, params if world.size == 1 else spread[0])
     scheduler = build_scheduler(optimizer, cfg)
     memory.reset_peak(device)  # after building, sharding and initialising the model
     splits = build_data(cfg, model_cfg)
@@ -157,6 +159,9 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
         log(f"lpbench: {cfg.precision} GEMMs emulated: {precision_info['why_emulated']}")
     if cfg.workload == "lora":
         log(describe_lora(cfg, workload_metrics))
+    if fused is not None:
+        log(f"lpbench: {len(fused.weights)} expert weights' gradients accumulated in FP32 by their GEMMs "
+            f"(gradient-accumulation fusion)")
     if world.size > 1:
         dp_kind = ("fsdp, fp8 all-gather" if cfg.fsdp_fp8_all_gather else "fsdp") if cfg.fsdp else "ddp"
         log(f"lpbench: {world.size} ranks ({world.launcher}) | dp {cfg.dp} ({dp_kind}) "
@@ -180,6 +185,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                         loss = forward(*batch)  # input_ids, labels[, doc_ids]
                     (loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach()
+            if fused is not None:
+                fused.expose()
             if cfg.ep > 1 or cfg.tp > 1:
                 sync_expert_grads(par.module, cfg.dp)
             grad_norm = clip_grad_norm_(params, cfg.grad_clip, optimizer, spread)

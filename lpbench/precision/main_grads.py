@@ -1,0 +1,78 @@
+"""The MoE experts' weight gradients accumulated in FP32 by their weight-gradient GEMMs (gradient-accumulation
+fusion, as Megatron's ``main_grad``).
+
+Autograd accumulates a weight's gradient by adding each micro-batch's into ``.grad``: after torch's grouped
+GEMMs, which write BF16 only, that is a cast of the BF16 product to FP32 and an add, over every expert weight
+in every micro-batch. On mixtral-8x7b@2L (H200, ``benchmarks/moe.py --profile``) those casts and adds took
+11.97 ms of BF16's 59-ms micro-batch, and as much in FP8. Here each expert weight has an FP32 buffer
+(``Experts.main_grads``) that the grouped GEMMs' autograd functions add their weight gradient into
+(:func:`lpbench.precision.grouped.add_wgrad`: on Hopper in the GEMM's epilogue, elsewhere by one add), returning
+no gradient for the weight; after the last micro-batch :meth:`MainGrads.expose` makes each buffer its weight's
+``.grad`` for the gradient sync, clipping and the optimizer, and the optimizer's step post-hook zeroes them. On
+the H200 both precisions' steps ran 4-6 % faster with it (mixtral-8x7b@2L and qwen3-30b-a3b@2L at GBS 8): in the
+step the kernel's FP32 read and write of every expert weight costs BF16 and FP8 alike.
+
+The buffer holds the sum of the FP32 products, where autograd added each product rounded to BF16 (the GEMMs'
+output): the same sum up to that rounding, as Megatron's fusion computes it. Emulated FP8 weight gradients are
+FP32 either way: there the buffer holds exactly what ``.grad`` would.
+
+Only for weights whose gradients no data-parallel wrapper reduces (DDP and FSDP reduce ``.grad`` in their
+autograd hooks, which a gradient never handed to autograd does not trigger): one process, or experts split over
+ranks (expert or tensor parallel), which :func:`lpbench.parallel.ep.sync_expert_grads` reduces after
+:meth:`MainGrads.expose`. The training loop installs it with gradient accumulation only (one micro-batch a step
+has nothing to accumulate) and with ``--compile-scope block``, as the weight cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lpbench.precision.grouped import is_experts
+
+
+def eligible(mod: nn.Module, owned: set[int]) -> bool:
+    """Whether ``mod`` is an MoE layer's experts on the grouped GEMMs (BF16 or FP8 grouped) whose trained weights
+    are plain parameters in ``owned`` (ids)."""
+    if not is_experts(mod) or mod.gemms is not None or mod.torchao is not None:
+        return False
+    weights = [getattr(mod, name) for name in (mod.in_name, "down")]
+    return all(type(w) is nn.Parameter and w.requires_grad and id(w) in owned for w in weights)
+
+
+class MainGrads:
+    """The FP32 gradient buffers of a model's eligible experts (see the module doc)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, owned: list[nn.Parameter]):
+        ids = {id(p) for p in owned}
+        self.experts = [m for m in model.modules() if eligible(m, ids)]
+        self.weights = [(m, name) for m in self.experts for name in (m.in_name, "down")]
+        for m, name in self.weights:
+            m.main_grads[name] = torch.zeros_like(getattr(m, name), dtype=torch.float32)
+        self.handle = optimizer.register_step_post_hook(self.zero)
+
+    def expose(self) -> None:
+        """Make each buffer its weight's ``.grad`` (after the step's last backward, before anything reads them)."""
+        for m, name in self.weights:
+            getattr(m, name).grad = m.main_grads[name]
+
+    def zero(self, *_) -> None:
+        """Zero the buffers (the optimizer's step post-hook: the step has read them)."""
+        for m, name in self.weights:
+            m.main_grads[name].zero_()
+
+    def remove(self) -> None:
+        """Detach: the hook removed, the buffers dropped (autograd accumulates ``.grad`` again)."""
+        self.handle.remove()
+        for m in self.experts:
+            m.main_grads.clear()
+
+
+def install(model: nn.Module, optimizer: torch.optim.Optimizer, owned: list[nn.Parameter]) -> MainGrads | None:
+    """Accumulate the weight gradients of ``model``'s eligible experts (weights among ``owned``) in FP32 buffers;
+    None: it has none."""
+    grads = MainGrads(model, optimizer, owned)
+    if not grads.weights:
+        grads.remove()
+        return None
+    return grads
