@@ -126,6 +126,13 @@ def wgrad_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offs: torch.
 
 if triton is not None:
     @triton.jit
+    def _dot(a, b, acc, FAST: tl.constexpr, PROMOTE: tl.constexpr):
+        """``acc + a · b``: the tensor cores' own accumulation (``FAST``), or promoted to FP32 every ``PROMOTE``."""
+        if FAST:
+            return tl.dot(a, b, acc)
+        return tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
+
+    @triton.jit
     def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, G: tl.constexpr, M, N, K,
                         s_am, s_ak, s_bg, s_bn, s_bk, s_og, s_om, WGRAD: tl.constexpr, SCALED: tl.constexpr,
                         FAST: tl.constexpr, ACCUMULATE: tl.constexpr, PROMOTE: tl.constexpr,
@@ -171,10 +178,7 @@ if triton is not None:
                         kk = k0 + rk
                         a = tl.load(a_ptrs, mask=m_ok[:, None] & (kk[None, :] < end), other=0.0)
                         b = tl.load(b_ptrs, mask=n_ok[None, :] & (kk[:, None] < end), other=0.0)
-                        if FAST:
-                            acc = tl.dot(a, b, acc)
-                        else:
-                            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
+                        acc = _dot(a, b, acc, FAST, PROMOTE)
                         a_ptrs += BK * s_ak
                         b_ptrs += BK * s_bk
                 else:  # the expert's rows [start, end) of a, its weight g
@@ -185,10 +189,7 @@ if triton is not None:
                     for _ in range(0, K, BK):
                         a = tl.load(a_ptrs)
                         b = tl.load(b_ptrs)
-                        if FAST:
-                            acc = tl.dot(a, b, acc)
-                        else:
-                            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
+                        acc = _dot(a, b, acc, FAST, PROMOTE)
                         a_ptrs += BK * s_ak
                         b_ptrs += BK * s_bk
                 y = acc
