@@ -6,10 +6,10 @@ the aten kernel; the choice table goes to stderr). Then the weight gradient into
 GEMM then autograd's cast and add, the GEMM then one mixed-dtype add, and lpbench's kernel adding its FP32 product
 in the epilogue (``--into-configs``; BF16 operands in autograd's layouts, dy and x untransposed). Operands in the layouts
 ``lpbench/precision/grouped.py`` gives them (rows sorted by expert, each expert's rows padded to 16); tokens
-spread evenly over the experts.
+spread evenly over the experts (``--skew``: unevenly, as an untrained router spreads them).
 
     python benchmarks/grouped_gemm.py [--models mixtral-8x7b,qwen3-30b-a3b] [--tokens 4096] [--configs ...]
-                                      [--into-only] [--into-configs ...]
+                                      [--into-only] [--into-configs ...] [--skew 0.25]
                                       [--autotune 'fp8 precise,fp8 fast']
 """
 
@@ -52,6 +52,9 @@ def main() -> int:
                     "128x128x64x4x4,256x128x64x8x3",
                     help="configs of lpbench's kernel adding the weight gradient into FP32 (BK 128: FP8, else BF16)")
     ap.add_argument("--into-only", action="store_true", help="time only the weight gradient into FP32")
+    ap.add_argument("--skew", type=float, default=0.0,
+                    help="tokens spread over the experts by softmax(skew x N(0, 1)) shares, as an untrained router "
+                         "spreads them (0: evenly; 0.25: the busiest expert ~1.5x the mean)")
     ap.add_argument("--autotune", default="",
                     help="variants also compiled with max-autotune (comma-separated; empty: none)")
     args = ap.parse_args()
@@ -83,11 +86,17 @@ def main() -> int:
     cases = []  # (model, proj, gemm, rows, n, k, E, offs, flops)
     for name in args.models.split(","):
         cfg = get_model_config(name)
-        E, per = cfg.n_experts, args.tokens * cfg.top_k // cfg.n_experts
-        padded = (per + 15) // 16 * 16
-        offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * padded
+        E, routed = cfg.n_experts, args.tokens * cfg.top_k
+        shares = (args.skew * torch.randn(E, generator=torch.Generator().manual_seed(E))).softmax(0)
+        counts = (shares * routed).floor().long()
+        counts[: routed - int(counts.sum())] += 1  # every routed token placed
+        padded = (counts + 15) // 16 * 16
+        offs = padded.cumsum(0).to(device="cuda", dtype=torch.int32)
+        rows = (routed + 16 * E + 127) // 128 * 128  # the buffer's rows, as Groups sizes them
+        print(f"{name}: {E} experts, {routed} routed rows, busiest expert {int(counts.max())} "
+              f"({counts.max().item() * E / routed:.2f}x the mean)")
         for proj, n, k in (("gate_up", 2 * cfg.ffn_dim, cfg.dim), ("down", cfg.dim, cfg.ffn_dim)):
-            cases += [(name, proj, gemm, E * padded, n, k, E, offs, 2 * E * per * n * k) for gemm in GEMMS]
+            cases += [(name, proj, gemm, rows, n, k, E, offs, 2 * routed * n * k) for gemm in GEMMS]
 
     def run(case, label, kernel, fn, dtype, fast, out_dtype=torch.bfloat16):
         name, proj, gemm, rows, n, k, E, offs, flops = case

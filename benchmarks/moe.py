@@ -1,7 +1,7 @@
 """MoE throughput on one GPU: grouped expert GEMMs against the per-expert loop, FP8 against BF16, lpbench
 against torchao's MoE path, on zoo MoE models cut with --num-layers.
 
-    python benchmarks/moe.py [--seq-len 4096] [--gbs 1] [--steps 10] [--warmup 4] [--out DIR]
+    python benchmarks/moe.py [--seq-len 4096] [--gbs 1] [--mbs 1] [--steps 10] [--warmup 4] [--out DIR]
                              [--variants bf16,...] [--profile]
     python benchmarks/moe.py --gbs 8 --categorize bf16=trace-mixtral-8x7b-bf16.json.gz,fp8-rowwise=...
 
@@ -162,22 +162,22 @@ def step_categories(trace: str, wall_ms: float | None = None) -> tuple[dict[str,
     return times, sorted(((t, n) for n, t in other.items()), reverse=True)[:6]
 
 
-def category_table(model: str, profiles: dict[str, dict[str, float]], gbs: int) -> list[str]:
-    """Per-category time per micro-batch (the optimizer's step shared by the GBS micro-batches) of each profiled
+def category_table(model: str, profiles: dict[str, dict[str, float]], micro: int) -> list[str]:
+    """Per-category time per micro-batch (the optimizer's step shared by the step's micro-batches) of each profiled
     variant, and the Amdahl bound on FP8's speedup over BF16 that the BF16 profile implies."""
     labels = list(profiles)
-    lines = [f"CATEGORIES {model}: ms per micro-batch (step / {gbs}; the optimizer runs once per step)",
+    lines = [f"CATEGORIES {model}: ms per micro-batch (step / {micro}; the optimizer runs once per step)",
              f"  {'':33s}" + "".join(f"{label:>24s}" for label in labels)]
     for cat in (*CATEGORIES, "total"):
         row = [sum(p.values()) if cat == "total" else p[cat] for p in profiles.values()]
-        lines.append(f"  {cat:33s}" + "".join(f"{t / gbs:24.2f}" for t in row))
+        lines.append(f"  {cat:33s}" + "".join(f"{t / micro:24.2f}" for t in row))
     bf16 = profiles.get("bf16")
     if bf16 is None:
         return lines
     total = sum(bf16.values())
     gemms = bf16["expert GEMMs"] + bf16["dense GEMMs"]
-    lines.append(f"AMDAHL {model}: BF16 {total / gbs:.2f} ms per micro-batch, GEMMs {gemms / gbs:.2f} (experts "
-                 f"{bf16['expert GEMMs'] / gbs:.2f}); 1.2x means FP8 at {total / 1.2 / gbs:.2f} ms per micro-batch")
+    lines.append(f"AMDAHL {model}: BF16 {total / micro:.2f} ms per micro-batch, GEMMs {gemms / micro:.2f} (experts "
+                 f"{bf16['expert GEMMs'] / micro:.2f}); 1.2x means FP8 at {total / 1.2 / micro:.2f} ms per micro-batch")
     lines.append(f"  BF16 GEMMs free, nothing else changed:                        {total / (total - gemms):.3f}x")
     ideal = total - gemms / 2 - bf16["weight casts"]
     lines.append(f"  GEMMs 2x BF16's speed (FP8 peak), weight and FP8 casts free:  {total / ideal:.3f}x")
@@ -188,7 +188,7 @@ def category_table(model: str, profiles: dict[str, dict[str, float]], gbs: int) 
         casts = sum(p[c] for c in CASTS)
         acc = p["weight-grad casts + accumulation"], bf16["weight-grad casts + accumulation"]
         lines.append(f"  {label}: measured {total / fp8:.3f}x; its GEMMs with casts free {total / (fp8 - casts):.3f}x "
-                     f"(casts {casts / gbs:.2f} ms per micro-batch); also without weight-grad casts + accumulation "
+                     f"(casts {casts / micro:.2f} ms per micro-batch); also without weight-grad casts + accumulation "
                      f"in both {(total - acc[1]) / (fp8 - casts - acc[0]):.3f}x")
     return lines
 
@@ -201,13 +201,14 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(f"{m}:{n}" for m, n in MODELS), help="NAME:LAYERS,...")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                     help=f"labels to run, comma-separated, of {', '.join(v[0] for v in VARIANTS)}")
-    ap.add_argument("--gbs", type=int, default=1, help="global batch (micro-batches of 1 per optimizer step)")
+    ap.add_argument("--gbs", type=int, default=1, help="global batch (sequences per optimizer step)")
+    ap.add_argument("--mbs", type=int, default=1, help="micro-batch (sequences per forward and backward)")
     ap.add_argument("--profile", action="store_true", help="trace each run's last step, print its top kernels")
     ap.add_argument("--no-check", action="store_true", help="skip the native-vs-emulated check")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--categorize", metavar="LABEL=TRACE,...",
-                    help="only split saved traces of one model (bf16=trace-...-bf16.json.gz,...; --gbs as when "
-                         "traced) by category and print the Amdahl bounds, then exit")
+                    help="only split saved traces of one model (bf16=trace-...-bf16.json.gz,...; --gbs and --mbs "
+                         "as when traced) by category and print the Amdahl bounds, then exit")
     args = ap.parse_args()
     if args.categorize:
         profiles = {}
@@ -216,7 +217,7 @@ def main() -> None:
             if not os.path.isfile(trace):
                 ap.exit(2, f"moe.py: --categorize: no trace file {trace!r} (give LABEL=PATH)\n")
             profiles[label], _ = step_categories(trace)
-        print("\n".join(category_table("traces", profiles, args.gbs)))
+        print("\n".join(category_table("traces", profiles, args.gbs // args.mbs)))
         return
     variants = [v for v in VARIANTS if v[0] in args.variants.split(",")]
     try:
@@ -231,7 +232,7 @@ def main() -> None:
         traceback.print_exc()
     finally:
         capability.grouped_gemm = native
-    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | seq {args.seq_len} MBS 1 GBS {args.gbs} | "
+    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | seq {args.seq_len} MBS {args.mbs} GBS {args.gbs} | "
           f"steps {args.steps} (first {args.warmup} untimed) | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
           flush=True)
     for spec in args.models.split(","):
@@ -240,7 +241,7 @@ def main() -> None:
         for label, precision, backend, mode in variants:
             capability.grouped_gemm = (lambda x: False) if mode == "loop" else native
             cfg = RunConfig(model=name, num_layers=int(layers), precision=precision, backend=backend,
-                            seq_len=args.seq_len, mbs=1, gbs=args.gbs, steps=args.steps, warmup_steps=args.warmup,
+                            seq_len=args.seq_len, mbs=args.mbs, gbs=args.gbs, steps=args.steps, warmup_steps=args.warmup,
                             log_interval=args.steps, profile_steps=f"{args.steps}:{args.steps}" if args.profile else None)
             t0 = time.time()
             try:
@@ -284,7 +285,7 @@ def main() -> None:
             else:
                 print(f"RESULT {row['model']:20s} {label:22s} {row['status']}", flush=True)
         if profiles:
-            print("\n".join(category_table(f"{name}@{layers}L", profiles, args.gbs)), flush=True)
+            print("\n".join(category_table(f"{name}@{layers}L", profiles, args.gbs // args.mbs)), flush=True)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,23 @@ def _compare(moe, recipe, x):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("counts", [[70, 0, 200, 33, 5], [0, 0, 300, 0], [1] * 9])
+def test_groups_layout(counts):
+    """Every item lands in its group's rows; groups start at multiples of ALIGN, in order, each holding its items
+    then zero padding to the next ALIGN; the buffer's rows a multiple of ROWS_ALIGN that holds any split of the
+    items (the padded total is at most items + groups x ALIGN)."""
+    group = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    groups, dest = grouped.Groups.of(group, len(counts))
+    assert groups.counts.tolist() == counts
+    padded = [-(-c // grouped.ALIGN) * grouped.ALIGN for c in counts]
+    assert groups.offs.tolist() == torch.tensor(padded).cumsum(0).tolist()
+    assert groups.starts.tolist() == [o - p for o, p in zip(groups.offs.tolist(), padded)]
+    assert groups.rows % grouped.ROWS_ALIGN == 0 and groups.rows >= sum(counts) + len(counts) * grouped.ALIGN
+    assert dest.tolist() == [s + i for s, c in zip(groups.starts.tolist(), counts) for i in range(c)]
+    ends = groups.offs.tolist()
+    assert groups.row_group.tolist() == [min(sum(r >= e for e in ends), len(counts) - 1) for r in range(groups.rows)]
+
+
 QUANTIZED = [n for n, r in RECIPES.items() if r.quantized]
 CASES = ("random", "idle-experts", "one-expert")
 

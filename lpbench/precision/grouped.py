@@ -42,6 +42,7 @@ from lpbench.precision.kernels.fp8_group import group_amax, group_cast
 from lpbench.precision.quantize import Scaling, all_reduce_max, fp8_decode_scale, fp8_encode_scale
 
 ALIGN = 16
+ROWS_ALIGN = 128  # the buffer's rows: FP8 codes [C, rows] then start every row on a 128-byte boundary
 GROUPED_FP8_SCALINGS = (Scaling.ROW, Scaling.TENSOR)  # FP8 scalings with a grouped GEMM (fp8_grouped)
 
 
@@ -58,7 +59,7 @@ class Groups:
     counts: torch.Tensor  # [E] int64: tokens per expert
     starts: torch.Tensor  # [E] int64: first row of each expert, multiples of ALIGN
     offs: torch.Tensor  # [E] int32: padded end of each expert's rows
-    rows: int  # buffer rows (static: an upper bound of the padded total, a multiple of ALIGN)
+    rows: int  # buffer rows (static: an upper bound of the padded total, a multiple of ROWS_ALIGN)
     row_group: torch.Tensor  # [rows] int64: the expert each row belongs to (padding to the expert before it)
 
     @classmethod
@@ -71,7 +72,7 @@ class Groups:
         starts = ends - padded
         first = counts.cumsum(0) - counts
         dest = starts[group] + torch.arange(group.numel(), device=group.device) - first[group]
-        rows = (group.numel() + n_groups * ALIGN + ALIGN - 1) // ALIGN * ALIGN
+        rows = (group.numel() + n_groups * ALIGN + ROWS_ALIGN - 1) // ROWS_ALIGN * ROWS_ALIGN
         # a plain field, not a cached_property: that takes a lock on Python 3.11, where Dynamo breaks the graph at it
         row_group = torch.searchsorted(ends, torch.arange(rows, device=group.device), right=True)
         return cls(counts, starts, ends.to(torch.int32), rows, row_group.clamp(max=n_groups - 1)), dest

@@ -22,6 +22,10 @@ Precise accumulation is CUTLASS's rule: the tensor cores' partial sums are added
 every ``PROMOTE`` (128) elements of the reduction (Triton's ``max_num_imprecise_acc``). The results are the
 reference's (decoded codes, an FP32 matmul per expert, then the scales) but for the tensor cores' own summation
 of each 128-long slice and BF16's rounding, and torch's precise kernel's bit for bit (the GPU tests assert both).
+Into FP32 the weight gradient of FP8 codes is sliced at rows that are multiples of 128 instead (an expert's first
+and last slice masked to its rows): its codes' rows are contiguous, and slices from an expert's start, a multiple
+of 16 only, straddled cache lines: with tokens spread as an untrained router spreads them (``benchmarks/
+grouped_gemm.py --skew 0.2``, 16,384 tokens) that had cost 15-23 % against evenly spread tokens, aligned 3-4 %.
 
 Layout (:class:`lpbench.precision.grouped.Groups`): ``offs`` [E] int32 are the experts' padded ends along the
 grouped dimension, ascending multiples of 16. Forward / data gradient: ``a`` [R, K] row-major, ``b`` [E, N, K]
@@ -171,13 +175,17 @@ if triton is not None:
                 if ACCUMULATE:  # loaded before the main loop, so the read overlaps the GEMM
                     before_tile = tl.load(ptrs, mask=mask, other=0.0)
                 if WGRAD:  # reduce over the expert's slice [start, end) of the rows
-                    first = (start + rk).to(tl.int64)
+                    k_lo = start
+                    if SCALED and ACCUMULATE:  # codes' rows contiguous: slices from a BK-aligned row (module doc)
+                        k_lo = tl.multiple_of(start // BK * BK, BK)
+                    first = (k_lo + rk).to(tl.int64)
                     a_ptrs = a_ptr + rm[:, None].to(tl.int64) * s_am + first[None, :] * s_ak
                     b_ptrs = b_ptr + rn[None, :].to(tl.int64) * s_bn + first[:, None] * s_bk
-                    for k0 in range(start, end, BK):
+                    for k0 in range(k_lo, end, BK):
                         kk = k0 + rk
-                        a = tl.load(a_ptrs, mask=m_ok[:, None] & (kk[None, :] < end), other=0.0)
-                        b = tl.load(b_ptrs, mask=n_ok[None, :] & (kk[:, None] < end), other=0.0)
+                        k_ok = (kk >= start) & (kk < end)
+                        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                        b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                         acc = _dot(a, b, acc, FAST, PROMOTE)
                         a_ptrs += BK * s_ak
                         b_ptrs += BK * s_bk
