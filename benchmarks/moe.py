@@ -22,6 +22,7 @@ optimizer, idle) and the Amdahl bounds on FP8's speedup that the BF16 profile im
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import os
@@ -269,6 +270,7 @@ def main() -> None:
                 row = {"model": f"{name}@{layers}L", "variant": label, "status": f"error: {exc}".splitlines()[0]}
             finally:
                 capability.grouped_gemm = native
+                gc.collect()  # the run's model and optimizer freed now, not inside the next run's peak
                 torch.cuda.empty_cache()
             if label == "bf16" and row.get("tokens_per_s"):
                 base = row["tokens_per_s"]
