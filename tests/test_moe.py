@@ -75,9 +75,9 @@ def _compare(moe, recipe, x):
 
 @pytest.mark.parametrize("counts", [[70, 0, 200, 33, 5], [0, 0, 300, 0], [1] * 9])
 def test_groups_layout(counts):
-    """Every item lands in its group's rows; groups start at multiples of ALIGN, in order, each holding its items
-    then zero padding to the next ALIGN; the buffer's rows a multiple of ROWS_ALIGN that holds any split of the
-    items (the padded total is at most items + groups x ALIGN)."""
+    """Every item lands in its group's rows; groups start at multiples of ALIGN, in order, each taking its items'
+    count padded to the next ALIGN; the buffer's rows a multiple of ROWS_ALIGN that holds any split of the items
+    (the padded total is at most items + groups x ALIGN); every row knows its group (padding: the group before)."""
     group = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
     groups, dest = grouped.Groups.of(group, len(counts))
     assert groups.counts.tolist() == counts
@@ -507,6 +507,33 @@ def test_group_amax_kernel_is_the_reference_under_the_interpreter(case, cols, dt
     dec = fp8_decode_scale(fp8_encode_scale(got, spec.fmt), got)
     ref = fp8_decode_scale(fp8_encode_scale(want, spec.fmt), want)
     assert torch.equal(dec.isnan(), ref.isnan()) and torch.equal(dec[~ref.isnan()], ref[~ref.isnan()])
+
+
+@pytest.mark.skipif(not _INTERPRET, reason="needs Triton and TRITON_INTERPRET=1 (the kernel on the CPU)")
+@pytest.mark.parametrize("counts", [[70, 0, 200, 33, 5], [1, 300, 2]])
+def test_fp8_weight_gradient_into_fp32_under_the_interpreter(counts):
+    """The grouped kernel adding FP8 weight gradients into FP32 reads each expert's rows only, though its slices
+    start at multiples of the block (experts start at multiples of 16: codes of the expert before fill the first
+    slice's other rows and must be masked out); an expert without rows keeps what the buffer held."""
+    from lpbench.precision.kernels import grouped_mm as gm
+
+    g = torch.Generator().manual_seed(3)
+    group = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    groups, _ = grouped.Groups.of(group, len(counts))
+    E, M, N = len(counts), 48, 40
+    a = (torch.randn(M, groups.rows, generator=g) * 8).to(torch.float8_e4m3fn)  # codes in every row, padding too
+    b = (torch.randn(N, groups.rows, generator=g) * 8).to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(E, M, generator=g) + 0.5, torch.rand(E, N, generator=g) + 0.5
+    before = torch.randn(E, M, N, generator=g)
+    out = before.clone()
+    gm.launch(lambda k: k, a, b, sa.reshape(-1), sb.reshape(-1), groups.offs, out, False, accumulate=True,
+              config=(32, 32, gm.PROMOTE, 4, 1))
+    for e, (s, end) in enumerate(zip(groups.starts.tolist(), groups.offs.tolist())):
+        product = (a[:, s:end].float() @ b[:, s:end].float().t()) * sa[e][:, None] * sb[e][None, :]
+        magnitude = (a[:, s:end].float().abs() @ b[:, s:end].float().abs().t()) * sa[e][:, None] * sb[e][None, :]
+        assert ((out[e] - before[e] - product).abs() <= 1e-5 * (magnitude + before[e].abs()) + 1e-6).all()
+        if end == s:
+            assert torch.equal(out[e], before[e])
 
 
 def _grad_operands(t, groups, device):
