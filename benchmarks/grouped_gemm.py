@@ -58,6 +58,8 @@ def main() -> int:
     ap.add_argument("--autotune", default="",
                     help="variants also compiled with max-autotune (comma-separated; empty: none)")
     args = ap.parse_args()
+    if not 0 <= args.skew < float("inf"):
+        ap.exit(2, f"grouped_gemm.py: --skew {args.skew} must be a finite number >= 0\n")
     if not torch.cuda.is_available():
         print("grouped_gemm.py: needs a CUDA device", file=sys.stderr)
         return 2

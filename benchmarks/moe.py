@@ -211,6 +211,8 @@ def main() -> None:
                     help="only split saved traces of one model (bf16=trace-...-bf16.json.gz,...; --gbs and --mbs "
                          "as when traced) by category and print the Amdahl bounds, then exit")
     args = ap.parse_args()
+    if args.mbs < 1 or args.gbs < 1 or args.gbs % args.mbs:
+        ap.exit(2, f"moe.py: --gbs {args.gbs} must be a positive multiple of --mbs {args.mbs}\n")
     if args.categorize:
         profiles = {}
         for item in args.categorize.split(","):
