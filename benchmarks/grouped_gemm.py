@@ -66,6 +66,7 @@ def main() -> int:
     from triton.testing import do_bench
 
     from lpbench.models import get_model_config
+    from lpbench.precision.grouped import Groups
     from lpbench.precision.kernels import grouped_mm as gm
 
     def timed(fn):
@@ -92,9 +93,8 @@ def main() -> int:
         shares = (args.skew * torch.randn(E, generator=torch.Generator().manual_seed(E))).softmax(0)
         counts = (shares * routed).floor().long()
         counts[: routed - int(counts.sum())] += 1  # every routed token placed
-        padded = (counts + 15) // 16 * 16
-        offs = padded.cumsum(0).to(device="cuda", dtype=torch.int32)
-        rows = (routed + 16 * E + 127) // 128 * 128  # the buffer's rows, as Groups sizes them
+        groups, _ = Groups.of(torch.repeat_interleave(torch.arange(E), counts).cuda(), E)  # the MoE layer's layout
+        offs, rows = groups.offs, groups.rows
         print(f"{name}: {E} experts, {routed} routed rows, busiest expert {int(counts.max())} "
               f"({counts.max().item() * E / routed:.2f}x the mean)")
         for proj, n, k in (("gate_up", 2 * cfg.ffn_dim, cfg.dim), ("down", cfg.dim, cfg.ffn_dim)):
