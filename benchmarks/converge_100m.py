@@ -194,7 +194,7 @@ def gap(loss: float, ref: float) -> float:
 
 
 def cmd_report(args) -> int:
-    from lpbench.bench.converge import DEFAULT_TOLERANCES, tolerance_for
+    from lpbench.bench.converge import tolerance_for
 
     runs = load_runs(Path(args.runs))
     if REFERENCE not in runs:
@@ -217,7 +217,7 @@ def cmd_report(args) -> int:
     for n in names:
         r = runs[n]
         g = "—" if n == REFERENCE or r["val_loss"] is None else f"{gap(r['val_loss'], ref['val_loss']):+.2f}%"
-        tol = tolerance_for(parse_run(n)[0], DEFAULT_TOLERANCES) if parse_run(n)[1] == REF_SEED else None
+        tol = tolerance_for(parse_run(n)[0]) if parse_run(n)[1] == REF_SEED else None
         print(f"| {n} | {r['path']} | {r['device']} | {r['tokens'] / 1e6:.1f} M | {r['train_loss_last10']:.4f} | "
               f"{r['val_loss']:.4f} | {g} | {floor} | {'—' if tol is None else f'{tol:g}%'} | "
               f"{r['tokens_per_sec'] or 0:,.0f} |")
@@ -238,14 +238,15 @@ def cmd_report(args) -> int:
         for n in names:
             r = runs[n]
             recipe, seed = parse_run(n)
-            tol = tolerance_for(recipe, DEFAULT_TOLERANCES)
+            tol = tolerance_for(recipe)
             verdict = "reference" if n == REFERENCE else "seed noise" if seed != REF_SEED else \
                 "no tolerance" if tol is None else "pass" if gap(r["val_loss"], ref["val_loss"]) <= tol else "fail"
             plot_runs.append({"precision": recipe if seed == REF_SEED else f"{recipe} @ seed {seed}",
                               "status": r["status"], "ok": r["status"] == "ok", "verdict": verdict,
+                              "tolerance": tol if n != REFERENCE and seed == REF_SEED else None,
                               "train": [(s * per_step, loss) for s, loss, _, _ in r["train"]],
                               "val": [(s * per_step, v) for s, v in r["val_losses"]]})
-        png = convergence_curves(plot_runs, tolerances=DEFAULT_TOLERANCES,
+        png = convergence_curves(plot_runs,
                                  title=f"{ref['config']['model']} · {ref['tokens'] / 1e6:.1f} M tokens per run · GBS "
                                        f"{ref['config']['gbs']} × seq {ref['config']['seq_len']} · cosine LR "
                                        f"{ref['config']['lr']:g} · {ref['device'] or 'cpu'}")

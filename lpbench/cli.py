@@ -18,28 +18,23 @@ from rich.table import Table
 
 from lpbench import __version__
 from lpbench.console import Parser, console, csv_list
-from lpbench.config import RunConfig, add_config_args, config_kwargs
+from lpbench.config import DEFAULT_PRECISIONS, RunConfig, add_config_args, config_kwargs
 from lpbench.errors import Terminated, UsageError, raise_terminated
 from lpbench.paths import check_dir, check_file, write_file
 
 DEFAULTS = RunConfig()
-DEFAULT_PRECISIONS = ["bf16", "fp8-tensorwise", "mxfp8", "nvfp4"]
 
 
 # ----------------------------------------------------------------------------- run
-RECOMMENDED = {k: f"the recommended config with --gpu, else {getattr(DEFAULTS, k)}"
+RECOMMENDED = {k: f"the recommended config with --gpu, else {DEFAULTS.default_text(k)}"
                for k in ("seq_len", "mbs", "gbs", "tp")}  # the flags --gpu fills
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--precision", type=csv_list, default=None,
-                   help="comma-separated recipes from `lpbench recipes`, run one after another and compared "
-                        f"against the first (default {','.join(DEFAULT_PRECISIONS)}, emulating what the device "
-                        "lacks)")
-    add_config_args(p, default_texts=RECOMMENDED)  # every RunConfig flag; unset ones stay None
+    add_config_args(p, default_texts=RECOMMENDED)  # every RunConfig setting; unset ones stay None
     p.add_argument("--gpu", default=None,
-                   help="take --seq-len/--mbs/--gbs/--tp defaults from lpbench's recommended config for this GPU "
-                        "type (h100, h200, b200, gb200, cpu); explicit flags override")
+                   help="take --seq-len/--mbs/--gbs/--tp (and --flops-formula) defaults from lpbench's recommended "
+                        "config for this GPU type (h100, h200, b200, gb200, cpu); explicit flags override")
     p.add_argument("--num-gpus", type=int, default=None,
                    help="GPU count of the recommended config to use with --gpu (default: the smallest listed)")
     p.add_argument("--nproc-per-node", type=int, default=None,
@@ -47,7 +42,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                         "lpbench is started by torchrun or srun")
     p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
     p.add_argument("--config", metavar="FILE", default=None,
-                   help="take flags from a TOML or YAML file of flag names and values (a sweep spec's keys; "
+                   help="take settings from a TOML or YAML file of flag names and values (a sweep spec's keys; "
                         "precision may be a list); flags given on the command line win")
 
 
@@ -56,7 +51,7 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     from lpbench.bench.recommended import recommended_defaults
     from lpbench.models.hf import hf_label
     from lpbench.parallel.launch import planned_world
-    from lpbench.train.checkpoint import validated
+    from lpbench.bench.runner import validated
 
     if args.config:
         from lpbench.bench.run_file import apply_config_file

@@ -15,12 +15,16 @@ from lpbench.precision.capability import EMULATE_ALWAYS
 from lpbench.precision.quantize import Scaling
 from lpbench.precision.recipes import get_recipe
 
-NOT_IN_KEY = ("save_every", "save_dir", "load", "profile_steps", "tensorboard")  # see RunConfig.key
 WORKLOADS = ("pretrain", "sft", "lora")  # lpbench/train/workload.py
 LORA_BASE_STORAGES = ("bf16", "quantized")
 COMPILE_SCOPES = ("block", "model")  # lpbench/parallel/plan.py
+DEFAULT_PRECISIONS = ("bf16", "fp8-tensorwise", "mxfp8", "nvfp4")  # `lpbench run` and `converge` compare these
 MAX_SIZE = 2**31 - 1  # sizes, counts and steps: what int32 indexing and the data pipeline hold
 MAX_SEED = 2**63 - 1  # torch, numpy and random all take a seed below 2**63
+SECTIONS = ("model", "precision", "parallel", "data", "optim", "observe", "other")  # --help groups, in order
+# A setting's facts (``arg``'s keywords) and their values when a field does not state them.
+FACTS = {"section": "other", "key": True, "resume": False, "layout": False, "converge": False, "sweep": True,
+         "many": False, "derive": None}
 
 
 def check_number(name: str, value, kind: type) -> None:
@@ -38,121 +42,196 @@ def check_number(name: str, value, kind: type) -> None:
             raise UsageError(f"{flag} {value} is out of range (at most {top:,})")
 
 
-def arg(help: str, default_text: str | None = None, **argparse_kw) -> dict:
-    """Field metadata that makes a RunConfig field a command-line flag (:func:`add_config_args`).
+def arg(help: str, default_text: str | None = None, **kw) -> dict:
+    """Field metadata declaring a RunConfig setting: a flag of ``lpbench run``, a ``--config`` key and a
+    sweep key (:func:`add_config_args`), and the facts every other part of lpbench reads from it.
 
     ``help`` is the flag's help without its default; ``default_text`` replaces "default X" where
-    the default is not a plain value; ``argparse_kw`` go to ``add_argument`` (choices, metavar, aliases),
-    except, for a bool field, ``words``: the strings it also takes (``--flag WORD``), and ``off``: the help of
-    its ``--no-flag``.
+    the default is not a plain value. The facts (see :data:`FACTS` for the value a field that omits
+    one gets):
+
+    - ``section``: its group in ``--help`` and in the run header (one of :data:`SECTIONS`);
+    - ``key``: part of the run key (:meth:`RunConfig.key`); False for how a run is executed or
+      observed (checkpoints, profiling), not what it trains or measures;
+    - ``resume``: a checkpoint resumes only a run with the same value (shapes, layout, data order);
+    - ``layout``: a parallel-layout or compilation column of the reports (runs differing in it are
+      not compared);
+    - ``converge``: also a flag of ``lpbench converge``;
+    - ``sweep``: a sweep key (False: a setting of one run, e.g. its checkpoint folder);
+    - ``many``: the flag takes a comma-separated list, one run per item (``--precision a,b``);
+    - ``derive``: the default follows other settings: ``derive(config)`` gives it when unset (None).
+
+    The other keywords go to ``add_argument`` (choices, metavar, aliases), except, for a bool
+    field, ``words``: the strings it also takes (``--flag WORD``), and ``off``: the help of its
+    ``--no-flag``.
     """
-    return {"help": help, "default_text": default_text, **argparse_kw}
+    return {"help": help, "default_text": default_text, **kw}
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One run. A field with ``arg(...)`` metadata is a flag of ``lpbench run`` (and, where named,
-    of ``lpbench converge``) and a key of sweep specs; the rest are set by code or sweep specs."""
+    """One run: every setting declared once, as a field whose ``arg(...)`` metadata states its facts
+    (flag, help, section, run key, resume, layout, converge, sweep). Settings are grouped by section;
+    access stays flat (``cfg.tp``)."""
 
+    # --- model: what is trained
     model: str = field(default="tiny", metadata=arg(
         "model name from `lpbench models` (with --hf-checkpoint: hf:<folder>, or a zoo model of the "
-        "checkpoint's shape to label the run)"))
+        "checkpoint's shape to label the run)", section="model", resume=True, converge=True))
     num_layers: int | None = field(default=None, metadata=arg(
         "keep the model's first N blocks (widths and vocabulary unchanged), as Megatron's --num-layers: measures "
         "a large model's blocks on one GPU; labelled model@NL, FLOPs and parameters counted for what ran", "all",
-        metavar="N"))
-    precision: str = "bf16"  # one recipe; `lpbench run --precision a,b` makes one config per recipe
-    seq_len: int = field(default=256, metadata=arg("sequence length"))
-    mbs: int = field(default=8, metadata=arg("micro batch size per GPU"))
-    gbs: int = field(default=8, metadata=arg("global batch size; grad accumulation = GBS / (MBS x DP)"))
-    steps: int = field(default=40, metadata=arg("optimizer steps"))
-    warmup_steps: int = field(default=10, metadata=arg("first steps excluded from timing"))
-    lr: float | None = field(default=None, metadata=arg(
-        "peak learning rate", "3e-3 for the CPU-sized presets, 3e-4 otherwise"))
-    min_lr_ratio: float = 0.1
-    lr_warmup_steps: int | None = None  # default: 10% of steps
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = field(default=1234, metadata=arg("random seed for weights and data"))
-    device: str = field(default="auto", metadata=arg("auto (GPU if present), cpu, cuda or cuda:N"))
-    compile: bool | None = field(default=None, metadata=arg("torch.compile the model", "on for CUDA, off for CPU"))
-    compile_scope: str = field(default="block", metadata=arg(
-        "what one compiled graph holds: each block and the output head apart (compiles one block's code for "
-        "all), or the whole model (one process or DDP: slower to compile, fuses across blocks)",
-        choices=COMPILE_SCOPES))
+        metavar="N", section="model", resume=True, converge=True))
+    vocab_size: int | None = field(default=None, metadata=arg(
+        "override the zoo model's vocabulary (>= the data's token ids)", "the model's", metavar="N",
+        section="model", resume=True))
+    hf_checkpoint: str | None = field(default=None, metadata=arg(
+        "start from a local Hugging Face Llama/Qwen3/Qwen3-MoE folder (config.json + *.safetensors): its architecture "
+        "and weights instead of a randomly initialised --model", "none", metavar="PATH", section="model"))
+    workload: str = field(default="pretrain", metadata=arg(
+        "pretrain; sft: packed prompt/response samples, loss on responses, attention per sample; lora: sft "
+        "with a frozen base and trained low-rank adapters", choices=WORKLOADS, section="model", resume=True))
+    lora_rank: int = field(default=32, metadata=arg(  # NeMo's and Megatron-Bridge's
+        "LoRA adapter rank", section="model", resume=True))
+    lora_alpha: float = field(default=32.0, metadata=arg(
+        "LoRA alpha; adapters are scaled by alpha / rank", section="model"))
+    lora_targets: str = field(default="qkv,o,mlp", metadata=arg(
+        "linears of every block that get adapters: qkv, o, mlp (or gate_up, up, down)", section="model",
+        resume=True))
+    lora_base_storage: str = field(default="bf16", metadata=arg(
+        "frozen base weights in BF16, quantized by the recipe every step, or quantized once in the "
+        "recipe's format with the BF16 copy freed (less memory, same numerics)", choices=LORA_BASE_STORAGES,
+        section="model"))
+    moe_aux_loss_coeff: float = field(default=0.0, metadata=arg(
+        "MoE load-balancing loss coefficient (Switch/Megatron: E x sum of token share x mean probability per "
+        "expert, per layer; e.g. 0.01), applied as router gradients: lm loss stays the cross-entropy",
+        section="model"))
+    moe_z_loss_coeff: float = field(default=0.0, metadata=arg(
+        "MoE router z-loss coefficient (ST-MoE; e.g. 0.001)", section="model"))
     fused_loss: bool = field(default=False, metadata=arg(
         "LM head + cross-entropy over chunks of tokens, never the whole batch's FP32 logits (exact: the unfused "
         "head's loss and gradients up to summation order); cuts memory where the head runs eagerly (CPU, "
-        "--no-compile). Off by default: the compiled unfused head keeps no FP32 logits either and was faster"))
-    emulate: bool | str | None = field(default=None, metadata=arg(
-        "exact emulation (slower, same numerics) of the recipes this device cannot run natively; --emulate "
-        "always: emulate even those it runs natively, to compare the two paths", "on for CPU, off on GPU",
-        words=(EMULATE_ALWAYS,), off="refuse a recipe this device cannot run natively"))
-    flops_formula: str = field(default="megatron", metadata=arg("model FLOPs formula: megatron, nemo-legacy or mha"))
-    data: str = field(default="mock", metadata=arg(
-        "mock (learnable random-walk tokens), mock-uniform (NeMo's uniform tokens), a text/JSONL/parquet file "
-        "or folder, or a Megatron .bin/.idx prefix; for sft/lora: mock (prompt/response samples) or a "
-        "JSONL/parquet file or folder of them"))
-    workload: str = field(default="pretrain", metadata=arg(
-        "pretrain; sft: packed prompt/response samples, loss on responses, attention per sample; lora: sft "
-        "with a frozen base and trained low-rank adapters", choices=WORKLOADS))
-    hf_checkpoint: str | None = field(default=None, metadata=arg(
-        "start from a local Hugging Face Llama/Qwen3/Qwen3-MoE folder (config.json + *.safetensors): its architecture "
-        "and weights instead of a randomly initialised --model", "none", metavar="PATH"))
-    lora_rank: int = field(default=32, metadata=arg("LoRA adapter rank"))  # NeMo's and Megatron-Bridge's
-    lora_alpha: float = field(default=32.0, metadata=arg("LoRA alpha; adapters are scaled by alpha / rank"))
-    lora_targets: str = field(default="qkv,o,mlp", metadata=arg(
-        "linears of every block that get adapters: qkv, o, mlp (or gate_up, up, down)"))
-    lora_base_storage: str = field(default="bf16", metadata=arg(
-        "frozen base weights in BF16, quantized by the recipe every step, or quantized once in the "
-        "recipe's format with the BF16 copy freed (less memory, same numerics)", choices=LORA_BASE_STORAGES))
+        "--no-compile); benchmarks/RESULTS.md compares the two", section="model"))
+
+    # --- precision: how the GEMMs are computed
+    precision: str = field(default="bf16", metadata=arg(
+        "comma-separated recipes from `lpbench recipes` (RECIPE-no-INGREDIENT for an ablation), run one after "
+        "another on the same work and compared against the first",
+        f"{','.join(DEFAULT_PRECISIONS)}, emulating what the device lacks", many=True, section="precision",
+        resume=True, converge=True))
     backend: str = field(default="lpbench", metadata=arg(  # torchao: its training linears (FP8, MXFP8, NVFP4)
         "lpbench or torchao: run fp8-tensorwise/-rowwise/-rowwise-gw-hp through torchao's "
         "convert_to_float8_training, mxfp8 through its MXFP8Linear and nvfp4 through its NVFP4Linear (compute "
         "capability 10.x only) on the same linears, MoE experts with fp8-rowwise through "
-        "torchao.prototype.moe_training (needs lpbench[torchao])"))
-    moe_aux_loss_coeff: float = field(default=0.0, metadata=arg(
-        "MoE load-balancing loss coefficient (Switch/Megatron: E x sum of token share x mean probability per "
-        "expert, per layer; e.g. 0.01), applied as router gradients: lm loss stays the cross-entropy"))
-    moe_z_loss_coeff: float = field(default=0.0, metadata=arg("MoE router z-loss coefficient (ST-MoE; e.g. 0.001)"))
+        "torchao.prototype.moe_training (needs lpbench[torchao])", section="precision", resume=True))
+    emulate: bool | str | None = field(default=None, metadata=arg(
+        "exact emulation (slower, same numerics) of the recipes this device cannot run natively; --emulate "
+        "always: emulate even those it runs natively, to compare the two paths", "on for CPU, off on GPU",
+        words=(EMULATE_ALWAYS,), off="refuse a recipe this device cannot run natively", section="precision",
+        converge=True))
+
+    # --- parallel: where and how it runs
+    device: str = field(default="auto", metadata=arg(
+        "auto (GPU if present), cpu, cuda or cuda:N", section="parallel", converge=True))
+    tp: int = field(default=1, metadata=arg(
+        "tensor-parallel size", aliases=("-tp",), section="parallel", resume=True, layout=True))
     ep: int = field(default=1, metadata=arg(
         "expert-parallel size: each MoE layer's experts spread over this many data-parallel ranks, tokens "
-        "exchanged all-to-all; must divide the experts and the data-parallel size"))
+        "exchanged all-to-all; must divide the experts and the data-parallel size", section="parallel",
+        resume=True, layout=True))
     dp: int = field(default=1, metadata=arg(
-        "data-parallel size; DP = world size / TP, so only a check", "derived"))
-    tp: int = field(default=1, metadata=arg("tensor-parallel size", aliases=("-tp",)))
+        "data-parallel size; DP = world size / TP, so only a check", "derived", section="parallel", resume=True,
+        layout=True))
     fsdp: bool = field(default=False, metadata=arg(
         "shard the data-parallel dimension with FSDP2 (per-block groups, BF16 all-gather on CUDA, FP32 "
-        "gradient reduce-scatter) instead of DDP"))
+        "gradient reduce-scatter) instead of DDP", section="parallel", resume=True, layout=True))
     fsdp_fp8_all_gather: bool = field(default=False, metadata=arg(
         "with --fsdp and fp8-tensorwise/-delayed: all-gather the quantized linears' weights as FP8 codes "
-        "(1 byte/element) under one scale for the whole weight, used as gathered"))
+        "(1 byte/element) under one scale for the whole weight, used as gathered", section="parallel",
+        layout=True))
     sequence_parallel: bool = field(default=True, metadata=arg(
-        "with --tp > 1, split norms and residuals along the sequence"))
-    log_interval: int = field(default=1, metadata=arg("print a log line every N steps"))
-    vocab_size: int | None = None  # overrides the zoo model's vocabulary (converge sizes it to the tokenizer)
+        "with --tp > 1, split norms and residuals along the sequence", section="parallel", layout=True))
+    compile: bool | None = field(default=None, metadata=arg(
+        "torch.compile the model", "on for CUDA, off for CPU", section="parallel", layout=True, converge=True))
+    compile_scope: str = field(default="block", metadata=arg(
+        "what one compiled graph holds: each block and the output head apart (compiles one block's code for "
+        "all), or the whole model (one process or DDP: slower to compile, fuses across blocks)",
+        choices=COMPILE_SCOPES, section="parallel", layout=True))
+
+    # --- data: what the model reads, in which batches
+    data: str = field(default="mock", metadata=arg(
+        "mock (learnable random-walk tokens), mock-uniform (NeMo's uniform tokens), a text/JSONL/parquet file "
+        "or folder, or a Megatron .bin/.idx prefix; for sft/lora: mock (prompt/response samples) or a "
+        "JSONL/parquet file or folder of them", section="data", resume=True, converge=True))
+    seq_len: int = field(default=256, metadata=arg(
+        "sequence length", section="data", resume=True, converge=True))
+    mbs: int = field(default=8, metadata=arg(
+        "micro batch size per GPU", section="data", resume=True, converge=True))
+    gbs: int | None = field(default=None, metadata=arg(
+        "global batch size; grad accumulation = GBS / (MBS x DP)", "MBS x DP",
+        derive=lambda c: c.mbs * c.dp, section="data", resume=True, converge=True))
+    seed: int = field(default=1234, metadata=arg(
+        "random seed for weights and data", section="data", resume=True, converge=True))
+
+    # --- optim: the optimizer and its schedule
+    steps: int = field(default=40, metadata=arg("optimizer steps", section="optim"))
+    lr: float | None = field(default=None, metadata=arg(
+        "peak learning rate", "3e-3 for the CPU-sized presets, 3e-4 otherwise", section="optim", converge=True))
+    lr_warmup_steps: int | None = field(default=None, metadata=arg(
+        "steps of linear learning-rate warm-up", "10%% of --steps, at least 1", metavar="N", section="optim"))
+    min_lr_ratio: float = field(default=0.1, metadata=arg(
+        "cosine decay ends at this fraction of the peak learning rate", section="optim"))
+    weight_decay: float = field(default=0.1, metadata=arg(
+        "AdamW's decoupled weight decay of the weight matrices", section="optim"))
+    grad_clip: float = field(default=1.0, metadata=arg(
+        "clip the gradients' global norm to this", section="optim"))
+
+    # --- observe: what is measured and kept, not what is trained (most are out of the run key)
+    warmup_steps: int | None = field(default=None, metadata=arg(
+        "first steps excluded from timing", "min(10, steps / 2)", derive=lambda c: min(10, c.steps // 2),
+        section="observe"))
+    flops_formula: str = field(default="megatron", metadata=arg(
+        "model FLOPs formula for TFLOP/s and MFU: megatron, nemo-legacy or mha",
+        "megatron; with --gpu, the formula of the row's published table", aliases=("--formula",),
+        section="observe"))
+    log_interval: int = field(default=1, metadata=arg(
+        "print a log line every N steps", section="observe", converge=True))
     eval_every: int = field(default=0, metadata=arg(
-        "validation loss every K steps and at the last step", "0: never", metavar="K"))
+        "validation loss every K steps and at the last step", "0: never", metavar="K", section="observe",
+        converge=True))
     eval_batches: int = field(default=0, metadata=arg(
-        "micro-batches per evaluation", "0: the whole validation split", metavar="N"))
-    # How a run is executed and observed, not what it is: left out of key() (see NOT_IN_KEY).
+        "micro-batches per evaluation", "0: the whole validation split", metavar="N", section="observe",
+        converge=True))
     save_every: int = field(default=0, metadata=arg(
         "write a checkpoint every K steps (not at the end unless K divides --steps) as --save-dir/step-K; "
-        "needs --save-dir and one --precision", "0: never", metavar="K"))
+        "needs --save-dir and one --precision", "0: never", metavar="K", section="observe", key=False,
+        sweep=False))
     save_dir: str | None = field(default=None, metadata=arg(
         "folder for --save-every's checkpoints (model, optimizer, LR schedule, data position, RNG; written "
-        "atomically, an existing step-K is replaced)", "none", metavar="DIR"))
+        "atomically, an existing step-K is replaced)", "none", metavar="DIR", section="observe", key=False,
+        sweep=False))
     load: str | None = field(default=None, metadata=arg(
         "resume from a checkpoint: DIR/step-K, or DIR for its latest step-K; continues at step K+1 up to "
         "--steps, reproducing the uninterrupted run's losses; model, precision, shapes, parallel layout, "
-        "data and seed must match the checkpoint's", "none", metavar="PATH"))
+        "data and seed must match the checkpoint's", "none", metavar="PATH", section="observe", key=False,
+        sweep=False))
     profile_steps: str | None = field(default=None, metadata=arg(
         "profile steps A..B (inclusive; pick them after warm-up) with torch.profiler: a Chrome trace in "
         "RESULTS/profiles/<run key>/ and a GEMM / quantize / attention / comm / other time table; profiled "
-        "steps are left out of the timing", "none", metavar="A:B"))
+        "steps are left out of the timing", "none", metavar="A:B", section="observe", key=False))
     tensorboard: str | None = field(default=None, metadata=arg(
         "also write each step's metrics as TensorBoard scalars to DIR/<model>-<precision>-<run key> (needs "
-        "`pip install tensorboard`)", "none", metavar="DIR"))
+        "`pip install tensorboard`)", "none", metavar="DIR", section="observe", key=False))
+
+    def __post_init__(self):
+        """Fill the unset (None) settings whose default follows others (``derive``); ``derived`` names them."""
+        derived = []
+        for f in fields(self):
+            rule = fact(f, "derive")
+            if rule is not None and getattr(self, f.name) is None:
+                object.__setattr__(self, f.name, rule(self))
+                derived.append(f.name)
+        object.__setattr__(self, "derived", tuple(derived))
 
     @property
     def grad_accum(self) -> int:
@@ -322,26 +401,52 @@ class RunConfig:
                              "(start processes with --nproc-per-node, torchrun or srun)")
         if dp is not None and dp * self.tp != world_size:
             raise UsageError(f"--dp {dp} x --tp {self.tp} = {dp * self.tp} ranks, but the world size is {world_size}")
-        return replace(self, dp=world_size // self.tp)
+        return self.with_(dp=world_size // self.tp)
 
     def with_(self, **kw) -> "RunConfig":
-        return replace(self, **kw)
+        """This config with ``kw`` changed; the settings that were derived follow the change."""
+        return replace(self, **{**{name: None for name in self.derived}, **kw})
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def key(self) -> str:
-        """Stable hash of the config: identifies a run across resumed sweeps.
+        """The run key: identifies a run across resumed sweeps and in the results database (:func:`run_key`)."""
+        return run_key(self.to_dict())
 
-        Checkpointing and profiling (NOT_IN_KEY) do not change what a run trains or measures
-        (profiled steps are left out of the timing), so a resumed or profiled run keeps its key.
-        """
-        kept = {k: v for k, v in self.to_dict().items() if k not in NOT_IN_KEY}
-        if self.num_layers is None:  # the full model keeps the key it had before --num-layers existed
-            del kept["num_layers"]
-        if not self.fused_loss:  # runs keep the keys they had before the fused loss existed
-            del kept["fused_loss"]
-        return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+    @classmethod
+    def default_text(cls, name: str) -> str:
+        """A setting's default as its help states it: ``"MBS x DP"``, ``"256"``."""
+        f = next(f for f in fields(cls) if f.name == name)
+        return f.metadata.get("default_text") or _shown(f.default)
+
+    def header(self) -> str:
+        """What the run's log header adds to the settings: each default that followed other settings, and the
+        FLOP formula of its TFLOP/s and MFU: ``gbs 16 (default: MBS x DP) | FLOPs: megatron formula``."""
+        parts = [f"{name.replace('_', ' ')} {getattr(self, name)} (default: {self.default_text(name)})"
+                 for name in self.derived]
+        return " | ".join([*parts, f"FLOPs: {self.flops_formula} formula"])
+
+
+def run_key(settings: dict) -> str:
+    """The run key of a config (``RunConfig.to_dict()``, or one stored by an older lpbench): a hash of the
+    settings that are in the key (``arg(key=True)``) and differ from their defaults, so a setting added
+    later leaves every existing run's key as it was."""
+    kept = {}
+    for f in fields(RunConfig):
+        if f.name in settings and fact(f, "key") and settings[f.name] != f.default:
+            kept[f.name] = settings[f.name]
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def fact(f, name: str):
+    """A field's fact ``name`` (see :func:`arg`): its declaration's, else the default in :data:`FACTS`."""
+    return f.metadata.get(name, FACTS[name])
+
+
+def settings(name: str) -> tuple[str, ...]:
+    """The RunConfig fields whose fact ``name`` is true: ``settings("resume")``, ``settings("layout")`` ..."""
+    return tuple(f.name for f in fields(RunConfig) if fact(f, name))
 
 
 def field_type(f) -> type:
@@ -355,41 +460,53 @@ def flag_fields(names=None) -> list:
 
 
 def _shown(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
     return ("on" if value else "off") if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) \
         else str(value)
 
 
 def add_config_args(parser: argparse.ArgumentParser, names=None, defaults: dict | None = None,
                     default_texts: dict | None = None) -> None:
-    """One flag per RunConfig field with ``arg`` metadata (or per field in ``names``), typed by its annotation.
+    """One flag per RunConfig field with ``arg`` metadata (or per field in ``names``), typed by its annotation,
+    in one ``--help`` group per section when the flags span several.
 
     Without ``defaults`` every flag defaults to None, so an explicit flag can be told from a default
     (:func:`config_kwargs`); with it, a flag defaults to ``defaults.get(name, field default)``. The help
     ends with the default: ``default_texts[name]``, else the field's ``default_text`` (unless ``defaults``
-    changes it), else the value.
+    changes it), else the value. A ``many`` field's flag takes a comma-separated list.
     """
-    for f in flag_fields(names):
-        meta = dict(f.metadata)
+    from lpbench.console import csv_list
+
+    chosen = flag_fields(names)
+    sections = [s for s in SECTIONS if any(fact(f, "section") == s for f in chosen)]
+    groups = {s: parser.add_argument_group(f"{s} settings") if len(sections) > 1 else parser for s in sections}
+    for f in chosen:
+        meta = {k: v for k, v in f.metadata.items() if k not in FACTS}
         help_text, text, aliases = meta.pop("help"), meta.pop("default_text"), meta.pop("aliases", ())
         value = (defaults or {}).get(f.name, f.default)
         if f.name in (default_texts or {}) or f.name in (defaults or {}):  # the command's default, not the field's
             text = (default_texts or {}).get(f.name)
         meta["help"] = f"{help_text} (default {_shown(value)})" if text is None else f"{help_text} (default: {text})"
         meta["default"] = value if defaults is not None else None
+        group, flag = groups[fact(f, "section")], "--" + f.name.replace("_", "-")
         words, off = meta.pop("words", ()), meta.pop("off", None)
         if words:  # --flag [WORD] and --no-flag
-            parser.add_argument("--" + f.name.replace("_", "-"), *aliases, nargs="?", const=True, choices=words,
-                                metavar="|".join(words), **meta)
-            parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const", const=False,
-                                default=meta["default"], help=off)
+            group.add_argument(flag, *aliases, nargs="?", const=True, choices=words, metavar="|".join(words), **meta)
+            group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const", const=False,
+                               default=meta["default"], help=off)
             continue
-        if field_type(f) is bool:
+        if fact(f, "many"):
+            meta["type"] = csv_list
+        elif field_type(f) is bool:
             meta["action"] = argparse.BooleanOptionalAction
         else:
             meta["type"] = field_type(f)
-        parser.add_argument("--" + f.name.replace("_", "-"), *aliases, **meta)
+        group.add_argument(flag, *aliases, **meta)
 
 
 def config_kwargs(args: argparse.Namespace, names=None) -> dict:
-    """The RunConfig fields ``args`` sets (flags given, or with a default other than None)."""
-    return {f.name: getattr(args, f.name) for f in flag_fields(names) if getattr(args, f.name, None) is not None}
+    """The RunConfig fields ``args`` sets (flags given, or with a default other than None); ``many`` fields
+    (a list of values, one run each) are the caller's to spread."""
+    return {f.name: getattr(args, f.name) for f in flag_fields(names)
+            if getattr(args, f.name, None) is not None and not fact(f, "many")}

@@ -58,7 +58,8 @@ def test_run_without_flags_is_runconfigs_defaults():
 def test_converge_flags_come_from_runconfig_with_its_own_defaults():
     args = _subparser("converge").parse_args([])
     d = RunConfig()
-    assert (args.model, args.seq_len, args.mbs, args.gbs, args.seed) == (d.model, d.seq_len, d.mbs, d.gbs, d.seed)
+    assert (args.model, args.seq_len, args.mbs, args.seed) == (d.model, d.seq_len, d.mbs, d.seed)
+    assert args.gbs is None and args.precision == ["bf16", "fp8-tensorwise", "mxfp8", "nvfp4"]  # GBS follows MBS
     assert (args.emulate, args.log_interval, args.eval_every) == (True, 10, None)
 
 

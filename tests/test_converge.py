@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lpbench.train.loop as loop
-from lpbench.bench.converge import DEFAULT_TOLERANCES, Outcome, judge, parse_tolerances, tolerance_for
+from lpbench.bench.converge import Outcome, judge, parse_tolerances, tolerance_for
 from lpbench.bench.store import ResultsStore
 from lpbench.cli import main
 from lpbench.config import RunConfig
@@ -39,7 +39,7 @@ def test_ablation_switches_off_exactly_that_ingredient(ingredient):
     name = "fp8-tensorwise" if ingredient == "fast-accum" else "nvfp4"
     base, ablated = get_recipe(name), get_recipe(f"{name}-no-{ingredient}")
     changed = {f.name for f in dataclasses.fields(Recipe)
-               if getattr(base, f.name) != getattr(ablated, f.name)} - {"name", "description"}
+               if getattr(base, f.name) != getattr(ablated, f.name)} - {"name", "description", "display_name", "colour"}
     assert changed == set(off)
     assert all(getattr(ablated, k) == v for k, v in off.items())
     assert ablated.name == f"{name}-no-{ingredient}"
@@ -54,10 +54,12 @@ def test_ablation_names_that_do_not_resolve():
 
 
 def test_tolerances_by_name_or_family_prefix():
-    assert tolerance_for("fp8-delayed", DEFAULT_TOLERANCES) == 0.5
-    assert tolerance_for("mxfp8", DEFAULT_TOLERANCES) == 0.5
-    assert tolerance_for("nvfp4-no-rht", DEFAULT_TOLERANCES) == 1.5
-    assert tolerance_for("bf16", DEFAULT_TOLERANCES) is None
+    """A recipe's own tolerance (an ablation keeps its base's), overridden by --tolerance's name or family prefix."""
+    assert tolerance_for("fp8-delayed") == 0.5
+    assert tolerance_for("mxfp8") == 0.5
+    assert tolerance_for("nvfp4-no-rht") == 1.5
+    assert tolerance_for("bf16") is None
+    assert parse_tolerances(None) == {}
     tol = parse_tolerances("fp8=1,nvfp4-no-rht=3%")
     assert tolerance_for("fp8-tensorwise", tol) == 1.0 and tolerance_for("nvfp4-no-rht", tol) == 3.0
     assert tolerance_for("nvfp4-no-sr", tol) == 1.5  # the longest matching key wins
@@ -70,13 +72,13 @@ def test_judge_computes_gaps_and_verdicts():
     outs = [Outcome("bf16", "ok", val_loss=4.0), Outcome("fp8-tensorwise", "ok", val_loss=4.01),
             Outcome("mxfp8", "ok", val_loss=4.04), Outcome("nvfp4", "ok", val_loss=4.05),
             Outcome("fp32", "ok", val_loss=3.9), Outcome("nvfp4-no-sr", "diverged", diverged_step=7)]
-    assert judge(outs, DEFAULT_TOLERANCES) == "val_loss"
+    assert judge(outs, {}) == "val_loss"
     assert [o.gap_pct for o in outs[:5]] == pytest.approx([0.0, 0.25, 1.0, 1.25, -2.5])
     assert [o.verdict for o in outs] == ["reference", "pass", "fail", "pass", "no tolerance", "diverged @ step 7"]
     assert outs[5].gap_pct is None and outs[0].tolerance is None and outs[2].tolerance == 0.5
     # without validation losses the train loss is compared
     train_only = [Outcome("bf16", "ok", train_loss=2.0), Outcome("mxfp8", "ok", train_loss=2.02)]
-    assert judge(train_only, DEFAULT_TOLERANCES) == "train_loss" and train_only[1].verdict == "fail"
+    assert judge(train_only, {}) == "train_loss" and train_only[1].verdict == "fail"
 
 
 def test_validation_every_k_steps_leaves_training_unchanged():

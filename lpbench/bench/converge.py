@@ -4,7 +4,8 @@ Every recipe trains the same model from the same seed on the same data in the sa
 the same number of tokens (steps = tokens / (GBS x seq_len)); the held-out validation loss is
 measured every K steps and at the last. Each recipe's final validation loss is compared with
 the first recipe's: gap = (loss - reference) / reference, and the recipe passes when the gap is
-at most its tolerance (defaults: FP8 recipes and MXFP8 0.5%, FP4 recipes 1.5%). A run whose
+at most its tolerance (its recipe's ``tolerance``: FP8 recipes and MXFP8 0.5%, FP4 recipes 1.5%;
+``--tolerance`` overrides by name or family prefix). A run whose
 loss turns NaN/Inf stops there and is reported as diverged; the others go on.
 ``--ablate rht,sr,2d,bf16-tail`` adds one NVFP4 run per ingredient switched off
 (``nvfp4-no-rht``, ...; :data:`lpbench.precision.recipes.ABLATIONS`). ``--noise-seeds K`` runs
@@ -25,14 +26,11 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from lpbench.config import RunConfig, add_config_args, config_kwargs
+from lpbench.config import DEFAULT_PRECISIONS, RunConfig, add_config_args, config_kwargs, settings
 from lpbench.console import csv_list
 from lpbench.errors import UsageError
 from lpbench.paths import check_dir, check_file, write_file
 
-DEFAULT_PRECISIONS = ("bf16", "fp8-tensorwise", "mxfp8", "nvfp4")
-# Tolerated relative gap of the final loss to the reference, in %, by recipe name or family prefix.
-DEFAULT_TOLERANCES = {"fp8": 0.5, "mxfp8": 0.5, "mxfp4": 1.5, "nvfp4": 1.5}
 TRAIN_WINDOW = 10  # the "final train loss" is the mean over this many last steps
 ABLATION_BASE = "nvfp4"
 
@@ -64,8 +62,8 @@ class Outcome:
 
 
 def parse_tolerances(text: str | None) -> dict[str, float]:
-    """``"fp8=0.5,nvfp4=1.5"`` merged over the defaults (percent)."""
-    out = dict(DEFAULT_TOLERANCES)
+    """``"fp8=0.5,nvfp4=1.5"``: tolerances (percent) by recipe name or family prefix, over the recipes' own."""
+    out = {}
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         key, sep, value = item.partition("=")
         try:
@@ -78,11 +76,14 @@ def parse_tolerances(text: str | None) -> dict[str, float]:
     return out
 
 
-def tolerance_for(precision: str, tolerances: dict[str, float]) -> float | None:
-    """The tolerance of the longest key equal to ``precision`` or a dash-prefix of it
-    (``fp8`` covers ``fp8-delayed``, ``nvfp4`` covers ``nvfp4-no-rht``); None if no key does."""
-    keys = [k for k in tolerances if precision == k or precision.startswith(k + "-")]
-    return tolerances[max(keys, key=len)] if keys else None
+def tolerance_for(precision: str, tolerances: dict[str, float] | None = None) -> float | None:
+    """The tolerance of the longest key of ``tolerances`` equal to ``precision`` or a dash-prefix of it
+    (``fp8`` covers ``fp8-delayed``, ``nvfp4`` covers ``nvfp4-no-rht``), else the recipe's own
+    (``Recipe.tolerance``; an ablation keeps its base's); None for a recipe without one (bf16, fp32)."""
+    from lpbench.precision.recipes import get_recipe
+
+    keys = [k for k in tolerances or {} if precision == k or precision.startswith(k + "-")]
+    return tolerances[max(keys, key=len)] if keys else get_recipe(precision).tolerance
 
 
 def judge(outcomes: list[Outcome], tolerances: dict[str, float]) -> str:
@@ -131,7 +132,7 @@ def run_name(cfg: RunConfig, reference_seed: int) -> str:
 
 def with_checkpoints(configs: list[RunConfig], args) -> list[RunConfig]:
     """Each run's --save-dir and --load folder (``DIR/<run>``), its checkpoint checked before any work."""
-    from lpbench.train.checkpoint import validated
+    from lpbench.bench.runner import validated
 
     out = []
     for cfg in configs:
@@ -201,13 +202,13 @@ def build_configs(args) -> tuple[list[RunConfig], list[str]]:
     lacking = [n for n in names if not args.emulate and not native_supported(get_recipe(n), device)]
     if lacking:
         raise UsageError(f"{', '.join(lacking)} cannot run natively on {device}: drop --no-emulate")
-    tokens_per_step = args.gbs * args.seq_len
+    base = RunConfig(**config_kwargs(args, settings("converge")))
+    tokens_per_step = base.gbs * base.seq_len
     steps = int(args.tokens) // tokens_per_step
     if steps < 1:
         raise UsageError(f"--tokens {args.tokens:g} is less than one step of GBS x seq_len = {tokens_per_step}")
     eval_every = args.eval_every if args.eval_every is not None else max(1, steps // 10)
-    base = RunConfig(**{**config_kwargs(args, CONFIG_FLAGS), "steps": steps, "eval_every": eval_every,
-                        "warmup_steps": min(RunConfig.warmup_steps, steps - 1)})
+    base = base.with_(steps=steps, eval_every=eval_every)  # warm-up follows the steps
     base.validate()  # sizes and names, before the data is touched
     data, splits, lines = resolve_data(args, model_vocab)
     if splits.vocab_size != model_vocab:
@@ -290,7 +291,7 @@ def cmd_converge(args) -> int:
         console.print(f"seed noise: {ref} with other seeds lands up to {noise:.2f}% from seed {first.seed}; "
                       f"gaps within ±{noise:.2f}% are not resolved by this budget", highlight=False)
     plot = Path(args.plot or Path(args.results) / f"converge-{group}.png")
-    png = convergence_curves([_plot_run(o, first) for o in outcomes], tolerances=tolerances,
+    png = convergence_curves([_plot_run(o, first) for o in outcomes],
                              title=f"{first.label} · {tokens:,} tokens per recipe · "
                                    f"GBS {first.gbs} × seq {first.seq_len} · seed {first.seed}")
     write_file(plot, png)
@@ -306,12 +307,9 @@ def _fmt(v: float | None) -> str:
 def _plot_run(o: Outcome, cfg: RunConfig) -> dict:
     per_step = cfg.gbs * cfg.seq_len
     return {"precision": o.label, "status": o.status_text, "ok": o.status == "ok", "verdict": o.verdict,
+            "tolerance": o.tolerance,
             "train": [(s["step"] * per_step, s["loss"]) for s in o.steps],
             "val": [(s["step"] * per_step, s["val_loss"]) for s in o.steps if "val_loss" in s]}
-
-
-CONFIG_FLAGS = ("model", "num_layers", "data", "seq_len", "mbs", "gbs", "lr", "eval_every", "eval_batches", "seed",
-                "device", "compile", "emulate", "log_interval")  # the RunConfig fields that are converge's flags
 
 
 def add_parser(sub) -> None:
@@ -320,21 +318,20 @@ def add_parser(sub) -> None:
                                         "validation loss with the first (pass/fail per tolerance)",
                        description="Train several precisions from the same seed on the same data for the same "
                                    "number of tokens; compare each one's validation loss with the first's.")
-    p.add_argument("--precision", type=csv_list, default=list(DEFAULT_PRECISIONS),
-                   help=f"recipes; the first is the reference (default {','.join(DEFAULT_PRECISIONS)})")
     p.add_argument("--ablate", type=csv_list, default=None, metavar="A,B",
                    help="add one nvfp4 run per ingredient switched off: rht, sr, 2d, bf16-tail")
     p.add_argument("--tokens", type=float, default=100_000,
                    help="training tokens per recipe; steps = tokens / (GBS x seq_len) (default 1e5)")
-    add_config_args(p, CONFIG_FLAGS, defaults={"emulate": True, "log_interval": 10, "eval_every": None},
+    add_config_args(p, settings("converge"), defaults={"precision": list(DEFAULT_PRECISIONS), "emulate": True,
+                                                       "log_interval": 10, "eval_every": None},
                     default_texts={"eval_every": "steps / 10; 0: none, judge by train loss"})
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json for raw text, or 'byte' (default: train a byte-level BPE on the data)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary of the BPE trained on raw text (default: the model's)")
     p.add_argument("--tolerance", default=None, metavar="NAME=PCT,...",
-                   help="tolerated gap in %% by recipe or family prefix, over the defaults "
-                        + ",".join(f"{k}={v:g}" for k, v in DEFAULT_TOLERANCES.items()))
+                   help="tolerated gap in %% by recipe or family prefix, over each recipe's own (`lpbench "
+                        "recipes --json`: FP8 recipes and MXFP8 0.5, FP4 recipes 1.5)")
     p.add_argument("--noise-seeds", type=int, default=0, metavar="K",
                    help="also run the reference with seeds SEED+1..SEED+K: its seed-to-seed gap is the noise "
                         "floor to read the other gaps against (default 0)")

@@ -56,12 +56,12 @@ def load_mapping(path: str) -> dict:
 def apply_config_file(args: argparse.Namespace) -> None:
     """Set on ``args`` the values of ``args.config`` for the flags the command line left unset (None)."""
     from lpbench.bench.sweep_spec import _coerce, _norm_key, _normalized
-    from lpbench.config import flag_fields
+    from lpbench.config import fact, flag_fields
     from lpbench.console import csv_list
 
     path = args.config
     run_fields = {f.name: f for f in flag_fields()}
-    valid = sorted({*run_fields, *LAUNCH_KEYS, "precision"})
+    valid = sorted({*run_fields, *LAUNCH_KEYS})
     mapping = load_mapping(path)
     try:
         _normalized(mapping, run_fields)  # one setting given twice (``seq`` and ``seq-len``) is an error
@@ -76,11 +76,11 @@ def apply_config_file(args: argparse.Namespace) -> None:
                              f"{', '.join(k.replace('_', '-') for k in valid)}")
         if getattr(args, key) is not None:  # the command line wins
             continue
-        if key == "precision":
+        if key in run_fields and fact(run_fields[key], "many"):  # precision: one run per item
             try:
                 value = csv_list(",".join(map(str, value)) if isinstance(value, list) else str(value))
             except argparse.ArgumentTypeError as exc:
-                raise UsageError(f"--config {path}: precision: {exc}") from None
+                raise UsageError(f"--config {path}: {key}: {exc}") from None
         elif isinstance(value, (list, dict)):
             raise UsageError(f"--config {path}: {key}: a list makes a grid of runs; that is `lpbench sweep {path}`")
         else:

@@ -1,8 +1,9 @@
-"""One run from config to row: train it, turn a failure into a result, record it.
+"""One run from config to row: check it, train it, turn a failure into a result, record it.
 
-``lpbench run``, ``lpbench converge`` and every sweep child train through :func:`execute` and
-write their row through :func:`record`; a sweep parent records a child that left no row through
-:func:`record` too, so a run's row is written in one place.
+``lpbench run`` and ``lpbench converge`` check each config before any work through :func:`validated`
+(the config's own rules, then a ``--load`` checkpoint against it); they and every sweep child train
+through :func:`execute` and write their row through :func:`record`; a sweep parent records a child
+that left no row through :func:`record` too, so a run's row is written in one place.
 """
 
 from __future__ import annotations
@@ -11,11 +12,42 @@ import traceback
 from typing import Callable
 from rich.markup import escape
 
+from lpbench.config import settings
 from lpbench.console import console
 from lpbench.bench.store import RunRecord
 from lpbench.errors import UsageError
 from lpbench.train import loop
 from lpbench.train.loop import RunResult
+
+
+def validated(cfg):
+    """``cfg`` validated (``RunConfig.validate``) and, with ``--load``, resumable from its checkpoint."""
+    cfg.validate()
+    if cfg.load is not None:
+        check_resume(cfg)
+    return cfg
+
+
+def check_resume(cfg) -> None:
+    """The checkpoint ``cfg.load`` names can resume ``cfg``: the settings declared ``resume`` match (a setting
+    the checkpoint predates counts as its default), and steps are left to train."""
+    from dataclasses import fields
+
+    from lpbench.train.checkpoint import find_checkpoint, read_metadata
+
+    ckpt = find_checkpoint(cfg.load)
+    meta = read_metadata(ckpt)
+    saved, defaults = meta["config"], {f.name: f.default for f in fields(cfg)}
+    diff = [f"{k} {saved.get(k, defaults[k])!r} (this run: {getattr(cfg, k)!r})" for k in settings("resume")
+            if saved.get(k, defaults[k]) != getattr(cfg, k)]
+    if diff:
+        raise UsageError(f"--load {ckpt}: checkpoint does not match this run: {'; '.join(diff)}")
+    if meta["step"] >= cfg.steps:
+        raise UsageError(f"--load {ckpt}: checkpoint is at step {meta['step']}, --steps {cfg.steps} leaves "
+                         "nothing to train")
+    if cfg.profile_range and cfg.profile_range[1] <= meta["step"]:
+        raise UsageError(f"--profile-steps {cfg.profile_steps}: the run resumed from {ckpt} starts at step "
+                         f"{meta['step'] + 1}")
 
 
 def execute(cfg, *, results_dir: str, on_step: Callable[[dict], None] | None = None,

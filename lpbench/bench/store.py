@@ -7,7 +7,10 @@ environment and metrics are kept as JSON beside them.
 Sweep runs carry a ``sweep_id``; ``UNIQUE(sweep_id, run_key)`` makes "record this run of
 this sweep" idempotent: a second insert (a resumed sweep, or the sweep parent writing the
 row of a child that died) is skipped, never duplicated. Rows without a sweep id (plain
-``lpbench run``) are not constrained.
+``lpbench run``) are not constrained. A database written by an older lpbench is upgraded when
+opened for writing: a version-1 table gains the sweep id, and version-2 run keys (a hash over
+every setting) are recomputed from each row's config as :func:`lpbench.config.run_key` does, so
+old runs still group with new ones and a sweep resumes across the upgrade.
 
 A finished run is never lost: a write that fails (the database locked by another process
 beyond SQLite's busy timeout, a full disk) is retried with backoff, and if it still fails the run
@@ -33,7 +36,7 @@ from pathlib import Path
 from lpbench.errors import UsageError
 from lpbench.models.registry import model_label
 
-SCHEMA_VERSION = 2  # 2: runs.sweep_id + UNIQUE(sweep_id, run_key)
+SCHEMA_VERSION = 3  # 2: runs.sweep_id + UNIQUE(sweep_id, run_key); 3: run keys over non-default settings
 DB_NAME = "results.db"
 PENDING_DIR = "pending-runs"  # runs that could not be written, imported by the next writer
 BUSY_TIMEOUT_S = 30.0  # SQLite waits this long for another writer's lock ...
@@ -205,6 +208,8 @@ class ResultsStore:
             version = int(self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
             if version == 1:  # written by lpbench before sweeps: add the column, keep every row
                 self.conn.execute("ALTER TABLE runs ADD COLUMN sweep_id TEXT")
+            if version in (1, 2):  # run keys hashed every setting: recompute them from each row's config
+                self._rekey()
                 self.conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
                 version = SCHEMA_VERSION
             if version == SCHEMA_VERSION:
@@ -212,6 +217,15 @@ class ResultsStore:
                     if stmt.strip():
                         self.conn.execute(stmt)
         return version
+
+    def _rekey(self) -> None:
+        """Each row's run key recomputed from its stored config (schema 2 -> 3), inside ``_set_up``'s transaction."""
+        from lpbench.config import run_key
+
+        self.conn.execute("DROP INDEX IF EXISTS runs_sweep_key")  # rebuilt after: keys change one row at a time
+        rows = self.conn.execute("SELECT id, config_json FROM runs").fetchall()
+        self.conn.executemany("UPDATE runs SET run_key=? WHERE id=?",
+                              [(run_key(json.loads(r["config_json"])), r["id"]) for r in rows])
 
     def transaction(self):
         return _Transaction(self.conn)
@@ -262,8 +276,8 @@ class ResultsStore:
         for path in files:
             try:
                 kept = json.loads(path.read_text())
-                row, steps = kept["row"], kept["steps"]
-            except (OSError, ValueError, KeyError, TypeError):
+                row, steps = _rekeyed(kept), kept["steps"]
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 unreadable.append(path.name)
                 continue
             try:
@@ -284,8 +298,8 @@ class ResultsStore:
         folder = self.path.parent / PENDING_DIR
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
-                row = json.loads(path.read_text())["row"]
-            except (OSError, ValueError, KeyError, TypeError):
+                row = _rekeyed(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue
             if row.get("sweep_id") == sweep_id and row.get("run_key") == run_key:
                 return row
@@ -320,9 +334,19 @@ class ResultsStore:
         self.conn.close()
 
 
+def _rekeyed(kept: dict) -> dict:
+    """The row of a kept run (``keep_run``'s file), its run key recomputed if an older lpbench kept it."""
+    row = kept["row"]
+    if kept.get("schema", 2) >= 3:
+        return row
+    from lpbench.config import run_key
+
+    return {**row, "run_key": run_key(row["config"])}
+
+
 def keep_run(directory: Path, row: dict, steps: list[dict]) -> Path:
     """Write a run the database could not take to ``directory/PENDING_DIR`` (else the temp folder)."""
-    text = strict_json({"row": row, "steps": _json_safe(steps)})
+    text = strict_json({"schema": SCHEMA_VERSION, "row": row, "steps": _json_safe(steps)})
     name = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.json"
     error = None
     for folder in (Path(directory) / PENDING_DIR, Path(tempfile.gettempdir()) / f"lpbench-{PENDING_DIR}"):

@@ -4,7 +4,8 @@
 * ``timeout``: seconds per run (default 3600); ``--timeout`` overrides.
 * every other key is a run setting: a RunConfig field (``model``, ``precision``, ``seq_len``,
   ``mbs``, ``gbs``, ``steps``, ``tp``, ``dp``, ``fsdp`` ...; dashes or underscores; values are
-  coerced to the field's type), or ``num_gpus`` (processes to launch, torchrun when > 1; DP =
+  coerced to the field's type; not those declared ``sweep=False``, the settings of one run: its
+  checkpoint folders), or ``num_gpus`` (processes to launch, torchrun when > 1; DP =
   GPUs / TP), ``gpu`` (take unset seq_len/mbs/gbs/tp from the recommended configs of that GPU
   type). ``workload`` (pretrain, sft, lora), the ``lora_*`` settings and ``hf_checkpoint`` (the
   run's model is then labelled ``hf:<folder>`` unless ``model`` is set) are RunConfig fields too.
@@ -27,7 +28,6 @@ from lpbench.errors import UsageError
 
 DEFAULT_TIMEOUT_S = 3600.0
 RESERVED = ("name", "timeout", "description")
-RUN_ONLY = ("save_every", "save_dir", "load")  # RunConfig fields a sweep refuses: every run would share them
 EXTRA_KEYS = ("num_gpus", "gpu")  # sweep settings that are not RunConfig fields
 ALIASES = {"task": "workload", "models": "model", "precisions": "precision", "gpus": "num_gpus",
            "seq": "seq_len", "seq_length": "seq_len", "sequence_length": "seq_len"}
@@ -164,12 +164,13 @@ def load_spec(path: str | Path) -> dict:
 
 def expand(spec: dict) -> Sweep:
     """The spec's grid as validated runs (invalid combinations are listed in ``skipped``)."""
-    from lpbench.config import WORKLOADS, RunConfig
+    from lpbench.config import WORKLOADS, RunConfig, fact
     from lpbench.models import get_model_config
     from lpbench.precision.recipes import get_recipe
 
     run_fields = {f.name: f for f in fields(RunConfig)}
-    valid = sorted(set(run_fields) - set(RUN_ONLY) | set(EXTRA_KEYS))
+    run_only = {name for name, f in run_fields.items() if not fact(f, "sweep")}  # every run would share them
+    valid = sorted(set(run_fields) - run_only | set(EXTRA_KEYS))
     spec = _normalized(spec, run_fields)
     name = sweep_id_of(spec.pop("name", "sweep"))
     timeout = spec_timeout = spec.pop("timeout", DEFAULT_TIMEOUT_S)
@@ -186,9 +187,9 @@ def expand(spec: dict) -> Sweep:
     owner: dict[str, str] = {}  # setting -> the spec key that sets it
 
     def claim(setting: str, by: str) -> None:
-        if setting in RUN_ONLY:
-            raise UsageError(f"spec key {setting}: checkpoints belong to one run (lpbench run --save-dir/--load), "
-                             "not to a sweep")
+        if setting in run_only:
+            raise UsageError(f"spec key {setting}: checkpoints belong to one run (lpbench run "
+                             f"--{setting.replace('_', '-')}), not to a sweep")
         if setting not in valid:
             raise UsageError(f"unknown spec key {setting!r}; valid: {', '.join(RESERVED + tuple(valid))}")
         if setting in owner:
@@ -257,8 +258,6 @@ def expand(spec: dict) -> Sweep:
 
 
 def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
-    from lpbench.train.checkpoint import validated
-
     settings = dict(settings)
     kwargs = {k: v for k, v in settings.items() if k in run_fields}
     if kwargs.get("hf_checkpoint") and "model" not in kwargs:
@@ -284,6 +283,6 @@ def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
         if num_gpus <= 0:
             raise UsageError(f"num_gpus must be positive, got {num_gpus}")
         cfg = cfg.with_world(num_gpus, dp=kwargs.get("dp"))
-    validated(cfg)
+    cfg.validate()  # no --load: a sweep has no checkpoint settings
     return SweepRun(index=0, config=cfg, settings=settings, workload=cfg.workload, backend=cfg.backend,
                     num_gpus=cfg.world_size, recommended=rec_text)

@@ -45,8 +45,15 @@ class Recipe:
     fast_accum_fprop: bool = False  # native forward GEMM in Hopper's fast (reduced-precision) accumulation
     fast_accum_grads: bool = False  # native data- and weight-gradient GEMMs in fast accumulation too
     native_capability: tuple[int, int] | None = None  # compute capability with native GEMMs
+    # How reports present it (not numerics): table name (default: the recipe's name), plot colour (None: one of
+    # the plots' spare colours), and the gap of the final loss to the reference that `lpbench converge` passes, in %
+    display_name: str = ""
+    colour: str | None = None
+    tolerance: float | None = None
 
     def __post_init__(self):
+        if not self.display_name:
+            object.__setattr__(self, "display_name", self.name)
         if self.scaling is not None:
             if self.scaling not in {s.value for s in Scaling}:
                 raise ValueError(f"{self.name}: unknown scaling {self.scaling!r}; valid: {', '.join(Scaling)}")
@@ -124,49 +131,58 @@ class Recipe:
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
-        Recipe("bf16", "BF16 GEMMs, FP32 master weights and optimizer state (baseline)"),
-        Recipe("fp32", "FP32 everywhere (reference)", compute_dtype=torch.float32),
+        Recipe("bf16", "BF16 GEMMs, FP32 master weights and optimizer state (baseline)", display_name="BF16",
+               colour="#3b3b3b"),
+        Recipe("fp32", "FP32 everywhere (reference)", compute_dtype=torch.float32, display_name="FP32",
+               colour="#9e9e9e"),
         Recipe(
             "fp8-tensorwise",
             "FP8 current scaling, one FP32 scale per tensor; E4M3 fwd, E5M2 grads (NeMo cs, TE Float8CurrentScaling)",
             scaling="tensor", grad_format="e5m2", fast_accum_fprop=True, native_capability=(8, 9),
+            display_name="FP8 (per-tensor)", colour="#1f77b4", tolerance=0.5,
         ),
         Recipe(
             "fp8-delayed",
             "FP8 delayed scaling from a 1024-step amax history; E4M3 fwd, E5M2 grads (NeMo ds, TE DelayedScaling)",
             scaling="delayed", grad_format="e5m2", fast_accum_fprop=True, native_capability=(8, 9),
+            display_name="FP8 (delayed)", colour="#17becf", tolerance=0.5,
         ),
         Recipe(
             "fp8-rowwise",
             "FP8 E4M3, one power-of-two FP32 scale per row along the reduction dim (torchao rowwise)",
             scaling="row", pow2_scales=True, fast_accum_fprop=True, native_capability=(9, 0),
+            display_name="FP8 (rowwise)", colour="#2ca02c", tolerance=0.5,
         ),
         Recipe(
             "fp8-rowwise-gw-hp",
             "fp8-rowwise with the weight-gradient GEMM in BF16 (torchao rowwise_with_gw_hp)",
             scaling="row", pow2_scales=True, wgrad_bf16=True, fast_accum_fprop=True,
-            native_capability=(9, 0),
+            native_capability=(9, 0), display_name="FP8 (rowwise, BF16 wgrad)", colour="#8fbc5a", tolerance=0.5,
         ),
         Recipe(
             "fp8-rowwise-fast-grads",
             "fp8-rowwise with the data- and weight-gradient GEMMs in fast accumulation too (torchao's MoE GEMMs)",
             scaling="row", pow2_scales=True, fast_accum_fprop=True, fast_accum_grads=True,
-            native_capability=(9, 0),
+            native_capability=(9, 0), display_name="FP8 (rowwise, fast-accum grads)", colour="#006400",
+            tolerance=0.5,
         ),
         Recipe(
             "fp8-blockwise",
             "FP8 E4M3, 1x128 activation/grad and 128x128 weight blocks, power-of-two scales (DeepSeek-V3, TE Float8BlockScaling)",
             scaling="block", block=128, weight_block_2d=True, pow2_scales=True, native_capability=(9, 0),
+            display_name="FP8 (blockwise)", colour="#9467bd", tolerance=0.5,
         ),
         Recipe(
             "mxfp8",
             "MXFP8: E4M3 in 1x32 blocks along the reduction dim, E8M0 scales, RCEIL (OCP MX, TE MXFP8BlockScaling)",
-            scaling="mx", block=32, native_capability=(10, 0),
+            scaling="mx", block=32, native_capability=(10, 0), display_name="MXFP8", colour="#ff7f0e",
+            tolerance=0.5,
         ),
         Recipe(
             "mxfp4",
             "MXFP4: E2M1 in 1x32 blocks along the reduction dim, E8M0 scales, RCEIL (OCP MX)",
             scaling="mx", block=32, fwd_format="e2m1", grad_format="e2m1", native_capability=(10, 0),
+            display_name="MXFP4", colour="#e377c2", tolerance=1.5,
         ),
         Recipe(
             "nvfp4",
@@ -174,6 +190,7 @@ RECIPES: dict[str, Recipe] = {
             "stochastic rounding of grads, last 4 layers BF16 (TE NVFP4BlockScaling)",
             scaling="nvfp4", block=16, fwd_format="e2m1", grad_format="e2m1", weight_block_2d=True,
             rht_wgrad=True, stochastic_grads=True, last_bf16_layers=4, native_capability=(10, 0),
+            display_name="NVFP4", colour="#d62728", tolerance=1.5,
         ),
     )
 }
@@ -196,8 +213,8 @@ def ablate(recipe: Recipe, ingredient: str) -> Recipe:
     off, what = ABLATIONS[ingredient]
     if all(getattr(recipe, k) == v for k, v in off.items()):
         raise UsageError(f"{recipe.name} has no {what} to switch off")
-    return replace(recipe, name=f"{recipe.name}-no-{ingredient}",
-                   description=f"{recipe.description}; without {what}", **off)
+    return replace(recipe, name=f"{recipe.name}-no-{ingredient}", display_name="", colour=None,
+                   description=f"{recipe.description}; without {what}", **off)  # the base's tolerance
 
 
 def get_recipe(name: str) -> Recipe:

@@ -16,9 +16,6 @@ import math
 
 from lpbench.report.tables import BASELINE, precision_name
 
-COLOURS = {"bf16": "#3b3b3b", "fp32": "#9e9e9e", "fp8-tensorwise": "#1f77b4", "fp8-delayed": "#17becf",
-           "fp8-rowwise": "#2ca02c", "fp8-rowwise-gw-hp": "#8fbc5a", "fp8-rowwise-fast-grads": "#006400",
-           "fp8-blockwise": "#9467bd", "mxfp8": "#ff7f0e", "mxfp4": "#e377c2", "nvfp4": "#d62728"}
 _EXTRA = ["#8c564b", "#bcbd22", "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a"]
 MAX_PANELS = 12
 LABEL_BOX = {"boxstyle": "square,pad=0.15", "facecolor": "white", "edgecolor": "none"}  # hides lines behind labels
@@ -39,10 +36,23 @@ def _plt():
     return plt
 
 
+def _own_colour(precision: str) -> str | None:
+    """The recipe's ``colour`` (None for an ablation, a noise-seed label or a name lpbench does not know)."""
+    from lpbench.errors import UsageError
+    from lpbench.precision.recipes import get_recipe
+
+    try:
+        return get_recipe(precision).colour
+    except UsageError:
+        return None
+
+
 def colour(precision: str, order: list[str]) -> str:
-    if precision in COLOURS:
-        return COLOURS[precision]
-    unknown = [p for p in order if p not in COLOURS]
+    """``precision``'s colour in every figure: its recipe's, else a spare one by its place among ``order``'s
+    precisions without one."""
+    if own := _own_colour(precision):
+        return own
+    unknown = [p for p in order if not _own_colour(p)]
     return _EXTRA[unknown.index(precision) % len(_EXTRA)] if precision in unknown else _EXTRA[0]
 
 
@@ -320,11 +330,11 @@ def all_plots(rows: list[dict], steps_by_run: dict[int, list[dict]]) -> dict[str
     return {name: png for name, png in figures.items() if png}
 
 
-def convergence_curves(runs: list[dict], tolerances: dict[str, float], title: str = "") -> bytes:
+def convergence_curves(runs: list[dict], title: str = "") -> bytes:
     """``lpbench converge``'s figure: loss against tokens (left) and the gap to the first run (right).
 
-    ``runs``: ``{"precision", "status", "ok", "verdict", "train": [(tokens, loss)], "val": [...]}``,
-    the reference first. Left: training loss (trailing 10-step mean, thin) and validation loss
+    ``runs``: ``{"precision", "status", "ok", "verdict", "tolerance", "train": [(tokens, loss)], "val": [...]}``,
+    the reference first (``tolerance``: the gap in % a run passes with, or None). Left: training loss (trailing 10-step mean, thin) and validation loss
     (dots), one colour per recipe; a stopped run ends in a red cross. Right: the relative gap of
     the validation loss (or, without one, of the mean training loss) to the reference's, in %,
     with the tolerances as dotted and dashed lines.
@@ -378,11 +388,10 @@ def convergence_curves(runs: list[dict], tolerances: dict[str, float], title: st
             gap_ax.plot(gx, gy, lw=1.8, marker="o", ms=3.5, color=colour(r["precision"], order),
                         ls="--" if "-no-" in r["precision"] else "-")
     gap_ax.axhline(0, color=colour(ref["precision"], order), lw=1.2)
-    used = sorted({v for k, v in tolerances.items() if any(p == k or p.startswith(k + "-") for p in order[1:])})
+    used = sorted({r["tolerance"] for r in runs[1:] if r.get("tolerance") is not None})
     tol_handles = []
     for tol, style in zip(used, [(0, (1, 1)), (0, (4, 2)), (0, (6, 2, 1, 2)), (0, (2, 4))] * 4):
-        names = "/".join(k for k, v in tolerances.items() if v == tol and any(p == k or p.startswith(k + "-")
-                                                                            for p in order[1:]))
+        names = "/".join(r["precision"] for r in runs[1:] if r.get("tolerance") == tol)
         tol_handles.append(gap_ax.axhline(tol, color="#555", lw=1.1, ls=style,
                                           label=f"tolerance {tol:g}% ({names})"))
     if tol_handles:

@@ -23,6 +23,7 @@ table; ``TextTable.to_markdown`` / ``to_html`` render them.
 from __future__ import annotations
 
 import csv
+import functools
 import html
 import io
 import json
@@ -46,21 +47,34 @@ COLUMNS = [  # (key, header, format) of the flat table (lpbench run, sweep, --fo
     ("speedup", "speedup", "{:.2f}x"),
     ("status", "status", "{}"),
 ]
-LAYOUT_KEYS = ("tp", "pp", "cp", "vp", "ep", "dp", "fsdp", "fsdp_fp8_all_gather",
-               "sequence_parallel", "compile", "compile_scope")  # parallel layout and compilation, when in config
 BASELINE = "bf16"
 TIME_TO_TRAIN_GPUS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 TIME_TO_TRAIN_TOKENS = 1e12
 WORKLOAD_TITLES = {"pretrain": "Pre-training", "sft": "Fine-tuning (SFT)", "lora": "Fine-tuning (LoRA)",
                    "converge": "Convergence (lpbench converge: same tokens per precision)"}
-PRECISION_NAMES = {"bf16": "BF16", "fp32": "FP32", "fp8-tensorwise": "FP8 (per-tensor)", "fp8-delayed": "FP8 (delayed)",
-                   "fp8-rowwise": "FP8 (rowwise)", "fp8-rowwise-gw-hp": "FP8 (rowwise, BF16 wgrad)",
-                   "fp8-rowwise-fast-grads": "FP8 (rowwise, fast-accum grads)",
-                   "fp8-blockwise": "FP8 (blockwise)", "mxfp8": "MXFP8", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
 
 
 def precision_name(name: str | None) -> str:
-    return PRECISION_NAMES.get(name or "", name or "?")
+    """A recipe's name in tables (``Recipe.display_name``); a name lpbench no longer knows as it is."""
+    from lpbench.errors import UsageError
+    from lpbench.precision.recipes import get_recipe
+
+    try:
+        return get_recipe(name).display_name if name else "?"
+    except UsageError:
+        return name
+
+
+@functools.cache
+def layout_keys(numbers_only: bool = False) -> tuple[str, ...]:
+    """The settings declared ``layout`` (parallel layout and compilation: ``arg(layout=True)`` in
+    lpbench/config.py); with ``numbers_only``, the sizes among them (TP, EP, DP ...)."""
+    from dataclasses import fields
+
+    from lpbench.config import RunConfig, fact, field_type
+
+    return tuple(f.name for f in fields(RunConfig)
+                 if fact(f, "layout") and (not numbers_only or field_type(f) is int))
 
 
 def system_name(gpu: str | None) -> str:
@@ -81,7 +95,7 @@ def _layout(r: dict) -> dict:
     """The parallel layout and compilation a run had: what ran (metrics) over what was asked (config)."""
     cfg, metrics = r.get("config") or {}, r.get("metrics") or {}
     ran = {k: metrics[k] for k in ("compile", "compile_scope") if k in metrics}
-    return {k: ran.get(k, cfg.get(k)) for k in LAYOUT_KEYS if k in cfg or k in ran}
+    return {k: ran.get(k, cfg.get(k)) for k in layout_keys() if k in cfg or k in ran}
 
 
 def group_key(r: dict) -> tuple:
@@ -341,7 +355,7 @@ def _group_order(rows: list[dict]) -> list[list[dict]]:
 
 def _row_group(r: dict) -> tuple:
     return (r.get("group_id"), r.get("workload"), r.get("model"), r.get("seq_len"), r.get("mbs"), r.get("gbs"),
-            r.get("num_gpus"), r.get("gpu"), tuple((k, r.get(k)) for k in LAYOUT_KEYS if k in r))
+            r.get("num_gpus"), r.get("gpu"), tuple((k, r.get(k)) for k in layout_keys() if k in r))
 
 
 def workload_tables(rows: list[dict]) -> list[TextTable]:
@@ -350,7 +364,7 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
     workloads = list(dict.fromkeys(r.get("workload") or "pretrain" for r in rows))
     for wl in workloads:
         mine = [r for r in rows if (r.get("workload") or "pretrain") == wl]
-        layout = [k for k in ("tp", "pp", "cp", "vp", "ep", "dp") if any(k in r for r in mine)]
+        layout = [k for k in layout_keys(numbers_only=True) if any(k in r for r in mine)]
         show_fsdp = any(r.get("fsdp") for r in mine)
         config_cols = ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length", *[k.upper() for k in layout],
                        *(["FSDP"] if show_fsdp else []), "GA"]

@@ -57,15 +57,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lpbench import __version__
+from lpbench.config import settings
 from lpbench.errors import UsageError
 from lpbench.parallel.ep import expert_params
 from lpbench.precision.delayed import SCALE, is_delayed_state
 
 META_FILE = "lpbench.json"
 STEP_DIR = re.compile(r"step-(\d+)")
-# Config fields a checkpoint must share with the run that resumes it (shapes, layout, data order).
-MATCH_FIELDS = ("model", "num_layers", "vocab_size", "precision", "backend", "workload", "lora_rank", "lora_targets",
-                "seq_len", "mbs", "gbs", "dp", "tp", "ep", "fsdp", "data", "seed")
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
@@ -100,14 +98,6 @@ def read_metadata(ckpt: Path) -> dict:
     if problem:
         raise UsageError(f"--load {ckpt}: corrupt checkpoint ({problem})")
     return meta
-
-
-def validated(cfg):
-    """``cfg.validate()``, and with ``--load`` the checkpoint checked against ``cfg`` (RunConfig reads no disk)."""
-    cfg.validate()
-    if cfg.load is not None:
-        check_resumable(cfg)
-    return cfg
 
 
 def _sha256(path: Path) -> str:
@@ -191,24 +181,6 @@ class _VerifiedReader(FileSystemReader):
         return metadata
 
 
-def check_resumable(cfg) -> tuple[Path, dict]:
-    """The checkpoint ``cfg.load`` names and its metadata, if ``cfg`` can resume from it."""
-    ckpt = find_checkpoint(cfg.load)
-    meta = read_metadata(ckpt)
-    saved = meta["config"]
-    diff = [f"{k} {saved.get(k)!r} (this run: {getattr(cfg, k)!r})" for k in MATCH_FIELDS
-            if saved.get(k) != getattr(cfg, k)]
-    if diff:
-        raise UsageError(f"--load {ckpt}: checkpoint does not match this run: {'; '.join(diff)}")
-    if meta["step"] >= cfg.steps:
-        raise UsageError(f"--load {ckpt}: checkpoint is at step {meta['step']}, --steps {cfg.steps} leaves "
-                         "nothing to train")
-    if cfg.profile_range and cfg.profile_range[1] <= meta["step"]:
-        raise UsageError(f"--profile-steps {cfg.profile_steps}: the run resumed from {ckpt} starts at step "
-                         f"{meta['step'] + 1}")
-    return ckpt, meta
-
-
 def _rank() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
@@ -282,7 +254,8 @@ class Checkpointer:
         records of the steps up to it."""
         if self.cfg.load is None:
             return 0, []
-        ckpt, meta = check_resumable(self.cfg)
+        ckpt = find_checkpoint(self.cfg.load)  # checked against the config before the run (bench/runner.py)
+        meta = read_metadata(ckpt)
         state = self._state(0)
         if any(is_delayed_state(k, SCALE) for k in state["model"]) and not any(  # the file's keys read only then
                 is_delayed_state(k, SCALE) for k in _VerifiedReader(ckpt, meta["files"]).read_metadata().state_dict_metadata):
@@ -326,7 +299,7 @@ class Checkpointer:
             with _single_process_ok():
                 dcp.save(self._state(step), checkpoint_id=tmp, no_dist=self.world == 1)
             if self.rank == 0:
-                keys = {k: getattr(self.cfg, k) for k in MATCH_FIELDS}
+                keys = {k: getattr(self.cfg, k) for k in settings("resume")}
                 meta = {"lpbench": __version__, "step": step, "steps": self.cfg.steps, "world_size": self.world,
                         "config": keys, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": _manifest(tmp),
                         "history": history}

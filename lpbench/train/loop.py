@@ -31,7 +31,7 @@ from lpbench.parallel.plan import parallelize
 from lpbench.precision import gemm, main_grads, weight_cache
 from lpbench.precision.delayed import is_delayed_state
 from lpbench.precision.recipes import get_recipe
-from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError, validated
+from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError
 from lpbench.train.workload import (build_data, describe_lora, prepare_model, run_flops_per_token,
                                     weight_bytes)
 from lpbench.train.optim import build_optimizer, build_scheduler
@@ -93,7 +93,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     each step's record as it is made (after ``--load`` the first is the checkpoint's step + 1): a
     sweep child writes them as JSON lines for its parent, run and converge move their progress display.
     """
-    validated(cfg)
+    cfg.validate()
     device = resolve_device(cfg.device)
     world = init_distributed(device.type)
     if cfg.world_size != world.size:
