@@ -131,8 +131,8 @@ def cmd_flops(args) -> int:
         raise UsageError("--seq-len, --num-gpus and --tokens must be positive")
     model = first_blocks(get_model_config(args.model), args.num_layers)
     label = model_label(args.model, args.num_layers)
-    fpt = flops_per_token(model, args.seq_len, args.formula)
-    out = {"model": label, "seq_len": args.seq_len, "formula": args.formula, "flops_per_token": fpt,
+    fpt = flops_per_token(model, args.seq_len, args.flops_formula)
+    out = {"model": label, "seq_len": args.seq_len, "formula": args.flops_formula, "flops_per_token": fpt,
            "flops_per_sample": fpt * args.seq_len}
     if args.tokens_per_sec_per_gpu is not None:
         if not (math.isfinite(args.tokens_per_sec_per_gpu) and args.tokens_per_sec_per_gpu > 0):
@@ -143,7 +143,7 @@ def cmd_flops(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    console.print(f"{label} at seq {args.seq_len}, formula {args.formula} (forward + backward):")
+    console.print(f"{label} at seq {args.seq_len}, formula {args.flops_formula} (forward + backward):")
     console.print(f"  FLOPs per token : {fpt:.4e}")
     console.print(f"  FLOPs per sample: {fpt * args.seq_len:.4e}")
     if "tflops_per_gpu" in out:
@@ -321,7 +321,7 @@ def build_parser() -> Parser:
     p.add_argument("--model", required=True, help="model name from `lpbench models`")
     p.add_argument("--num-layers", type=int, default=None, metavar="N", help="count the first N blocks only")
     p.add_argument("--seq-len", type=int, required=True, help="sequence length")
-    p.add_argument("--formula", default="megatron", help="megatron (default), nemo-legacy or mha")
+    add_config_args(p, ["flops_formula"], defaults={})  # --flops-formula, or --formula as before
     p.add_argument("--tokens-per-sec-per-gpu", type=float, help="measured throughput to convert")
     p.add_argument("--num-gpus", type=int, default=1, help="GPU count for time-to-train (default 1)")
     p.add_argument("--tokens", type=float, default=1e12, help="tokens for time-to-train (default 1e12)")

@@ -193,7 +193,7 @@ class RunConfig:
     flops_formula: str = field(default="megatron", metadata=arg(
         "model FLOPs formula for TFLOP/s and MFU: megatron, nemo-legacy or mha",
         "megatron; with --gpu, the formula of the row's published table", aliases=("--formula",),
-        section="observe"))
+        section="observe", key=False))  # converts the measured tokens/s: runs differing only in it are one run
     log_interval: int = field(default=1, metadata=arg(
         "print a log line every N steps", section="observe", converge=True))
     eval_every: int = field(default=0, metadata=arg(
@@ -422,10 +422,10 @@ class RunConfig:
 
     def header(self) -> str:
         """What the run's log header adds to the settings: each default that followed other settings, and the
-        FLOP formula of its TFLOP/s and MFU: ``gbs 16 (default: MBS x DP) | FLOPs: megatron formula``."""
+        FLOP formula of its TFLOP/s and MFU: ``gbs 16 (default: MBS x DP) | TFLOP/s by the megatron formula``."""
         parts = [f"{name.replace('_', ' ')} {getattr(self, name)} (default: {self.default_text(name)})"
                  for name in self.derived]
-        return " | ".join([*parts, f"FLOPs: {self.flops_formula} formula"])
+        return " | ".join([*parts, f"TFLOP/s by the {self.flops_formula} formula"])
 
 
 def run_key(settings: dict) -> str:

@@ -5,6 +5,7 @@ import sqlite3
 import pytest
 
 from lpbench.bench.store import ResultsStore, RunRecord
+from lpbench.config import RunConfig, run_key
 from lpbench.errors import UsageError
 
 
@@ -87,7 +88,7 @@ def test_version_1_database_is_migrated_in_place(tmp_path):
     conn.close()
     store = ResultsStore(tmp_path, create=False)
     (old,) = store.runs()
-    assert old["run_key"] == "old" and old["sweep_id"] is None
+    assert old["run_key"] == run_key({}) and old["sweep_id"] is None  # rekeyed from its (empty) config
     assert _add(store, sweep_id="s") is not None and _add(store, sweep_id="s") is None
 
 
@@ -182,3 +183,52 @@ def test_a_sweep_parent_finds_the_run_its_child_kept_aside(tmp_path, quick_retri
     other.execute("ROLLBACK")
     assert ResultsStore(tmp_path).sweep_run("sw", "k1")["status"] == "ok"  # imported: the parent's failure row loses
     capsys.readouterr()
+
+
+def _key_before_schema_3(config: dict) -> str:
+    """lpbench's run key up to schema 2 (a hash of every setting but the checkpoint and profiling ones)."""
+    import hashlib
+
+    kept = {k: v for k, v in config.items() if k not in ("save_every", "save_dir", "load", "profile_steps",
+                                                         "tensorboard")}
+    if kept["num_layers"] is None:
+        del kept["num_layers"]
+    if not kept["fused_loss"]:
+        del kept["fused_loss"]
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def test_schema_2_run_keys_are_recomputed_so_sweeps_resume_and_runs_group(tmp_path):
+    """A database written with the old keys: opened by this lpbench, its rows carry the keys today's configs
+    have, so a sweep over the same grid finds them done; two runs of a sweep that the new key no longer tells
+    apart (they differ in the FLOP formula only) both stay."""
+    from lpbench.bench.sweep_spec import expand
+
+    spec = {"name": "old", "precision": ["bf16", "fp8-tensorwise"], "seq_len": 64, "mbs": 2, "steps": 4}
+    configs = [run.config for run in expand(spec).runs]
+    store = ResultsStore(tmp_path)
+    for cfg in configs:
+        _add(store, config=cfg.to_dict(), run_key=_key_before_schema_3(cfg.to_dict()), sweep_id="old")
+    legacy = configs[0].with_(flops_formula="nemo-legacy").to_dict()
+    _add(store, config=legacy, run_key=_key_before_schema_3(legacy), sweep_id="old")
+    store.conn.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
+    old_keys = [r["run_key"] for r in store.runs()]
+    store.close()
+    assert {cfg.key() for cfg in configs}.isdisjoint(old_keys)  # the keys did change
+
+    store = ResultsStore(tmp_path, create=False)
+    assert store.finished_keys("old") >= {run.key for run in expand(spec).runs}  # a resumed sweep skips them
+    rows = store.runs()
+    assert [r["run_key"] for r in rows[:2]] == [cfg.key() for cfg in configs]
+    assert rows[2]["run_key"] == old_keys[2] and len(rows) == 3  # kept, under its old key
+    assert _add(store, config=configs[0].to_dict(), run_key=configs[0].key(), sweep_id="old") is None  # recorded once
+    assert store.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "3"
+
+
+def test_run_key_ignores_settings_at_their_defaults():
+    """A setting added with a default leaves every existing run's key as it was; one that is set changes it."""
+    base = RunConfig(seq_len=64).to_dict()
+    assert run_key({**base, "a_setting_from_later": None}) == run_key(base)  # unknown names are not hashed
+    assert run_key({k: v for k, v in base.items() if k != "fused_loss"}) == run_key(base)  # default: absent
+    assert RunConfig(seq_len=64, fused_loss=True).key() != RunConfig(seq_len=64).key()
+    assert RunConfig(seq_len=64, save_dir="x", save_every=2).key() == RunConfig(seq_len=64).key()  # key=False

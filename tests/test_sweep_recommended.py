@@ -91,7 +91,9 @@ def test_run_takes_its_defaults_from_the_recommended_config(capsys):
     err = capsys.readouterr().err
     # the printed layout is the one that runs (the recipe's TP 2 x DP 8, GA 4)
     assert ("recommended config: nemotron4-15b pretrain on 16x h100 (bf16/fp8 row, nemotron4-recipe); runs as "
-            "seq_len 4096, MBS 2, GBS 64, TP 2, DP 8, GA 4 on 16 process(es)\n") in err
+            "seq_len 4096, MBS 2, GBS 64, TP 2, DP 8, GA 4 on 16 process(es); TFLOP/s by the mha formula, as "
+            "nemotron4-recipe's table counts\n") in err
+    assert cfg.flops_formula == "mha"  # the row's table's formula
     # explicit flags win, and the printed layout says so
     (cfg,) = _configs(["--model", "nemotron4-15b", "--gpu", "h100", "--num-gpus", "16", "--nproc-per-node", "16",
                        "--seq-len", "2048", "--mbs", "1"])
@@ -106,6 +108,13 @@ def test_run_takes_its_defaults_from_the_recommended_config(capsys):
     assert a.tp == b.tp == 2 and a.dp == 4 and a.seq_len == b.seq_len == 4096  # one config for every precision
     (cfg,) = _configs(["--model", "qwen3-14b", "--gpu", "gb200", "--tp", "1"])  # one process: override TP
     assert (cfg.tp, cfg.seq_len) == (1, 4096)
+    # a NeMo row's TFLOP/s are NeMo's (nemo-legacy) unless --flops-formula (or --formula) says otherwise
+    (cfg,) = _configs(["--model", "llama3-8b", "--gpu", "gb200", "--num-gpus", "8", "--nproc-per-node", "8"])
+    assert cfg.flops_formula == "nemo-legacy" and "by the nemo-legacy formula, as nemo-25.04's table counts" in \
+        capsys.readouterr().err
+    (cfg,) = _configs(["--model", "llama3-8b", "--gpu", "gb200", "--num-gpus", "8", "--nproc-per-node", "8",
+                       "--formula", "megatron"])
+    assert cfg.flops_formula == "megatron" and "by the megatron formula (flag)" in capsys.readouterr().err
     # without --gpu: RunConfig's defaults, as before
     (cfg,) = _configs(["--model", "tiny"])
     d = RunConfig()
@@ -136,7 +145,9 @@ def test_every_runnable_row_prints_the_layout_it_builds(capsys):
         err = capsys.readouterr().err
         ep = f", EP {cfg.ep}" if cfg.ep > 1 else ""
         assert (f"TP {cfg.tp}, DP {cfg.dp}{' (FSDP)' if cfg.fsdp else ''}{ep}, GA {cfg.grad_accum} on {r.num_gpus} "
-                f"process(es)\n") in err, (r, err)
+                f"process(es); TFLOP/s by the {cfg.flops_formula} formula") in err, (r, err)
+        assert cfg.flops_formula == {"nemo": "nemo-legacy", "mb": "megatron", "nemotron4": "mha",
+                                     "lpbench": "megatron"}[r.source.split("-")[0]], r
         assert (cfg.tp, cfg.dp, cfg.ep, cfg.grad_accum) == (r.tp, r.dp, r.ep, r.grad_accum)
 
 
@@ -146,7 +157,9 @@ def test_sweep_refuses_rows_needing_missing_dimensions():
     with pytest.raises(UsageError, match="no valid run .*needs context parallelism"):
         expand({"model": "llama3-8b", "gpu": "h100", "num_gpus": 8, "precision": "bf16"})
     sweep = expand({"model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "precision": "bf16"})
-    assert sweep.runs[0].recommended.endswith("runs as seq_len 4096, MBS 2, GBS 64, TP 2, DP 8, GA 4 on 16 process(es)")
+    assert sweep.runs[0].recommended.endswith("runs as seq_len 4096, MBS 2, GBS 64, TP 2, DP 8, GA 4 on 16 process(es); "
+                                              "TFLOP/s by the mha formula, as nemotron4-recipe's table counts")
+    assert sweep.runs[0].config.flops_formula == "mha"
 
 
 def test_slurm_checks_the_recommended_config_against_the_jobs_world(tmp_path, capsys):

@@ -28,16 +28,27 @@ RUN_FIELDS = ("seq_len", "mbs", "gbs", "tp", "pp", "cp", "ep", "vp", "fsdp")
 # The table's parallel dimensions beyond TP and DP: (column, name). Those RunConfig has no field for
 # are not implemented yet, and a row that needs one is refused (check_runnable).
 PARALLEL_DIMS = (("pp", "pipeline"), ("cp", "context"), ("ep", "expert"))
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where rows come from, and the FLOP formula (``--flops-formula``) of the TFLOP/s it published (None: it
+    published none)."""
+
+    description: str
+    formula: str | None = None
+
+
 SOURCES = {
-    "nemo-25.04": "NeMo 25.04 performance summary (FP8 current scaling)",
-    "nemo-25.04-fixed": "NeMo 25.04 performance summary; the published row has its GBS/MBS cells shifted, "
-                        "GBS recomputed as GA x DP x MBS",
-    "nemo-25.07-nvfp4-bench": "NeMo 25.07 recommended config, as used for every precision by the 8xB200 NVFP4 "
-                              "benchmark",
-    "mb-25.09": "Megatron-Bridge 25.09 performance summary (FP8)",
-    "nemotron4-recipe": "Nemotron4 benchmark recipe (BF16/FP8, 16-2048 H100)",
-    "lpbench-h100-reused": "lpbench's choice: the H100 config reused on H200 (no published H200 config)",
-    "lpbench": "lpbench's choice, not from a published table (unmeasured)",
+    "nemo-25.04": Source("NeMo 25.04 performance summary (FP8 current scaling)", "nemo-legacy"),
+    "nemo-25.04-fixed": Source("NeMo 25.04 performance summary; the published row has its GBS/MBS cells shifted, "
+                               "GBS recomputed as GA x DP x MBS", "nemo-legacy"),
+    "nemo-25.07-nvfp4-bench": Source("NeMo 25.07 recommended config, as used for every precision by the 8xB200 "
+                                     "NVFP4 benchmark", "nemo-legacy"),
+    "mb-25.09": Source("Megatron-Bridge 25.09 performance summary (FP8)", "megatron"),
+    "nemotron4-recipe": Source("Nemotron4 benchmark recipe (BF16/FP8, 16-2048 H100)", "mha"),
+    "lpbench-h100-reused": Source("lpbench's choice: the H100 config reused on H200 (no published H200 config)"),
+    "lpbench": Source("lpbench's choice, not from a published table (unmeasured)"),
 }
 
 
@@ -73,6 +84,11 @@ class Recommended:
         return tuple(self.source.split("+"))
 
     @property
+    def formula(self) -> str:
+        """The FLOP formula of the table the row comes from (its first source's), else lpbench's default."""
+        return SOURCES[self.sources[0]].formula or "megatron"
+
+    @property
     def dp(self) -> int:
         """Data-parallel size as NeMo derives it: GPUs / (TP x PP x CP)."""
         return max(1, self.num_gpus // (self.tp * self.pp * self.cp))
@@ -87,11 +103,12 @@ class Recommended:
     def describe(self, world: int | None = None, **ran) -> str:
         """The layout that runs on ``world`` processes (default: the row's GPU count).
 
-        ``ran``: seq_len / mbs / gbs / tp / ep / fsdp values set by flags instead of the row, marked so.
+        ``ran``: seq_len / mbs / gbs / tp / ep / fsdp / flops_formula values set by flags instead of the row,
+        marked so.
         """
         world = world or self.num_gpus
         v = {"seq_len": self.seq_len, "mbs": self.mbs, "gbs": self.gbs, "tp": self.tp, "ep": self.ep,
-             "fsdp": bool(self.fsdp)}
+             "fsdp": bool(self.fsdp), "flops_formula": self.formula}
         changed = {k for k, x in ran.items() if x is not None and x != v.get(k)}
         v.update({k: ran[k] for k in changed})
         dp = max(1, world // v["tp"])
@@ -103,7 +120,8 @@ class Recommended:
         if world != self.num_gpus:
             text += (f" (the row: {self.num_gpus} GPUs, DP {self.dp}, GA {self.grad_accum}; start "
                      f"{self.num_gpus} with --nproc-per-node, torchrun or srun to run it as listed)")
-        return text
+        published = SOURCES[self.sources[0]].formula and f", as {self.sources[0]}'s table counts"
+        return text + f"; TFLOP/s by the {v['flops_formula']} formula{mark('flops_formula') or published or ''}"
 
 
 def check_runnable(rec: Recommended) -> None:
@@ -172,11 +190,13 @@ def lookup(model: str, gpu: str, num_gpus: int | None = None, task: str = "pretr
 
 
 def run_defaults(rec: Recommended) -> dict:
-    """RunConfig keyword arguments from a recommended row (the fields RunConfig has)."""
+    """RunConfig keyword arguments from a recommended row (the fields RunConfig has), with the FLOP formula
+    its table was published with."""
     from lpbench.config import RunConfig
 
-    return {f.name: bool(getattr(rec, f.name)) if isinstance(f.default, bool) else getattr(rec, f.name)
-            for f in fields(RunConfig) if f.name in RUN_FIELDS}  # e.g. fsdp: 0/1 -> flag
+    return {**{f.name: bool(getattr(rec, f.name)) if isinstance(f.default, bool) else getattr(rec, f.name)
+               for f in fields(RunConfig) if f.name in RUN_FIELDS},  # e.g. fsdp: 0/1 -> flag
+            "flops_formula": rec.formula}
 
 
 def recommended_defaults(gpu: str | None, num_gpus: int | None, *, model: str, workload: str,
@@ -199,6 +219,6 @@ def recommended_defaults(gpu: str | None, num_gpus: int | None, *, model: str, w
         raise UsageError(f"the recommended config for {rec.name} on {rec.num_gpus}x {rec.system} uses TP {rec.tp}, "
                          f"but this launch has {world} process(es): start {rec.num_gpus} "
                          f"(--nproc-per-node {rec.num_gpus}, torchrun or srun) or pass --tp")
-    ran = {k: explicit[k] for k in ("seq_len", "mbs", "gbs", "tp", "ep", "fsdp") if k in explicit}
+    ran = {k: explicit[k] for k in ("seq_len", "mbs", "gbs", "tp", "ep", "fsdp", "flops_formula") if k in explicit}
     print(f"lpbench: recommended config: {rec.describe(world, **ran)}", file=sys.stderr)
     return filled

@@ -223,9 +223,15 @@ class ResultsStore:
         from lpbench.config import run_key
 
         self.conn.execute("DROP INDEX IF EXISTS runs_sweep_key")  # rebuilt after: keys change one row at a time
-        rows = self.conn.execute("SELECT id, config_json FROM runs").fetchall()
-        self.conn.executemany("UPDATE runs SET run_key=? WHERE id=?",
-                              [(run_key(json.loads(r["config_json"])), r["id"]) for r in rows])
+        rows = self.conn.execute("SELECT id, sweep_id, run_key, config_json FROM runs ORDER BY id").fetchall()
+        taken, updates = set(), []
+        for r in rows:
+            key = run_key(json.loads(r["config_json"]))
+            if r["sweep_id"] is not None and (r["sweep_id"], key) in taken:
+                key = r["run_key"]  # differs from an earlier run of its sweep only in what the new key leaves out
+            taken.add((r["sweep_id"], key))
+            updates.append((key, r["id"]))
+        self.conn.executemany("UPDATE runs SET run_key=? WHERE id=?", updates)
 
     def transaction(self):
         return _Transaction(self.conn)

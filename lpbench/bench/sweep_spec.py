@@ -271,7 +271,7 @@ def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
         rec = lookup(settings.get("model", RunConfig().model), settings["gpu"], settings.get("num_gpus"),
                      task=settings.get("workload", "pretrain"))
         check_runnable(rec)
-        ran = {k: kwargs.get(k) for k in ("seq_len", "mbs", "gbs", "tp", "ep", "fsdp")}
+        ran = {k: kwargs.get(k) for k in ("seq_len", "mbs", "gbs", "tp", "ep", "fsdp", "flops_formula")}
         for k, v in run_defaults(rec).items():
             if k not in kwargs:
                 kwargs[k] = settings[k] = v

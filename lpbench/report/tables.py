@@ -215,8 +215,29 @@ def summary_rows(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def _cell(row: dict, key: str, fmt: str) -> str:
+def _formulas(rows: list[dict]) -> list[str]:
+    return sorted({r["flops_formula"] for r in rows if r.get("flops_formula")})
+
+
+def tflops_header(rows: list[dict], header: str) -> str:
+    """``header`` naming the FLOP formula of the rows' TFLOP/s (``TFLOP/s/GPU (megatron)``); where rows differ
+    in it, each cell names its own (:func:`tflops_cell`)."""
+    formulas = _formulas(rows)
+    return f"{header} ({formulas[0] if len(formulas) == 1 else 'formula per cell'})" if formulas else header
+
+
+def tflops_cell(rows: list[dict], row: dict, text: str) -> str:
+    return f"{text} ({row['flops_formula']})" if len(_formulas(rows)) > 1 and row.get("flops_formula") else text
+
+
+def _headers(rows: list[dict]) -> list[str]:
+    return [tflops_header(rows, h) if k == "tflops_per_gpu" else h for k, h, _ in COLUMNS]
+
+
+def _cell(row: dict, key: str, fmt: str, rows: list[dict] = ()) -> str:
     v = row.get(key)
+    if key == "tflops_per_gpu" and v is not None:
+        return tflops_cell(rows, row, fmt.format(v))
     if key == "speedup":
         return speedup_text(row)
     if key == "step_time_ms":
@@ -234,10 +255,10 @@ def to_rich(rows: list[dict], title: str | None = None) -> Table:
 
     table = Table(title=None if title is None else Text(title),
                   caption=NOT_GPU_SPEED if any(r.get("not_gpu_speed") for r in rows) else None)
-    for _, header, _ in COLUMNS:
+    for header in _headers(rows):
         table.add_column(header, justify="left" if header in ("model", "precision", "path", "status") else "right")
     for row in rows:
-        table.add_row(*(Text(_cell(row, k, f)) for k, _, f in COLUMNS))
+        table.add_row(*(Text(_cell(row, k, f, rows)) for k, _, f in COLUMNS))
     return table
 
 
@@ -253,8 +274,8 @@ def md_escape(text) -> str:
 
 def to_markdown(rows: list[dict]) -> str:
     """The flat table (one row per run) as markdown."""
-    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(md_escape(_cell(r, k, f)) for k, _, f in COLUMNS) + " |" for r in rows]
+    lines = ["| " + " | ".join(_headers(rows)) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(md_escape(_cell(r, k, f, rows)) for k, _, f in COLUMNS) + " |" for r in rows]
     if any(r.get("not_gpu_speed") for r in rows):
         lines += ["", NOT_GPU_SPEED]
     return "\n".join(lines)
@@ -368,12 +389,13 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
         show_fsdp = any(r.get("fsdp") for r in mine)
         config_cols = ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length", *[k.upper() for k in layout],
                        *(["FSDP"] if show_fsdp else []), "GA"]
-        metric_cols = ["Precision", "Backend", "Path", "Step ms (IQR)", "Tokens / sec / GPU", "Model TFLOP / sec / GPU",
+        tflops = tflops_header(mine, "Model TFLOP / sec / GPU")
+        metric_cols = ["Precision", "Backend", "Path", "Step ms (IQR)", "Tokens / sec / GPU", tflops,
                        "MFU",
                        "Speedup over BF16", "Peak mem (GB)", "Final loss", "Δ loss vs BF16"]
         columns = config_cols + metric_cols
         first_num = {"#-GPUs", "GBS", "MBS", "Seq Length", "GA", "FSDP", *[k.upper() for k in layout],
-                     "Step ms (IQR)", "Tokens / sec / GPU", "Model TFLOP / sec / GPU", "MFU", "Speedup over BF16",
+                     "Step ms (IQR)", "Tokens / sec / GPU", tflops, "MFU", "Speedup over BF16",
                      "Peak mem (GB)",
                      "Final loss", "Δ loss vs BF16"}
         table = TextTable(title=WORKLOAD_TITLES.get(wl, wl), columns=columns,
@@ -397,7 +419,8 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                     if base and base != BASELINE and r.get("speedup") is not None:  # no BF16 run in the group
                         speed += " (baseline)" if r["id"] == r["baseline_id"] else f" (vs {precision_name(base)})"
                     delta = r.get("loss_delta")
-                    metric = [step_time_text(r), _num(r.get("tokens_per_sec_per_gpu")), _num(r.get("tflops_per_gpu")),
+                    metric = [step_time_text(r), _num(r.get("tokens_per_sec_per_gpu")),
+                              tflops_cell(mine, r, _num(r.get("tflops_per_gpu"))),
                               _num(r.get("mfu_bf16"), "pct"), speed, _num(r.get("peak_mem_gb"), "gb"),
                               _num(r.get("final_loss")) if not _finite(r.get("final_loss"))
                               else f"{r['final_loss']:.4f}",

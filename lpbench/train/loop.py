@@ -155,6 +155,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
         f"compile {'on' if use_compile else 'off'} | LM loss {'chunked' if fused_loss else 'unfused'} | "
         f"GBS {cfg.gbs} MBS {cfg.mbs} GA {cfg.grad_accum} "
         f"seq {cfg.seq_len} | peak LR {cfg.peak_lr:g} | {splits.source}")
+    log(f"lpbench: {cfg.header()}")
     if precision_info.get("why_emulated"):
         log(f"lpbench: {cfg.precision} GEMMs emulated: {precision_info['why_emulated']}")
     if cfg.workload == "lora":
