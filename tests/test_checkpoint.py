@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader
 
 import lpbench.train.loop as loop
+from lpbench.bench.runner import execute
 from lpbench.cli import main
 from lpbench.config import RunConfig
 from lpbench.errors import UsageError
@@ -212,6 +213,21 @@ def test_a_mismatched_checkpoint_is_refused_with_exit_2(flags, message, saved, t
     assert not (tmp_path / "results.db").exists()
 
 
+def test_a_setting_the_checkpoint_predates_counts_as_its_default(saved, tmp_path):
+    """A checkpoint saved before a resume setting existed (its lpbench.json lacks it) resumes a run that leaves
+    the setting at its default, and is refused by one that sets it."""
+    from lpbench.bench.runner import validated
+
+    copy = tmp_path / "step-2"
+    shutil.copytree(saved, copy)
+    meta = json.loads((copy / META_FILE).read_text())
+    del meta["config"]["seed"]  # as if the seed were a setting added after the save
+    (copy / META_FILE).write_text(json.dumps(meta))
+    validated(BASE.with_(steps=4, load=str(copy)))
+    with pytest.raises(UsageError, match="seed 1234 \\(this run: 7\\)"):
+        validated(BASE.with_(steps=4, seed=7, load=str(copy)))
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--save-every", "2"], "--save-every K needs --save-dir DIR"),
     (["--save-dir", "{dir}"], "--save-dir needs --save-every K"),
@@ -390,7 +406,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                          "files": sorted(os.listdir(folder + "/step-2"))}
         if kw.get("ep"):  # another expert layout: refused before any work
             try:
-                loop.train(cfg.with_(ep=1, load=folder + "/step-2"), log=lambda line: None)
+                execute(cfg.with_(ep=1, load=folder + "/step-2"), results_dir=out)  # the runner checks resumes
             except UsageError as exc:
                 results[name]["other_ep"] = str(exc)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -56,6 +56,7 @@ def execute(cfg, *, results_dir: str, on_step: Callable[[dict], None] | None = N
     recipe does not take the others down: named on the console, or, for a sweep child (whose row must
     say why even for bad input: ``record_usage_errors``), with its traceback on stderr."""
     try:
+        validated(cfg)  # again where a command checked it up front: cheap, and no caller can skip it
         return loop.train(cfg, log=lambda line: print(line, flush=True), results_dir=results_dir, on_step=on_step)
     except Exception as exc:
         if isinstance(exc, UsageError) and not record_usage_errors:
