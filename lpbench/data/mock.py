@@ -20,6 +20,30 @@ from lpbench.data.sampler import MicroBatchLoader, MicroBatchSampler
 from lpbench.errors import UsageError
 
 
+class RandomWalk:
+    """The learnable mock tokens' walk over ``[0, vocab_size)``: each next token is the current one plus one of
+    up to 8 offsets, drawn Zipf-weighted; the offsets are fixed by ``seed`` alone (every stream shares them).
+    Mock pretraining sequences and mock SFT samples are both its paths."""
+
+    OFFSETS = 8
+
+    def __init__(self, vocab_size: int, seed: int):
+        self.vocab_size = int(vocab_size)
+        rng = np.random.default_rng([seed, 2**31])
+        self.offsets = rng.choice(np.arange(1, self.vocab_size), size=min(self.OFFSETS, self.vocab_size - 1),
+                                  replace=False)
+        weights = 1.0 / np.arange(1, len(self.offsets) + 1)
+        self.offset_probs = weights / weights.sum()
+
+    def steps(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` offsets drawn from ``rng``."""
+        return self.offsets[rng.choice(len(self.offsets), size=n, p=self.offset_probs)]
+
+    def path(self, start, steps: np.ndarray) -> np.ndarray:
+        """``start`` and the ``len(steps)`` tokens the walk visits from it."""
+        return (start + np.concatenate([[0], np.cumsum(steps)])) % self.vocab_size
+
+
 class MockDataset:
     """Endless (or ``num_samples``-long) indexable source of random ``seq_len + 1`` windows.
 
@@ -27,7 +51,6 @@ class MockDataset:
     """
 
     KINDS = ("walk", "uniform")
-    WALK_OFFSETS = 8
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int = 0, stream: int = 0,
                  num_samples: int | None = None, kind: str = "walk"):
@@ -43,11 +66,7 @@ class MockDataset:
         if kind not in self.KINDS:
             raise UsageError(f"unknown mock data kind {kind!r}; valid: {', '.join(self.KINDS)}")
         self.kind = kind
-        rng = np.random.default_rng([self.seed, 2**31])  # the walk's rules: fixed per seed, shared by streams
-        self.offsets = rng.choice(np.arange(1, self.vocab_size), size=min(self.WALK_OFFSETS, self.vocab_size - 1),
-                                  replace=False)
-        weights = 1.0 / np.arange(1, len(self.offsets) + 1)
-        self.offset_probs = weights / weights.sum()
+        self.walk = RandomWalk(self.vocab_size, self.seed)
 
     def __len__(self) -> int:
         if self.num_samples is None:
@@ -62,9 +81,8 @@ class MockDataset:
         rng = np.random.default_rng([self.seed, self.stream, index])
         if self.kind == "uniform":
             return rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int64)
-        steps = self.offsets[rng.choice(len(self.offsets), size=self.seq_len, p=self.offset_probs)]
-        start = rng.integers(0, self.vocab_size)
-        return (start + np.concatenate([[0], np.cumsum(steps)])) % self.vocab_size
+        steps = self.walk.steps(rng, self.seq_len)
+        return self.walk.path(rng.integers(0, self.vocab_size), steps)
 
     def describe(self) -> str:
         size = "endless" if self.num_samples is None else f"{self.num_samples} sequences"

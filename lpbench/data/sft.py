@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from lpbench.data import sources
+from lpbench.data.mock import RandomWalk
 from lpbench.data.sampler import Batch, Splits
 from lpbench.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 from lpbench.errors import UsageError
@@ -260,8 +261,6 @@ class PackedSFTDataset:
 class MockSFTDataset:
     """Endless (or ``num_samples``-long) seeded packed mock sequences (see the module doc)."""
 
-    WALK_OFFSETS = 8
-
     def __init__(self, vocab_size: int, seq_len: int, seed: int = 0, stream: int = 0,
                  num_samples: int | None = None, prompt_len: tuple[int, int] = MOCK_PROMPT_LEN,
                  response_len: tuple[int, int] = MOCK_RESPONSE_LEN):
@@ -275,21 +274,13 @@ class MockSFTDataset:
         self.vocab_size, self.seq_len, self.seed, self.stream = int(vocab_size), int(seq_len), int(seed), int(stream)
         self.num_samples, self.prompt_len, self.response_len = num_samples, tuple(prompt_len), tuple(response_len)
         self.eos_id = self.vocab_size - 1
-        walk_vocab = self.vocab_size - 1
-        rng = np.random.default_rng([self.seed, 2**31])
-        self.offsets = rng.choice(np.arange(1, walk_vocab), size=min(self.WALK_OFFSETS, max(1, walk_vocab - 1)),
-                                  replace=False) if walk_vocab > 1 else np.zeros(1, dtype=np.int64)
-        w = 1.0 / np.arange(1, len(self.offsets) + 1)
-        self.offset_probs = w / w.sum()
+        self.walk = RandomWalk(self.vocab_size - 1, self.seed)  # every token but EOS
+        self.offsets = self.walk.offsets
 
     def __len__(self) -> int:
         if self.num_samples is None:
             raise TypeError("an endless MockSFTDataset has no len(); use num_samples")
         return self.num_samples
-
-    def _walk(self, rng, start: int, n: int) -> np.ndarray:
-        steps = self.offsets[rng.choice(len(self.offsets), size=n, p=self.offset_probs)]
-        return (start + np.cumsum(steps)) % (self.vocab_size - 1)
 
     def samples(self, index: int) -> list[tuple[np.ndarray, int]]:
         """The ``(tokens, n_prompt)`` samples packed into sequence ``index``."""
@@ -302,8 +293,8 @@ class MockSFTDataset:
                 lr = min(lr, room - 1)
                 lp = room - lr
             start = int(rng.integers(0, self.vocab_size - 1))
-            walk = self._walk(rng, start, lp + lr - 1)
-            tokens = np.concatenate([[start], walk, [self.eos_id]]).astype(np.int64)
+            walk = self.walk.path(start, self.walk.steps(rng, lp + lr - 1))
+            tokens = np.concatenate([walk, [self.eos_id]]).astype(np.int64)
             out.append((tokens, lp))
             room -= lp + lr
         return out

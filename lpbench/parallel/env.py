@@ -76,15 +76,10 @@ def init_distributed(device_type: str) -> World:
 
 
 def shutdown() -> None:
-    """Leave the process group (end of ``lpbench run``).
-
-    Garbage is collected first: finished runs leave reference cycles (sharded models, DTensors,
-    optimizer state) that hold the process groups, and freed only at interpreter exit they
-    aborted a gloo rank now and then ("terminate called without an active exception", about one
-    two-rank test run in seven; none in 30 with the collection). Then all ranks meet: a rank
-    that tore its connections down while a peer was still in its last collective made that
-    peer abort (seen with gloo under load).
-    """
+    """Leave the process group (end of ``lpbench run``): garbage collected first, so that no finished run's
+    reference cycles (sharded models, DTensors, optimizer state) still hold the groups, then a barrier, so
+    that no rank tears its connections down while a peer is in its last collective; then destroyed.
+    benchmarks/RESULTS.md ("Notes behind the code") says why each step is there."""
     if dist.is_initialized():
         gc.collect()
         dist.barrier()
