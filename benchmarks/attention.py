@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--mbs", type=int, default=1)
     args = ap.parse_args()
-    from triton.testing import do_bench
+    from lpbench.metrics.timing import median_ms
 
     cfg = get_model_config(args.model)
     B, S, H, KV, D = args.mbs, args.seq_len, cfg.n_heads, cfg.n_kv_heads, cfg.hd
@@ -57,8 +57,7 @@ def main() -> None:
                 q.grad = None
                 out = step()
                 got = (out.detach().float(), q.grad.float())
-                ms = do_bench(lambda: (setattr(q, "grad", None), step()), warmup=50, rep=300,
-                              return_mode="median")
+                ms = median_ms(lambda: (setattr(q, "grad", None), step()), warmup=50, rep=300)
         except RuntimeError as exc:
             print(f"{label:<24} not available: {str(exc).splitlines()[0][:120]}")
             continue

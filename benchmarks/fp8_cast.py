@@ -37,14 +37,13 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("fp8_cast.py: needs a CUDA device", file=sys.stderr)
         return 2
-    from triton.testing import do_bench
-
+    from lpbench.metrics.timing import median_ms
     from lpbench.precision.formats import E4M3
     from lpbench.precision.kernels import fp8_cast
     from lpbench.precision.quantize import fp8_encode_scale, quantize_fp8
 
     def bench(fn):
-        return do_bench(fn, warmup=25, rep=200, return_mode="median")
+        return median_ms(fn, warmup=25, rep=200)
 
     print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__}")
     print(f"{'shape':<22} {'kernel':<10} {'launch':>9} {'amax':>5} {'us':>8} {'GB/s':>6} {'copy GB/s':>9} "

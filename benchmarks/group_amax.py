@@ -33,17 +33,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("group_amax.py: needs a CUDA device", file=sys.stderr)
         return 2
-    from triton.testing import do_bench
-
+    from lpbench.metrics.timing import HOW, quartiles_ms, us_text
     from lpbench.precision.grouped import ALIGN, Groups
     from lpbench.precision.kernels.fp8_group import column_blocks, group_amax, launch_group_amax, launch_group_cast
 
     def us(fn):
-        p25, p50, p75 = do_bench(fn, warmup=25, rep=200, quantiles=[0.25, 0.5, 0.75])
-        return f"{p50 * 1e3:8.1f} ({p25 * 1e3:.1f}-{p75 * 1e3:.1f})"
+        return us_text(quartiles_ms(fn, warmup=25, rep=200))
 
-    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | {args.tokens} tokens | BF16 | us: "
-          f"median (p25-p75) of triton.testing.do_bench")
+    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | {args.tokens} tokens | BF16 | {HOW}")
     torch.manual_seed(0)
     for model, what, cols, experts, top_k in SHAPES:
         expert = torch.randint(0, experts, (args.tokens * top_k,), device="cuda").sort().values

@@ -63,15 +63,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("grouped_gemm.py: needs a CUDA device", file=sys.stderr)
         return 2
-    from triton.testing import do_bench
-
+    from lpbench.metrics.timing import HOW, quartiles_ms, us_text
     from lpbench.models import get_model_config
     from lpbench.precision.grouped import Groups
     from lpbench.precision.kernels import grouped_mm as gm
 
     def timed(fn):
-        p25, p50, p75 = do_bench(fn, warmup=25, rep=200, quantiles=[0.25, 0.5, 0.75])
-        return p50, f"{p50 * 1e3:8.1f} ({p25 * 1e3:.1f}-{p75 * 1e3:.1f})"
+        quartiles = quartiles_ms(fn, warmup=25, rep=200)
+        return quartiles[1], us_text(quartiles)
 
     def bf16_mm(a, b, sa, sb, offs, fast, out_dtype):
         return torch._grouped_mm(a, b, offs=offs, out_dtype=out_dtype)
@@ -82,8 +81,8 @@ def main() -> int:
     variants = [("bf16", torch.bfloat16, bf16_mm, False), ("fp8 precise", torch.float8_e4m3fn, fp8_mm, False),
                 ("fp8 fast", torch.float8_e4m3fn, fp8_mm, True)]
     op_of = {label: op for label, _, op, _ in variants}
-    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | {args.tokens} tokens | us: median "
-          f"(p25-p75) of triton.testing.do_bench; TFLOP/s from the median")
+    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | {args.tokens} tokens | {HOW}; "
+          "TFLOP/s from the median")
     print(f"{'model':>14} {'proj':>7} {'gemm':>5} {'variant':>12} {'kernel':>10} {'us':>24} {'TFLOP/s':>8}")
     torch.manual_seed(0)
     cases = []  # (model, proj, gemm, rows, n, k, E, offs, flops)

@@ -34,13 +34,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("swiglu.py: needs a CUDA device", file=sys.stderr)
         return 2
-    from triton.testing import do_bench
-
+    from lpbench.metrics.timing import HOW, quartiles_ms, us_text
     from lpbench.models import swiglu as sw
 
     def us(fn):
-        p25, p50, p75 = do_bench(fn, warmup=50, rep=300, quantiles=[0.25, 0.5, 0.75])
-        return f"{p50 * 1e3:8.1f} ({p25 * 1e3:.1f}-{p75 * 1e3:.1f})"
+        return us_text(quartiles_ms(fn, warmup=50, rep=300))
 
     from lpbench.precision.formats import E5M2
     from lpbench.precision.kernels import fp8_cast
@@ -49,8 +47,7 @@ def main() -> int:
         return [tuple(int(v) for v in s.split("x")) for s in spec.split(",")]
 
     launches, cast_launches = parse(args.launches), parse(args.cast_launches)
-    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | BF16 | us: median (p25-p75) of "
-          f"triton.testing.do_bench")
+    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | BF16 | {HOW}")
     print(f"{'tokens x ffn':>14} {'variant':>22} {'us':>22} {'== eager':>9}  shape")
     torch.manual_seed(0)
     with torch._inductor.config.patch(emulate_precision_casts=True):  # as `lpbench run` compiles
