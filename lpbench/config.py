@@ -117,8 +117,8 @@ class RunConfig:
     precision: str = field(default="bf16", metadata=arg(
         "comma-separated recipes from `lpbench recipes` (RECIPE-no-INGREDIENT for an ablation), run one after "
         "another on the same work and compared against the first",
-        f"{','.join(DEFAULT_PRECISIONS)}, emulating what the device lacks", many=True, section="precision",
-        resume=True, converge=True))
+        f"{','.join(DEFAULT_PRECISIONS)}, emulating what the device lacks", metavar="A,B", many=True,
+        section="precision", resume=True, converge=True))
     backend: str = field(default="lpbench", metadata=arg(  # torchao: its training linears (FP8, MXFP8, NVFP4)
         "lpbench or torchao: run fp8-tensorwise/-rowwise/-rowwise-gw-hp through torchao's "
         "convert_to_float8_training, mxfp8 through its MXFP8Linear and nvfp4 through its NVFP4Linear (compute "
