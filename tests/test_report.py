@@ -333,3 +333,20 @@ def test_html_tables_show_every_column_at_common_widths(tmp_path, capsys, width)
     hidden = re.search(r'data-hidden="([^"]*)"', out.stdout)
     assert tables and int(tables.group(1)) == 3 and hidden, out.stdout[-2000:]
     assert json.loads(hidden.group(1).replace("&quot;", '"')) == []  # no column past the page's edge
+
+
+def test_recipes_carry_their_presentation():
+    """Display name, plot colour and converge tolerance are Recipe fields; an ablation is shown by its own name
+    and colour, keeps its base's tolerance; a name lpbench does not know is shown as it is."""
+    from lpbench.bench.converge import tolerance_for
+    from lpbench.precision.recipes import RECIPES
+    from lpbench.report.plots import colour
+    from lpbench.report.tables import precision_name
+
+    assert precision_name("fp8-tensorwise") == "FP8 (per-tensor)" and precision_name("nvfp4-no-rht") == "nvfp4-no-rht"
+    assert precision_name("a-recipe-since-removed") == "a-recipe-since-removed"
+    order = ["bf16", "nvfp4", "nvfp4-no-rht"]
+    assert colour("nvfp4", order) == RECIPES["nvfp4"].colour and colour("nvfp4-no-rht", order) not in \
+        {r.colour for r in RECIPES.values()}
+    assert tolerance_for("nvfp4-no-rht") == RECIPES["nvfp4"].tolerance == 1.5
+    assert len({r.colour for r in RECIPES.values()}) == len(RECIPES)  # every recipe its own colour

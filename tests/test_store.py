@@ -223,6 +223,10 @@ def test_schema_2_run_keys_are_recomputed_so_sweeps_resume_and_runs_group(tmp_pa
     assert rows[2]["run_key"] == old_keys[2] and len(rows) == 3  # kept, under its old key
     assert _add(store, config=configs[0].to_dict(), run_key=configs[0].key(), sweep_id="old") is None  # recorded once
     assert store.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "3"
+    store.close()
+    from lpbench.cli import main
+
+    assert main(["report", "--results", str(tmp_path), "--format", "json"]) == 0  # the upgraded database reports
 
 
 def test_run_key_ignores_settings_at_their_defaults():
