@@ -185,3 +185,14 @@ def test_steps_2_on_two_processes_runs_with_the_defaults(tmp_path):
     assert ("lpbench: gbs 4 (default: MBS x DP) | warmup steps 1 (default: min(10, steps / 2)) | TFLOP/s by the "
             "megatron formula") in out.stdout
     assert out.stdout.count("train_step_timing in s:") == 2
+
+
+def test_flops_and_run_share_one_formula_flag(capsys):
+    """#40.7: ``--flops-formula`` in both commands, ``--formula`` kept as its alias in both."""
+    from lpbench.cli import main
+
+    for flag in ("--flops-formula", "--formula"):
+        assert main(["flops", "--model", "llama3-8b", "--seq-len", "8192", flag, "nemo-legacy", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["formula"] == "nemo-legacy"
+        (cfg,) = configs_from_args(build_parser().parse_args(["run", "--precision", "bf16", flag, "mha"]))
+        assert cfg.flops_formula == "mha"
