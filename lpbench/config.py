@@ -50,7 +50,7 @@ def arg(help: str, default_text: str | None = None, **kw) -> dict:
     the default is not a plain value. The facts (see :data:`FACTS` for the value a field that omits
     one gets):
 
-    - ``section``: its group in ``--help`` and in the run header (one of :data:`SECTIONS`);
+    - ``section``: its group in ``--help`` (one of :data:`SECTIONS`);
     - ``key``: part of the run key (:meth:`RunConfig.key`); False for how a run is executed or
       observed (checkpoints, profiling), not what it trains or measures;
     - ``resume``: a checkpoint resumes only a run with the same value (shapes, layout, data order);
