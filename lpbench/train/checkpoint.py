@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from lpbench import __version__
 from lpbench.errors import UsageError
 from lpbench.parallel.ep import expert_params
+from lpbench.parallel.dims import ParallelDims
 from lpbench.precision.delayed import SCALE, is_delayed_state
 
 META_FILE = "lpbench.json"
@@ -103,8 +104,10 @@ def read_metadata(ckpt: Path) -> dict:
 
 
 def validated(cfg):
-    """``cfg.validate()``, and with ``--load`` the checkpoint checked against ``cfg`` (RunConfig reads no disk)."""
+    """``cfg.validate()``, its layout (:class:`ParallelDims`), and with ``--load`` the checkpoint checked against
+    ``cfg`` (RunConfig reads no disk)."""
     cfg.validate()
+    ParallelDims.of(cfg)
     if cfg.load is not None:
         check_resumable(cfg)
     return cfg
