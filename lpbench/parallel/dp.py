@@ -16,7 +16,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import _compress_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -70,8 +70,14 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device,
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh.get_group(),
               find_unused_parameters=model.cfg.n_experts > 0)  # an MoE expert may get no token on a rank
     if grad_dtype == torch.bfloat16:
-        ddp.register_comm_hook(mesh.get_group(), bf16_compress_hook)
+        ddp.register_comm_hook(mesh.get_group(), _bf16_reduce)
     return ddp
+
+
+def _bf16_reduce(group, bucket):
+    """DDP communication hook: gradients all-reduced in BF16 (torch's ``bf16_compress_hook`` arithmetic, without
+    its check for NCCL, so gloo runs it too)."""
+    return _compress_hook(torch.bfloat16, group, bucket)
 
 
 @contextmanager

@@ -129,7 +129,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     loss_group = par.meshes.group("loss") if par.meshes else None  # TP ranks hold equal copies: averaged over DP
     loss_ranks = par.dims.dp * par.dims.cp
     params = [p for p in par.module.parameters() if p.requires_grad]
-    spread = expert_params(par.module)  # expert parallel: each rank's own experts
+    spread = expert_params(par.module)[0]  # expert parallel (or TP-split experts): each rank's own experts
+    spread = (spread, par.meshes.group("ep" if par.dims.ep_enabled else "tp") if spread else None)
     optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda")
     cache = fused = None
     if cfg.grad_accum > 1 and not (use_compile and cfg.compile_scope == "model"):  # its pre-hook runs eagerly
