@@ -252,3 +252,33 @@ def test_tiny_moe_runs_expert_parallel_under_fsdp_from_the_command_line(tmp_path
     m = json.loads(metrics)
     assert (m["ep"], m["fsdp"]) == (2, 2)
     assert sum(m["ep_tokens_per_rank"]) == 2 * 8 * 32 * 2 * 4  # steps x GBS x seq x top-k x layers
+
+
+_MIXED_STEP = """
+import os, socket, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from lpbench.config import RunConfig
+from lpbench.train.optim import build_optimizer
+device = sys.argv[1]
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1")
+dist.init_process_group("nccl" if device == "cuda" else "gloo")
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(device)
+fully_shard(model[0], mesh=init_device_mesh(device, (1,)))  # DTensors beside plain tensors, as FSDP2 beside EP
+model(torch.randn(4, 8, device=device)).square().sum().backward()
+before = model[1].weight.detach().clone()
+build_optimizer(model, RunConfig(), fused=True).step()
+assert not torch.equal(before, model[1].weight)
+dist.destroy_process_group()
+print("stepped")
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fused_adamw_steps_fsdp_and_plain_parameters_together(device):
+    """The optimizer CUDA runs build, over FSDP2's DTensors and plain parameters (EP's experts)."""
+    out = subprocess.run([sys.executable, "-c", _MIXED_STEP, device], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0 and "stepped" in out.stdout, out.stderr[-1500:]

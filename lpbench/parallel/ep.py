@@ -67,10 +67,9 @@ class ExpertParallel:
         return _AllToAll.apply(yr, recv, send, self.group)
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh, replicas) -> None:
-    """Keep this rank's experts of every MoE layer of a meta-device ``model`` (before it is materialised).
-
-    ``mesh``: the expert-parallel group; ``replicas``: the group of ranks holding the same experts (None: one)."""
+def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Keep this rank's experts of every MoE layer of a meta-device ``model`` (before it is materialised);
+    ``mesh``: the expert-parallel group."""
     ep, rank = mesh.size(), mesh.get_local_rank()
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         experts = moe.experts
@@ -85,7 +84,6 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, replicas) -> None:
                 del gemms[:n_local * rank]
         experts.n_experts, experts.first = n_local, n_local * rank
         moe.ep = ExpertParallel(mesh.get_group(), ep, rank, n_local)
-        moe.expert_replicas = replicas
 
 
 def _split_layers(model: nn.Module) -> list[tuple[MoE, object]]:
@@ -102,13 +100,13 @@ def expert_params(model: nn.Module) -> tuple[list[nn.Parameter], object]:
 
 
 @torch.no_grad()
-def sync_expert_grads(model: nn.Module, dp: int) -> None:
-    """Split experts' gradients summed over their replicas (``MoE.expert_replicas``: the ranks holding the same
-    part) and divided by the data-parallel size."""
+def sync_expert_grads(model: nn.Module, dp: int, replicas) -> None:
+    """Split experts' gradients summed over their replicas (``replicas``: the group of ranks holding the same
+    part, ``ep_replicate`` or for TP-split experts ``dp``; None: no other) and divided by the data-parallel size."""
     for moe, _ in _split_layers(model):
         for p in moe.experts.parameters():
             if p.grad is None:
                 continue
-            if moe.expert_replicas is not None:
-                dist.all_reduce(p.grad, group=moe.expert_replicas)
+            if replicas is not None:
+                dist.all_reduce(p.grad, group=replicas)
             p.grad.div_(dp)

@@ -63,11 +63,9 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
     if dims.tp_enabled:
         apply_tp(model, meshes["tp"], cfg.sequence_parallel)
     if dims.ep_enabled:
-        apply_ep(model, meshes["ep"], meshes.group("ep_replicate"))
+        apply_ep(model, meshes["ep"])
     for moe in moe_layers(model):  # the load-balancing loss counts the tokens of every data-parallel rank
         moe.count_group = meshes.group("dp")
-        if moe.experts.tp is not None:  # TP-split experts: their replicas are the data-parallel ranks
-            moe.expert_replicas = moe.count_group
     if not dims.fsdp_enabled:
         materialize(model, device, cfg.seed)
     if by_block:

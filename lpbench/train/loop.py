@@ -198,7 +198,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
             if fused is not None:
                 fused.expose()
             if cfg.ep > 1 or cfg.tp > 1:
-                sync_expert_grads(par.module, cfg.dp)
+                sync_expert_grads(par.module, cfg.dp, par.meshes.group("ep_replicate" if cfg.ep > 1 else "dp"))
             grad_norm = clip_grad_norm_(params, cfg.grad_clip, optimizer, spread)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
