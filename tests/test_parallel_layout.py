@@ -282,3 +282,36 @@ def test_fused_adamw_steps_fsdp_and_plain_parameters_together(device):
     out = subprocess.run([sys.executable, "-c", _MIXED_STEP, device], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.returncode == 0 and "stepped" in out.stdout, out.stderr[-1500:]
+
+
+_EIGHT_RANKS = """
+import json, sys, warnings
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from lpbench.config import RunConfig
+from lpbench.parallel.dims import ParallelDims
+dist.init_process_group("fake", store=FakeStore(), rank=int(sys.argv[1]), world_size=8)
+out = {}
+for name, kw in {"hsdp-ep": dict(model="tiny-moe", fsdp=True, dp_replicate=2, ep=2),
+                 "hsdp-tp": dict(fsdp=True, dp_replicate=2, tp=2), "ddp-ep": dict(model="tiny-moe", ep=4)}.items():
+    meshes = ParallelDims.of(RunConfig(**kw).with_world(8)).mesh("cpu")
+    out[name] = {n: None if meshes[n] is None else meshes[n].mesh.tolist()
+                 for n in ("dp", "fsdp", "dp_replicate", "ep", "ep_replicate", "tp", "loss")}
+print(json.dumps(out))
+"""
+
+
+def test_named_meshes_of_eight_ranks():
+    """The rank groups rank 5 of 8 gets (a fake process group: no communication), where HSDP's 2-D mesh is cut
+    from dims that were flattened (shard x ep)."""
+    out = subprocess.run([sys.executable, "-c", _EIGHT_RANKS, "5"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-1500:]
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["hsdp-ep"]["fsdp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # shard within 4, replicate across
+    assert m["hsdp-ep"]["ep"] == [4, 5] and m["hsdp-ep"]["ep_replicate"] == [1, 3, 5, 7]
+    assert m["hsdp-ep"]["dp_replicate"] == [1, 5] and m["hsdp-ep"]["tp"] is None
+    assert m["hsdp-tp"]["fsdp"] == [[1, 3], [5, 7]] and m["hsdp-tp"]["tp"] == [4, 5]  # TP ranks adjacent
+    assert m["hsdp-tp"]["dp"] == m["hsdp-tp"]["loss"] == [1, 3, 5, 7]
+    assert m["ddp-ep"]["dp_replicate"] == list(range(8)) and m["ddp-ep"]["fsdp"] is None
+    assert m["ddp-ep"]["ep"] == [4, 5, 6, 7] and m["ddp-ep"]["ep_replicate"] == [1, 5]

@@ -141,7 +141,8 @@ class ParallelDims:
         dp = ("rep", "shard", "ep")
         shard = ("shard", "ep") if self.fsdp else ()
         return {"dp": dp, "batch": dp, "dp_replicate": ("rep",) if self.fsdp else dp, "dp_shard": shard,
-                "dp_shard_cp": (*shard, "cp"), "ep": ("ep",), "ep_replicate": ("rep", "shard"), "loss": (*dp, "cp"),
+                "dp_shard_cp": (*shard, "cp"), "ep": ("ep",), "ep_replicate": ("rep", "shard") if self.ep > 1 else (),
+                "loss": (*dp, "cp"),
                 "cp": ("cp",), "tp": ("tp",), "pp": ("pp",)}
 
     def mesh(self, device_type: str) -> "Meshes":
