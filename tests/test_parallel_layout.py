@@ -44,7 +44,8 @@ SCENARIOS = {
         "ddp-bf16-reduce": dict(mbs=4, grad_reduce_dtype="bf16")},
     4: {"hsdp": dict(mbs=2, fsdp=True, dp_replicate=2),
         "hsdp-ga-zero1": dict(mbs=1, fsdp=True, dp_replicate=2, fsdp_shard="zero1"),
-        "hsdp-ep2": dict(model=MOE.name, mbs=2, fsdp=True, dp_replicate=2, ep=2)},
+        "hsdp-ep2": dict(model=MOE.name, mbs=2, fsdp=True, dp_replicate=2, ep=2),
+        "ddp-tp-bf16-reduce": dict(mbs=4, tp=2, grad_reduce_dtype="bf16")},  # FSDP2's replicate under TP
 }
 
 
@@ -194,7 +195,13 @@ def test_bf16_gradient_reduction_is_close_and_not_fp32(world2, reference, name):
     assert run["metrics"]["grad_reduce_dtype"] == "bf16"
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS[4]))
+def test_bf16_gradient_reduction_under_tp(world4, reference):
+    run = world4[0]["ddp-tp-bf16-reduce"]
+    _same_training(run, reference["tiny"], rel_loss=1e-3, rel_norm=1e-2)
+    assert run["grad_norm"] != pytest.approx([s["grad_norm"] for s in reference["tiny"].steps], rel=1e-7)
+
+
+@pytest.mark.parametrize("name", [name for name in SCENARIOS[4] if name.startswith("hsdp")])
 def test_hsdp_trains_like_one_process(world4, reference, name):
     _same_training(world4[0][name], _reference_of(SCENARIOS[4][name], reference))
     m = world4[0][name]["metrics"]
