@@ -19,6 +19,8 @@ WORKLOADS = ("pretrain", "sft", "lora")  # lpbench/train/workload.py
 LORA_BASE_STORAGES = ("bf16", "quantized")
 COMPILE_SCOPES = ("block", "model")  # lpbench/parallel/plan.py
 DEFAULT_PRECISIONS = ("bf16", "fp8-tensorwise", "mxfp8", "nvfp4")  # `lpbench run` and `converge` compare these
+FSDP_SHARDS = ("zero3", "zero2", "zero1")  # lpbench/parallel/dp.py
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 MAX_SIZE = 2**31 - 1  # sizes, counts and steps: what int32 indexing and the data pipeline hold
 MAX_SEED = 2**63 - 1  # torch, numpy and random all take a seed below 2**63
 SECTIONS = ("model", "precision", "parallel", "data", "optim", "observe", "other")  # --help groups, in order
@@ -140,7 +142,15 @@ class RunConfig:
         "exchanged all-to-all; must divide the experts and the data-parallel size", section="parallel",
         resume=True, layout=True))
     dp: int = field(default=1, metadata=arg(
-        "data-parallel size; DP = world size / TP, so only a check", "derived", section="parallel", resume=True,
+        "data-parallel size; DP = world size / (TP x PP x CP), so only a check", "derived", section="parallel", resume=True,
+        layout=True))
+    pp: int = field(default=1, metadata=arg(
+        "pipeline-parallel size (not supported yet: 1 only)", section="parallel", resume=True, layout=True))
+    cp: int = field(default=1, metadata=arg(
+        "context-parallel size (not supported yet: 1 only)", section="parallel", resume=True, layout=True))
+    dp_replicate: int = field(default=1, metadata=arg(
+        "with --fsdp, HSDP: this many replicas of the FSDP shards (shard within a group of DP / N ranks, e.g. a "
+        "node; gradients all-reduced across the replicas)", metavar="N", section="parallel", resume=True,
         layout=True))
     fsdp: bool = field(default=False, metadata=arg(
         "shard the data-parallel dimension with FSDP2 (per-block groups, BF16 all-gather on CUDA, FP32 "
@@ -149,6 +159,15 @@ class RunConfig:
         "with --fsdp and fp8-tensorwise/-delayed: all-gather the quantized linears' weights as FP8 codes "
         "(1 byte/element) under one scale for the whole weight, used as gathered", section="parallel",
         layout=True))
+    fsdp_shard: str = field(default="zero3", metadata=arg(
+        "what FSDP2 keeps sharded between uses: zero3 (parameters re-gathered for every micro-batch's forward "
+        "and backward), zero2 (gathered once per micro-batch, kept from forward to backward), zero1 "
+        "(gathered once per optimizer step, kept unsharded across the micro-batches of gradient accumulation; "
+        "most memory); gradients are reduce-scattered once per step in all three", choices=FSDP_SHARDS,
+        section="parallel", layout=True))
+    grad_reduce_dtype: str = field(default="fp32", metadata=arg(
+        "dtype of the data-parallel gradient reduction (FSDP2 reduce-scatter, DDP all-reduce)",
+        choices=GRAD_REDUCE_DTYPES, section="parallel", resume=True))
     sequence_parallel: bool = field(default=True, metadata=arg(
         "with --tp > 1, split norms and residuals along the sequence", section="parallel", layout=True))
     compile: bool | None = field(default=None, metadata=arg(
@@ -240,7 +259,7 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def peak_lr(self) -> float:
@@ -340,12 +359,8 @@ class RunConfig:
             raise UsageError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
         if (self.moe_aux_loss_coeff or self.moe_z_loss_coeff or self.ep > 1) and not model.n_experts:
             raise UsageError(f"--ep and --moe-*-loss-coeff apply to mixture-of-experts models; {self.model} is dense")
-        if model.n_experts and self.tp > 1 and self.ep > 1:
-            raise UsageError(f"--tp and --ep do not combine: split {self.model}'s experts' FFN width with --tp or "
-                             "spread the experts over ranks with --ep")
-        if self.ep < 1 or model.n_experts % self.ep or self.dp % self.ep:
-            raise UsageError(f"--ep {self.ep} must divide {self.model}'s {model.n_experts} experts and the "
-                             f"data-parallel size {self.dp}")
+        if self.ep < 1 or model.n_experts % self.ep:  # the layout's rules: lpbench.parallel.dims.ParallelDims
+            raise UsageError(f"--ep {self.ep} must divide {self.model}'s {model.n_experts} experts")
         if self.ep > 1 and self.workload == "lora":
             raise UsageError("--ep > 1 does not train LoRA adapters: use --ep 1")
         if self.tp > 1 and self.sequence_parallel and self.seq_len % self.tp:
@@ -370,6 +385,11 @@ class RunConfig:
                                          or self.backend != "lpbench"):
             raise UsageError(f"--fsdp-fp8-all-gather needs precision fp8-tensorwise or fp8-delayed on the lpbench "
                              f"backend, not {self.precision} ({self.backend})")
+        if self.fsdp_shard not in FSDP_SHARDS:
+            raise UsageError(f"unknown --fsdp-shard {self.fsdp_shard!r}; valid: {', '.join(FSDP_SHARDS)}")
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise UsageError(f"unknown --grad-reduce-dtype {self.grad_reduce_dtype!r}; "
+                             f"valid: {', '.join(GRAD_REDUCE_DTYPES)}")
         if self.compile_scope not in COMPILE_SCOPES:
             raise UsageError(f"unknown --compile-scope {self.compile_scope!r}; valid: {', '.join(COMPILE_SCOPES)}")
         if self.compile_scope == "model" and (self.fsdp or self.tp > 1):
@@ -393,15 +413,18 @@ class RunConfig:
         return self
 
     def with_world(self, world_size: int, dp: int | None = None) -> "RunConfig":
-        """This config on ``world_size`` ranks: DP = world / TP (``dp``, if given, must agree)."""
-        if self.tp <= 0:
-            raise UsageError(f"--tp must be positive, got {self.tp}")
-        if world_size % self.tp:
-            raise UsageError(f"world size {world_size} is not divisible by --tp {self.tp} "
+        """This config on ``world_size`` ranks: DP = world / (TP x PP x CP) (``dp``, if given, must agree)."""
+        for name in ("tp", "pp", "cp"):
+            if getattr(self, name) <= 0:
+                raise UsageError(f"--{name} must be positive, got {getattr(self, name)}")
+        other = self.tp * self.pp * self.cp
+        what = " x ".join(f"--{n} {getattr(self, n)}" for n in ("tp", "pp", "cp") if n == "tp" or getattr(self, n) > 1)
+        if world_size % other:
+            raise UsageError(f"world size {world_size} is not divisible by {what} "
                              "(start processes with --nproc-per-node, torchrun or srun)")
-        if dp is not None and dp * self.tp != world_size:
-            raise UsageError(f"--dp {dp} x --tp {self.tp} = {dp * self.tp} ranks, but the world size is {world_size}")
-        return self.with_(dp=world_size // self.tp)
+        if dp is not None and dp * other != world_size:
+            raise UsageError(f"--dp {dp} x {what} = {dp * other} ranks, but the world size is {world_size}")
+        return self.with_(dp=world_size // other)
 
     def with_(self, **kw) -> "RunConfig":
         """This config with ``kw`` changed; the settings that were derived follow the change."""

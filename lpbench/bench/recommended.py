@@ -25,8 +25,8 @@ CSV_NAME = "recommended_model_configs.csv"
 INT_FIELDS = ("num_gpus", "seq_len", "tp", "pp", "cp", "ep", "vp", "mbs", "gbs", "fsdp")
 # Row fields a RunConfig may take (passed on only where RunConfig has a field of that name).
 RUN_FIELDS = ("seq_len", "mbs", "gbs", "tp", "pp", "cp", "ep", "vp", "fsdp")
-# The table's parallel dimensions beyond TP and DP: (column, name). Those RunConfig has no field for
-# are not implemented yet, and a row that needs one is refused (check_runnable).
+# The table's parallel dimensions beyond TP and DP: (column, name). Those RunConfig has no field for, or
+# lpbench.parallel.dims.NOT_YET, are not implemented yet, and a row that needs one is refused (check_runnable).
 PARALLEL_DIMS = (("pp", "pipeline"), ("cp", "context"), ("ep", "expert"))
 
 
@@ -127,8 +127,9 @@ class Recommended:
 def check_runnable(rec: Recommended) -> None:
     """Refuse a row whose layout needs a parallel dimension lpbench does not implement yet."""
     from lpbench.config import RunConfig
+    from lpbench.parallel.dims import NOT_YET
 
-    implemented = {f.name for f in fields(RunConfig)}
+    implemented = {f.name for f in fields(RunConfig)} - set(NOT_YET)  # fields that only refuse > 1 so far
     missing = [f"{name} parallelism ({col.upper()} {getattr(rec, col)})" for col, name in PARALLEL_DIMS
                if getattr(rec, col) > 1 and col not in implemented]
     if missing:

@@ -21,8 +21,12 @@ from lpbench.train.loop import RunResult
 
 
 def validated(cfg):
-    """``cfg`` validated (``RunConfig.validate``) and, with ``--load``, resumable from its checkpoint."""
+    """``cfg`` validated (``RunConfig.validate``), its layout (:class:`ParallelDims`) possible, and with
+    ``--load``, resumable from its checkpoint."""
+    from lpbench.parallel.dims import ParallelDims
+
     cfg.validate()
+    ParallelDims.of(cfg)
     if cfg.load is not None:
         check_resume(cfg)
     return cfg

@@ -202,7 +202,6 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.ep = None  # lpbench.parallel.ep.ExpertParallel when experts are spread over ranks
         self.count_group = None  # data-parallel ranks whose token counts the load-balancing loss sums
-        self.expert_replicas = None  # ranks holding the same experts (or slices) as this one, when experts are split
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts), persistent=False)
         self.register_buffer("loss_sums", torch.zeros(3), persistent=False)  # aux, z, forwards
 

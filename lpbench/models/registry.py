@@ -81,6 +81,9 @@ MODELS: dict[str, ModelConfig] = {
         # CPU-sized llama-family presets for tests and the default run.
         ModelConfig("tiny", 8, 128, 384, 4, 2, 2048, rope_theta=10_000.0, tie_embeddings=True,
                     max_seq_len=2048, family="llama"),
+        # A CPU-sized mixture of experts (mixtral routing): expert parallelism on a laptop.
+        ModelConfig("tiny-moe", 4, 128, 256, 4, 2, 2048, rope_theta=10_000.0, tie_embeddings=True, n_experts=4,
+                    top_k=2, max_seq_len=2048, family="mixtral"),
         ModelConfig("small", 8, 512, 1536, 8, 4, 8192, rope_theta=10_000.0, tie_embeddings=True,
                     max_seq_len=4096, family="llama"),
         # GPT-3 Small's shape (12 x 768) as a llama: 125 M parameters with a 32k vocabulary (convergence studies).

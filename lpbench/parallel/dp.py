@@ -1,4 +1,13 @@
-"""Data parallelism: DDP or FSDP2 over the ``dp`` mesh, gradient-sync control, global grad-norm clipping."""
+"""Data parallelism: DDP or FSDP2 (HSDP on a 2-D mesh), gradient-sync control, global grad-norm clipping.
+
+FSDP2 under gradient accumulation communicates as ``--fsdp-shard`` says (:data:`lpbench.config.FSDP_SHARDS`):
+gradients are reduce-scattered once per optimizer step in every mode (``set_requires_gradient_sync(False)``
+on all but the last micro-batch, :func:`grad_sync`); parameters are all-gathered for each micro-batch's
+forward and again for its backward (``zero3``), once per micro-batch and kept from forward to backward
+(``zero2``: ``reshard_after_forward=False``), or once per optimizer step and kept unsharded until the last
+micro-batch's backward (``zero1``: also ``set_reshard_after_backward(False)`` on the others). Each block
+prefetches the next block's all-gather in forward and the previous block's in backward (explicit prefetch).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import _compress_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -15,47 +25,74 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lpbench.parallel.ep import expert_params
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None) -> nn.Module:
+def reduce_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``--grad-reduce-dtype`` choice."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None,
+               grad_dtype: torch.dtype = torch.float32, shard: str = "zero3") -> nn.Module:
     """FSDP2: one ``fully_shard`` group per transformer block and one for the root (embeddings, head).
 
-    Parameters are all-gathered in ``param_dtype`` (the recipe's compute dtype on CUDA) and
-    gradients reduce-scattered in FP32; the sharded master weights stay FP32.
+    ``mesh``: 1-D (shard over it) or 2-D (HSDP: replicas over dim 0, shards over dim 1). Parameters
+    are all-gathered in ``param_dtype`` (the recipe's compute dtype on CUDA) and gradients reduced
+    in ``grad_dtype``; the sharded master weights stay FP32. ``shard``: see the module doc.
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=grad_dtype)
     ignored = set(expert_params(model)[0]) or None  # expert parallel: each rank's own experts
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored)
-    return fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+    blocks = list(model.layers)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored, reshard_after_forward=shard == "zero3")
+    root = fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+    for before, after in zip(blocks, blocks[1:]):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
+    return root
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """DDP over ``mesh``: full replicas, gradients all-reduced once per step.
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device,
+              grad_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """DDP over ``mesh``: full replicas, gradients all-reduced once per step in ``grad_dtype``.
 
     With tensor-parallel (DTensor) parameters torch's ``DistributedDataParallel`` does not apply;
     FSDP2's ``replicate`` (the same semantics, one group per block) does.
     """
     ignored_params = set(expert_params(model)[0]) or None  # split experts: sync_expert_grads reduces them
     if any(isinstance(p, DTensor) for p in model.parameters()):
+        mp = MixedPrecisionPolicy(reduce_dtype=grad_dtype)
         for block in model.layers:
-            replicate(block, mesh=mesh, ignored_params=ignored_params)
-        return replicate(model, mesh=mesh, ignored_params=ignored_params)
+            replicate(block, mesh=mesh, ignored_params=ignored_params, mp_policy=mp)
+        return replicate(model, mesh=mesh, ignored_params=ignored_params, mp_policy=mp)
     ignored = {id(p) for p in expert_params(model)[0]}  # expert parallel: each rank's own experts
     if ignored:
         DDP._set_params_and_buffers_to_ignore_for_model(
             model, [name for name, p in model.named_parameters() if id(p) in ignored])
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh.get_group(),
-               find_unused_parameters=model.cfg.n_experts > 0)  # an MoE expert may get no token on a rank
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh.get_group(),
+              find_unused_parameters=model.cfg.n_experts > 0)  # an MoE expert may get no token on a rank
+    if grad_dtype == torch.bfloat16:
+        ddp.register_comm_hook(mesh.get_group(), _bf16_reduce)
+    return ddp
+
+
+def _bf16_reduce(group, bucket):
+    """DDP communication hook: gradients all-reduced in BF16 (torch's ``bf16_compress_hook`` arithmetic, without
+    its check for NCCL, so gloo runs it too)."""
+    return _compress_hook(torch.bfloat16, group, bucket)
 
 
 @contextmanager
-def grad_sync(model: nn.Module, enabled: bool):
+def grad_sync(model: nn.Module, enabled: bool, keep_unsharded: bool = False):
     """Reduce gradients across data-parallel ranks in this forward/backward only if ``enabled``.
 
     Non-final micro-batches of gradient accumulation run with ``enabled=False`` (DDP ``no_sync``,
-    FSDP2 ``set_requires_gradient_sync``), so each step communicates gradients once.
+    FSDP2 ``set_requires_gradient_sync``), so each step communicates gradients once. With
+    ``keep_unsharded`` (``--fsdp-shard zero1``) FSDP2 also keeps the parameters gathered after those
+    micro-batches' backward, so the next forward gathers nothing.
     """
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
+        if keep_unsharded:
+            model.set_reshard_after_backward(enabled)
         yield
     else:
         with model.no_sync() if isinstance(model, DDP) and not enabled else nullcontext():

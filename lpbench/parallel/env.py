@@ -86,10 +86,11 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce(values: list[float], op: str, device: torch.device) -> list[float]:
-    """Sum or max of a few floats over all ranks (the values themselves when not distributed)."""
+def all_reduce(values: list[float], op: str, device: torch.device, group=None) -> list[float]:
+    """Sum or max of a few floats over the ranks of ``group`` (default: all; the values themselves when not
+    distributed)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
     return t.tolist()

@@ -1,6 +1,7 @@
 """Expert parallelism: each MoE layer's experts spread over ``ep`` data-parallel ranks.
 
-Ranks ``[g·ep, (g+1)·ep)`` form expert-parallel group g; rank r of a group holds experts
+Ranks ``[g·ep, (g+1)·ep)`` of the data-parallel ranks form expert-parallel group g (the ``ep`` and
+``ep_replicate`` meshes of :class:`lpbench.parallel.dims.ParallelDims`); rank r of a group holds experts
 ``[r·E/ep, (r+1)·E/ep)`` of every MoE layer as plain tensors (the other weights stay with DDP or
 FSDP2, which leave the experts alone). A layer sorts its (token, expert) pairs by expert, sends each
 rank the rows of its experts (``all_to_all_single``: counts, then rows), runs its local experts on
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from lpbench.models.moe import MoE
 
@@ -66,11 +67,10 @@ class ExpertParallel:
         return _AllToAll.apply(yr, recv, send, self.group)
 
 
-def apply_ep(model: nn.Module, ep: int, device_type: str) -> None:
-    """Keep this rank's experts of every MoE layer of a meta-device ``model`` (before it is materialised)."""
-    world = dist.get_world_size()
-    mesh = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("replica", "ep"))
-    rank = mesh["ep"].get_local_rank()
+def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Keep this rank's experts of every MoE layer of a meta-device ``model`` (before it is materialised);
+    ``mesh``: the expert-parallel group."""
+    ep, rank = mesh.size(), mesh.get_local_rank()
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         experts = moe.experts
         n_local = experts.n_experts // ep
@@ -83,8 +83,7 @@ def apply_ep(model: nn.Module, ep: int, device_type: str) -> None:
                 del gemms[n_local * (rank + 1):]
                 del gemms[:n_local * rank]
         experts.n_experts, experts.first = n_local, n_local * rank
-        moe.ep = ExpertParallel(mesh["ep"].get_group(), ep, rank, n_local)
-        moe.expert_replicas = mesh["replica"].get_group() if world > ep else None
+        moe.ep = ExpertParallel(mesh.get_group(), ep, rank, n_local)
 
 
 def _split_layers(model: nn.Module) -> list[tuple[MoE, object]]:
@@ -101,13 +100,13 @@ def expert_params(model: nn.Module) -> tuple[list[nn.Parameter], object]:
 
 
 @torch.no_grad()
-def sync_expert_grads(model: nn.Module, dp: int) -> None:
-    """Split experts' gradients summed over their replicas (``MoE.expert_replicas``: the ranks holding the same
-    part) and divided by the data-parallel size."""
+def sync_expert_grads(model: nn.Module, dp: int, replicas) -> None:
+    """Split experts' gradients summed over their replicas (``replicas``: the group of ranks holding the same
+    part, ``ep_replicate`` or for TP-split experts ``dp``; None: no other) and divided by the data-parallel size."""
     for moe, _ in _split_layers(model):
         for p in moe.experts.parameters():
             if p.grad is None:
                 continue
-            if moe.expert_replicas is not None:
-                dist.all_reduce(p.grad, group=moe.expert_replicas)
+            if replicas is not None:
+                dist.all_reduce(p.grad, group=replicas)
             p.grad.div_(dp)

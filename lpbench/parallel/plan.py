@@ -1,8 +1,9 @@
-"""``parallelize``: one model, one config -> the module to train on a ``(dp, tp)`` device mesh.
+"""``parallelize``: one model, one config -> the module to train on the layout's device mesh.
 
-Order (torchtitan's): tensor parallel on the ``tp`` mesh, expert parallel (``--ep``, the experts
-of each MoE layer spread over data-parallel ranks, :mod:`lpbench.parallel.ep`), ``torch.compile``,
-then FSDP2 or DDP on the ``dp`` mesh over the other weights. A model built on the meta device (no memory) is sharded first, then
+The layout and every group come from :class:`lpbench.parallel.dims.ParallelDims`. Order
+(torchtitan's): tensor parallel on the ``tp`` mesh, expert parallel (``--ep``, the experts of each
+MoE layer spread over data-parallel ranks, :mod:`lpbench.parallel.ep`), ``torch.compile``, then
+FSDP2 (``fsdp`` mesh: 1-D, or 2-D for HSDP) or DDP (``dp_replicate`` mesh) over the other weights. A model built on the meta device (no memory) is sharded first, then
 allocated and initialised (:func:`materialize`: after FSDP, else before DDP, which needs the
 values): every rank keeps its shard of the very weights a single process would build from the
 same seed, so all layouts start from identical weights.
@@ -12,17 +13,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch._inductor.config
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lpbench.config import RunConfig
 from lpbench.models.moe import Experts, moe_layers
-from lpbench.parallel.dp import apply_ddp, apply_fsdp
+from lpbench.parallel.dims import Meshes, ParallelDims
+from lpbench.parallel.dp import apply_ddp, apply_fsdp, reduce_dtype
 from lpbench.parallel.ep import apply_ep
 from lpbench.precision.delayed import DelayedScaling
 from lpbench.precision.policy import apply_fp8_all_gather
@@ -33,14 +33,9 @@ from lpbench.parallel.tp import apply_tp, interleave
 class Parallelized:
     module: nn.Module  # the model, DDP- or FSDP-wrapped: its parameters, train(), gradient sync
     forward: nn.Module  # what to call: ``module``, or ``module`` compiled
-    mesh: DeviceMesh | None  # ("dp", "tp"); None for one process
+    dims: ParallelDims  # the layout
+    meshes: Meshes | None  # its device mesh and named sub-meshes; None for one process
     dp_rank: int  # which data shard this rank reads (TP ranks of one DP group read the same)
-
-
-@lru_cache(maxsize=None)
-def device_mesh(device_type: str, dp: int, tp: int) -> DeviceMesh:
-    """The 2-D ``("dp", "tp")`` mesh (TP ranks adjacent, so a TP group stays inside a node)."""
-    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
 def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_dtype: torch.dtype,
@@ -58,37 +53,36 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
         torch._inductor.config.emulate_precision_casts = True
     whole = use_compile and cfg.compile_scope == "model"
     by_block = use_compile and not whole
+    dims = ParallelDims.of(cfg)
     if cfg.world_size == 1:
         materialize(model, device, cfg.seed)
         if by_block:
             compile_blocks(model, head=True)
-        return Parallelized(model, torch.compile(model) if whole else model, None, 0)
-    mesh = device_mesh(device.type, cfg.dp, cfg.tp)
-    fsdp = cfg.dp > 1 and cfg.fsdp
-    if cfg.tp > 1:
-        apply_tp(model, mesh["tp"], cfg.sequence_parallel)
-    if cfg.ep > 1:
-        apply_ep(model, cfg.ep, device.type)
+        return Parallelized(model, torch.compile(model) if whole else model, dims, None, 0)
+    meshes = dims.mesh(device.type)
+    if dims.tp_enabled:
+        apply_tp(model, meshes["tp"], cfg.sequence_parallel)
+    if dims.ep_enabled:
+        apply_ep(model, meshes["ep"])
     for moe in moe_layers(model):  # the load-balancing loss counts the tokens of every data-parallel rank
-        moe.count_group = mesh["dp"].get_group() if cfg.dp > 1 else None
-        if moe.experts.tp is not None:  # TP-split experts: their replicas are the data-parallel ranks
-            moe.expert_replicas = moe.count_group
-    if not fsdp:
+        moe.count_group = meshes.group("dp")
+    if not dims.fsdp_enabled:
         materialize(model, device, cfg.seed)
     if by_block:
         compile_blocks(model, head=not cfg.fsdp and cfg.tp == 1)
         if cfg.tp > 1:  # torch 2.13: a compiled block fed a DTensor's own local tensor fails in backward
             model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
     module = model
-    if fsdp:
+    if dims.fsdp_enabled:
         if cfg.fsdp_fp8_all_gather:
             apply_fp8_all_gather(model)
-        module = apply_fsdp(model, mesh["dp"], compute_dtype if device.type == "cuda" else None)
+        module = apply_fsdp(model, meshes["fsdp"], compute_dtype if device.type == "cuda" else None,
+                            reduce_dtype(cfg.grad_reduce_dtype), cfg.fsdp_shard)
         materialize(model, device, cfg.seed)
-    elif cfg.dp > 1:
-        module = apply_ddp(model, mesh["dp"], device)
+    elif dims.ddp_enabled:
+        module = apply_ddp(model, meshes["dp_replicate"], device, reduce_dtype(cfg.grad_reduce_dtype))
     forward = torch.compile(module) if whole else module
-    return Parallelized(module, forward, mesh, mesh["dp"].get_local_rank())
+    return Parallelized(module, forward, dims, meshes, meshes.rank("batch"))
 
 
 def compile_blocks(model: nn.Module, head: bool) -> None:

@@ -126,8 +126,11 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     fused_loss = configure_loss(model, cfg.fused_loss, 1.0 / cfg.grad_accum)
     workload_metrics["weight_bytes"] = weight_bytes(par.module)
     forward = par.forward
+    loss_group = par.meshes.group("loss") if par.meshes else None  # TP ranks hold equal copies: averaged over DP
+    loss_ranks = par.dims.dp * par.dims.cp
     params = [p for p in par.module.parameters() if p.requires_grad]
-    spread = expert_params(par.module)  # expert parallel: each rank's own experts
+    spread = expert_params(par.module)[0]  # expert parallel (or TP-split experts): each rank's own experts
+    spread = (spread, par.meshes.group("ep" if par.dims.ep_enabled else "tp") if spread else None)
     optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda")
     cache = fused = None
     if cfg.grad_accum > 1 and not (use_compile and cfg.compile_scope == "model"):  # its pre-hook runs eagerly
@@ -165,6 +168,12 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
             f"(gradient-accumulation fusion)")
     if world.size > 1:
         dp_kind = ("fsdp, fp8 all-gather" if cfg.fsdp_fp8_all_gather else "fsdp") if cfg.fsdp else "ddp"
+        if par.dims.fsdp_enabled:
+            dp_kind += f" {cfg.fsdp_shard}" if cfg.fsdp_shard != "zero3" else ""
+            if par.dims.hsdp_enabled:
+                dp_kind += f", hsdp: {par.dims.dp_replicate} replicas x {par.dims.dp_shard} shards"
+        if cfg.grad_reduce_dtype != "fp32":
+            dp_kind += f", {cfg.grad_reduce_dtype} gradient reduction"
         log(f"lpbench: {world.size} ranks ({world.launcher}) | dp {cfg.dp} ({dp_kind}) "
             f"x tp {cfg.tp}{' + sequence parallel' if cfg.tp > 1 and cfg.sequence_parallel else ''}"
             f"{f' | experts over ep {cfg.ep} ranks' if cfg.ep > 1 else ''}")
@@ -173,6 +182,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     start, result.history = checkpointer.resume()  # 0, [] without --load
     profiler = StepProfiler(cfg.profile_range, f"{results_dir}/profiles/{cfg.key()}", device, log)
     scalars = StepWriter(cfg.tensorboard if world.is_main else None, cfg.model, cfg.precision, cfg.key())
+    keep_unsharded = par.dims.fsdp_enabled and cfg.fsdp_shard == "zero1"
     par.module.train()
     try:
         for step in range(start + 1, cfg.steps + 1):
@@ -181,7 +191,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
             loss_sum = torch.zeros((), device=device)
             for micro in range(cfg.grad_accum):
                 batch = next(data).model_args(device)
-                with grad_sync(par.module, micro == cfg.grad_accum - 1):
+                with grad_sync(par.module, micro == cfg.grad_accum - 1, keep_unsharded):
                     with autocast:
                         loss = forward(*batch)  # input_ids, labels[, doc_ids]
                     (loss / cfg.grad_accum).backward()
@@ -189,7 +199,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
             if fused is not None:
                 fused.expose()
             if cfg.ep > 1 or cfg.tp > 1:
-                sync_expert_grads(par.module, cfg.dp)
+                sync_expert_grads(par.module, cfg.dp, par.meshes.group("ep_replicate" if cfg.ep > 1 else "dp"))
             grad_norm = clip_grad_norm_(params, cfg.grad_clip, optimizer, spread)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -201,14 +211,15 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                     cache.refresh()
             loss_value = loss_sum.item() / cfg.grad_accum  # synchronises the device
             step_time = time.perf_counter() - t0
-            loss_value = all_reduce([loss_value], "sum", device)[0] / world.size  # TP ranks hold equal copies
+            if loss_group is not None:  # the global batch's mean
+                loss_value = all_reduce([loss_value], "sum", device, loss_group)[0] / loss_ranks
             peak = memory.peak_gb(device)
             tps = tokens_per_step / step_time / world.size
             rec = {"step": step, "loss": loss_value, "step_time_s": step_time, "lr": lr,
                    "grad_norm": float(grad_norm), "tokens_per_sec_per_gpu": tps,
                    "tflops_per_gpu": fpt * tps / 1e12,
                    "peak_mem_gb": None if peak is None else all_reduce([peak], "max", device)[0]}
-            moe = moe_step_stats(par.module, device, world.size, cfg.tp)
+            moe = moe_step_stats(par.module, device, world.size, cfg.tp, cfg.ep)
             if moe is not None:
                 rec.update(moe["step"])
                 expert_tokens = moe["tokens"] if step == start + 1 else [
@@ -251,6 +262,9 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
         result.metrics["resumed_from_step"] = start
     if model_cfg.n_experts and result.steps:
         result.metrics["tokens_per_expert"] = expert_tokens  # per layer, summed over the run's steps
+        if cfg.ep > 1:
+            result.metrics["ep_tokens_per_rank"] = [sum(c) for c in zip(*(s["ep_tokens_per_rank"] for s in result.steps))]
+            result.metrics["ep_imbalance_max"] = max(s["ep_imbalance"] for s in result.steps)
     if profile:
         result.metrics["profile"] = profile
     result.metrics.update(_max_over_ranks(memory.summary(device), device))
@@ -258,14 +272,19 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                           compile_scope=cfg.compile_scope if use_compile else "off",  # what ran, not what was asked
                           gpu_peaks=gpu.name if gpu else None,
                           world_size=world.size, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep, fsdp=cfg.dp if cfg.fsdp else 1,
+                          dp_replicate=par.dims.dp_replicate, dp_shard=par.dims.dp_shard,
+                          fsdp_shard=cfg.fsdp_shard if par.dims.fsdp_enabled else None,
+                          grad_reduce_dtype=cfg.grad_reduce_dtype if par.dims.dp_enabled else None,
                           sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel, **workload_metrics)
     return result
 
 
-def moe_step_stats(module, device, world_size: int, tp: int) -> dict | None:
+def moe_step_stats(module, device, world_size: int, tp: int, ep: int = 1) -> dict | None:
     """One step's MoE log values (aux and z-loss as the loss sees them: averaged over micro-batches and
     ranks; expert load = the busiest expert's tokens over the mean, worst layer) and per-layer token counts
-    (the ``tp`` ranks of a tensor-parallel group route the same tokens: counted once)."""
+    (the ``tp`` ranks of a tensor-parallel group route the same tokens: counted once). Under expert
+    parallelism also the tokens each expert-parallel rank's experts received (summed over layers and over
+    the expert-parallel groups) and the imbalance: the busiest rank's tokens over the mean, worst layer."""
     stats = take_moe_stats(module)
     if stats is None:
         return None
@@ -275,13 +294,21 @@ def moe_step_stats(module, device, world_size: int, tp: int) -> dict | None:
     n_layers, n_exp = len(tokens), len(tokens[0])
     tokens = [[int(c) // tp for c in flat[i * n_exp:(i + 1) * n_exp]] for i in range(n_layers)]
     load = max(max(layer) * n_exp / max(sum(layer), 1) for layer in tokens)
-    return {"tokens": tokens, "step": {"moe_aux_loss": flat[-2] / world_size, "moe_z_loss": flat[-1] / world_size,
-                                       "expert_load_max": load}}
+    step = {"moe_aux_loss": flat[-2] / world_size, "moe_z_loss": flat[-1] / world_size, "expert_load_max": load}
+    if ep > 1:
+        per_rank = [[sum(layer[r * n_exp // ep:(r + 1) * n_exp // ep]) for r in range(ep)] for layer in tokens]
+        step["ep_tokens_per_rank"] = [sum(column) for column in zip(*per_rank)]
+        step["ep_imbalance"] = max(max(ranks) * ep / max(sum(ranks), 1) for ranks in per_rank)
+    return {"tokens": tokens, "step": step}
 
 
 def format_moe_line(rec: dict) -> str:
-    return (f"moe | load_balancing_loss: {rec['moe_aux_loss']:.4f} | z_loss: {rec['moe_z_loss']:.4f} | "
+    line = (f"moe | load_balancing_loss: {rec['moe_aux_loss']:.4f} | z_loss: {rec['moe_z_loss']:.4f} | "
             f"max expert load (x mean, worst layer): {rec['expert_load_max']:.2f}")
+    if "ep_tokens_per_rank" in rec:
+        line += (f" | tokens per ep rank: {','.join(str(n) for n in rec['ep_tokens_per_rank'])} | "
+                 f"ep imbalance (max x mean, worst layer): {rec['ep_imbalance']:.2f}")
+    return line
 
 
 def _quiet(line: str) -> None:
