@@ -1,6 +1,11 @@
 """lpbench's single entry point: ``lpbench run | report | flops | models | recipes | ...``.
 
 Bad input never ends in a traceback: it prints one line on stderr and exits 2.
+
+Start-up stays light: ``lpbench``, ``lpbench --help`` and ``--version`` import neither torch nor the
+model code. ``main`` builds the full parser only for the command on the command line (``COMMANDS``
+holds every command's one-line help for the top-level listing), and each command imports what it
+needs inside its function.
 """
 
 from __future__ import annotations
@@ -18,20 +23,18 @@ from rich.table import Table
 
 from lpbench import __version__
 from lpbench.console import Parser, console, csv_list
-from lpbench.config import DEFAULT_PRECISIONS, RunConfig, add_config_args, config_kwargs
 from lpbench.errors import Terminated, UsageError, raise_terminated
 from lpbench.paths import check_dir, check_file, write_file
 
-DEFAULTS = RunConfig()
-
 
 # ----------------------------------------------------------------------------- run
-RECOMMENDED = {k: f"the recommended config with --gpu, else {DEFAULTS.default_text(k)}"
-               for k in ("seq_len", "mbs", "gbs", "tp")}  # the flags --gpu fills
-
-
 def add_run_args(p: argparse.ArgumentParser) -> None:
-    add_config_args(p, default_texts=RECOMMENDED)  # every RunConfig setting; unset ones stay None
+    from lpbench.config import RunConfig, add_config_args
+
+    defaults = RunConfig()
+    recommended = {k: f"the recommended config with --gpu, else {defaults.default_text(k)}"
+                   for k in ("seq_len", "mbs", "gbs", "tp")}  # the flags --gpu fills
+    add_config_args(p, default_texts=recommended)  # every RunConfig setting; unset ones stay None
     p.add_argument("--gpu", default=None,
                    help="take --seq-len/--mbs/--gbs/--tp (and --flops-formula) defaults from lpbench's recommended "
                         "config for this GPU type (h100, h200, b200, gb200, cpu); explicit flags override")
@@ -41,6 +44,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="start N processes (one per GPU) on this machine through torchrun; not needed when "
                         "lpbench is started by torchrun or srun")
     p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
+    p.add_argument("--wide", action="store_true",
+                   help="show every column of the summary table, however wide (default: fit the terminal)")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="also write the summary table's rows (every number, unrounded) to FILE as JSON, for scripts")
     p.add_argument("--config", metavar="FILE", default=None,
                    help="take settings from a TOML or YAML file of flag names and values (a sweep spec's keys; "
                         "precision may be a list); flags given on the command line win")
@@ -49,6 +56,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     """Validated configs, one per precision, for ``world_size`` ranks (default: this launch's)."""
     from lpbench.bench.recommended import recommended_defaults
+    from lpbench.config import DEFAULT_PRECISIONS, RunConfig, config_kwargs
     from lpbench.models.hf import hf_label
     from lpbench.parallel.launch import planned_world
     from lpbench.bench.runner import validated
@@ -61,8 +69,9 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     if "model" not in explicit and args.hf_checkpoint:
         explicit["model"] = hf_label(args.hf_checkpoint)
     world = world_size or planned_world(args.nproc_per_node)
-    recommended = recommended_defaults(args.gpu, args.num_gpus, model=explicit.get("model", DEFAULTS.model),
-                                       workload=explicit.get("workload", DEFAULTS.workload),
+    defaults = RunConfig()
+    recommended = recommended_defaults(args.gpu, args.num_gpus, model=explicit.get("model", defaults.model),
+                                       workload=explicit.get("workload", defaults.workload),
                                        precision=(args.precision or [None])[0], explicit=explicit, world=world)
     base = RunConfig(**{**recommended, **explicit})  # explicit flags > the recommended config > RunConfig's defaults
     base = base.with_world(world, dp=args.dp)
@@ -82,12 +91,14 @@ def cmd_run(args) -> int:
     from lpbench.bench.progress import RunsProgress, next_command
     from lpbench.bench.runner import execute, record
     from lpbench.bench.store import ResultsStore
-    from lpbench.report.tables import summary_rows, to_rich
+    from lpbench.report.tables import summary_rows, to_json, to_rich
     from lpbench.parallel.env import detect_world, shutdown
     from lpbench.parallel.launch import needs_relaunch, relaunch
 
     configs = configs_from_args(args)  # validate every config before any work starts
     check_dir(args.results, "--results")
+    if args.json:
+        check_file(args.json, "--json")
     if args.save_dir:
         check_dir(args.save_dir, "--save-dir")
     if needs_relaunch(args.nproc_per_node):
@@ -109,7 +120,9 @@ def cmd_run(args) -> int:
     if not is_main:
         return 0 if all(s == "ok" for s in statuses) else 1
     rows = summary_rows(store.runs("group_id = ?", (group,)) + [r for r in store.kept if r["group_id"] == group])
-    console.print(to_rich(rows, title=f"lpbench run {group} -> {store.path}"))
+    console.print(to_rich(rows, title=f"lpbench run {group} -> {store.path}", wide=args.wide))
+    if args.json:
+        write_file(args.json, to_json(rows) + "\n")
     console.print(escape(next_command(args.results, group)), highlight=False, soft_wrap=True)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
@@ -267,7 +280,7 @@ def cmd_slurm(args) -> int:
 def add_slurm_parser(sub) -> None:
     from lpbench.parallel.slurm import LAUNCHERS
 
-    p = sub.add_parser("slurm", help="write an sbatch script for a multi-node `lpbench run`",
+    p = sub.add_parser("slurm", help=COMMANDS["slurm"][0],
                        description="Write an sbatch script; the flags after -- are passed to `lpbench run`.")
     p.add_argument("--nodes", type=int, required=True, help="number of nodes")
     p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (processes) per node")
@@ -285,29 +298,28 @@ def add_slurm_parser(sub) -> None:
 
 
 # ----------------------------------------------------------------------------- main
-def build_parser() -> Parser:
-    parser = Parser(prog="lpbench",
-                    description="Pretrain, fine-tune and benchmark decoder LLMs in BF16, FP8, MXFP8 and NVFP4, "
-                                "side by side: throughput, memory and whether each precision still learns.",
-                    epilog="Start with `lpbench run` (the tiny model in four precisions, then a summary table); "
-                           "`lpbench COMMAND --help` describes each command.")
-    parser.add_argument("--version", action="version", version=f"lpbench {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser, required=True)
-
-    p = sub.add_parser("run", help="train one or more precisions on the same work and compare them")
+def add_run_parser(sub) -> None:
+    p = sub.add_parser("run", help=COMMANDS["run"][0])
     add_run_args(p)
     p.set_defaults(func=cmd_run)
 
-    from lpbench.bench.sweep import add_parser as add_sweep_parser
 
-    add_sweep_parser(sub)
+def add_sweep_parser(sub) -> None:
+    from lpbench.bench.sweep import add_parser
 
-    from lpbench.bench.converge import add_parser as add_converge_parser
+    add_parser(sub)
 
-    add_converge_parser(sub)
 
-    p = sub.add_parser("report", help="tables (NeMo style), plots and an HTML page from the results database")
-    p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
+def add_converge_parser(sub) -> None:
+    from lpbench.bench.converge import add_parser
+
+    add_parser(sub)
+
+
+def add_report_parser(sub) -> None:
+    p = sub.add_parser("report", help=COMMANDS["report"][0])
+    p.add_argument("--results", action="append", metavar="DIR",
+                   help="results folder (default ./lpbench-results); repeat it to report several databases together")
     p.add_argument("--format", choices=["md", "csv", "json"], default="md",
                    help="stdout format: md (one table per workload + time to train 1T tokens), or csv/json "
                         "(one flat row per run) (default md)")
@@ -315,9 +327,17 @@ def build_parser() -> Parser:
     p.add_argument("--plots", metavar="DIR", help="also write the PNG plots into DIR")
     p.add_argument("--group", action="append", metavar="ID",
                    help="only runs of this sweep id or `lpbench run` group id (repeatable, or comma-separated)")
+    p.add_argument("--list", action="store_true",
+                   help="list the groups (id, when, runs, what differs between them) instead of the tables")
+    p.add_argument("--wide", action="store_true",
+                   help="md only: every column, however wide (default: the columns that differ between runs)")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("flops", help="model FLOPs per token/sample, TFLOP/s for a throughput, days to train")
+
+def add_flops_parser(sub) -> None:
+    from lpbench.config import add_config_args
+
+    p = sub.add_parser("flops", help=COMMANDS["flops"][0])
     p.add_argument("--model", required=True, help="model name from `lpbench models`")
     p.add_argument("--num-layers", type=int, default=None, metavar="N", help="count the first N blocks only")
     p.add_argument("--seq-len", type=int, required=True, help="sequence length")
@@ -328,15 +348,21 @@ def build_parser() -> Parser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_flops)
 
-    p = sub.add_parser("models", help="list the model zoo with parameter counts")
+
+def add_models_parser(sub) -> None:
+    p = sub.add_parser("models", help=COMMANDS["models"][0])
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("recipes", help="list the precision recipes, their parameters and native/emulated here")
+
+def add_recipes_parser(sub) -> None:
+    p = sub.add_parser("recipes", help=COMMANDS["recipes"][0])
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_recipes)
 
-    p = sub.add_parser("quant-error", help="relative error and SQNR of each recipe's quantizer on test tensors")
+
+def add_quant_error_parser(sub) -> None:
+    p = sub.add_parser("quant-error", help=COMMANDS["quant-error"][0])
     p.add_argument("--precision", type=csv_list, help="recipes to compare (default: all)")
     p.add_argument("--role", type=csv_list, help="operand roles: input, weight, grad (default: all)")
     p.add_argument("--distribution", type=csv_list,
@@ -346,17 +372,49 @@ def build_parser() -> Parser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_quant_error)
 
-    add_slurm_parser(sub)
 
-    from lpbench.data.prepare import add_parser as add_data_parser
+def add_data_parser(sub) -> None:
+    from lpbench.data.prepare import add_parser
 
-    add_data_parser(sub)
+    add_parser(sub)
+
+
+COMMANDS = {  # name: (the one line `lpbench --help` lists, what adds the command's full parser)
+    "run": ("train one or more precisions on the same work and compare them", add_run_parser),
+    "sweep": ("run a grid of configs from a YAML spec, one subprocess per run, resumable", add_sweep_parser),
+    "converge": ("train several precisions on the same real data and compare their validation loss with the "
+                 "first (pass/fail per tolerance)", add_converge_parser),
+    "report": ("tables (NeMo style), plots and an HTML page from the results database", add_report_parser),
+    "flops": ("model FLOPs per token/sample, TFLOP/s for a throughput, days to train", add_flops_parser),
+    "models": ("list the model zoo with parameter counts", add_models_parser),
+    "recipes": ("list the precision recipes, their parameters and native/emulated here", add_recipes_parser),
+    "quant-error": ("relative error and SQNR of each recipe's quantizer on test tensors", add_quant_error_parser),
+    "slurm": ("write an sbatch script for a multi-node `lpbench run`", add_slurm_parser),
+    "data": ("prepare datasets and tokenizers", add_data_parser),
+}
+
+
+def build_parser(command: str | None = None) -> Parser:
+    """The CLI's parser: every command's flags, or only ``command``'s (the others listed by name and help)."""
+    parser = Parser(prog="lpbench",
+                    description="Pretrain, fine-tune and benchmark decoder LLMs in BF16, FP8, MXFP8 and NVFP4, "
+                                "side by side: throughput, memory and whether each precision still learns.",
+                    epilog="Start with `lpbench run` (the tiny model in four precisions, then a summary table); "
+                           "`lpbench COMMAND --help` describes each command.")
+    parser.add_argument("--version", action="version", version=f"lpbench {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser, required=True)
+    for name, (help_text, add) in COMMANDS.items():
+        if command in (None, name):
+            add(sub)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    command = next((a for a in argv if not a.startswith("-")), None)  # the top level takes no valued option
+    parser = build_parser(command if command in COMMANDS else "")
     if not argv:  # as every CLI: bare `lpbench` explains itself; `lpbench run` is the main job
         parser.print_help()
         return 0

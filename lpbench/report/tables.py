@@ -168,6 +168,18 @@ def _int(v):
     return int(v) if _finite(v) else v
 
 
+def _compared_loss(r: dict):
+    """The loss precisions are compared on: the mean over the run's last steps (``tail_loss``), or the last
+    step's loss for a row recorded before runs stored that mean."""
+    tail = (r.get("metrics") or {}).get("tail_loss")
+    return tail if _finite(tail) else r.get("final_loss")
+
+
+def _loss_sem(r: dict) -> float:
+    sem = (r.get("metrics") or {}).get("tail_loss_sem")
+    return sem if _finite(sem) else 0.0
+
+
 def summary_rows(runs: list[dict]) -> list[dict]:
     """Flatten stored runs into table rows with speedup and loss delta vs the group's baseline."""
     baselines = _baselines(runs)
@@ -177,7 +189,7 @@ def summary_rows(runs: list[dict]) -> list[dict]:
         key = group_key(r)
         base = baselines.get(key)
         base_tps = base.get("tokens_per_sec_per_gpu") if base else None
-        loss, base_loss = r.get("final_loss"), base.get("final_loss") if base else None
+        loss, base_loss = _compared_loss(r), _compared_loss(base) if base else None
         cfg, metrics = r.get("config") or {}, r.get("metrics") or {}
         mbs, gbs, seq = _int(r.get("mbs")), _int(r.get("gbs")), _int(r.get("seq_len"))
         speed = tps / base_tps if r.get("status") == "ok" and tps and base_tps else None
@@ -191,7 +203,8 @@ def summary_rows(runs: list[dict]) -> list[dict]:
             "step_time_ms": r["step_time_s"] * 1e3 if r.get("step_time_s") else None,
             "tokens_per_sec_per_gpu": tps, "tflops_per_gpu": r.get("tflops_per_gpu"),
             "mfu_bf16": r.get("mfu_bf16"), "mfu_precision": r.get("mfu_precision"),
-            "peak_mem_gb": r.get("peak_mem_allocated_gb"), "final_loss": loss,
+            "peak_mem_gb": r.get("peak_mem_allocated_gb"), "final_loss": r.get("final_loss"),
+            "tail_loss": loss, "tail_steps": metrics.get("tail_steps"),
             "speedup": speed,
             "speedup_low": interval[0] if interval else None, "speedup_high": interval[1] if interval else None,
             "within_noise": interval[2] if interval else None,
@@ -201,6 +214,7 @@ def summary_rows(runs: list[dict]) -> list[dict]:
             "baseline": base.get("precision") if base else None, "baseline_id": base.get("id") if base else None,
             "loss_delta": loss - base_loss if r.get("status") == "ok" and _finite(loss) and _finite(base_loss)
             else None,
+            "loss_delta_se": math.hypot(_loss_sem(r), _loss_sem(base)) if base else None,
             "sweep_id": r.get("sweep_id"), "run_key": r.get("run_key"), "created_at": r.get("created_at"),
             "system": system_name(r.get("gpu")), "seq_len": seq, "mbs": mbs, "gbs": gbs,
             "grad_accum": cfg.get("gbs", 0) // max(1, cfg.get("mbs", 1) * cfg.get("dp", 1)) if cfg else None,
@@ -249,16 +263,158 @@ def _cell(row: dict, key: str, fmt: str, rows: list[dict] = ()) -> str:
     return "n/a" if v is None else fmt.format(v)
 
 
-def to_rich(rows: list[dict], title: str | None = None) -> Table:
-    """The flat table for the console; every text is literal (a ``[`` in a path or error is no markup)."""
+def quantizes(precision: str | None) -> str:
+    """What a recipe quantizes, in a few words: the block linears' element formats and scaling, and the
+    ingredients that change which GEMMs or layers stay in higher precision."""
+    from lpbench.precision.recipes import get_recipe
+
+    try:
+        r = get_recipe(precision)
+    except Exception:  # an old row of a recipe since renamed
+        return "?"
+    if not r.quantized:
+        return f"nothing ({'FP32' if r.gemm_class is None else 'BF16'} GEMMs)"
+    fmt = r.fwd_format.upper() + (f", grads {r.grad_format.upper()}" if r.grad_format != r.fwd_format else "")
+    scale = {"tensor": "per-tensor", "delayed": "per-tensor, delayed", "row": "per-row",
+             "block": f"1x{r.block} blocks" + (f" (W {r.block}x{r.block})" if r.weight_block_2d else ""),
+             "mx": f"1x{r.block} blocks, E8M0 scales",
+             "nvfp4": f"1x{r.block} blocks" + (f" (W {r.block}x{r.block})" if r.weight_block_2d else "")
+                      + ", E4M3 scales"}[r.scaling.value]
+    extra = ["wgrad BF16"] if r.wgrad_bf16 else []
+    extra += ["RHT wgrad"] if r.rht_wgrad else []
+    extra += ["SR grads"] if r.stochastic_grads else []
+    bf16 = r.first_bf16_layers + r.last_bf16_layers
+    extra += [f"{bf16} blocks BF16"] if bf16 else []
+    return f"{fmt}, {scale}" + "".join(f"; {e}" for e in extra)
+
+
+def _delta_text(row: dict) -> str:
+    """Δ loss vs the baseline, with the standard error of the two tail means: ``+0.0251 ±0.0310``."""
+    d = row.get("loss_delta")
+    if d is None:
+        return "n/a"
+    if row.get("id") is not None and row.get("id") == row.get("baseline_id"):
+        return "0 (ref)"
+    se = row.get("loss_delta_se")
+    return f"{d:+.4f}" + (f" ±{se:.4f}" if _finite(se) and se > 0 else "")
+
+
+WRAPPED = {"quantizes": 24}  # text columns that wrap onto more lines (their narrowest width); no others do
+
+
+def _fit(columns: dict[str, list[str]], headers: dict[str, str]) -> int:
+    """Width of a rich table with these cells: each column its widest line (a wrapped one its narrowest)
+    plus padding, plus borders."""
+    widths = [WRAPPED.get(key) or max([len(x) for x in headers[key].split("\n")] + [len(c) for c in cells])
+              for key, cells in columns.items()]
+    return sum(w + 2 for w in widths) + len(widths) + 1
+
+
+_SHARED_LABEL = {  # a setting every row of the run table shares, as the title says it
+    "workload": lambda v, cpu: v, "model": lambda v, cpu: f"model {v}", "system": lambda v, cpu: v,
+    "batch": lambda v, cpu: "GBS/MBS/seq " + v, "num_gpus": lambda v, cpu: f"{v} {'process' if cpu else 'GPU'}(es)"
+    if v != "1" else f"1 {'process' if cpu else 'GPU'}",
+    "layout": lambda v, cpu: f"layout {v}", "steps": lambda v, cpu: f"{v} steps"}
+_SETTING_COLUMNS = tuple(_SHARED_LABEL)
+
+
+def to_rich(rows: list[dict], title: str | None = None, width: int | None = None, wide: bool = False) -> Table:
+    """The flat table for the console, fitted to ``width`` columns (default: the console's).
+
+    Settings that every row shares (model, batch, GPUs, layout, steps) move to the title; columns whose
+    every cell is n/a go; then, until the table fits, the least important column goes (their names are
+    listed under the table). A precision, model or number is never cut: every cell is one whole line.
+    ``wide`` keeps every column. On a CPU or with emulated GEMMs the loss columns lead and the speed
+    column's header says its ratios do not predict GPU speed. Every text is literal (a ``[`` in a
+    path or error is no markup)."""
     from rich.text import Text
 
-    table = Table(title=None if title is None else Text(title),
-                  caption=NOT_GPU_SPEED if any(r.get("not_gpu_speed") for r in rows) else None)
-    for header in _headers(rows):
-        table.add_column(header, justify="left" if header in ("model", "precision", "path", "status") else "right")
-    for row in rows:
-        table.add_row(*(Text(_cell(row, k, f, rows)) for k, _, f in COLUMNS))
+    from lpbench.console import console
+
+    width = width or console.width
+    cpu_like = bool(rows) and all(r.get("system") == "CPU" for r in rows)
+    any_mark = any(r.get("not_gpu_speed") for r in rows)
+    notes: list[str] = []
+
+    def status(r):
+        if r.get("status") == "ok":
+            return "ok" + (f" (resumed from step {r['resumed_from_step']})" if r.get("resumed_from_step") else "")
+        if r.get("error"):
+            notes.append(f"[{len(notes) + 1}] {r.get('precision')}: {r.get('status')}: {r['error']}")
+            return f"{_status_cell(r)} [{len(notes)}]"
+        return _status_cell(r)
+
+    def layout(r):
+        return " ".join(f"{k.upper()}{_int(r[k])}" for k in ("tp", "pp", "cp", "ep", "dp") if r.get(k, 1) not in (1, None)
+                        ) + (" FSDP" if r.get("fsdp") else "") + (" compiled" if r.get("compile") else "") or "-"
+
+    speed_head = ("speed vs\nBF16 (CPU:\nnot\npredictive)" if cpu_like
+                  else "speed vs\nBF16\n(†: emulated,\nnot predictive)" if any_mark else "speed vs\nBF16")
+    loss_head = "loss (mean\nlast steps)"
+    # (key, header, importance: higher stays longer, cell); the order is the order shown
+    speed_cols = [("speedup", speed_head, 6,
+                   lambda r: speedup_text(r).replace(" †", "") if cpu_like else speedup_text(r)), ("step_time_ms", "step ms\n(IQR)", 2, step_time_text),
+                  ("tokens_per_sec_per_gpu", "tokens/s\n/GPU", 4, lambda r: _cell(r, "tokens_per_sec_per_gpu", "{:,.0f}")),
+                  ("tflops_per_gpu", tflops_header(rows, "TFLOP/s\n/GPU").replace(" (", "\n("), 3,
+                   lambda r: _cell(r, "tflops_per_gpu", "{:.3g}", rows)),
+                  ("mfu_bf16", "MFU", 3, lambda r: _cell(r, "mfu_bf16", "{:.1%}"))]
+    loss_cols = [("loss_delta", "Δ loss\nvs BF16", 9, _delta_text),
+                 ("tail_loss", loss_head, 6.5 if cpu_like else 5, lambda r: _cell(r, "tail_loss", "{:.4f}"))]
+    mem = ("peak_mem_gb", "peak mem\nGB" + ("\n(host RSS)" if cpu_like else ""), 3 if cpu_like else 5,
+           lambda r: _cell(r, "peak_mem_gb", "{:.2f}"))
+    what = ("quantizes", "quantizes", 7 if cpu_like else 1, lambda r: quantizes(r.get("precision")))
+    setting = [("workload", "workload", 8, lambda r: str(r.get("workload"))),
+               ("model", "model", 9, lambda r: str(r.get("model"))),
+               ("system", "system", 8, lambda r: str(r.get("system"))),
+               ("batch", "GBS/MBS\n/seq", 8, lambda r: str(r.get("batch"))),
+               ("num_gpus", "GPUs", 8, lambda r: str(r.get("num_gpus"))),
+               ("layout", "layout", 8, layout),
+               ("steps", "steps", 8, lambda r: str(r.get("steps")))]
+    head = [("precision", "precision", 10, lambda r: str(r.get("precision"))),
+            ("path", "path", 8, lambda r: str(r.get("path") or "-"))]
+    if cpu_like:
+        spec = setting + head + [what] + loss_cols + speed_cols[:1] + [mem] + speed_cols[1:]
+    else:
+        spec = setting + head + speed_cols[:1] + [mem] + speed_cols[1:] + loss_cols + [what]
+    spec.append(("status", "status", 10, status))
+    cells = {key: [fn(r) for r in rows] for key, _, _, fn in spec}
+    shared = []
+    keep = []
+    for key, header, rank, fn in spec:
+        values = cells[key]
+        if key in _SETTING_COLUMNS and len(set(values)) <= 1 and rows and not wide:
+            if values and values[0] not in ("None", "-", ""):
+                shared.append(_SHARED_LABEL[key](values[0], cpu_like))
+            continue
+        if not wide and rows and all(v == "n/a" for v in values):
+            continue
+        keep.append((key, header, rank))
+    hidden = []
+    while not wide and len(keep) > 1 and _fit({k: cells[k] for k, _, _ in keep}, {k: h for k, h, _ in keep}) > width:
+        drop = min((c for c in keep if c[2] < 9), key=lambda c: c[2], default=None)
+        if drop is None:
+            break
+        keep.remove(drop)
+        hidden.append(drop[1].replace("\n/", "/").replace("\n", " "))
+    heading = title or ""
+    if shared:
+        heading += ("\n" if heading else "") + " · ".join(shared)
+    caption = []
+    if any_mark and not cpu_like:
+        caption.append(NOT_GPU_SPEED)
+    if any(r.get("tail_steps") for r in rows):
+        caption.append("loss: mean of the last quarter of the steps; ± the standard error of Δ from both runs' "
+                       "step-to-step noise (not seed noise: rerun with --seed to see that)")
+    if hidden:
+        caption.append(f"not shown at {width} columns: {', '.join(hidden)} (--wide shows every column)")
+    table = Table(title=Text(heading) if heading else None,
+                  caption=Text("\n".join(caption + notes)) if caption or notes else None, caption_justify="left")
+    for key, header, _ in keep:
+        table.add_column(Text(header), no_wrap=key not in WRAPPED, min_width=WRAPPED.get(key),
+                         justify="left" if key in ("model", "precision", "path", "status", "quantizes", "workload",
+                                                   "system", "layout") else "right")
+    for i in range(len(rows)):
+        table.add_row(*(Text(cells[k][i]) for k, _, _ in keep))
     return table
 
 

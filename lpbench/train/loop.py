@@ -374,6 +374,18 @@ def step_time_dist(times: list[float]) -> dict:
             "step_time_max_s": max(times)}
 
 
+def tail_loss(steps: list[dict]) -> dict:
+    """The training loss over the last quarter of the steps (at least one): its mean, the standard error
+    of that mean (step-to-step noise; 0 for one step) and the step count. A comparison of precisions
+    reads this mean, not the last step's loss, which one batch moves."""
+    losses = [s["loss"] for s in steps if isinstance(s.get("loss"), (int, float)) and math.isfinite(s["loss"])]
+    if not losses or len(losses) < len(steps):  # a non-finite loss: the run diverged, no mean describes it
+        return {}
+    tail = losses[-max(1, len(losses) // 4):]
+    sem = statistics.stdev(tail) / math.sqrt(len(tail)) if len(tail) > 1 else 0.0
+    return {"tail_loss": statistics.fmean(tail), "tail_loss_sem": sem, "tail_steps": len(tail)}
+
+
 def summarize(steps: list[dict], cfg: RunConfig, fpt: float, gpu, precision_info: dict,
               device: torch.device) -> dict:
     """Summary metrics over the timed (post-warm-up) steps, each defined once (ARCHITECTURE.md, Metrics)."""
@@ -384,6 +396,7 @@ def summarize(steps: list[dict], cfg: RunConfig, fpt: float, gpu, precision_info
            "device_type": device.type, "num_gpus": cfg.world_size, "timed_steps": len(timed)}
     if steps:
         out["final_loss"] = steps[-1]["loss"]
+        out.update(tail_loss(steps))
     val = [s["val_loss"] for s in steps if "val_loss" in s]
     if val:
         out["val_loss"] = val[-1]
