@@ -132,7 +132,7 @@ def cmd_report(args) -> int:
     from lpbench.bench.store import ResultsStore
     from lpbench.report.build import run_report
 
-    return run_report(args, lambda: ResultsStore(args.results, create=False))
+    return run_report(args, lambda: [ResultsStore(d, create=False) for d in args.results or ["lpbench-results"]])
 
 
 # ----------------------------------------------------------------------------- flops

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -24,6 +25,69 @@ def select_runs(runs: list[dict], groups: list[str] | None) -> list[dict]:
     return [r for r in runs if r.get("group_id") in wanted or r.get("sweep_id") in wanted]
 
 
+def merged_runs(stores: list) -> tuple[list[dict], dict]:
+    """The runs of several databases as one list, and ``{run id: its store}``. With more than one
+    database a run's id becomes ``N:id`` (N counts the databases from 1) and its row names its
+    database (``results``), so that neither ids nor comparison groups mix databases."""
+    runs, where = [], {}
+    for n, store in enumerate(stores, 1):
+        for r in store.runs():
+            if len(stores) > 1:
+                r = {**r, "id": f"{n}:{r['id']}", "db_id": r["id"], "results": str(store.path)}
+            where[r["id"]] = store
+            runs.append(r)
+    return runs, where
+
+
+def _when(r: dict) -> str:
+    return (r.get("created_at") or "")[:16].replace("T", " ")
+
+
+def group_list(runs: list[dict]) -> list[dict]:
+    """One entry per ``lpbench run`` invocation or sweep: id, when it started, its runs, precisions,
+    models, database, and the settings in which it differs from the other groups."""
+    from lpbench.config import NOT_IN_KEY
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r.get("results"), r.get("sweep_id") or r.get("group_id")), []).append(r)
+    ignore = {"precision", *NOT_IN_KEY}
+    settings = [{k: v for k, v in (members[0].get("config") or {}).items() if k not in ignore}
+                for members in groups.values()]
+    differ = sorted({k for s in settings for k in s if len({json.dumps(t.get(k), default=str) for t in settings}) > 1})
+    out = []
+    for ((results, gid), members), s in zip(groups.items(), settings):
+        out.append({"group": gid, "kind": "sweep" if members[0].get("sweep_id") else "run",
+                    "when": min(_when(r) for r in members), "runs": len(members),
+                    "precisions": list(dict.fromkeys(r.get("precision") for r in members)),
+                    "models": list(dict.fromkeys(r.get("model") for r in members)),
+                    "statuses": {st: sum(r.get("status") == st for r in members)
+                                 for st in dict.fromkeys(r.get("status") for r in members)},
+                    "results": results, "differs": {k: s.get(k) for k in differ}})
+    return out
+
+
+def print_group_list(groups: list[dict], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(groups, indent=2, default=str))
+        return
+    from rich.table import Table
+    from rich.text import Text
+
+    from lpbench.console import console
+
+    table = Table(title="lpbench report --list: groups (pass one to --group)")
+    for name in ("group", "when (UTC)", "runs", "precisions", "models", "what differs"):
+        table.add_column(name, no_wrap=name in ("group", "when (UTC)", "runs"),
+                         justify="right" if name == "runs" else "left")
+    for g in groups:
+        status = ", ".join(f"{n} {s}" for s, n in g["statuses"].items())
+        table.add_row(Text(f"{g['group']}" + (f"\n({g['kind']})")), Text(g["when"]), Text(f"{g['runs']}\n{status}"),
+                      Text(", ".join(map(str, g["precisions"]))), Text(", ".join(map(str, g["models"]))),
+                      Text(", ".join(f"{k}={v}" for k, v in g["differs"].items()) or "-"))
+    console.print(table)
+
+
 def report_markdown(rows: list[dict], plot_files: list[Path] = ()) -> str:
     if not rows:
         return "No runs recorded."
@@ -35,21 +99,25 @@ def report_markdown(rows: list[dict], plot_files: list[Path] = ()) -> str:
 
 
 def run_report(args, open_store) -> int:
-    """``lpbench report``; ``open_store()`` opens the results database (a ``bench.store.ResultsStore``: the
-    command layer's, so that reports need not import the layer that records runs)."""
+    """``lpbench report``; ``open_store()`` opens the results databases (each a ``bench.store.ResultsStore``, the
+    command layer's, so that reports need not import the layer that records runs), reported as one."""
     if args.html:
         check_file(args.html, "--html")
     if args.plots:
         check_dir(args.plots, "--plots")
-    store = open_store()
-    runs = select_runs(store.runs(), args.group)
+    stores = open_store()
+    all_runs, where = merged_runs(stores)
+    if getattr(args, "list", False):
+        print_group_list(group_list(all_runs), args.format == "json")
+        return 0
+    runs = select_runs(all_runs, args.group)
     rows = summary_rows(runs)
     plots: dict[str, bytes] = {}
     plot_files: list[Path] = []
     if args.plots or args.html:
         from lpbench.report.plots import all_plots
 
-        plots = all_plots(rows, {r["id"]: store.steps(r["id"]) for r in runs})
+        plots = all_plots(rows, {r["id"]: where[r["id"]].steps(r.get("db_id", r["id"])) for r in runs})
     if args.plots:
         out = Path(args.plots)
         for name, png in plots.items():
@@ -61,7 +129,7 @@ def run_report(args, open_store) -> int:
 
         tables = workload_tables(rows) + time_to_train_tables(rows) if rows else []
         systems = sorted({r["system"] for r in rows})
-        meta = [f"{len(rows)} runs from {store.path}" + (f" (groups: {', '.join(args.group)})" if args.group else ""),
+        meta = [f"{len(rows)} runs from {', '.join(str(s.path) for s in stores)}" + (f" (groups: {', '.join(args.group)})" if args.group else ""),
                 f"systems: {', '.join(systems) or 'none'}; statuses: "
                 + ", ".join(f"{s} {sum(r['status'] == s for r in rows)}"
                             for s in dict.fromkeys(r["status"] for r in rows))]

@@ -139,6 +139,7 @@ def throughput_vs_seq(rows: list[dict]) -> bytes | None:
         panels.setdefault((r.get("workload"), r["model"], r["system"], r.get("num_gpus") or 1, r.get("backend")),
                           []).append(r)
     keys = list(panels)[:MAX_PANELS]
+    pooled = 1  # the most runs one point stands for
     fig, axes = plt.subplots(len(keys), 2, figsize=(10, 3.2 * len(keys)), squeeze=False)
     for row_axes, key in zip(axes, keys):
         members = panels[key]
@@ -147,9 +148,12 @@ def throughput_vs_seq(rows: list[dict]) -> bytes | None:
                                    (row_axes[1], "tflops_per_gpu", "model TFLOP / s / GPU")):
             for p in _precisions(members):
                 best: dict[int, float] = {}
+                count: dict[int, int] = {}
                 for r in members:
                     if r["precision"] == p and _finite(r.get(metric)):
                         best[r["seq_len"]] = max(best.get(r["seq_len"], 0.0), r[metric])
+                        count[r["seq_len"]] = count.get(r["seq_len"], 0) + 1
+                pooled = max([pooled, *count.values()])
                 xs = sorted(best)
                 emulated = any(r["precision"] == p and r.get("path") == "emulated" for r in members)
                 ax.plot(xs, [best[x] for x in xs], marker="o", lw=2, color=colour(p, order),
@@ -167,7 +171,12 @@ def throughput_vs_seq(rows: list[dict]) -> bytes | None:
             ax.set_title(f"{model} · {system} · {_devices(n, system)} · {wl or 'pretrain'}")
         row_axes[0].legend(loc="best")
     extra = f" (first {MAX_PANELS} of {len(panels)})" if len(panels) > MAX_PANELS else ""
-    fig.suptitle("Throughput vs sequence length (best batch config per point)" + extra, fontweight="bold")
+    drawn = list(dict.fromkeys(r.get("sweep_id") or r.get("group_id") or "?" for r in ok))
+    how = (f"each point the fastest of up to {pooled} runs (batch configs, groups)" if pooled > 1
+           else "one run per point")
+    fig.suptitle(f"Throughput vs sequence length{extra}\n{how}; {len(ok)} runs from "
+                 + (", ".join(drawn[:4]) + (f" and {len(drawn) - 4} more" if len(drawn) > 4 else ""))
+                 + " (lpbench report --group picks runs)", fontweight="bold", fontsize=9)
     fig.tight_layout()
     return _png(fig)
 

@@ -100,8 +100,8 @@ def _layout(r: dict) -> dict:
 
 def group_key(r: dict) -> tuple:
     """What must match for two runs to be compared: the same work on the same machine."""
-    return (r.get("group_id"), r.get("workload"), r.get("model"), r.get("seq_len"), r.get("mbs"), r.get("gbs"),
-            r.get("num_gpus"), r.get("gpu"), json.dumps(_layout(r), sort_keys=True))
+    return (r.get("results"), r.get("group_id"), r.get("workload"), r.get("model"), r.get("seq_len"), r.get("mbs"),
+            r.get("gbs"), r.get("num_gpus"), r.get("gpu"), json.dumps(_layout(r), sort_keys=True))
 
 
 def _baselines(runs: list[dict]) -> dict[tuple, dict]:
@@ -216,6 +216,7 @@ def summary_rows(runs: list[dict]) -> list[dict]:
             else None,
             "loss_delta_se": math.hypot(_loss_sem(r), _loss_sem(base)) if base else None,
             "sweep_id": r.get("sweep_id"), "run_key": r.get("run_key"), "created_at": r.get("created_at"),
+            "results": r.get("results"),
             "system": system_name(r.get("gpu")), "seq_len": seq, "mbs": mbs, "gbs": gbs,
             "grad_accum": cfg.get("gbs", 0) // max(1, cfg.get("mbs", 1) * cfg.get("dp", 1)) if cfg else None,
             **{k: v for k, v in _layout(r).items()},
@@ -531,8 +532,8 @@ def _group_order(rows: list[dict]) -> list[list[dict]]:
 
 
 def _row_group(r: dict) -> tuple:
-    return (r.get("group_id"), r.get("workload"), r.get("model"), r.get("seq_len"), r.get("mbs"), r.get("gbs"),
-            r.get("num_gpus"), r.get("gpu"), tuple((k, r.get(k)) for k in layout_keys() if k in r))
+    return (r.get("results"), r.get("group_id"), r.get("workload"), r.get("model"), r.get("seq_len"), r.get("mbs"),
+            r.get("gbs"), r.get("num_gpus"), r.get("gpu"), tuple((k, r.get(k)) for k in layout_keys() if k in r))
 
 
 def workload_tables(rows: list[dict]) -> list[TextTable]:
@@ -543,17 +544,18 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
         mine = [r for r in rows if (r.get("workload") or "pretrain") == wl]
         layout = [k for k in layout_keys(numbers_only=True) if any(k in r for r in mine)]
         show_fsdp = any(r.get("fsdp") for r in mine)
-        config_cols = ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length", *[k.upper() for k in layout],
-                       *(["FSDP"] if show_fsdp else []), "GA"]
+        config_cols = ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length",
+                       *[k.upper() for k in layout], *(["FSDP"] if show_fsdp else []), "GA", "Steps",
+                       "Group (when, UTC)"]
         tflops = tflops_header(mine, "Model TFLOP / sec / GPU")
         metric_cols = ["Precision", "Backend", "Path", "Step ms (IQR)", "Tokens / sec / GPU", tflops,
                        "MFU",
-                       "Speedup over BF16", "Peak mem (GB)", "Final loss", "Δ loss vs BF16"]
+                       "Speedup over BF16", "Peak mem (GB)", "Loss (last-steps mean)", "Δ loss vs BF16"]
         columns = config_cols + metric_cols
-        first_num = {"#-GPUs", "GBS", "MBS", "Seq Length", "GA", "FSDP", *[k.upper() for k in layout],
+        first_num = {"#-GPUs", "GBS", "MBS", "Seq Length", "GA", "Steps", "FSDP", *[k.upper() for k in layout],
                      "Step ms (IQR)", "Tokens / sec / GPU", tflops, "MFU", "Speedup over BF16",
                      "Peak mem (GB)",
-                     "Final loss", "Δ loss vs BF16"}
+                     "Loss (last-steps mean)", "Δ loss vs BF16"}
         table = TextTable(title=WORKLOAD_TITLES.get(wl, wl), columns=columns,
                           rows=[], right={i for i, c in enumerate(columns) if c in first_num})
         mem_kinds = set()
@@ -561,11 +563,13 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
             table.group_starts.add(len(table.rows))
             for i, r in enumerate(members):
                 if i == 0:
+                    when = (r.get("created_at") or "")[5:16].replace("T", " ")
                     cfg_cells = [r["model"], r["system"], str(r.get("num_gpus") or 1), str(r["gbs"]), str(r["mbs"]),
                                  str(r["seq_len"]), *[str(_int(r.get(k, ""))) for k in layout],
                                  *([("yes, FP8 all-gather" if r.get("fsdp_fp8_all_gather") else "yes")
                                     if r.get("fsdp") else "no"] if show_fsdp else []),
-                                 str(r.get("grad_accum") or "")]
+                                 str(r.get("grad_accum") or ""), str(r.get("steps") or ""),
+                                 f"{r.get('sweep_id') or r.get('group_id') or '-'} ({when})"]
                 else:
                     cfg_cells = [""] * len(config_cols)
                 mem_kinds.add(r.get("memory_kind"))
@@ -578,9 +582,9 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                     metric = [step_time_text(r), _num(r.get("tokens_per_sec_per_gpu")),
                               tflops_cell(mine, r, _num(r.get("tflops_per_gpu"))),
                               _num(r.get("mfu_bf16"), "pct"), speed, _num(r.get("peak_mem_gb"), "gb"),
-                              _num(r.get("final_loss")) if not _finite(r.get("final_loss"))
-                              else f"{r['final_loss']:.4f}",
-                              "n/a" if delta is None else ("0" if r["id"] == r["baseline_id"] else f"{delta:+.4f}")]
+                              _num(r.get("tail_loss")) if not _finite(r.get("tail_loss"))
+                              else f"{r['tail_loss']:.4f}",
+                              "n/a" if delta is None else ("0" if r["id"] == r["baseline_id"] else _delta_text(r))]
                 else:
                     note = len(table.notes) + 1
                     table.notes.append(f"[{note}] {r['model']} {precision_name(r['precision'])} "
@@ -597,8 +601,9 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
         mem = ("Peak mem: allocator peak per GPU" if "cuda" in mem_kinds else "") + \
               (("; " if "cuda" in mem_kinds else "Peak mem: ") + "the run's peak host resident set size on CPU"
                if "host-rss" in mem_kinds else "")
-        table.caption = ("Speedup and Δ loss (final loss minus the baseline's) are against the BF16 run of the same "
-                         "group (same invocation or sweep, model, batch, GPUs and layout). MFU against the GPU's "
+        table.caption = ("Speedup and Δ loss are against the BF16 run of the same group (same invocation or sweep, "
+                         "model, batch, GPUs and layout); loss: the mean over the last quarter of the steps, Δ ± "
+                         "the standard error of both means (step-to-step noise, not seed noise). MFU against the GPU's "
                          "dense BF16 peak; n/a on CPU. Step ms: median over the timed steps (interquartile range); "
                          "a speedup's interval comes from both runs' quartiles, \"within noise\" where they overlap. "
                          + (mem + "." if mem else ""))
