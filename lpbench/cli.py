@@ -88,7 +88,7 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
 
 
 def cmd_run(args) -> int:
-    from lpbench.bench.progress import RunsProgress, next_command
+    from lpbench.bench.progress import RunsProgress, next_command, step_costs
     from lpbench.bench.runner import execute, record
     from lpbench.bench.store import ResultsStore
     from lpbench.report.tables import summary_rows, to_json, to_rich
@@ -107,7 +107,8 @@ def cmd_run(args) -> int:
     store = None  # opened at the first result: a run rejected on the way creates no database
     group = uuid.uuid4().hex[:12]
     statuses = []
-    with RunsProgress(console, [(cfg.precision, cfg.steps) for cfg in configs], enabled=is_main) as progress:
+    with RunsProgress(console, [(cfg.precision, cfg.steps) for cfg in configs], step_costs(configs),
+                      enabled=is_main) as progress:
         for i, cfg in enumerate(configs):
             progress.start(i)
             result = execute(cfg, results_dir=args.results, on_step=progress.step)

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -113,3 +114,53 @@ def test_progress_eta_is_the_rate_so_far_times_the_steps_left(monkeypatch):
         assert p.progress.tasks[0].completed == 31
         now[0] += 10
         assert p.finish(1, "diverged").endswith("elapsed 0:00:15 | all runs done")
+
+
+def test_progress_eta_counts_each_recipes_expected_cost_and_then_its_own_rate(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from lpbench.bench import progress as pg
+
+    now = [0.0]
+    monkeypatch.setattr(pg.time, "monotonic", lambda: now[0])
+    costs = [pg.step_cost("bf16", False), pg.step_cost("fp8-tensorwise", True), pg.step_cost("nvfp4", True)]
+    assert costs == [1.0, 3.0, 5.0] and pg.step_cost("fp8-tensorwise", False) == 1.0
+    console = Console(file=io.StringIO(), width=200)
+    with pg.RunsProgress(console, [("bf16", 11), ("fp8-tensorwise", 10), ("nvfp4", 10)], costs) as p:
+        p.start(0)
+        for step in range(1, 12):
+            now[0] += 1.0
+            p.step({"step": step})
+        # 1 s a BF16 step; then 10 steps at 3x and 10 at 5x, not 20 at BF16's rate
+        assert p.finish(0, "ok").split(" | ")[2].startswith("ETA 0:01:20 for 2 more run(s)")
+        p.start(1)
+        for step in range(1, 4):
+            now[0] += 2.0  # faster than estimated: its own rate takes over
+            p.step({"step": step})
+        here, total = p.eta(10 - 3)
+        assert here == 14.0 and total == 14.0 + 50.0
+        p.finish(1, "diverged")
+        assert [t.description for t in p.progress.tasks] == ["all 3 runs"]  # no stale bar of the diverged run
+
+
+def test_fully_resumed_sweep_says_so_without_an_empty_bar(tmp_path, monkeypatch):
+    import io
+
+    import yaml
+    from rich.console import Console
+
+    from lpbench.bench import sweep as sw
+    from lpbench.bench.store import ResultsStore
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text(yaml.safe_dump({"name": "s", "model": "tiny", "device": "cpu", "steps": 3, "warmup_steps": 1,
+                                    "seq_len": 32, "mbs": 2, "gbs": 2, "precision": ["bf16", "fp32"]}))
+    monkeypatch.setattr(ResultsStore, "finished_keys", lambda self, sweep_id: {r.key for r in sw.expand(
+        sw.load_spec(str(spec))).runs})
+    monkeypatch.setattr(sw, "execute", lambda *a, **k: pytest.fail("nothing should run"))
+    console = Console(file=io.StringIO(), width=200, force_terminal=True)
+    sw.run_sweep(str(spec), results=str(tmp_path), console=console)
+    out = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", console.file.getvalue())
+    assert "nothing to run: all 2 runs of s are recorded" in out and "0/0" not in out

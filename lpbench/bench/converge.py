@@ -229,7 +229,7 @@ def cmd_converge(args) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from lpbench.bench.progress import RunsProgress, next_command
+    from lpbench.bench.progress import RunsProgress, next_command, step_costs
     from lpbench.bench.runner import execute, record
     from lpbench.bench.store import ResultsStore
     from lpbench.console import console
@@ -254,7 +254,8 @@ def cmd_converge(args) -> int:
     group = uuid.uuid4().hex[:12]
     outcomes = []
     labels = [cfg.precision if cfg.seed == first.seed else f"{cfg.precision} @ seed {cfg.seed}" for cfg in configs]
-    with RunsProgress(console, [(label, cfg.steps) for label, cfg in zip(labels, configs)]) as progress:
+    with RunsProgress(console, [(label, cfg.steps) for label, cfg in zip(labels, configs)],
+                      step_costs(configs)) as progress:
         for i, cfg in enumerate(configs):
             progress.start(i)
             result = execute(cfg, results_dir=args.results, on_step=progress.step)

@@ -252,10 +252,13 @@ def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = 
     log_dir = results_dir / "sweeps" / sweep_id
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None  # e.g. scancel
+    if not pending:
+        console.print(f"nothing to run: all {len(sweep.runs)} runs of {sweep_id} are recorded (--no-resume measures "
+                      "them again)")
     try:
         with Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[sweep]}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                      TextColumn("{task.description}"), console=console) as progress:
+                      TextColumn("{task.description}"), console=console, disable=not pending) as progress:
             task = progress.add_task("", total=len(pending), sweep=sweep_id)
             for i, run in enumerate(pending, start=1):
                 label = sweep.label(run)
