@@ -53,6 +53,24 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                         "precision may be a list); flags given on the command line win")
 
 
+def sized_to_data(cfg, explicit: dict):
+    """``cfg`` with the model's vocabulary resized to a prepared dataset's (its ``.lpbench.json`` note), as
+    ``converge`` does, unless the vocabulary was set; one line on stderr says so."""
+    from lpbench.data.loader import data_vocab
+    from lpbench.models.registry import get_model_config
+
+    if cfg.workload != "pretrain" or cfg.hf_checkpoint or "vocab_size" in explicit or cfg.vocab_size is not None:
+        return cfg
+    found = data_vocab(cfg.data)
+    model_vocab = get_model_config(cfg.model).vocab_size
+    if found is None or found[0] == model_vocab:
+        return cfg
+    if os.environ.get("RANK", "0") == "0":
+        print(f"lpbench: model {cfg.model}'s vocabulary of {model_vocab} resized to the data's {found[0]} "
+              f"(from {found[1]})", file=sys.stderr)
+    return cfg.with_(vocab_size=found[0])
+
+
 def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     """Validated configs, one per precision, for ``world_size`` ranks (default: this launch's)."""
     from lpbench.bench.recommended import recommended_defaults
@@ -75,6 +93,7 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
                                        precision=(args.precision or [None])[0], explicit=explicit, world=world)
     base = RunConfig(**{**recommended, **explicit})  # explicit flags > the recommended config > RunConfig's defaults
     base = base.with_world(world, dp=args.dp)
+    base = sized_to_data(base, explicit)
     if base.tensorboard is not None:  # before any work: the optional package is there, or one line says how
         from lpbench.metrics.tensorboard import require_tensorboard
 

@@ -23,3 +23,26 @@ def csv_list(value: str) -> list[str]:
     if not items:
         raise argparse.ArgumentTypeError("expected a comma-separated list")
     return items
+
+
+class Ticker:
+    """Progress of a long loop as a plain line on stderr at most every ``every`` seconds (a log file reads it
+    as well as a terminal): ``tick = Ticker("lpbench data prepare"); tick(documents=n, tokens=t)``."""
+
+    def __init__(self, label: str, every: float = 5.0, stream=None):
+        import time
+
+        self.label, self.every, self.stream = label, every, stream or sys.stderr
+        self.clock = time.monotonic
+        self.t0 = self.last = self.clock()
+
+    def __call__(self, **counts) -> bool:
+        """Print the counts if ``every`` seconds passed since the last line; whether it printed."""
+        now = self.clock()
+        if now - self.last < self.every:
+            return False
+        self.last = now
+        s = int(now - self.t0)
+        done = ", ".join(f"{v:,} {k.replace('_', ' ')}" for k, v in counts.items())
+        print(f"{self.label}: {done} ({s // 60}:{s % 60:02d} elapsed)", file=self.stream, flush=True)
+        return True

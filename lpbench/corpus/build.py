@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from lpbench.console import Ticker
 from lpbench.corpus.roff import strip_roff
 from lpbench.errors import UsageError
 
@@ -272,6 +273,7 @@ def assemble(out_dir: str | os.PathLike, sources: list[str] | None = None,
     records: list[str] = []
     stats: dict = {"sources": {}, "seed": seed, "min_words": min_words, "dedup_min_words": DEDUP_MIN_WORDS}
     total_words = 0
+    tick = Ticker("lpbench data corpus")
     for name in names:
         src = SOURCES[name]
         dirs = (roots or {}).get(name) or list(src.roots)
@@ -286,6 +288,7 @@ def assemble(out_dir: str | os.PathLike, sources: list[str] | None = None,
                 continue
             for path, text in src.documents(root):
                 s["files"] += 1
+                tick(**{f"{name} files read": s["files"], "documents kept": len(records), "words": total_words})
                 if _non_ascii(text) > MAX_NON_ASCII or _stopword_share(text.lower().split()) < MIN_STOPWORDS:
                     s["dropped_not_english_prose"] += 1
                     continue

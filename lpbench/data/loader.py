@@ -59,8 +59,11 @@ class DataSplits(Splits):
                                          f"order: seeded shuffle (seed {self.seed}), sharded over data-parallel ranks",))
 
 
+VAL_FRACTION = 0.01  # of a real dataset's sequences held out for validation, rounded up
+
+
 def build_dataset(spec: str, tokenizer: "Tokenizer | str | None" = None, *, seq_len: int,
-                  seed: int = 0, vocab_size: int | None = None, val_fraction: float = 0.01,
+                  seed: int = 0, vocab_size: int | None = None, val_fraction: float = VAL_FRACTION,
                   val_sequences: int | None = None, text_key: str = "text",
                   text_unit: str = "paragraph", train_vocab_size: int | None = None,
                   eos_token: str | None = None,
@@ -92,6 +95,16 @@ def build_dataset(spec: str, tokenizer: "Tokenizer | str | None" = None, *, seq_
 
 
 MOCK_KINDS = {"mock": "walk", "mock-uniform": "uniform"}
+
+
+def data_vocab(spec: str) -> tuple[int, str] | None:
+    """(vocabulary size, where it was read) of a Megatron dataset that ``data prepare`` wrote, from its
+    ``PREFIX.lpbench.json`` note; None for mock data, raw text or a dataset without the note."""
+    if spec in MOCK_KINDS:
+        return None
+    prefix = spec[:-4] if spec.endswith((".bin", ".idx")) else spec
+    meta = read_metadata(prefix) if indexed.exists(prefix) else None
+    return (int(meta["vocab_size"]), prefix + METADATA_SUFFIX) if meta else None
 
 
 def _build_mock(tokenizer, seq_len, seed, vocab_size, val_sequences, eos_token, kind) -> DataSplits:

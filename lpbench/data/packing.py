@@ -112,5 +112,6 @@ def split_train_valid(tokens: np.ndarray, seq_len: int, num_valid: int,
     train = PackedSequences(tokens[:cut], seq_len, "train")
     valid = PackedSequences(tokens[cut:], seq_len, "validation")
     if len(train) == 0:
-        raise UsageError(f"{len(tokens):,} tokens leave no training sequence of {seq_len} tokens")
+        raise UsageError(f"{len(tokens):,} tokens leave no training sequence of {seq_len} tokens: give more text "
+                         "or a smaller --seq-len")
     return train, valid

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Iterable, Iterator
 
 import numpy as np
 
+from lpbench.console import Ticker
 from lpbench.data import indexed, sources
 from lpbench.data.tokenizer import (DEFAULT_EOS, Tokenizer, fingerprint, get_tokenizer,
                                     train_tokenizer)
@@ -36,6 +38,7 @@ def write_documents(docs: Iterable[str], tokenizer: Tokenizer, output_prefix: st
     """Tokenize ``docs`` into ``output_prefix.bin/.idx``; return the summary saved beside it."""
     dtype = indexed.optimal_dtype(tokenizer.vocab_size)
     n_docs = 0
+    tick = Ticker("lpbench data prepare")
     with indexed.IndexedDatasetWriter(output_prefix, dtype) as w:
         for ids in tokenize_documents(docs, tokenizer):
             if not ids:
@@ -44,6 +47,7 @@ def write_documents(docs: Iterable[str], tokenizer: Tokenizer, output_prefix: st
                 ids = ids + [tokenizer.eos_id]
             w.add_document(np.asarray(ids, dtype=np.int64))
             n_docs += 1
+            tick(documents=n_docs, tokens=w.num_tokens)
         n_tokens = w.num_tokens
     meta = {"format": "megatron-indexed", "prefix": os.fspath(output_prefix), "source": source,
             "documents": n_docs, "tokens": n_tokens, "dtype": np.dtype(dtype).name,
@@ -97,7 +101,16 @@ def build_tokenizer(input: str | os.PathLike, vocab_size: int, output: str | os.
     sources.list_files(input)  # fail fast on a bad path
     check_file(output, "--output")
     docs = sources.iter_documents(input, text_key=text_key, text_unit=text_unit)
-    return train_tokenizer(docs, vocab_size, eos_token=eos_token,
+    tick = Ticker("lpbench data tokenizer: reading")
+
+    def counted(docs):
+        for n, doc in enumerate(docs, 1):
+            tick(documents=n)
+            yield doc
+
+    print("lpbench data tokenizer: reading the documents and training a byte-level BPE on them", file=sys.stderr,
+          flush=True)
+    return train_tokenizer(counted(docs), vocab_size, eos_token=eos_token,
                            min_frequency=min_frequency, output=output)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -129,7 +130,7 @@ def train_tokenizer(docs: Iterable[str], vocab_size: int, eos_token: str = DEFAU
     tok.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eos_token],
-        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), show_progress=sys.stderr.isatty())
     tok.train_from_iterator(docs, trainer)
     out = HFTokenizer(tok, eos_token, source="corpus")
     out.description = (f"byte-level BPE trained on the corpus (vocab {out.vocab_size}, "

@@ -322,8 +322,14 @@ def eval_batch_count(cfg: RunConfig, valid) -> int:
     n_valid = len(valid)
     full = n_valid // (cfg.mbs * cfg.dp)
     if not full:
-        raise UsageError(f"--eval-every needs at least MBS x DP = {cfg.mbs * cfg.dp} validation sequences; "
-                         f"--data {cfg.data} has {n_valid} of {cfg.seq_len} tokens")
+        from lpbench.data.loader import VAL_FRACTION
+
+        need = cfg.mbs * cfg.dp
+        sequences = math.ceil((need - 1) / VAL_FRACTION) + 1  # the fewest whose held-out share gives `need`
+        raise UsageError(f"--eval-every needs at least MBS x DP = {need} validation sequences of {cfg.seq_len} "
+                         f"tokens; --data {cfg.data} holds out {n_valid} ({VAL_FRACTION:.0%} of its sequences): "
+                         f"about {sequences * cfg.seq_len:,} tokens of data are needed, or pass --eval-every 0 "
+                         "to judge by the training loss alone")
     return min(full, cfg.eval_batches) if cfg.eval_batches else full
 
 
