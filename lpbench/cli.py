@@ -98,6 +98,10 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
         from lpbench.metrics.tensorboard import require_tensorboard
 
         require_tensorboard()
+    if base.wandb is not None:
+        from lpbench.metrics.tensorboard import require_wandb
+
+        require_wandb()
     if args.precision is None:  # the default comparison runs anywhere: emulate what the device lacks
         base = base.with_(emulate=True if args.emulate is None else args.emulate)
     precisions = args.precision or DEFAULT_PRECISIONS

@@ -241,6 +241,10 @@ class RunConfig:
     tensorboard: str | None = field(default=None, metadata=arg(
         "also write each step's metrics as TensorBoard scalars to DIR/<model>-<precision>-<run key> (needs "
         "`pip install tensorboard`)", "none", metavar="DIR", section="observe", key=False))
+    wandb: str | None = field(default=None, metadata=arg(
+        "also log each step's metrics to Weights & Biases, offline, into DIR (project lpbench, one run per "
+        "precision; `wandb sync DIR/wandb/offline-run-*` uploads them later; needs `pip install wandb`)", "none",
+        metavar="DIR", section="observe", key=False))
 
     def __post_init__(self):
         """Fill the unset (None) settings whose default follows others (``derive``); ``derived`` names them."""

@@ -114,3 +114,43 @@ def test_tensorboard_missing_is_one_line_naming_the_install(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert "--tensorboard needs the tensorboard package: pip install tensorboard" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "tb").exists()
+
+
+def test_wandb_logs_each_step_offline(tmp_path, capsys, monkeypatch):
+    """--wandb DIR: one offline W&B run per precision with every step's metrics (a fake wandb module)."""
+    import sys
+    import types
+
+    runs = []
+
+    class FakeRun:
+        def __init__(self, **kw):
+            self.init, self.logged, self.finished = kw, [], False
+            runs.append(self)
+
+        def log(self, values, step):
+            self.logged.append((step, values))
+
+        def finish(self):
+            self.finished = True
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: FakeRun(**kw)))
+    assert main(["run", "--model", "tiny", "--seq-len", "32", "--mbs", "2", "--gbs", "2", "--steps", "3",
+                 "--warmup-steps", "1", "--precision", "bf16,fp32", "--wandb", str(tmp_path / "wb"),
+                 "--results", str(tmp_path)]) == 0
+    assert [r.init["config"]["precision"] for r in runs] == ["bf16", "fp32"]
+    assert all(r.init["mode"] == "offline" and r.init["dir"] == str(tmp_path / "wb") and r.finished for r in runs)
+    assert [step for step, _ in runs[0].logged] == [1, 2, 3]
+    assert runs[0].logged[0][1]["train/loss"] > 0 and "perf/tokens_per_sec_per_gpu" in runs[0].logged[0][1]
+
+
+def test_wandb_missing_is_one_line_naming_the_install(tmp_path, capsys, monkeypatch):
+    import sys
+
+    real = importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert main(["run", "--model", "tiny", "--wandb", str(tmp_path / "wb"), "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--wandb needs the wandb package: pip install wandb" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "results.db").exists()

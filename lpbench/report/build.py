@@ -46,12 +46,14 @@ def _when(r: dict) -> str:
 def group_list(runs: list[dict]) -> list[dict]:
     """One entry per ``lpbench run`` invocation or sweep: id, when it started, its runs, precisions,
     models, database, and the settings in which it differs from the other groups."""
-    from lpbench.config import NOT_IN_KEY
+    from dataclasses import fields
+
+    from lpbench.config import RunConfig, fact
 
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault((r.get("results"), r.get("sweep_id") or r.get("group_id")), []).append(r)
-    ignore = {"precision", *NOT_IN_KEY}
+    ignore = {"precision", *(f.name for f in fields(RunConfig) if not fact(f, "key"))}  # how a run is observed
     settings = [{k: v for k, v in (members[0].get("config") or {}).items() if k not in ignore}
                 for members in groups.values()]
     differ = sorted({k for s in settings for k in s if len({json.dumps(t.get(k), default=str) for t in settings}) > 1})

@@ -181,7 +181,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     checkpointer = Checkpointer(cfg, par.module, optimizer, scheduler, data, device, log)
     start, result.history = checkpointer.resume()  # 0, [] without --load
     profiler = StepProfiler(cfg.profile_range, f"{results_dir}/profiles/{cfg.key()}", device, log)
-    scalars = StepWriter(cfg.tensorboard if world.is_main else None, cfg.model, cfg.precision, cfg.key())
+    scalars = StepWriter(cfg.tensorboard if world.is_main else None, cfg.model, cfg.precision, cfg.key(),
+                         wandb_dir=cfg.wandb if world.is_main else None, config=cfg.to_dict())
     keep_unsharded = par.dims.fsdp_enabled and cfg.fsdp_shard == "zero1"
     par.module.train()
     try:
