@@ -117,3 +117,15 @@ def test_run_json_file(tmp_path, capsys):
     assert [r["precision"] for r in rows] == ["bf16", "fp32"]
     assert all(r["status"] == "ok" and r["tokens_per_sec_per_gpu"] > 0 and r["tail_loss"] > 0 for r in rows)
     assert rows[1]["loss_delta"] == pytest.approx(rows[1]["tail_loss"] - rows[0]["tail_loss"])
+
+
+def test_short_step_line_fits_100_columns():
+    from lpbench.train.loop import format_log_lines
+
+    rec = {"step": 12345, "loss": 10.1234, "step_time_s": 123.456, "tflops_per_gpu": 1917.3456,
+           "tokens_per_sec_per_gpu": 1234567.8, "lr": 0.000123456, "grad_norm": 1234.5678, "peak_mem_gb": 79.5}
+    (line,) = format_log_lines(rec, 100000, 4096, short=True)
+    assert len(line) <= 100, line
+    assert "step 12345/100000" in line and "loss 10.1234" in line and "1,234,568 tok/s/GPU" in line
+    full = format_log_lines(rec, 100000, 4096)  # the parsers' formats, unchanged off a terminal
+    assert full[1].startswith("iteration 12345/100000 | global_batch_size: 4096") and len(full) == 2

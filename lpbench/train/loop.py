@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -65,16 +66,22 @@ def plain(x: float, digits: int = 4) -> str:
     return f"{x:.{max(1, digits - 1 - math.floor(math.log10(abs(x))))}f}"
 
 
-def format_log_lines(rec: dict, steps: int, gbs: int) -> list[str]:
-    """A step's log lines, in the formats existing parsers read.
+def format_log_lines(rec: dict, steps: int, gbs: int, short: bool = False) -> list[str]:
+    """A step's log lines, in the formats existing parsers read, or (``short``) one line for a terminal.
 
     Megatron-Bridge's ``Step Time : 5.39s GPU utilization: 2347.0MODEL_TFLOP/s/GPU``, then one
     line with Megatron's fields (``iteration k/N``, ``lm loss``, ``elapsed time per iteration
     (ms)``) and NeMo's (``global_step``, ``reduced_train_loss``, ``train_step_timing in s``,
-    ``consumed_samples``, ``TFLOPS_per_GPU``). Numbers are plain decimals.
+    ``consumed_samples``, ``TFLOPS_per_GPU``). Numbers are plain decimals. The short line holds the
+    step, loss, step time, throughput, learning rate and gradient norm in under 100 characters.
     """
     mem = f"{rec['peak_mem_gb']:.1f}" if rec.get("peak_mem_gb") is not None else "n/a"
     step, loss, secs, tflops = rec["step"], rec["loss"], rec["step_time_s"], rec["tflops_per_gpu"]
+    if short:
+        took = f"{secs:.1f} s" if secs >= 10 else f"{secs * 1e3:.1f} ms"
+        rate = f"{tflops:,.0f}" if tflops >= 100 else plain(tflops, 3)
+        return [f"step {step}/{steps}  loss {loss:.4f}  {took}  {rec['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU  "
+                f"{rate} TFLOP/s  lr {rec['lr']:.2e}  gnorm {plain(rec['grad_norm'], 3)}"]
     return [f"Step Time : {secs:.2f}s GPU utilization: {plain(tflops)}MODEL_TFLOP/s/GPU",
             f"iteration {step}/{steps} | global_batch_size: {gbs} | global_step: {step} | "
             f"consumed_samples: {step * gbs} | lm loss: {loss:.4f} | reduced_train_loss: {loss:.4f} | "
@@ -181,6 +188,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     checkpointer = Checkpointer(cfg, par.module, optimizer, scheduler, data, device, log)
     start, result.history = checkpointer.resume()  # 0, [] without --load
     profiler = StepProfiler(cfg.profile_range, f"{results_dir}/profiles/{cfg.key()}", device, log)
+    short_lines = sys.stdout.isatty()  # a terminal: one short line a step; a log file: the parsers' formats
     scalars = StepWriter(cfg.tensorboard if world.is_main else None, cfg.model, cfg.precision, cfg.key(),
                          wandb_dir=cfg.wandb if world.is_main else None, config=cfg.to_dict())
     keep_unsharded = par.dims.fsdp_enabled and cfg.fsdp_shard == "zero1"
@@ -227,7 +235,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                     [a + b for a, b in zip(old, new)] for old, new in zip(expert_tokens, moe["tokens"])]
             result.steps.append(rec)
             if step % cfg.log_interval == 0 or step == cfg.steps:
-                for line in format_log_lines(rec, cfg.steps, cfg.gbs):
+                for line in format_log_lines(rec, cfg.steps, cfg.gbs, short=short_lines):
                     log(line)
                 if moe is not None:
                     log(format_moe_line(rec))
