@@ -73,7 +73,7 @@ def format_log_lines(rec: dict, steps: int, gbs: int, short: bool = False) -> li
     line with Megatron's fields (``iteration k/N``, ``lm loss``, ``elapsed time per iteration
     (ms)``) and NeMo's (``global_step``, ``reduced_train_loss``, ``train_step_timing in s``,
     ``consumed_samples``, ``TFLOPS_per_GPU``). Numbers are plain decimals. The short line holds the
-    step, loss, step time, throughput, learning rate and gradient norm in under 100 characters.
+    step, loss, step time, throughput and gradient norm in under 100 characters.
     """
     mem = f"{rec['peak_mem_gb']:.1f}" if rec.get("peak_mem_gb") is not None else "n/a"
     step, loss, secs, tflops = rec["step"], rec["loss"], rec["step_time_s"], rec["tflops_per_gpu"]
@@ -81,7 +81,7 @@ def format_log_lines(rec: dict, steps: int, gbs: int, short: bool = False) -> li
         took = f"{secs:.1f} s" if secs >= 10 else f"{secs * 1e3:.1f} ms"
         rate = f"{tflops:,.0f}" if tflops >= 100 else plain(tflops, 3)
         return [f"step {step}/{steps}  loss {loss:.4f}  {took}  {rec['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU  "
-                f"{rate} TFLOP/s  lr {rec['lr']:.2e}  gnorm {plain(rec['grad_norm'], 3)}"]
+                f"{rate} TFLOP/s  grad norm {plain(rec['grad_norm'], 3)}"]
     return [f"Step Time : {secs:.2f}s GPU utilization: {plain(tflops)}MODEL_TFLOP/s/GPU",
             f"iteration {step}/{steps} | global_batch_size: {gbs} | global_step: {step} | "
             f"consumed_samples: {step * gbs} | lm loss: {loss:.4f} | reduced_train_loss: {loss:.4f} | "
