@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rich.console import Console
 
-console = Console(width=None if sys.stdout.isatty() else 200)
+# A terminal's width, or $COLUMNS; 200 columns into a file or pipe (no terminal to fit)
+console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else 200)
 
 
 class Parser(argparse.ArgumentParser):

@@ -140,7 +140,7 @@ class RunsProgress:
             self.unit.append((now - self.first_step_at) / (self.steps_here - 1) / self.costs[index])
         self.index = index + 1
         left = self.total_steps - self.done_steps
-        eta = None
+        eta = None if left else 0.0
         if left:
             unit = self._unit()
             eta = sum(s * c * unit for (_, s), c in zip(self.runs[index + 1:], self.costs[index + 1:])) if unit else None
