@@ -34,31 +34,22 @@ MAKE_HF = ("python -c \"from lpbench.models import build_model, get_model_config
 SMALL = {
     "make run": f"make -C {REPO} run PYTHON=$VENV/bin/python RUN_ARGS=\"{TINY} --results $PWD/lpbench-results\"",
     "make test": None,  # .ci/run runs it (asserted below); here it would run this suite inside itself
-    "lpbench run --model llama3.2-1b --seq-len 4096 --mbs 2 --gbs 2 --steps 30 --precision bf16":
-        f"lpbench run {TINY} --precision bf16",
-    "lpbench run --workload lora --model llama3.2-1b --seq-len 4096 --mbs 2 --gbs 2 --steps 12 --precision "
-    "bf16,fp8-tensorwise --lora-rank 32 --lora-alpha 32 --lora-base-storage quantized":
-        f"lpbench run --workload lora {TINY} --precision bf16,fp8-tensorwise --lora-rank 4 --lora-alpha 4 "
-        "--lora-base-storage quantized",
-    "lpbench run --workload sft --hf-checkpoint ./Llama-3.2-1B --data squad.jsonl --precision bf16,fp8-tensorwise":
-        f"{MAKE_HF} && lpbench run --workload sft --hf-checkpoint ./Llama-3.2-1B --data squad.jsonl "
-        "--precision bf16,fp8-tensorwise --seq-len 64 --mbs 2 --gbs 2 --steps 3 --warmup-steps 1",
-    "lpbench run --model tiny --precision fp8-delayed --steps 60 --save-every 20 --save-dir ckpt":
-        f"lpbench run {TINY.replace('--steps 3', '--steps 4')} --precision fp8-delayed --save-every 2 --save-dir ckpt",
-    "lpbench run --model tiny --precision fp8-delayed --steps 60 --load ckpt/step-20":
-        f"lpbench run {TINY.replace('--steps 3', '--steps 4')} --precision fp8-delayed --load ckpt/step-2",
-    "lpbench run --model llama3-8b --precision fp8-tensorwise --steps 20 --profile-steps 12:13":
-        f"lpbench run {TINY} --precision fp8-tensorwise --profile-steps 3:3",
+    "lpbench --help": "lpbench --help",
+    "lpbench run": f"lpbench run {TINY}",
+    "lpbench report --list": "lpbench report --list",
+    "lpbench report --html report.html": "lpbench report --html report.html",
+    "lpbench run --model llama3.2-1b --seq-len 4096 --mbs 2 --gbs 16 --steps 30 --precision "
+    "bf16,fp8-tensorwise,fp8-rowwise": f"lpbench run {TINY} --precision bf16,fp8-tensorwise,fp8-rowwise",
+    "lpbench run --model llama3-8b --num-layers 16 --gpu h100":  # the CPU preset of the recommended configs
+        "lpbench run --model tiny --num-layers 1 --gpu cpu --steps 3 --warmup-steps 1 --precision bf16",
     "lpbench sweep examples/sweep-cpu.yaml":  # the example's 6 runs cut to 2
         f"sed -e 's/^precision: .*/precision: [bf16, fp32]/' -e 's/^seq_len: .*/seq_len: 32/' "
         f"{REPO}/examples/sweep-cpu.yaml > sweep-cpu.yaml && grep -q 'fp32' sweep-cpu.yaml && "
         "lpbench sweep sweep-cpu.yaml",
-    "lpbench sweep spec.yaml --dry-run": f"lpbench sweep {REPO}/examples/sweep-cpu.yaml --dry-run",
-    "lpbench report --group sweep-cpu --html report.html": "lpbench report --group sweep-cpu --html report.html",
-    "lpbench report": "lpbench report",
-    "lpbench report --group SWEEP_OR_RUN_ID --html report.html --plots plots/":
+    "lpbench report --group sweep-cpu --html report.html --plots plots/":
         "lpbench report --group sweep-cpu --html report.html --plots plots/",
-    "lpbench report --format csv > runs.csv": "lpbench report --format csv > runs.csv",
+    "lpbench report --results a/ --results b/ --format csv > runs.csv":
+        "lpbench report --results lpbench-results --results lpbench-results --format csv > runs.csv",
     "lpbench data corpus --out .corpus":
         "lpbench data corpus --out .corpus --sources licenses,python --max-words 30000",
     "lpbench data tokenizer --input .corpus/corpus.jsonl --vocab-size 8192 --output .corpus/prepared/tokenizer.json":
@@ -67,31 +58,41 @@ SMALL = {
     "--output-prefix .corpus/prepared/docs_text_document":
         "lpbench data prepare --input .corpus/corpus.jsonl --tokenizer .corpus/prepared/tokenizer.json "
         "--output-prefix .corpus/prepared/docs_text_document",
+    "lpbench run --data .corpus/prepared/docs_text_document --steps 40":
+        f"lpbench run --data .corpus/prepared/docs_text_document {TINY} --precision bf16",
     "lpbench converge --data .corpus/prepared/docs_text_document --model tiny --tokens 150000 --seq-len 128 --mbs 8 "
-    "--gbs 8 --eval-every 20 --eval-batches 4 --ablate rht --device cpu":
+    "--gbs 8 --eval-every 20 --eval-batches 4 --device cpu":
         "lpbench converge --data .corpus/prepared/docs_text_document --model tiny --tokens 2048 --seq-len 32 "
-        "--mbs 4 --gbs 4 --eval-every 8 --eval-batches 2 --precision bf16 --ablate rht --device cpu",
-    "lpbench converge --data .corpus/prepared/docs_text_document --model tiny --tokens 150000 --seq-len 128 --mbs 8 "
-    "--gbs 8 --precision bf16,nvfp4 --eval-every 20 --eval-batches 4 --device cpu --save-every 40 --save-dir ckpt":
-        "lpbench converge --data .corpus/prepared/docs_text_document --model tiny --tokens 2048 --seq-len 32 "
-        "--mbs 4 --gbs 4 --precision bf16,nvfp4 --eval-every 8 --eval-batches 2 --device cpu --save-every 6 --save-dir ckpt",
-    "lpbench converge --data .corpus/prepared/docs_text_document --model tiny --tokens 150000 --seq-len 128 --mbs 8 "
-    "--gbs 8 --precision bf16,nvfp4 --eval-every 20 --eval-batches 4 --device cpu --save-every 40 --save-dir ckpt --load ckpt":
-        "lpbench converge --data .corpus/prepared/docs_text_document --model tiny --tokens 2048 --seq-len 32 "
-        "--mbs 4 --gbs 4 --precision bf16,nvfp4 --eval-every 8 --eval-batches 2 --device cpu --save-every 6 --save-dir ckpt --load ckpt",
+        "--mbs 4 --gbs 4 --eval-every 8 --eval-batches 2 --precision bf16,nvfp4 --device cpu",
+    "lpbench run --workload lora --model llama3.2-1b --seq-len 4096 --mbs 2 --gbs 2 --steps 12 --precision "
+    "bf16,fp8-tensorwise --lora-rank 32 --lora-base-storage quantized":
+        f"lpbench run --workload lora {TINY} --precision bf16,fp8-tensorwise --lora-rank 4 --lora-alpha 4 "
+        "--lora-base-storage quantized",
+    "lpbench run --workload sft --hf-checkpoint ./Llama-3.2-1B --data squad.jsonl --precision bf16,fp8-tensorwise":
+        f"{MAKE_HF} && lpbench run --workload sft --hf-checkpoint ./Llama-3.2-1B --data squad.jsonl "
+        "--precision bf16,fp8-tensorwise --seq-len 64 --mbs 2 --gbs 2 --steps 3 --warmup-steps 1",
+    "lpbench run --model llama3-8b --nproc-per-node 8 --fsdp --precision bf16,fp8-tensorwise":
+        "lpbench run --model tiny --seq-len 32 --mbs 1 --gbs 2 --steps 3 --warmup-steps 1 --nproc-per-node 2 --fsdp "
+        "--device cpu --precision bf16,fp8-tensorwise",
+    "lpbench run --model tiny --nproc-per-node 2 --tp 2 --device cpu --steps 5":
+        f"lpbench run {TINY} --nproc-per-node 2 --tp 2 --device cpu --precision bf16",
+    "lpbench slurm --nodes 2 --gpus-per-node 8 --output nemotron.sbatch -- --model nemotron4-15b --gpu h100 "
+    "--num-gpus 16": "lpbench slurm --nodes 2 --gpus-per-node 8 --output nemotron.sbatch -- --model nemotron4-15b "
+                     "--gpu h100 --num-gpus 16 && grep -q 'nemotron4-15b' nemotron.sbatch",
 }
 # A command that reads another's output runs after it (the README shows it where it is explained).
-AFTER = {"lpbench converge": "lpbench data prepare"}
+AFTER = {"lpbench converge": "lpbench data prepare", "lpbench run --data": "lpbench data prepare"}
 
 
 def readme_commands() -> list[str]:
     """Every ``lpbench`` / ``make`` command of README.md's code blocks, continuation lines joined."""
     blocks, block, inside = [], [], False
+    text_block = False  # ```text blocks show output, not commands
     for line in (REPO / "README.md").read_text().splitlines():
         if line.startswith("```"):
-            if inside:
+            if inside and not text_block:
                 blocks.append("\n".join(block))
-            block, inside = [], not inside
+            block, inside, text_block = [], not inside, line.strip() == "```text"
         elif inside:
             block.append(line)
     out = []
