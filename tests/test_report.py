@@ -68,7 +68,7 @@ def test_speedup_and_loss_delta_are_against_bf16_of_the_group(store):
 
 
 def test_markdown_has_one_nemo_style_table_per_workload(store):
-    md = report_markdown(summary_rows(store.runs()))
+    md = report_markdown(summary_rows(store.runs()), wide=True)  # every column (the default names shared ones)
     assert md.index("## Pre-training") < md.index("## Fine-tuning (SFT)")
     pre = md[md.index("## Pre-training"):md.index("## Fine-tuning (SFT)")]
     lines = [ln for ln in pre.splitlines() if ln.startswith("| ")]

@@ -41,7 +41,7 @@ def test_report_tables_show_group_steps_and_when(tmp_path, capsys):
     _two_databases(tmp_path)
     assert main(["report", "--results", str(tmp_path / "a"), "--results", str(tmp_path / "b")]) == 0
     md = capsys.readouterr().out
-    header = next(line for line in md.splitlines() if line.startswith("| Model"))
+    header = next(line for line in md.splitlines() if line.startswith("| "))
     assert "Steps" in header and "Group (when, UTC)" in header
     assert "aaaa (" in md and "bbbb (" in md
     assert "| 10 |" in md and "| 20 |" in md
@@ -70,3 +70,17 @@ def test_throughput_plot_says_which_runs_it_draws(tmp_path, monkeypatch):
     runs, _ = merged_runs(list(_two_databases(tmp_path)))
     plots.throughput_vs_seq(summary_rows(runs))
     assert "fastest of up to 2 runs" in titles[0] and "aaaa" in titles[0] and "bbbb" in titles[0]
+
+
+def test_markdown_names_shared_columns_instead_of_repeating_them(tmp_path, capsys):
+    a = ResultsStore(tmp_path / "a")
+    _add(a, "bf16", "aaaa", 10, 7.0)
+    _add(a, "fp8-tensorwise", "aaaa", 10, 7.1, tps=500)
+    assert main(["report", "--results", str(tmp_path / "a")]) == 0
+    md = capsys.readouterr().out
+    header = next(line for line in md.splitlines() if line.startswith("| "))
+    assert "Model" not in header and "Steps" not in header and "Precision" in header
+    assert "Every row: Model tiny; System CPU" in md and "Steps 10" in md
+    assert main(["report", "--results", str(tmp_path / "a"), "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert next(line for line in wide.splitlines() if line.startswith("| ")).startswith("| Model | System")

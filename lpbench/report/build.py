@@ -90,10 +90,11 @@ def print_group_list(groups: list[dict], as_json: bool) -> None:
     console.print(table)
 
 
-def report_markdown(rows: list[dict], plot_files: list[Path] = ()) -> str:
+def report_markdown(rows: list[dict], plot_files: list[Path] = (), wide: bool = False) -> str:
+    """The report as markdown: columns whose every cell is the same are named in a note, unless ``wide``."""
     if not rows:
         return "No runs recorded."
-    blocks = [t.to_markdown() for t in workload_tables(rows)]
+    blocks = [(t if wide else t.compact()).to_markdown() for t in workload_tables(rows)]
     blocks += [t.to_markdown(level=3) for t in time_to_train_tables(rows)]
     if plot_files:
         blocks.append("## Plots\n\n" + "\n".join(f"![{md_escape(p.stem)}](<{p}>)" for p in plot_files))
@@ -138,7 +139,8 @@ def run_report(args, open_store) -> int:
         page = Path(args.html)
         write_file(page, render_page(tables, plots, meta=meta))
         print(f"lpbench report: wrote {page}", file=sys.stderr)
-    render = {"md": lambda r: report_markdown(r, plot_files), "csv": to_csv, "json": to_json}[args.format]
+    render = {"md": lambda r: report_markdown(r, plot_files, getattr(args, "wide", False)), "csv": to_csv,
+              "json": to_json}[args.format]
     text = render(rows)
     try:
         print(text, end="" if text.endswith("\n") else "\n", flush=True)

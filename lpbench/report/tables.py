@@ -467,6 +467,22 @@ class TextTable:
     notes: list[str] = field(default_factory=list)
     group_starts: set[int] = field(default_factory=set)  # row indexes that open a comparison group
 
+    def compact(self) -> "TextTable":
+        """This table without the columns whose every cell is the same (blank cells of a group's later rows
+        aside); a note names them with their value. The precision column and the numbers that differ stay."""
+        same = [i for i, c in enumerate(self.columns) if c != "Precision" and len({row[i] for row in self.rows
+                                                                                  if row[i] != ""}) == 1
+                and all(row[i] != "" for n, row in enumerate(self.rows) if n in self.group_starts)]
+        if not same or len(self.rows) < 2:
+            return self
+        keep = [i for i in range(len(self.columns)) if i not in same]
+        shared = "; ".join(f"{self.columns[i]} {next(row[i] for row in self.rows if row[i])}" for i in same)
+        return TextTable(title=self.title, columns=[self.columns[i] for i in keep],
+                         rows=[[row[i] for i in keep] for row in self.rows],
+                         right={keep.index(i) for i in self.right if i in keep}, caption=self.caption,
+                         notes=[f"Every row: {shared} (--wide shows these columns)", *self.notes],
+                         group_starts=set(self.group_starts))
+
     def to_markdown(self, level: int = 2) -> str:
         esc = md_escape
         out = [f"{'#' * level} {esc(self.title)}", ""]
