@@ -119,7 +119,7 @@ def test_the_facts_lists_come_from_the_declaration():
                                        "lora_rank", "lora_targets", "seq_len", "mbs", "gbs", "dp", "tp", "ep",
                                        "fsdp", "data", "seed"}
     assert {f.name for f in fields(RunConfig)} - set(settings("key")) == {
-        "save_every", "save_dir", "load", "profile_steps", "tensorboard", "flops_formula"}
+        "save_every", "save_dir", "load", "profile_steps", "tensorboard", "wandb", "flops_formula"}
     assert set(settings("converge")) >= {"model", "num_layers", "data", "seq_len", "mbs", "gbs", "lr", "eval_every",
                                          "eval_batches", "seed", "device", "compile", "emulate", "log_interval",
                                          "precision"}
