@@ -62,9 +62,12 @@ def test_run_then_report(tmp_path, capsys):
     assert [r["precision"] for r in rows] == ["bf16", "fp32"]
     assert rows[0]["speedup"] == pytest.approx(1.0) and rows[1]["speedup"] > 0
     assert all(r["status"] == "ok" and r["tokens_per_sec_per_gpu"] > 0 for r in rows)
-    assert main(["report", "--results", str(tmp_path), "--format", "md"]) == 0
+    assert main(["report", "--results", str(tmp_path), "--format", "md", "--wide"]) == 0
     md = capsys.readouterr().out
     assert md.startswith("## Pre-training") and md.count("\n| tiny | CPU | 1 |") == 1 and "| FP32 |" in md
+    assert main(["report", "--results", str(tmp_path), "--format", "md"]) == 0  # shared settings in one note
+    md = capsys.readouterr().out
+    assert "| tiny |" not in md and "Every row: Model tiny; System CPU" in md and "| FP32 |" in md
     assert main(["report", "--results", str(tmp_path), "--format", "csv"]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("id,group_id,workload,model,precision")
 
