@@ -15,7 +15,7 @@ from lpbench.errors import UsageError
 from lpbench.precision import apply_recipe, get_recipe
 from lpbench.precision.formats import E2M1, decode, encode, pack_e2m1, unpack_e2m1
 from lpbench.precision.kernels import block_scaled
-from lpbench.precision.linear import QuantizedLinear, qgemm
+from lpbench.precision.linear import Emulated, NativeBlockScaled, QuantizedLinear
 from lpbench.precision import capability as caps
 from lpbench.precision.capability import why_emulated
 from lpbench.precision.quantize import QTensor, apply_rht, quantize, scale_to_float
@@ -158,7 +158,7 @@ def test_operands_are_what_torchs_scaled_mm_accepts(recipe, gemm, m, n, k):
 @pytest.mark.parametrize("recipe,gemm,m,n,k", CASES)
 def test_gemm_over_packed_operands_equals_emulated_gemm_bit_for_bit(recipe, gemm, m, n, k):
     a, b = _ops(recipe, gemm, m, n, k, seed=7)
-    want = qgemm(a, b, native=False)
+    want = Emulated.gemm(a, b)
     assert torch.equal(gemm_of_packed(a, b), want)
 
 
@@ -189,7 +189,7 @@ def test_a_bad_scale_layout_fails():
     block_scaled.scaled_mm(*map(_meta, (da, wrong, db, sb)))  # torch cannot tell: only the values can
     va, _ = read_operand(da, wrong, None, 200, 64, 32)
     vb, _ = read_operand(db, sb, None, 96, 64, 32)
-    assert not torch.equal(va @ vb.t(), qgemm(a, b))
+    assert not torch.equal(va @ vb.t(), Emulated.gemm(a, b))
     # operands of two different formats, or an MXFP4 pair, are not a GEMM this path runs
     n4, _ = _ops("nvfp4", "fprop", 32, 32, 64)
     with pytest.raises(ValueError, match="not a block-scaled GEMM"):
@@ -294,7 +294,7 @@ def test_native_gemm_matches_emulated_gemm_on_blackwell(recipe, gemm, m, n, k):
     a, b = _ops(recipe, gemm, m, n, k, seed=11)
     a, b = (QTensor(q.codes.cuda(), q.scale.cuda(), q.block, q.fmt,
                     None if q.global_scale is None else q.global_scale.cuda()) for q in (a, b))
-    got, want = qgemm(a, b, native=True), qgemm(a, b, native=False)
+    got, want = NativeBlockScaled.gemm(a, b), Emulated.gemm(a, b)
     # the same operands: BF16 output and the summation order only
     assert torch.equal(got, got.bfloat16().float())
     assert ((got - want).norm() / want.norm()).item() < 4e-3

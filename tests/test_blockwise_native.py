@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lpbench.precision.capability import blockwise_shape
-from lpbench.precision.linear import QuantizedLinear, qgemm
+from lpbench.precision.linear import Emulated, NativeBlockwise, QuantizedLinear
 from lpbench.precision.quantize import quantize
 from lpbench.precision.recipes import get_recipe
 
@@ -39,7 +39,7 @@ def test_native_blockwise_gemm_matches_emulated(gemm):
     a = _operand(512, 1024, "grad" if gemm != "fprop" else "input", gemm, "cuda", seed=1)
     b = _operand(768, 1024, role_b, gemm, "cuda", seed=2)
     assert blockwise_shape(a, b)
-    got, want = qgemm(a, b, native=True), qgemm(a, b, native=False)
+    got, want = NativeBlockwise.gemm(a, b), Emulated.gemm(a, b)
     # same codes and scales: BF16 output and another summation order only
     assert ((got - want).norm() / want.norm()).item() < 4e-3
     assert torch.allclose(got, want, rtol=2e-2, atol=1e-2 * want.abs().max().item())

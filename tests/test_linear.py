@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lpbench.precision import RECIPES
-from lpbench.precision.linear import QuantizedLinear, qgemm
+from lpbench.precision.linear import Emulated, NativeScaledMM, QuantizedLinear
 from lpbench.precision.quantize import (
     QSpec,
     Scaling,
@@ -53,7 +53,7 @@ def close(a, b, rtol=1e-5):
 )
 def test_emulated_gemm_equals_gemm_of_dequantized(qa, qb):
     a, b = qa(randn(64, 256, seed=1)), qb(randn(128, 256, seed=2, scale=0.02))
-    out = qgemm(a, b)
+    out = Emulated.gemm(a, b)
     assert out.dtype == torch.float32 and out.shape == (64, 128)
     assert close(out, a.dequantize().double() @ b.dequantize().double().t())
 
@@ -148,6 +148,38 @@ def test_autocast_dtypes(name):
     assert QuantizedLinear.from_linear(lin, RECIPES[name])(x.bfloat16()).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("name, native, kernel", [
+    ("fp8-tensorwise", True, "FusedFp8"), ("fp8-delayed", True, "FusedFp8"), ("fp8-rowwise", True, "NativeScaledMM"),
+    ("fp8-blockwise", True, "NativeBlockwise"), ("mxfp8", True, "NativeBlockScaled"), ("nvfp4", True, "NativeBlockScaled"),
+    ("fp8-tensorwise", False, "Emulated"), ("nvfp4", False, "Emulated")])
+def test_one_kernel_per_module_chosen_at_construction(name, native, kernel):
+    """The recipe's scaling and the path pick the module's kernel once; its repr names it."""
+    q = QuantizedLinear(64, 32, recipe=RECIPES[name], native=native)
+    assert q.kernel.name == kernel and q.native == native and f"kernel={kernel}" in repr(q)
+
+
+def test_fused_kernel_falls_back_to_scaled_mm_for_shapes_it_does_not_take(monkeypatch):
+    """Only the fused FP8 kernel has a shape fallback: a call whose tokens are not a multiple of 16 runs
+    ``torch._scaled_mm`` through the operand kernel, with the same numbers as the emulation up to BF16 rounding."""
+    calls, scaled_mm = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(a[0].shape) or scaled_mm(*a, **k))
+    q = QuantizedLinear(64, 32, recipe=RECIPES["fp8-rowwise"], native=True)
+    torch.manual_seed(0)
+    x = torch.randn(5, 64)
+    assert q.kernel.takes(x, q.weight) and q.kernel.fallback is None
+    fused = QuantizedLinear(64, 32, recipe=RECIPES["fp8-tensorwise"], native=True)
+    assert not fused.kernel.takes(x, fused.weight)  # CPU: the fused kernel takes CUDA tensors only
+    with torch.no_grad():
+        fused.weight.copy_(q.weight), fused.bias.copy_(q.bias)
+        y = fused(x)
+    emulated = QuantizedLinear(64, 32, recipe=RECIPES["fp8-tensorwise"], native=False)
+    with torch.no_grad():
+        emulated.weight.copy_(q.weight), emulated.bias.copy_(q.bias)
+        want = emulated(x)
+    assert calls == [(5, 64)]
+    assert torch.allclose(y, want, rtol=1e-2, atol=1e-2)
+
+
 def test_is_an_nn_linear_with_the_same_state_dict():
     lin = nn.Linear(64, 32)
     q = QuantizedLinear.from_linear(lin, RECIPES["mxfp8"])
@@ -218,9 +250,9 @@ def test_native_qgemm_passes_fast_accumulation(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, use_fast_accum=False, **k:
                         calls.append(use_fast_accum) or scaled_mm(*a, use_fast_accum=use_fast_accum, **k))
     a, b = quantize_fp8(torch.randn(32, 64), E4M3), quantize_fp8(torch.randn(48, 64), E4M3)
-    fast, plain = qgemm(a, b, native=True, fast_accum=True), qgemm(a, b, native=True)
+    fast, plain = NativeScaledMM.gemm(a, b, fast_accum=True), NativeScaledMM.gemm(a, b)
     assert calls == [True, False]
-    assert torch.allclose(fast, qgemm(a, b), rtol=1e-2, atol=1e-2) and torch.allclose(plain, fast)
+    assert torch.allclose(fast, Emulated.gemm(a, b), rtol=1e-2, atol=1e-2) and torch.allclose(plain, fast)
 
 
 @pytest.mark.parametrize("name, fast", [("fp8-rowwise", [True, False, False]),

@@ -33,7 +33,6 @@ from lpbench.models.registry import ModelConfig
 from lpbench.models.swiglu import swiglu_of
 from lpbench.precision import gemm
 from lpbench.precision.tp_local import local_linear
-from lpbench.precision.weight_cache import cast_once
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -89,7 +88,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if gemm.fp32_route(x):
             return local_linear(self, x, gemm.linear)
-        w = cast_once(self.weight, getattr(self, "bf16_weight", None), x)
+        w = gemm.cast_once(self.weight, getattr(self, "bf16_weight", None), x)
         return super().forward(x) if w is None else F.linear(x, w, self.bias)
 
 

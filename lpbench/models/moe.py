@@ -39,8 +39,7 @@ from torch import nn
 
 from lpbench.models.registry import ModelConfig
 from lpbench.models.swiglu import swiglu
-from lpbench.precision.grouped import GROUPED_FP8_SCALINGS, Groups, fp8_grouped, grouped_linear, looped
-from lpbench.precision.weight_cache import cast_once
+from lpbench.precision.grouped import Groups, GroupedBf16, experts_kernel
 
 ROUTERS = ("mixtral", "qwen3")
 
@@ -114,62 +113,36 @@ class Experts(nn.Module):
         self.in_name = "gate_up" if cfg.gated else "up"
         setattr(self, self.in_name, nn.Parameter(torch.empty(E, (2 if cfg.gated else 1) * Fd, D)))
         self.down = nn.Parameter(torch.empty(E, D, Fd))
-        self.recipe = None
-        self.gemms = None  # ModuleDict of per-expert ExpertGemms (looped recipes)
+        self.gemm = GroupedBf16()  # the kernel of both projections: gemm(self, name, x, weight, groups)
         self.tp = None  # lpbench.parallel.tp.ExpertsTP: this rank's slice of every expert's FFN width
         self.adapters = nn.ModuleDict()  # LoRA: weight name -> lpbench.models.lora.ExpertLoRA
         self.weight_codes: dict = {}  # this step's FP8 codes (FP8 grouped) or BF16 copy of each weight (weight_cache)
         self.main_grads: dict = {}  # FP32 buffers the weight gradients are added into (precision.main_grads)
 
-    def set_recipe(self, recipe, native: bool) -> None:
-        from lpbench.precision.linear import ExpertGemms
+    @property
+    def recipe(self):
+        """The precision recipe of the experts' GEMMs, None in the compute dtype."""
+        return self.gemm.recipe
 
-        self.recipe, self.native = recipe, native
-        # torch's grouped FP8 GEMM takes E4M3 operands only: E5M2 gradients run natively per expert
-        if recipe.scaling not in GROUPED_FP8_SCALINGS or (native and recipe.grad_format != "e4m3"):
-            device = self.down.device
-            self.gemms = nn.ModuleDict({name: nn.ModuleList(ExpertGemms(recipe, native, device)
-                                                            for _ in range(self.n_experts))
-                                        for name in (self.in_name, "down")})
+    def set_recipe(self, recipe, native: bool) -> None:
+        self.gemm = experts_kernel(recipe, native, (self.in_name, "down"), self.n_experts, self.down.device)
         self.set_tp(self.tp)
 
     def set_tp(self, tp) -> None:
         """Hold ``tp``'s slices (an ExpertsTP; the weights already split): every expert's quantized GEMMs
         quantize their slice as the whole weight, as a split dense linear's do (``tp_shard``)."""
         self.tp = tp
-        for name, gemms in (self.gemms or {}).items():
-            for g in gemms:
-                g.tp_shard = self.split(name)
+        self.gemm.set_tp(self)
 
     def split(self, name: str):
         """How TP split stacked weight ``name`` (a :class:`lpbench.parallel.tp.TPShard`), or None."""
         return None if self.tp is None else self.tp.shard(name, getattr(self, name).shape)
 
-    def set_torchao(self) -> None:
-        """Run the GEMMs through torchao's FP8 row-wise grouped GEMMs (``--backend torchao``, Hopper)."""
-        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
-
-        self.torchao = _to_fp8_rowwise_then_scaled_grouped_mm
-
-    torchao = None
-
     def _project(self, name: str, x: torch.Tensor, groups: Groups) -> torch.Tensor:
-        y = self._base(name, x, groups)
+        y = self.gemm(self, name, x, getattr(self, name), groups)
         if name in self.adapters:
             y = y + self.adapters[name].delta(x, groups).to(y.dtype)
         return y
-
-    def _base(self, name: str, x: torch.Tensor, groups: Groups) -> torch.Tensor:
-        w = getattr(self, name)
-        if self.torchao is not None:  # groups padded to 16 rows, as torchao requires
-            return groups.clear_tail(self.torchao(x, w.transpose(1, 2), groups.offs, x.dtype,
-                                                  pad_token_groups_for_grouped_mm=False))
-        main_grad, codes = self.main_grads.get(name), self.weight_codes.get(name)
-        if self.recipe is None:
-            return grouped_linear(x, w, groups, codes if main_grad is not None else cast_once(w, codes, x), main_grad)
-        if self.gemms is None:
-            return fp8_grouped(x, w, groups, self.recipe, self.native, codes, self.split(name), main_grad)
-        return looped(x, w, groups, self.gemms[name])
 
     def forward(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):

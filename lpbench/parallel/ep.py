@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lpbench.models.moe import MoE
+from lpbench.precision.grouped import Looped
 
 
 class _AllToAll(torch.autograd.Function):
@@ -78,10 +79,8 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
             if not p.is_meta:
                 raise ValueError("apply_ep needs a model on the meta device")
             setattr(experts, name, nn.Parameter(torch.empty(n_local, *p.shape[1:], device="meta")))
-        if experts.gemms is not None:
-            for gemms in experts.gemms.values():
-                del gemms[n_local * (rank + 1):]
-                del gemms[:n_local * rank]
+        if isinstance(experts.gemm, Looped):
+            experts.gemm.narrow(n_local * rank, n_local)
         experts.n_experts, experts.first = n_local, n_local * rank
         moe.ep = ExpertParallel(mesh.get_group(), ep, rank, n_local)
 

@@ -32,14 +32,15 @@ def kernel_op(name: str, mutates_args=()):
 EMULATE_ALWAYS = "always"  # --emulate always: emulate even where the device runs the recipe natively
 FORCED = "--emulate always (this device runs it natively)"
 
-# What each scaling's native GEMM is (its compute capability is the recipe's ``native_capability``).
+# Each scaling's native kernel (``lpbench.precision.linear.KERNELS``; its compute capability is the recipe's
+# ``native_capability``): the one entry a new scaling kind adds here.
 NATIVE = {
-    Scaling.TENSOR: "torch._scaled_mm, compiler-fused casts (kernels/fp8_linear.py)",
-    Scaling.DELAYED: "torch._scaled_mm, compiler-fused casts (kernels/fp8_linear.py)",
-    Scaling.ROW: "torch._scaled_mm with row scales",
-    Scaling.BLOCK: "F.scaled_mm BlockWise1x128/128x128 (cuBLAS from CUDA 12.9, Hopper only)",
-    Scaling.MX: "F.scaled_mm BlockWise1x32 (kernels/block_scaled.py; MXFP8 only)",
-    Scaling.NVFP4: "F.scaled_mm BlockWise1x16 (kernels/block_scaled.py)",
+    Scaling.TENSOR: "FusedFp8",  # torch._scaled_mm, compiler-fused casts (kernels/fp8_linear.py)
+    Scaling.DELAYED: "FusedFp8",
+    Scaling.ROW: "NativeScaledMM",  # torch._scaled_mm with row scales
+    Scaling.BLOCK: "NativeBlockwise",  # F.scaled_mm BlockWise1x128/128x128 (cuBLAS from CUDA 12.9, Hopper only)
+    Scaling.MX: "NativeBlockScaled",  # F.scaled_mm BlockWise1x32 (kernels/block_scaled.py; MXFP8 only)
+    Scaling.NVFP4: "NativeBlockScaled",  # F.scaled_mm BlockWise1x16 (kernels/block_scaled.py)
 }
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from lpbench.precision.formats import pack_e2m1, unpack_e2m1
 from lpbench.precision.gemm import compute_dtype
-from lpbench.precision.linear import QuantizedGemms, QuantizedLinear, QuantizedLinearFn, Reference
+from lpbench.precision.linear import QuantizedGemms, QuantizedLinear, QuantizedLinearFn
 from lpbench.precision.quantize import QTensor, Scaling, delayed_scaled_max, delayed_update, quantize
 from lpbench.precision.recipes import Recipe
 
@@ -104,7 +104,7 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
             y = x.new_zeros(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)
-        return QuantizedLinearFn.apply(x, None, self.bias, self, Reference)
+        return QuantizedLinearFn.apply(x, None, self.bias, self, self.kernel)
 
     @torch.no_grad()
     def merge_lora_delta(self, delta: torch.Tensor) -> QuantizedLinear:
@@ -121,9 +121,8 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
 
     def extra_repr(self) -> str:
         copies = "one copy for fprop and dgrad" if self.shared else "fprop and dgrad copies"
-        path = "native" if self.native else "emulated"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"recipe={self.recipe.name}, stored quantized ({copies}), path={path}")
+                f"stored quantized ({copies}), {self.describe()}")
 
 
 def store_frozen_quantized(model: nn.Module) -> list[str]:

@@ -126,3 +126,26 @@ def hp_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if a.is_cuda and dtype != torch.float32:
         return torch.mm(a.to(dtype), b.to(dtype).t(), out_dtype=torch.float32)
     return a.to(dtype).float() @ b.to(dtype).float().t()
+
+
+class _CastOnce(torch.autograd.Function):
+    """``w.to(w16.dtype)`` with the cast already done: forward returns the cached ``w16``, backward casts
+    the gradient back to ``w``'s dtype, as the cast's own backward does (so training is bit-identical)."""
+
+    @staticmethod
+    def forward(ctx, w, w16):
+        ctx.dtype = w.dtype
+        return w16.view_as(w16)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+def cast_once(w: torch.Tensor, cached: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """``w`` as the autocast GEMM on ``x`` would use it, from ``cached`` (its BF16 copy, :mod:`lpbench.precision.weight_cache`), or
+    None where that copy does not apply (no copy, autocast off or to another dtype)."""
+    kind = x.device.type
+    if cached is None or not torch.is_autocast_enabled(kind) or torch.get_autocast_dtype(kind) != cached.dtype:
+        return None
+    return _CastOnce.apply(w, cached)

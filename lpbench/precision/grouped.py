@@ -34,7 +34,7 @@ from functools import cached_property
 
 import torch
 
-from lpbench.precision import capability
+from lpbench.precision import capability, gemm
 from lpbench.precision.formats import decode, encode
 from lpbench.precision.gemm import hp_mm, linear, mm_fp32
 from lpbench.precision.kernels import grouped_mm
@@ -50,6 +50,76 @@ def is_experts(mod: torch.nn.Module) -> bool:
     """An MoE layer's stacked experts (:class:`lpbench.models.moe.Experts`, known by its ``set_recipe``: the
     models package imports precision, so precision does not import it)."""
     return not isinstance(mod, torch.nn.Linear) and callable(getattr(mod, "set_recipe", None))
+
+
+class GroupedBf16:
+    """The experts' default kernel: grouped GEMMs in the compute dtype (with the weight cache's BF16 copy and the
+    FP32 gradient buffer where the experts have them)."""
+
+    name, recipe = "GroupedBf16", None
+
+    def __call__(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+        main_grad, cached = experts.main_grads.get(name), experts.weight_codes.get(name)
+        return grouped_linear(x, w, groups, cached if main_grad is not None else gemm.cast_once(w, cached, x), main_grad)
+
+    def set_tp(self, experts) -> None:
+        """Nothing to hold."""
+
+
+class GroupedFp8:
+    """The experts' kernel for FP8 row-wise / tensor-wise recipes (:func:`fp8_grouped`); with the experts' weight
+    codes (the weight cache's), TP slice and FP32 gradient buffer (main grads) where they have them."""
+
+    name = "GroupedFp8"
+
+    def __init__(self, recipe, native: bool):
+        self.recipe, self.native = recipe, native
+
+    def __call__(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+        return fp8_grouped(x, w, groups, self.recipe, self.native, experts.weight_codes.get(name), experts.split(name),
+                           experts.main_grads.get(name))
+
+    def set_tp(self, experts) -> None:
+        """Nothing to hold: the TP slice is read per call."""
+
+
+class Looped(torch.nn.ModuleDict):
+    """The experts' kernel for every other recipe: each expert's rows through its own dense quantized GEMMs
+    (:func:`looped`; per weight name a list of :class:`lpbench.precision.linear.ExpertGemms`, which hold their
+    delayed-scaling state)."""
+
+    name = "Looped"
+
+    def __init__(self, recipe, native: bool, names, n_experts: int, device):
+        from lpbench.precision.linear import ExpertGemms
+
+        super().__init__({name: torch.nn.ModuleList(ExpertGemms(recipe, native, device) for _ in range(n_experts))
+                          for name in names})
+        self.recipe, self.native = recipe, native
+
+    def forward(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+        return looped(x, w, groups, self[name])
+
+    def set_tp(self, experts) -> None:
+        """Every expert's GEMMs quantize their TP slice as the whole weight, as a split dense linear's do."""
+        for name, gemms in self.items():
+            for g in gemms:
+                g.tp_shard = experts.split(name)
+
+    def narrow(self, start: int, length: int) -> None:
+        """Keep experts ``[start, start + length)`` (expert parallelism)."""
+        for gemms in self.values():
+            del gemms[start + length:]
+            del gemms[:start]
+
+
+def experts_kernel(recipe, native: bool, names, n_experts: int, device):
+    """The experts' kernel of a quantized ``recipe``, chosen once: :class:`GroupedFp8` for the FP8 scalings with a
+    grouped GEMM (torch's native one takes E4M3 operands only, so E5M2 gradients run natively per expert), else
+    :class:`Looped`."""
+    if recipe.scaling in GROUPED_FP8_SCALINGS and not (native and recipe.grad_format != "e4m3"):
+        return GroupedFp8(recipe, native)
+    return Looped(recipe, native, names, n_experts, device)
 
 
 @dataclass

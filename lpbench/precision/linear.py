@@ -56,6 +56,7 @@ from lpbench.precision.delayed import DelayedScaling
 from lpbench.precision.formats import E2M1
 from lpbench.precision.gemm import compute_dtype, hp_mm, mm_fp32
 from lpbench.precision.kernels import block_scaled
+from lpbench.precision.kernels.fp8_linear import Fused
 from lpbench.precision.tp_local import local_linear
 from lpbench.precision.quantize import (
     RHT_SIZE,
@@ -102,9 +103,7 @@ def _(a, scale_a, b, scale_b):
 
 
 def _scaled_mm(a: QTensor, b: QTensor, fast_accum: bool) -> torch.Tensor:
-    """Native FP8 a · bᵀ: tensorwise (scalar scales), rowwise ([M, 1] and [1, N] scales) or blockwise."""
-    if a.block[1] != a.codes.shape[1]:
-        return _blockwise_mm_op(a.codes, a.scale.float().contiguous(), b.codes, b.scale.float().contiguous())
+    """Native FP8 a · bᵀ: tensorwise (scalar scales) or rowwise ([M, 1] and [1, N] scales)."""
     sa, sb = a.scale.float(), b.scale.float()
     if sa.numel() == 1 and sb.numel() == 1:
         sa, sb = sa.reshape(()), sb.reshape(())
@@ -114,24 +113,99 @@ def _scaled_mm(a: QTensor, b: QTensor, fast_accum: bool) -> torch.Tensor:
                             use_fast_accum=fast_accum)
 
 
-def qgemm(a: QTensor, b: QTensor, *, native: bool = False, fast_accum: bool = False) -> torch.Tensor:
-    """FP32 a · bᵀ of two operands quantized along their last (reduction) dim; ``fast_accum``: the
-    native tensorwise/rowwise GEMM accumulates in Hopper's fast mode (the emulation cannot)."""
-    if native and block_scaled.takes(a, b):
-        return block_scaled.mm(a, b).float()
-    # (not native: ``a`` may be a fused NVFP4 copy, which has no codes or scales, only BF16 values)
-    if native and a.scale.dtype == torch.float32 and (a.block[1] == a.codes.shape[1] or capability.blockwise_shape(a, b)):
+class Emulated:
+    """:class:`QuantizedLinearFn`'s kernel with lpbench's quantizers (:meth:`QuantizedGemms._operands`,
+    :meth:`QuantizedGemms._weight_operands`) and the exact emulated GEMM: BF16-exact operands, FP32 accumulation,
+    scales constant along the reduction dim applied to the FP32 output; bias added in FP32, rounded once to
+    ``out_dtype``. The native kernels below keep these operands and replace :meth:`gemm`.
+
+    ``operands`` gives ``t`` quantized as operand ``role`` of ``gemm`` if ``row`` and its transposed copy if
+    ``col`` (wgrad's of X and dY; dgrad's Wᵀ of the weight), None for a copy not asked for. ``takes`` is the
+    kernel's shape check; where it fails the module runs ``fallback``."""
+
+    name, native, fallback = "Emulated", False, None
+
+    @staticmethod
+    def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return True
+
+    @staticmethod
+    def operands(mod, t, role, gemm, row, col):
+        return mod._weight_operands(t, col) if role == "weight" else mod._operands(t, role, gemm, row, col)
+
+    @classmethod
+    def mm(cls, mod, a, b, out_dtype, bias=None, fast_accum=False):
+        y = cls.gemm(a, b, fast_accum)
+        return (y if bias is None else y + bias.float()).to(out_dtype)
+
+    @staticmethod
+    def gemm(a, b, fast_accum: bool = False) -> torch.Tensor:
+        """FP32 a · bᵀ of two operands quantized along their last (reduction) dim (the emulation accumulates in
+        FP32 whatever ``fast_accum`` says)."""
+        (va, sa), (vb, sb) = _operand(a), _operand(b)
+        return mm_fp32(va, vb) * sa * (sb.t() if sb.dim() else sb)
+
+
+class NativeScaledMM(Emulated):
+    """FP8 tensorwise / delayed / row-wise GEMMs by ``torch._scaled_mm`` (``fast_accum``: Hopper's fast mode)."""
+
+    name, native = "NativeScaledMM", True
+
+    @staticmethod
+    def gemm(a, b, fast_accum: bool = False) -> torch.Tensor:
         return _scaled_mm(a, b, fast_accum).float()
-    (va, sa), (vb, sb) = _operand(a), _operand(b)
-    return mm_fp32(va, vb) * sa * (sb.t() if sb.dim() else sb)
+
+
+class NativeBlockwise(Emulated):
+    """FP8 1x128 / 128x128 blockwise GEMMs by ``F.scaled_mm``, for shapes it takes
+    (:func:`lpbench.precision.capability.blockwise_shape`); emulated otherwise."""
+
+    name, native = "NativeBlockwise", True
+
+    @staticmethod
+    def gemm(a, b, fast_accum: bool = False) -> torch.Tensor:
+        if not capability.blockwise_shape(a, b):
+            return Emulated.gemm(a, b)
+        return _blockwise_mm_op(a.codes, a.scale.float().contiguous(), b.codes, b.scale.float().contiguous()).float()
+
+
+class NativeBlockScaled(Emulated):
+    """MXFP8 / NVFP4 GEMMs by ``F.scaled_mm`` on compute capability 10.x (``kernels/block_scaled.py``), for operands
+    it takes; emulated otherwise."""
+
+    name, native = "NativeBlockScaled", True
+
+    @staticmethod
+    def gemm(a, b, fast_accum: bool = False) -> torch.Tensor:
+        return block_scaled.mm(a, b).float() if block_scaled.takes(a, b) else Emulated.gemm(a, b)
+
+
+class FusedFp8(Fused):
+    """The fused FP8 tensorwise / delayed linear (``kernels/fp8_linear.py``) for calls whose GEMM dims are
+    multiples of 16; :class:`NativeScaledMM` for the others."""
+
+    name, native, fallback = "FusedFp8", True, NativeScaledMM
+
+    @staticmethod
+    def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return capability.fused_fp8_linear(x, weight)
+
+
+KERNELS = {k.name: k for k in (Emulated, NativeScaledMM, NativeBlockwise, NativeBlockScaled, FusedFp8)}
+
+
+def kernel_for(recipe: Recipe, native: bool, stored_weight: bool = False):
+    """The kernel of a quantized linear of ``recipe``: the scaling's native kernel (``capability.NATIVE``) if
+    ``native``, else :class:`Emulated`. A linear that stores its weight's operands (``stored_weight``: a frozen
+    base) takes the fused kernel's fallback, which reads operands, not a weight."""
+    kernel = KERNELS[capability.NATIVE[recipe.scaling]] if native else Emulated
+    return kernel.fallback if stored_weight and kernel.fallback is not None else kernel
 
 
 class QuantizedLinearFn(torch.autograd.Function):
     """The one autograd Function of every quantized linear (QuantizedLinear, an MoE expert's ExpertGemms,
-    LoRA's frozen base): ``x · weightᵀ + bias`` and its gradients, with the operands and GEMMs of ``kernel``:
-    :class:`Reference` (lpbench's quantizers; emulated or native GEMMs) or the fused FP8 tensorwise/delayed
-    linear (``kernels/fp8_linear.py: Fused``). Operands are the kernel's own; this only wires the three
-    GEMMs. A frozen base passes no weight: its stored operands are read (Wᵀ in the backward, not held
+    LoRA's frozen base): ``x · weightᵀ + bias`` and its gradients, with the operands and GEMMs of ``kernel``
+    (the module's, :func:`kernel_for`). Operands are the kernel's own; this only wires the three GEMMs. A frozen base passes no weight: its stored operands are read (Wᵀ in the backward, not held
     from the forward) and it gets no weight gradient.
 
     ``epilogue`` (the gate+up linear's SwiGLU, ``models/swiglu.py: Epilogue``; only with a kernel that has
@@ -182,24 +256,6 @@ class QuantizedLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-class Reference:
-    """:class:`QuantizedLinearFn`'s kernel everywhere but the fused FP8 linear: the module's quantizers
-    (:meth:`QuantizedGemms._operands`, :meth:`QuantizedGemms._weight_operands`) and :func:`qgemm`, emulated
-    or native as the module says; FP32 output and bias, rounded once to ``out_dtype``.
-
-    ``operands`` gives ``t`` quantized as operand ``role`` of ``gemm`` if ``row`` and its transposed copy
-    if ``col`` (wgrad's of X and dY; dgrad's Wᵀ of the weight), None for a copy not asked for."""
-
-    @staticmethod
-    def operands(mod, t, role, gemm, row, col):
-        return mod._weight_operands(t, col) if role == "weight" else mod._operands(t, role, gemm, row, col)
-
-    @staticmethod
-    def mm(mod, a, b, out_dtype, bias=None, fast_accum=False):
-        y = qgemm(a, b, native=mod.native, fast_accum=fast_accum)
-        return (y if bias is None else y + bias.float()).to(out_dtype)
-
-
 class QuantizedGemms(DelayedScaling):
     """The recipe's three GEMMs of ``x · weightᵀ`` on plain tensors (:meth:`_linear`), with the state they
     keep (delayed-scaling histories, :class:`DelayedScaling`; TP shard): the part of QuantizedLinear that does not own a weight,
@@ -210,8 +266,16 @@ class QuantizedGemms(DelayedScaling):
     def _init_gemms(self, recipe: Recipe, native: bool, device, roles=("input", "weight", "grad")) -> None:
         if not recipe.quantized:
             raise ValueError(f"recipe {recipe.name} has no quantized GEMMs")
-        self.recipe, self.native = recipe, native
+        self.recipe, self.kernel = recipe, kernel_for(recipe, native, stored_weight="weight" not in roles)
         self._init_histories(device, roles)
+
+    @property
+    def native(self) -> bool:
+        """Whether the module's kernel runs the device's low-precision GEMMs (else the exact emulation)."""
+        return self.kernel.native
+
+    def describe(self) -> str:
+        return f"recipe={self.recipe.name}, path={'native' if self.native else 'emulated'}, kernel={self.kernel.name}"
 
     @property
     def tp_multiple(self) -> int:
@@ -304,9 +368,7 @@ class QuantizedGemms(DelayedScaling):
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
             y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))  # no FLOPs
             return y if epilogue is None else epilogue.apply(y)
-        kernel = Reference
-        if self.native and self.recipe.scaling.per_tensor and capability.fused_fp8_linear(x, weight):
-            from lpbench.precision.kernels.fp8_linear import Fused as kernel  # imports Triton's kernels
+        kernel = self.kernel if self.kernel.takes(x, weight) else self.kernel.fallback
         if epilogue is None or (hasattr(kernel, "epilogue_operands") and bias is None
                                 and self.recipe.operand("input", "wgrad") is not None):
             return QuantizedLinearFn.apply(x, weight, bias, self, kernel, epilogue)
@@ -346,7 +408,7 @@ class QuantizedLinear(QuantizedGemms, nn.Linear):
         return self._linear(x, self.weight, self.bias, epilogue)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.name}, path={'native' if self.native else 'emulated'}"
+        return f"{super().extra_repr()}, {self.describe()}"
 
 
 class ExpertGemms(QuantizedGemms, nn.Module):
@@ -357,4 +419,4 @@ class ExpertGemms(QuantizedGemms, nn.Module):
         self._init_gemms(recipe, native, device)
 
     def extra_repr(self) -> str:
-        return f"recipe={self.recipe.name}, path={'native' if self.native else 'emulated'}"
+        return self.describe()

@@ -4,7 +4,7 @@
   the recipe's compute capability (8.9 / 9.0), torchao's emulation (``Float8LinearConfig.emulate``: FP32
   GEMMs of the dequantized operands) below it or under ``--emulate always``; CUDA only (its autocast
   handling is the GPU's). MoE experts (fp8-rowwise only) through ``torchao.prototype.moe_training``'s FP8
-  row-wise grouped GEMMs (:meth:`lpbench.models.moe.Experts.set_torchao`);
+  row-wise grouped GEMMs (:class:`TorchaoGrouped`);
 * mxfp8: ``torchao.prototype.moe_training.mxfp8_linear.MXFP8Linear`` (E4M3, 1x32 blocks, RCEIL E8M0
   scales): torchao's kernels (``KernelPreference.AUTO``) on compute capability 10.x, its emulation
   (``EMULATED``: dequantize, then a BF16 GEMM) elsewhere (CPU included) or under ``--emulate always``;
@@ -97,6 +97,25 @@ def path(recipe: Recipe, device: torch.device, emulate: bool | str = False) -> t
     return "emulated", f"{emulated} on {where}"
 
 
+class TorchaoGrouped:
+    """The experts' kernel of ``--backend torchao``: torchao's FP8 row-wise grouped GEMMs (groups padded to 16 rows,
+    as it requires)."""
+
+    name, recipe = "TorchaoGrouped", None
+
+    def __init__(self):
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+        self.mm = _to_fp8_rowwise_then_scaled_grouped_mm
+
+    def __call__(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups) -> torch.Tensor:
+        return groups.clear_tail(self.mm(x, w.transpose(1, 2), groups.offs, x.dtype,
+                                         pad_token_groups_for_grouped_mm=False))
+
+    def set_tp(self, experts) -> None:
+        """Nothing to hold."""
+
+
 @functools.cache
 def _mxfp8_linear_class() -> type:
     from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear, _to_mxfp8_then_scaled_mm
@@ -164,7 +183,7 @@ def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: li
         config = dataclasses.replace(config, emulate=kind == "emulated")
         convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: id(mod) in ids)
         for name, mod in experts:
-            mod.set_torchao()
+            mod.gemm = TorchaoGrouped()
             result["quantized"].append(name)
         return result
     for name, mod in chosen:

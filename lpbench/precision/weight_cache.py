@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lpbench.precision.grouped import is_experts, weight_codes
+from lpbench.precision.grouped import GroupedBf16, GroupedFp8, is_experts, weight_codes
 from lpbench.precision.quantize import Scaling
 
 
@@ -60,7 +60,7 @@ def bf16_eligible(mod: nn.Module) -> bool:
     grouped experts whose plain FP32 CUDA weights autocast casts in every forward."""
     if getattr(type(mod), "caches_bf16_weight", False):
         names = ["weight"]
-    elif is_experts(mod) and mod.recipe is None and mod.torchao is None:
+    elif is_experts(mod) and isinstance(mod.gemm, GroupedBf16):
         names = [mod.in_name, "down"]
     else:
         return False
@@ -71,32 +71,9 @@ def _plain_fp32_on_cuda(w: torch.Tensor) -> bool:
     return type(w) is nn.Parameter and w.is_cuda and w.dtype == torch.float32
 
 
-class _CastOnce(torch.autograd.Function):
-    """``w.to(w16.dtype)`` with the cast already done: forward returns the cached ``w16``, backward casts
-    the gradient back to ``w``'s dtype, as the cast's own backward does (so training is bit-identical)."""
-
-    @staticmethod
-    def forward(ctx, w, w16):
-        ctx.dtype = w.dtype
-        return w16.view_as(w16)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.to(ctx.dtype), None
-
-
-def cast_once(w: torch.Tensor, cached: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-    """``w`` as the autocast GEMM on ``x`` would use it, from ``cached`` (its BF16 copy, :class:`WeightCache`), or
-    None where that copy does not apply (no copy, autocast off or to another dtype)."""
-    kind = x.device.type
-    if cached is None or not torch.is_autocast_enabled(kind) or torch.get_autocast_dtype(kind) != cached.dtype:
-        return None
-    return _CastOnce.apply(w, cached)
-
-
 def grouped_eligible(mod: nn.Module) -> bool:
     """Whether ``mod`` is an MoE layer's experts whose plain weights the FP8 grouped GEMMs quantize."""
-    return (is_experts(mod) and mod.recipe is not None and mod.gemms is None and mod.torchao is None
+    return (is_experts(mod) and isinstance(mod.gemm, GroupedFp8)
             and all(type(getattr(mod, name)) is nn.Parameter for name in (mod.in_name, "down")))
 
 
