@@ -32,9 +32,10 @@ import traceback
 
 import torch
 
+from lpbench.config import RunConfig
+from lpbench.convert.quantize import quantize_experts
 from lpbench.metrics import trace as chrome_trace
 from lpbench.precision import capability
-from lpbench.config import RunConfig
 from lpbench.train.loop import train
 
 MODELS = (("qwen3-30b-a3b", 2), ("mixtral-8x7b", 2))
@@ -62,7 +63,7 @@ def check_native(device: str = "cuda") -> None:
             for p in moe.parameters():
                 torch.nn.init.normal_(p, std=0.05)
             if precision != "bf16":
-                moe.experts.set_recipe(get_recipe(precision), native=native)
+                quantize_experts(moe.experts, get_recipe(precision), native=native)
             capability.grouped_gemm = (lambda t: t.is_cuda) if native else (lambda t: False)
             xi = x.clone().requires_grad_()
             with torch.autocast("cuda", dtype=torch.bfloat16):

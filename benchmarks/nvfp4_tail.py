@@ -34,7 +34,7 @@ import torch
 from lpbench.config import RunConfig
 from lpbench.data.loader import build_dataset
 from lpbench.models import build_model
-from lpbench.precision.policy import apply_recipe
+from lpbench.convert.quantize import apply_recipe
 from lpbench.precision.recipes import get_recipe
 
 

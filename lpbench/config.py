@@ -310,7 +310,7 @@ class RunConfig:
                 raise UsageError(f"--{changed[0].replace('_', '-')} applies to --workload lora only "
                                  f"(this run is {self.workload})")
             return
-        from lpbench.models.lora import expand_targets
+        from lpbench.models.decoder import expand_targets
 
         if self.lora_rank <= 0:
             raise UsageError(f"--lora-rank must be positive, got {self.lora_rank}")
@@ -372,12 +372,12 @@ class RunConfig:
                              "(or --no-sequence-parallel)")
         if self.seq_len > model.max_seq_len:
             raise UsageError(f"--seq-len {self.seq_len} exceeds {self.model}'s limit of {model.max_seq_len}")
-        from lpbench.precision.policy import BACKENDS
+        from lpbench.convert.quantize import BACKENDS
 
         if self.backend not in BACKENDS:
             raise UsageError(f"unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
         if self.backend == "torchao":
-            from lpbench.precision.torchao_backend import run_problem
+            from lpbench.convert.torchao import run_problem
 
             if problem := run_problem(self.precision, self.mbs * self.seq_len, self.tp):
                 raise UsageError(problem)

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from lpbench.errors import UsageError
-from lpbench.precision import apply_recipe, get_recipe
+from lpbench.convert.quantize import apply_recipe
+from lpbench.precision import get_recipe
 from lpbench.precision.formats import E2M1, decode, encode, pack_e2m1, unpack_e2m1
 from lpbench.precision.kernels import block_scaled
 from lpbench.precision.linear import Emulated, NativeBlockScaled, QuantizedLinear

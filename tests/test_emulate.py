@@ -14,7 +14,8 @@ from lpbench.bench.sweep_spec import expand
 from lpbench.cli import build_parser, configs_from_args, main
 from lpbench.config import RunConfig
 from lpbench.errors import UsageError
-from lpbench.precision import apply_recipe, get_recipe
+from lpbench.convert.quantize import apply_recipe
+from lpbench.precision import get_recipe
 from lpbench.precision.capability import FORCED, emulation_reason
 from lpbench.precision.linear import QuantizedLinear
 from tests.test_policy import Toy
@@ -115,7 +116,7 @@ def test_forced_emulation_computes_what_the_emulated_path_computes(cap, name, ca
                                              ((8, 0), "fp8-tensorwise", False), ((10, 0), "mxfp8", True),
                                              ((9, 0), "mxfp8", False)])
 def test_torchao_path_forced_and_allowed(cap, name, native, capability):
-    from lpbench.precision.torchao_backend import path
+    from lpbench.convert.torchao import path
 
     capability(cap)
     device = torch.device("cuda")

@@ -92,7 +92,7 @@ def model_step(route, use_route, precision=None):
     cfg = with_overrides(get_model_config("tiny"), n_layers=2, vocab_size=256)
     model = build_model(cfg, device="cpu", seed=0)
     if precision:
-        from lpbench.precision import apply_recipe
+        from lpbench.convert.quantize import apply_recipe
 
         apply_recipe(model, RECIPES[precision], device="cpu")
     ids = randn(2, 32).abs().mul(100).long() % 256

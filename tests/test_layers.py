@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lpbench"
 LAYERS = [
     ["lpbench", "lpbench.errors", "lpbench.console", "lpbench.configs", "lpbench.threads", "lpbench.paths"],
     ["lpbench.models", "lpbench.data", "lpbench.corpus", "lpbench.precision", "lpbench.metrics"],
+    ["lpbench.convert"],
     ["lpbench.config"],
     ["lpbench.parallel"],
     ["lpbench.train"],

@@ -14,7 +14,8 @@ from lpbench.metrics.flops import (
     tflops_per_gpu,
 )
 from lpbench.models import MODELS, build_model
-from lpbench.models.lora import ExpertLoRA, LoRALinear, apply_lora, expand_targets, lora_parameters, lora_state_dict, merge_lora
+from lpbench.convert.lora import ExpertLoRA, LoRALinear, apply_lora, lora_parameters, lora_state_dict, merge_lora
+from lpbench.models.decoder import expand_targets
 
 TINY = dataclasses.replace(MODELS["tiny"], n_layers=2, vocab_size=256)
 X = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -165,7 +166,7 @@ def test_frozen_base_in_bf16_under_autocast():
 
 @pytest.mark.parametrize("order", ["recipe-then-lora", "lora-then-recipe"])
 def test_lora_over_a_quantized_base(order):
-    policy = pytest.importorskip("lpbench.precision.policy")
+    policy = pytest.importorskip("lpbench.convert.quantize")
     from lpbench.precision.linear import QuantizedLinear
 
     model = build_model(TINY, device="cpu", seed=0)

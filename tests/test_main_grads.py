@@ -8,9 +8,11 @@ import dataclasses
 import pytest
 import torch
 
+from lpbench.convert.quantize import quantize_experts
+
 from lpbench.models.moe import MoE
 from lpbench.models.registry import ModelConfig
-from lpbench.precision import main_grads
+from lpbench.convert import main_grads
 from lpbench.precision.recipes import get_recipe
 
 CFG = ModelConfig("moe-test", 1, 32, 64, 2, 2, 64, n_experts=4, top_k=2)
@@ -24,7 +26,7 @@ def _moe(name: str, device: str = "cpu", cfg: ModelConfig = CFG) -> MoE:
         torch.nn.init.normal_(p, std=0.2)
     moe.router.weight.data[3] = -1.0  # with positive inputs expert 3 gets no token
     if name != "bf16":
-        moe.experts.set_recipe(get_recipe(name), native=device == "cuda")
+        quantize_experts(moe.experts, get_recipe(name), native=device == "cuda")
     return moe
 
 

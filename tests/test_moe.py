@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lpbench.convert.quantize import quantize_experts
+
 from lpbench.models.moe import MoE, load_balancing_loss, route, z_loss
 from lpbench.models.registry import ModelConfig
 from lpbench.precision import gemm, grouped
@@ -58,7 +60,7 @@ def _moe(seed=0, **kw):
 
 def _compare(moe, recipe, x):
     if recipe.quantized:
-        moe.experts.set_recipe(recipe, native=False)
+        quantize_experts(moe.experts, recipe, native=False)
     xa = x.clone().requires_grad_()
     xb = x.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -149,7 +151,7 @@ def test_grouped_fp8_asks_for_the_recipes_accumulation_mode(monkeypatch, name, g
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
 
     def run(r, native):
-        moe.experts.set_recipe(r, native=native)
+        quantize_experts(moe.experts, r, native=native)
         xi = x.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = moe(xi)
@@ -174,7 +176,7 @@ def test_native_grouped_fp8_compiles_without_graph_breaks(monkeypatch):
 
     monkeypatch.setattr(torch, "_scaled_grouped_mm", traceable, raising=False)
     moe, x = _case_moe("random", get_recipe("fp8-rowwise"))
-    moe.experts.set_recipe(get_recipe("fp8-rowwise"), native=True)
+    quantize_experts(moe.experts, get_recipe("fp8-rowwise"), native=True)
 
     def step(x):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -268,12 +270,12 @@ def test_cached_weight_codes_give_the_uncached_numbers(monkeypatch, device):
     the native grouped GEMMs."""
     import copy
 
-    from lpbench.precision import weight_cache
+    from lpbench.convert import weight_cache
 
     r = get_recipe("fp8-rowwise")
     moe, x = _case_moe("random", r)
     moe, x = moe.to(device), x.to(device)
-    moe.experts.set_recipe(r, native=device == "cuda")
+    quantize_experts(moe.experts, r, native=device == "cuda")
     plain = copy.deepcopy(moe)
     made = []
     monkeypatch.setattr(weight_cache, "weight_codes",
@@ -324,7 +326,7 @@ def test_native_grouped_fp8_matches_the_emulation_on_cuda(monkeypatch, name, exp
         moe = MoE(cfg).cuda()
         for p in moe.parameters():
             torch.nn.init.normal_(p, std=0.05)
-        moe.experts.set_recipe(get_recipe(name), native=native)
+        quantize_experts(moe.experts, get_recipe(name), native=native)
         xi = x.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = moe(xi)
@@ -339,7 +341,7 @@ def test_gradient_accumulation_trains_the_same_with_cached_weight_codes(monkeypa
     import lpbench.train.loop as loop
     from lpbench.config import RunConfig
     from lpbench.models.registry import MODELS
-    from lpbench.precision import weight_cache
+    from lpbench.convert import weight_cache
 
     monkeypatch.setitem(MODELS, "moe-test", dataclasses.replace(CFG, n_layers=2, max_seq_len=64))
     cfg = RunConfig(model="moe-test", precision="fp8-rowwise", seq_len=16, mbs=1, gbs=2, steps=3, warmup_steps=1,
@@ -630,7 +632,7 @@ def test_grouped_fp8_with_the_group_amax_kernel_is_bit_identical(monkeypatch, pr
         torch.nn.init.normal_(p, std=0.05)
     with torch.no_grad():
         moe.router.weight[5:] *= 0.01  # skewed routing: some experts get few or no tokens
-    moe.experts.set_recipe(get_recipe(name), native=True)
+    quantize_experts(moe.experts, get_recipe(name), native=True)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).cuda()
 
     def run(kernel: bool):
@@ -666,7 +668,7 @@ def test_grouped_fp8_backward_with_the_kernels_under_the_interpreter(monkeypatch
 
     recipe = get_recipe("fp8-rowwise")
     moe, x = _case_moe(case, recipe)
-    moe.experts.set_recipe(recipe, native=False)
+    quantize_experts(moe.experts, recipe, native=False)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
     calls = []
 

@@ -14,7 +14,7 @@ from lpbench.config import RunConfig
 from lpbench.errors import UsageError
 from lpbench.metrics.flops import flops_per_token
 from lpbench.models import build_model, count_parameters, get_model_config
-from lpbench.precision.policy import apply_recipe
+from lpbench.convert.quantize import apply_recipe
 from lpbench.precision.recipes import get_recipe
 
 TINY = ["--model", "tiny", "--seq-len", "32", "--mbs", "2", "--gbs", "2", "--steps", "3", "--warmup-steps", "1"]

@@ -264,7 +264,7 @@ def test_e4m3_table_rounding_agrees_with_the_cast():
 def test_policy_quantizes_nvfp4_linears_of_any_width():
     from dataclasses import replace
 
-    from lpbench.precision.policy import apply_recipe
+    from lpbench.convert.quantize import apply_recipe
 
     class Model(nn.Module):
         def __init__(self):

@@ -18,6 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 import lpbench.train.loop as loop
+from lpbench.convert.quantize import quantize_experts
 from lpbench.cli import main
 from lpbench.config import RunConfig
 from lpbench.models.registry import MODELS, ModelConfig
@@ -53,7 +54,7 @@ def _module_errors(name: str, patch: str | None = None) -> dict:
     from lpbench.parallel import tp as tp_module
     from lpbench.parallel.plan import parallelize
     from lpbench.precision.linear import QuantizedLinear
-    from lpbench.precision.policy import apply_recipe
+    from lpbench.convert.quantize import apply_recipe
 
     recipe, cfg = _fp32_compute(name), BASE.with_(model=ONE_BLOCK.name, tp=2, sequence_parallel=False).with_world(2)
     ref = build_model(ONE_BLOCK, device="cpu", seed=cfg.seed)
@@ -102,7 +103,7 @@ def _expert_errors(name: str, no_reduce: bool = False) -> dict:
     from lpbench.precision import grouped
     from lpbench.precision.grouped import Groups
     from lpbench.precision.linear import QuantizedGemms
-    from lpbench.precision.weight_cache import install
+    from lpbench.convert.weight_cache import install
 
     gen = torch.Generator().manual_seed(0)
     ref = Experts(MOE)
@@ -116,7 +117,7 @@ def _expert_errors(name: str, no_reduce: bool = False) -> dict:
     split.load_state_dict(ref.state_dict())
     if name != "bf16":
         for m in (ref, split):
-            m.set_recipe(_fp32_compute(name), native=False)
+            quantize_experts(m, _fp32_compute(name), native=False)
     _shard_experts(split, ExpertsTP(dist.group.WORLD, dist.get_rank(), 2))
     expert = torch.tensor([0] * 5 + [1] * 20 + [3] * 7)  # sorted; expert 2 gets no tokens
     groups, dest = Groups.of(expert, MOE.n_experts)
@@ -151,7 +152,7 @@ def _experts_refused(name: str) -> str:
     from lpbench.errors import UsageError
     from lpbench.models import build_model
     from lpbench.parallel.tp import apply_tp
-    from lpbench.precision.policy import apply_recipe
+    from lpbench.convert.quantize import apply_recipe
 
     model = build_model(ModelConfig("test-moe-wide", 1, 256, 128, 2, 2, 256, n_experts=4, top_k=2), device="meta")
     apply_recipe(model, _fp32_compute(name), device="cpu", emulate=True)
@@ -351,7 +352,7 @@ def test_quantized_backward_amplifies_last_bit_differences():
     """Why whole runs compare loosely: one process, one gradient perturbed by 1e-6, percent-level changes."""
     from lpbench.data.loader import build_dataset
     from lpbench.models import build_model
-    from lpbench.precision.policy import apply_recipe
+    from lpbench.convert.quantize import apply_recipe
 
     ids, labels = next(build_dataset("mock-uniform", seq_len=32, seed=1, vocab_size=2048).train_loader(8, 0, 1))
     grads = []

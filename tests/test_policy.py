@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lpbench.errors import UsageError
-from lpbench.precision import RECIPES, apply_recipe, get_recipe
+from lpbench.convert.quantize import apply_recipe
+from lpbench.precision import RECIPES, get_recipe
 from lpbench.precision.linear import QuantizedLinear
 from lpbench.precision.capability import native_supported
 from lpbench.precision.recipes import Recipe

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lpbench.errors import UsageError
-from lpbench.precision import apply_recipe, get_recipe
+from lpbench.convert.quantize import apply_recipe
+from lpbench.precision import get_recipe
 from lpbench.precision.linear import QuantizedLinear
 from lpbench.precision.quantize import quantize_mx
 from tests.test_policy import Toy
@@ -74,7 +75,7 @@ def test_an_older_torchao_is_named(monkeypatch):
 
 
 def test_torchao_mx_runs_take_no_tensor_parallelism():
-    from lpbench.precision.torchao_backend import run_problem
+    from lpbench.convert.torchao import run_problem
 
     assert run_problem("mxfp8", 4096, 2) == "--backend torchao runs mxfp8 without tensor parallelism (--tp 1)"
     assert run_problem("nvfp4", 4096, 1) is None and run_problem("fp8-rowwise", 96, 2) is None

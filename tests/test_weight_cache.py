@@ -5,7 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from lpbench.precision import capability, weight_cache
+from lpbench.convert.quantize import quantize_experts
+
+from lpbench.convert import weight_cache
+from lpbench.precision import capability
 from lpbench.precision.kernels import fp8_linear
 from lpbench.precision.linear import QuantizedLinear
 from lpbench.precision.recipes import get_recipe
@@ -139,7 +142,7 @@ def test_the_optimizer_step_alone_makes_linears_and_experts_stale(fused_on_cpu, 
     def model():
         torch.manual_seed(0)
         moe = MoE(ModelConfig("moe", 1, 32, 64, 2, 2, 64, n_experts=4, top_k=2))
-        moe.experts.set_recipe(get_recipe("fp8-rowwise"), native=False)
+        quantize_experts(moe.experts, get_recipe("fp8-rowwise"), native=False)
         for p in moe.experts.parameters():
             nn.init.normal_(p, std=0.2)
         return nn.Sequential(QuantizedLinear(64, 32, recipe=get_recipe("fp8-tensorwise"), native=True), moe)

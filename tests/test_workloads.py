@@ -17,11 +17,12 @@ from lpbench.data.sft import build_sft_dataset
 from lpbench.errors import UsageError
 from lpbench.metrics.flops import flops_per_token, lora_flops_per_token, packed_flops_per_token
 from lpbench.models import MODELS, build_model
-from lpbench.precision.frozen import FrozenQuantizedLinear, store_frozen_quantized
+from lpbench.convert.quantize import store_frozen_quantized
+from lpbench.precision.frozen import FrozenQuantizedLinear
 from lpbench.precision.linear import QuantizedLinear
-from lpbench.precision.policy import apply_recipe
+from lpbench.convert.quantize import apply_recipe
 from lpbench.precision.recipes import RECIPES
-from lpbench.models.lora import apply_lora, merge_lora
+from lpbench.convert.lora import apply_lora, merge_lora
 from lpbench.models.hf import hf_model_config
 
 TINY2 = dataclasses.replace(MODELS["tiny"], n_layers=2, vocab_size=256)

@@ -104,7 +104,7 @@ def packed_flops_per_token(cfg: ModelConfig, seq_len: int, sample_lengths, formu
 
 def lora_adapter_flops_per_token(cfg: ModelConfig, rank: int, targets=("qkv", "o", "mlp")) -> float:
     """``6·r·(in + out)`` per adapted linear and layer (forward, data and weight gradient of A and B)."""
-    from lpbench.models.lora import expand_targets
+    from lpbench.models.decoder import expand_targets
 
     if rank < 0:
         raise UsageError(f"LoRA rank must be >= 0, got {rank}")

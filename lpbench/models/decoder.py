@@ -27,12 +27,33 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lpbench.errors import UsageError
 from lpbench.models.fused_loss import linear_cross_entropy
 from lpbench.models.moe import MoE, expert_shape
 from lpbench.models.registry import ModelConfig
 from lpbench.models.swiglu import swiglu_of
 from lpbench.precision import gemm
 from lpbench.precision.tp_local import local_linear
+
+
+TARGETS: dict[str, tuple[str, ...]] = {
+    "qkv": ("qkv",), "o": ("o",), "mlp": ("gate_up", "up", "down"),
+    "gate_up": ("gate_up",), "up": ("up",), "down": ("down",),
+}
+
+
+def expand_targets(targets) -> tuple[str, ...]:
+    """Module names for ``targets`` (a list, or a comma-separated string such as ``"qkv,o,mlp"``)."""
+    if isinstance(targets, str):
+        targets = [t for t in targets.replace(" ", "").split(",") if t]
+    names: list[str] = []
+    for t in targets:
+        if t not in TARGETS:
+            raise UsageError(f"unknown LoRA target {t!r}; valid: {', '.join(TARGETS)}")
+        names += [n for n in TARGETS[t] if n not in names]
+    if not names:
+        raise UsageError("LoRA needs at least one target")
+    return tuple(names)
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -83,7 +104,7 @@ class Linear(nn.Linear):
     and under autocast take the BF16 weight the weight cache made once per optimizer step, if it made one."""
 
     tp_aware = True  # on the FP32 route its GEMM runs on the tensor-parallel shards (local_linear)
-    caches_bf16_weight = True  # lpbench.precision.weight_cache.bf16_eligible
+    caches_bf16_weight = True  # lpbench.convert.weight_cache.bf16_eligible
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if gemm.fp32_route(x):

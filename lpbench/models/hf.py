@@ -414,7 +414,7 @@ def hf_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> d
     expected = {lp for lp, _, _ in wmap.values()} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
     if set(params) != expected:
         extra = sorted(set(params) - expected)
-        hint = " (merge LoRA adapters first: lpbench.models.lora.merge_lora)" if any("lora_" in n for n in extra) else ""
+        hint = " (merge LoRA adapters first: lpbench.convert.lora.merge_lora)" if any("lora_" in n for n in extra) else ""
         raise UsageError(f"{cfg.name}: parameters {extra[:4] or sorted(expected - set(params))[:4]} have no "
                          f"Hugging Face name{hint}")
     out = {}

@@ -39,7 +39,7 @@ from torch import nn
 
 from lpbench.models.registry import ModelConfig
 from lpbench.models.swiglu import swiglu
-from lpbench.precision.grouped import Groups, GroupedBf16, experts_kernel
+from lpbench.precision.grouped import Groups, GroupedBf16
 
 ROUTERS = ("mixtral", "qwen3")
 
@@ -101,8 +101,8 @@ def expert_shape(cfg: ModelConfig, name: str) -> tuple[int, int, int]:
 class Experts(nn.Module):
     """E expert MLPs as stacked weights: ``gate_up`` [E, 2F, D] (or ``up`` [E, F, D]) and ``down`` [E, D, F].
 
-    ``forward(x, groups)`` takes the expert-sorted buffer. The precision recipe comes from
-    :meth:`set_recipe` (``lpbench.precision.policy``); without one the GEMMs run in the autocast dtype.
+    ``forward(x, groups)`` takes the expert-sorted buffer. Both projections run through one kernel, ``gemm``
+    (``lpbench.convert.quantize`` gives the recipe's; by default the GEMMs run in the autocast dtype).
     Under expert parallelism a rank holds experts ``[first, first + len)`` of the model's E.
     """
 
@@ -115,18 +115,14 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(E, D, Fd))
         self.gemm = GroupedBf16()  # the kernel of both projections: gemm(self, name, x, weight, groups)
         self.tp = None  # lpbench.parallel.tp.ExpertsTP: this rank's slice of every expert's FFN width
-        self.adapters = nn.ModuleDict()  # LoRA: weight name -> lpbench.models.lora.ExpertLoRA
+        self.adapters = nn.ModuleDict()  # LoRA: weight name -> lpbench.convert.lora.ExpertLoRA
         self.weight_codes: dict = {}  # this step's FP8 codes (FP8 grouped) or BF16 copy of each weight (weight_cache)
-        self.main_grads: dict = {}  # FP32 buffers the weight gradients are added into (precision.main_grads)
+        self.main_grads: dict = {}  # FP32 buffers the weight gradients are added into (convert.main_grads)
 
     @property
     def recipe(self):
         """The precision recipe of the experts' GEMMs, None in the compute dtype."""
         return self.gemm.recipe
-
-    def set_recipe(self, recipe, native: bool) -> None:
-        self.gemm = experts_kernel(recipe, native, (self.in_name, "down"), self.n_experts, self.down.device)
-        self.set_tp(self.tp)
 
     def set_tp(self, tp) -> None:
         """Hold ``tp``'s slices (an ExpertsTP; the weights already split): every expert's quantized GEMMs

@@ -25,7 +25,7 @@ from lpbench.parallel.dims import Meshes, ParallelDims
 from lpbench.parallel.dp import apply_ddp, apply_fsdp, reduce_dtype
 from lpbench.parallel.ep import apply_ep
 from lpbench.precision.delayed import DelayedScaling
-from lpbench.precision.policy import apply_fp8_all_gather
+from lpbench.convert.quantize import apply_fp8_all_gather
 from lpbench.parallel.tp import apply_tp, interleave
 
 

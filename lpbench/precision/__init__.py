@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import torch
 
 from lpbench.precision.quantize import quantize
-from lpbench.precision.policy import apply_recipe
 from lpbench.precision.recipes import RECIPES, ROLES, Recipe, get_recipe
 
 DISTRIBUTIONS = ("gaussian", "student-t", "outlier-channel")
@@ -22,7 +21,6 @@ __all__ = [
     "RECIPES",
     "ROLES",
     "Recipe",
-    "apply_recipe",
     "get_recipe",
     "quant_error_table",
     "quantize_dequantize",

@@ -123,15 +123,3 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         copies = "one copy for fprop and dgrad" if self.shared else "fprop and dgrad copies"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"stored quantized ({copies}), {self.describe()}")
-
-
-def store_frozen_quantized(model: nn.Module) -> list[str]:
-    """Replace every QuantizedLinear whose weight is frozen by its :class:`FrozenQuantizedLinear`
-    (the high-precision weight is freed once nothing else holds it); returns their names."""
-    names = []
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, QuantizedLinear) and not mod.weight.requires_grad:
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, FrozenQuantizedLinear.from_linear(mod))
-            names.append(name)
-    return names

@@ -143,7 +143,7 @@ class _CastOnce(torch.autograd.Function):
 
 
 def cast_once(w: torch.Tensor, cached: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-    """``w`` as the autocast GEMM on ``x`` would use it, from ``cached`` (its BF16 copy, :mod:`lpbench.precision.weight_cache`), or
+    """``w`` as the autocast GEMM on ``x`` would use it, from ``cached`` (its BF16 copy, :mod:`lpbench.convert.weight_cache`), or
     None where that copy does not apply (no copy, autocast off or to another dtype)."""
     kind = x.device.type
     if cached is None or not torch.is_autocast_enabled(kind) or torch.get_autocast_dtype(kind) != cached.dtype:

@@ -20,7 +20,7 @@ Paths, each giving every expert's tokens the numbers the dense linear of its rec
   linear's emulation. The weights' codes can be computed once per optimizer step
   (:func:`weight_codes`, the weight cache's). The native GEMM takes E4M3 operands only, so recipes
   with E5M2 gradients (fp8-tensorwise) run natively per expert (below).
-* weight gradients into FP32 buffers (``main_grad``, :mod:`lpbench.precision.main_grads`): the compute-dtype and
+* weight gradients into FP32 buffers (``main_grad``, :mod:`lpbench.convert.main_grads`): the compute-dtype and
   FP8 grouped paths add them there (:func:`add_wgrad`) and hand autograd none for the weight.
 * everything else (delayed scaling with its per-expert histories, blockwise, MX, NVFP4) runs each
   expert's tokens through the dense quantized linear's own GEMMs (:class:`ExpertGemms`): exact by
@@ -44,12 +44,6 @@ from lpbench.precision.quantize import Scaling, all_reduce_max, fp8_decode_scale
 ALIGN = 16
 ROWS_ALIGN = 128  # the buffer's rows: FP8 codes [C, rows] then start every row on a 128-byte boundary
 GROUPED_FP8_SCALINGS = (Scaling.ROW, Scaling.TENSOR)  # FP8 scalings with a grouped GEMM (fp8_grouped)
-
-
-def is_experts(mod: torch.nn.Module) -> bool:
-    """An MoE layer's stacked experts (:class:`lpbench.models.moe.Experts`, known by its ``set_recipe``: the
-    models package imports precision, so precision does not import it)."""
-    return not isinstance(mod, torch.nn.Linear) and callable(getattr(mod, "set_recipe", None))
 
 
 class GroupedBf16:

@@ -29,7 +29,7 @@ from lpbench.parallel.dp import clip_grad_norm_, grad_sync
 from lpbench.parallel.ep import expert_params, sync_expert_grads
 from lpbench.parallel.env import all_reduce, init_distributed
 from lpbench.parallel.plan import parallelize
-from lpbench.precision import gemm, main_grads, weight_cache
+from lpbench.precision import gemm
 from lpbench.precision.delayed import is_delayed_state
 from lpbench.precision.recipes import get_recipe
 from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError
@@ -125,7 +125,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     model = load_hf_checkpoint(cfg.hf_checkpoint, device=device) if cfg.hf_checkpoint else \
         build_model(model_cfg, device="meta" if meta else device, seed=cfg.seed)
     n_params = count_parameters(model)
-    precision_info, workload_metrics = prepare_model(model, cfg, recipe, device=device, emulate=emulate)
+    converters, precision_info, workload_metrics = prepare_model(model, cfg, recipe, device=device, emulate=emulate,
+                                                                 use_compile=use_compile)
     configure_moe(model, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff, 1.0 / cfg.grad_accum)
     if use_compile:  # runs in one process (several precisions, converge) each get Dynamo's full recompile budget
         torch._dynamo.reset()
@@ -139,12 +140,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     spread = expert_params(par.module)[0]  # expert parallel (or TP-split experts): each rank's own experts
     spread = (spread, par.meshes.group("ep" if par.dims.ep_enabled else "tp") if spread else None)
     optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda")
-    cache = fused = None
-    if cfg.grad_accum > 1 and not (use_compile and cfg.compile_scope == "model"):  # its pre-hook runs eagerly
-        # FP8 and BF16 weights (linears, experts) cast once per optimizer step
-        cache = weight_cache.install(model, optimizer, bf16=recipe.compute_dtype == torch.bfloat16)
-        # experts' weight gradients accumulated in FP32 by their GEMMs, where no data-parallel wrapper reduces them
-        fused = main_grads.install(model, optimizer, params if world.size == 1 else spread[0])
+    converters.attach(model, optimizer, params if world.size == 1 else spread[0])
     scheduler = build_scheduler(optimizer, cfg)
     memory.reset_peak(device)  # after building, sharding and initialising the model
     splits = build_data(cfg, model_cfg)
@@ -159,9 +155,10 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     fpt = run_flops_per_token(cfg, model_cfg, splits)
     gpu = detect_gpu(result.env.get("gpu")) if device.type == "cuda" else None
     tokens_per_step = cfg.gbs * cfg.seq_len
+    kernels = f" kernels {', '.join(precision_info['kernels'])}" if precision_info.get("kernels") else ""
     log(f"lpbench: {cfg.workload} {cfg.label} ({n_params / 1e6:.1f} M params, weights "
         f"{workload_metrics['weight_bytes'] / 2**20:,.1f} MiB) | {cfg.precision} ({cfg.backend}) "
-        f"[{precision_info['path']}] | device {device} ({result.env.get('gpu') or 'cpu'}){cpu_note} | "
+        f"[{precision_info['path']}]{kernels} | device {device} ({result.env.get('gpu') or 'cpu'}){cpu_note} | "
         f"compile {'on' if use_compile else 'off'} | LM loss {'chunked' if fused_loss else 'unfused'} | "
         f"GBS {cfg.gbs} MBS {cfg.mbs} GA {cfg.grad_accum} "
         f"seq {cfg.seq_len} | peak LR {cfg.peak_lr:g} | {splits.source}")
@@ -170,9 +167,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
         log(f"lpbench: {cfg.precision} GEMMs emulated: {precision_info['why_emulated']}")
     if cfg.workload == "lora":
         log(describe_lora(cfg, workload_metrics))
-    if fused is not None:
-        log(f"lpbench: {len(fused.weights)} expert weights' gradients accumulated in FP32 by their GEMMs "
-            f"(gradient-accumulation fusion)")
+    for line in converters.log_lines():
+        log(line)
     if world.size > 1:
         dp_kind = ("fsdp, fp8 all-gather" if cfg.fsdp_fp8_all_gather else "fsdp") if cfg.fsdp else "ddp"
         if par.dims.fsdp_enabled:
@@ -205,8 +201,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                         loss = forward(*batch)  # input_ids, labels[, doc_ids]
                     (loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach()
-            if fused is not None:
-                fused.expose()
+            converters.after_backward()
             if cfg.ep > 1 or cfg.tp > 1:
                 sync_expert_grads(par.module, cfg.dp, par.meshes.group("ep_replicate" if cfg.ep > 1 else "dp"))
             grad_norm = clip_grad_norm_(params, cfg.grad_clip, optimizer, spread)
@@ -215,9 +210,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             evaluates = bool(n_eval) and (step % cfg.eval_every == 0 or step == cfg.steps)
-            if cache is not None and prefetch_weights(step, cfg, evaluates, checkpointer.saves(step)):
-                with autocast:
-                    cache.refresh()
+            with autocast:
+                converters.after_optimizer_step(prefetch_weights(step, cfg, evaluates, checkpointer.saves(step)))
             loss_value = loss_sum.item() / cfg.grad_accum  # synchronises the device
             step_time = time.perf_counter() - t0
             if loss_group is not None:  # the global batch's mean
@@ -249,8 +243,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
             if evaluates:
                 rec["val_loss"] = evaluate(par.module, splits.valid_batches(cfg.mbs, par.dp_rank, cfg.dp),
                                            n_eval, device, autocast)
-                if cache is not None:  # cast again: evaluate undid the amaxes its refill recorded
-                    cache.invalidate()
+                converters.after_evaluate()
                 take_moe_stats(par.module)  # the next step's MoE statistics count training forwards only
                 log(f"validation loss at iteration {step} | lm loss value: {rec['val_loss']:.6E} | "
                     f"lm loss PPL: {math.exp(min(rec['val_loss'], 700)):.6E} |")
@@ -407,7 +400,8 @@ def summarize(steps: list[dict], cfg: RunConfig, fpt: float, gpu, precision_info
     recipe = get_recipe(cfg.precision)
     timed = [s["step_time_s"] for s in steps[cfg.warmup_steps:] if not s.get("profiled")]  # profiler overhead
     out = {"path": precision_info["path"], "why_emulated": precision_info["why_emulated"], "flops_formula": cfg.flops_formula, "flops_per_token": fpt,
-           "quantized_linears": len(precision_info["quantized"]), "skipped_linears": precision_info["skipped"],
+           "quantized_linears": len(precision_info["quantized"]),
+           "kernels": ",".join(precision_info.get("kernels", [])), "skipped_linears": precision_info["skipped"],
            "device_type": device.type, "num_gpus": cfg.world_size, "timed_steps": len(timed)}
     if steps:
         out["final_loss"] = steps[-1]["loss"]

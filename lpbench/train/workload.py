@@ -14,7 +14,7 @@ LoRA order: ``apply_lora`` casts and freezes the bases first, then ``apply_recip
 the recipe's ``QuantizedLinear`` (adapters are parameters, not linears, so they stay BF16; the
 recipe's FP32 amax histories are made after the cast). With ``lora_base_storage="quantized"`` each
 frozen quantized base is then quantized once and its BF16 copy freed
-(:mod:`lpbench.precision.frozen`); bases the recipe leaves in BF16 (the BF16 recipe, NVFP4's last
+(:mod:`lpbench.precision.frozen`, the converters of :mod:`lpbench.convert`); bases the recipe leaves in BF16 (the BF16 recipe, NVFP4's last
 layers, dims that do not divide the block) stay as they are.
 
 A model from ``--hf-checkpoint`` takes its architecture from config.json; the run is labelled
@@ -34,28 +34,25 @@ from lpbench.data.loader import build_dataset
 from lpbench.data.sft import build_sft_dataset
 from lpbench.metrics.flops import flops_per_token, lora_flops_per_token, packed_flops_per_token
 from lpbench.models.registry import ModelConfig
-from lpbench.precision.frozen import store_frozen_quantized
-from lpbench.precision.policy import apply_recipe
+from lpbench.convert import Converters, FrozenQuantized, LoRA, Quantize, converters_for
 from lpbench.precision.recipes import Recipe
-from lpbench.models.lora import apply_lora
 
 def prepare_model(model: nn.Module, cfg: RunConfig, recipe: Recipe, *, device: torch.device,
-                  emulate: bool | str) -> tuple[dict, dict]:
-    """Adapters (lora), the precision recipe, the stored base: ``(apply_recipe's result, metrics)``."""
-    lora = None
-    if cfg.workload == "lora":
-        lora = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, base_dtype=recipe.compute_dtype,
-                          seed=cfg.seed)
-    precision = apply_recipe(model, recipe, device=device, emulate=emulate, backend=cfg.backend)
+                  emulate: bool | str, use_compile: bool) -> tuple[Converters, dict, dict]:
+    """The run's converters (:func:`lpbench.convert.converters_for`) applied to ``model``: ``(converters, the
+    recipe's result of apply_recipe, metrics)``."""
+    converters = converters_for(cfg, recipe, device, emulate, use_compile)
+    converters.convert(model)
     metrics = {"workload": cfg.workload,
                "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    lora = converters.find(LoRA)
     if lora is not None:
-        stored = store_frozen_quantized(model) if cfg.lora_base_storage == "quantized" else []
-        metrics.update(lora_adapted_linears=len(lora["adapted"]), lora_base_storage=cfg.lora_base_storage,
-                       lora_stored_quantized=len(stored))
+        stored = converters.find(FrozenQuantized)
+        metrics.update(lora_adapted_linears=len(lora.info["adapted"]), lora_base_storage=cfg.lora_base_storage,
+                       lora_stored_quantized=len(stored.names) if stored else 0)
         if device.type == "cuda":  # return the freed FP32/BF16 copies, so reserved and NVML memory show the run
             torch.cuda.empty_cache()
-    return precision, metrics
+    return converters, converters.find(Quantize).info, metrics
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -33,7 +33,7 @@ and scale. Eager (no producer to fuse into) and FP32 master weights take the one
 copies and the amax in one read) and the same update. Under tensor parallelism the amax is all-reduced
 before the update.
 
-A linear whose weight :mod:`lpbench.precision.weight_cache` keeps in FP8 uses those codes (cast once
+A linear whose weight :mod:`lpbench.convert.weight_cache` keeps in FP8 uses those codes (cast once
 per optimizer step by :func:`cache_weight`, with this module's own cast) instead of casting the
 weight in every micro-batch's forward.
 """
@@ -127,7 +127,7 @@ def _record(mod, role: str, scale: torch.Tensor, amax: torch.Tensor, q: torch.Te
 
 def cache_weight(mod) -> None:
     """Cast ``mod.weight`` now into ``mod``'s buffers ``fp8_weight`` [N, K], ``fp8_weight_t`` [K, N] and
-    ``fp8_weight_scale`` (:mod:`lpbench.precision.weight_cache` made them), exactly as the linear's
+    ``fp8_weight_scale`` (:mod:`lpbench.convert.weight_cache` made them), exactly as the linear's
     forward would (delayed scaling records the weight's amax here, once per cast)."""
     with torch.no_grad(), torch.autocast(mod.weight.device.type, enabled=False):
         bufs = mod.fp8_weight, mod.fp8_weight_t

@@ -14,7 +14,7 @@ Hand-written for two things torch's grouped GEMMs do not do well or at all:
   4,096), so :func:`takes` sends only experts of fewer than ``SMALL_EXPERT`` weight elements here. Fast
   accumulation stays with torch (within a few percent of this kernel either way).
 * **The weight gradient added into an FP32 buffer** (:func:`wgrad_into`, gradient-accumulation fusion,
-  :mod:`lpbench.precision.main_grads`): torch's grouped GEMMs write BF16 only, which autograd then casts and adds.
+  :mod:`lpbench.convert.main_grads`): torch's grouped GEMMs write BF16 only, which autograd then casts and adds.
   Here the epilogue adds the FP32 product to the buffer's tile, loaded before the main loop: mixtral-8x7b's
   gate_up 4.4 ms in FP8 (torch's GEMM, cast and add 7.6), 5.3 in BF16 (8.1).
 

@@ -34,28 +34,10 @@ import torch
 from torch import nn
 
 from lpbench.errors import UsageError
+from lpbench.models.decoder import expand_targets
+from lpbench.models.moe import Experts
 from lpbench.precision import gemm
-from lpbench.precision.grouped import grouped_linear, is_experts
-
-TARGETS: dict[str, tuple[str, ...]] = {
-    "qkv": ("qkv",), "o": ("o",), "mlp": ("gate_up", "up", "down"),
-    "gate_up": ("gate_up",), "up": ("up",), "down": ("down",),
-}
-
-
-def expand_targets(targets) -> tuple[str, ...]:
-    """Module names for ``targets`` (a list, or a comma-separated string such as ``"qkv,o,mlp"``)."""
-    if isinstance(targets, str):
-        targets = [t for t in targets.replace(" ", "").split(",") if t]
-    names: list[str] = []
-    for t in targets:
-        if t not in TARGETS:
-            raise UsageError(f"unknown LoRA target {t!r}; valid: {', '.join(TARGETS)}")
-        names += [n for n in TARGETS[t] if n not in names]
-    if not names:
-        raise UsageError("LoRA needs at least one target")
-    return tuple(names)
-
+from lpbench.precision.grouped import grouped_linear
 
 class LoRALinear(nn.Module):
     """``base(x) + scaling · (x Aᵀ) Bᵀ`` with a frozen ``base`` (any module with in/out_features)."""
@@ -159,7 +141,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
             for mod in layer.modules():
                 if _is_linear(mod):
                     mod.to(base_dtype)
-                elif is_experts(mod):
+                elif isinstance(mod, Experts):
                     for p in mod.parameters(recurse=False):
                         p.data = p.data.to(base_dtype)
     first = next(model.parameters())
@@ -169,7 +151,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
     adapted = []
     for i, layer in enumerate(layers):
         for name, mod in list(layer.named_modules()):
-            if is_experts(mod):  # stacked experts: an adapter per expert for each targeted weight
+            if isinstance(mod, Experts):  # stacked experts: an adapter per expert for each targeted weight
                 for wname, w in mod.named_parameters(recurse=False):
                     if wname in names:
                         mod.adapters[wname] = ExpertLoRA(w, rank, alpha, adapter_dtype, gen)

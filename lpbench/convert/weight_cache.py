@@ -40,14 +40,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lpbench.precision.grouped import GroupedBf16, GroupedFp8, is_experts, weight_codes
+from lpbench.models.moe import Experts
+from lpbench.precision.grouped import GroupedBf16, GroupedFp8, weight_codes
+from lpbench.precision.kernels.fp8_linear import cache_weight
+from lpbench.precision.linear import QuantizedLinear
 from lpbench.precision.quantize import Scaling
 
 
 def eligible(mod: nn.Module) -> bool:
     """Whether ``mod`` is a linear whose weight the fused FP8 tensorwise/delayed forward casts."""
-    from lpbench.precision.linear import QuantizedLinear
-
     if not isinstance(mod, QuantizedLinear) or not mod.native or mod.tp_shard is not None:
         return False
     w = mod.weight
@@ -60,7 +61,7 @@ def bf16_eligible(mod: nn.Module) -> bool:
     grouped experts whose plain FP32 CUDA weights autocast casts in every forward."""
     if getattr(type(mod), "caches_bf16_weight", False):
         names = ["weight"]
-    elif is_experts(mod) and isinstance(mod.gemm, GroupedBf16):
+    elif isinstance(mod, Experts) and isinstance(mod.gemm, GroupedBf16):
         names = [mod.in_name, "down"]
     else:
         return False
@@ -73,7 +74,7 @@ def _plain_fp32_on_cuda(w: torch.Tensor) -> bool:
 
 def grouped_eligible(mod: nn.Module) -> bool:
     """Whether ``mod`` is an MoE layer's experts whose plain weights the FP8 grouped GEMMs quantize."""
-    return (is_experts(mod) and isinstance(mod.gemm, GroupedFp8)
+    return (isinstance(mod, Experts) and isinstance(mod.gemm, GroupedFp8)
             and all(type(getattr(mod, name)) is nn.Parameter for name in (mod.in_name, "down")))
 
 
@@ -83,8 +84,8 @@ class WeightCache:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, bf16: bool = True):
         self.linears = [m for m in model.modules() if eligible(m)]
         halves = [m for m in model.modules() if bf16_eligible(m)] if bf16 else []
-        self.bf16_linears = [m for m in halves if not is_experts(m)]
-        self.experts = [m for m in model.modules() if grouped_eligible(m)] + [m for m in halves if is_experts(m)]
+        self.bf16_linears = [m for m in halves if not isinstance(m, Experts)]
+        self.experts = [m for m in model.modules() if grouped_eligible(m)] + [m for m in halves if isinstance(m, Experts)]
         for m in self.bf16_linears:
             m.register_buffer("bf16_weight", m.weight.detach().to(torch.bfloat16), persistent=False)
         for m in self.linears:
@@ -109,8 +110,6 @@ class WeightCache:
     def refresh(self, *_) -> None:
         """Cast the stale weights (the model's forward pre-hook; the training loop calls it after the optimizer
         step as well, :func:`lpbench.train.loop.prefetch_weights`)."""
-        from lpbench.precision.kernels.fp8_linear import cache_weight
-
         for i, (m, name) in enumerate(self.weights):
             w = getattr(m, name)
             if self.versions[i] != w._version:

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from lpbench.errors import UsageError
+from lpbench.models.moe import Experts
 from lpbench.precision.capability import EMULATE_ALWAYS, FORCED
-from lpbench.precision.grouped import is_experts
 from lpbench.precision.recipes import Recipe
 
 FLOAT8_RECIPES = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
@@ -161,20 +161,21 @@ def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: li
     if module is not None and importlib.util.find_spec(module) is None:
         raise UsageError(f"--backend torchao {recipe.name} needs torchao 0.18 or later ({module}); "
                          f"torchao {torchao.__version__} is installed")
-    experts = [(name, mod) for name, mod, ok in candidates if is_experts(mod)]
+    experts = [(name, mod) for name, mod, ok in candidates if isinstance(mod, Experts)]
     if experts and recipe.name != "fp8-rowwise":
         raise UsageError(f"--backend torchao runs MoE experts through torchao.prototype.moe_training's FP8 "
                          f"row-wise grouped GEMMs: precision fp8-rowwise, not {recipe.name}")
     if experts and kind == "emulated":
         raise UsageError(f"--backend torchao runs MoE experts natively only (its FP8 grouped GEMMs have no emulation); "
                          f"this run would emulate: {reason}")
-    if any(not ok for _, mod, ok in candidates if is_experts(mod)):
+    if any(not ok for _, mod, ok in candidates if isinstance(mod, Experts)):
         raise UsageError("--backend torchao: the experts' widths must be multiples of 16")
-    candidates = [c for c in candidates if not is_experts(c[1])]
+    candidates = [c for c in candidates if not isinstance(c[1], Experts)]
     multiple = NVFP4_MULTIPLE if recipe.name == "nvfp4" else recipe.dim_multiple
     chosen = [(name, mod) for name, mod, _ in candidates if not (mod.in_features % multiple or mod.out_features % multiple)]
     skipped = [name for name, mod, _ in candidates if name not in dict(chosen)]
-    result = {"path": kind, "quantized": [name for name, _ in chosen], "skipped": skipped, "why_emulated": reason}
+    result = {"path": kind, "quantized": [name for name, _ in chosen], "skipped": skipped, "why_emulated": reason,
+              "kernels": []}
     if recipe.name in FLOAT8_RECIPES:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -185,6 +186,7 @@ def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: li
         for name, mod in experts:
             mod.gemm = TorchaoGrouped()
             result["quantized"].append(name)
+        result["kernels"] = ["Float8Linear"] + (["TorchaoGrouped"] if experts else [])
         return result
     for name, mod in chosen:
         if recipe.name == "mxfp8":
@@ -195,4 +197,5 @@ def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: li
             new = NVFP4Linear.from_linear(mod)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
+    result["kernels"] = [type(new).__name__] if chosen else []
     return result

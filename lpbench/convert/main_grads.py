@@ -28,13 +28,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lpbench.precision.grouped import GroupedBf16, GroupedFp8, is_experts
+from lpbench.models.moe import Experts
+from lpbench.precision.grouped import GroupedBf16, GroupedFp8
 
 
 def eligible(mod: nn.Module, owned: set[int]) -> bool:
     """Whether ``mod`` is an MoE layer's experts on the grouped GEMMs (BF16 or FP8 grouped) whose trained weights
     are plain parameters in ``owned`` (ids)."""
-    if not is_experts(mod) or not isinstance(mod.gemm, (GroupedBf16, GroupedFp8)):
+    if not isinstance(mod, Experts) or not isinstance(mod.gemm, (GroupedBf16, GroupedFp8)):
         return False
     weights = [getattr(mod, name) for name in (mod.in_name, "down")]
     return all(type(w) is nn.Parameter and w.requires_grad and id(w) in owned for w in weights)

@@ -1,4 +1,4 @@
-"""Which modules get which precision, and whether the GEMMs run natively or emulated.
+"""The recipe swap: which modules get which precision, and whether the GEMMs run natively or emulated.
 
 Hand-written and small on purpose: the whole policy is "quantize the linears inside the
 transformer blocks" (MoE experts' stacked weights included, :mod:`lpbench.models.moe`).
@@ -17,9 +17,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lpbench.errors import UsageError
+from lpbench.models.moe import Experts
 from lpbench.precision import fp8_allgather
 from lpbench.precision.capability import emulation_reason
-from lpbench.precision.grouped import is_experts
+from lpbench.precision.frozen import FrozenQuantizedLinear
+from lpbench.precision.grouped import experts_kernel
 from lpbench.precision.linear import QuantizedLinear
 from lpbench.precision.recipes import Recipe, get_recipe
 
@@ -39,7 +41,7 @@ def _candidate_linears(model: nn.Module, recipe: Recipe):
         for name, mod in layer.named_modules():
             if isinstance(mod, nn.Linear) and "router" not in name:
                 yield f"layers.{i}.{name}".rstrip("."), mod, not (mod.in_features % m or mod.out_features % m)
-            elif is_experts(mod):
+            elif isinstance(mod, Experts):
                 _, dim, ffn = mod.down.shape
                 yield f"layers.{i}.{name}", mod, not (dim % m or ffn % m)
 
@@ -52,18 +54,19 @@ def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device
     with False such a recipe raises UsageError; ``"always"`` emulates even where the device
     runs it natively (same numerics as the emulation a device without the format runs).
     ``backend="torchao"`` converts the same
-    linears with torchao's training linears instead (:mod:`lpbench.precision.torchao_backend`).
+    linears with torchao's training linears instead (:mod:`lpbench.convert.torchao`).
     Returns ``{"path": "native"|"emulated", "quantized": [names], "skipped": [names left BF16
-    because their dims do not divide], "why_emulated": reason or None}``.
+    because their dims do not divide], "why_emulated": reason or None}``, with ``"kernels"``:
+    the quantized modules' kernel names, for a quantized recipe.
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     device = torch.device(device)
     if backend not in BACKENDS:
         raise UsageError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if backend == "torchao" and recipe.quantized:
-        from lpbench.precision import torchao_backend
+        from lpbench.convert import torchao
 
-        return torchao_backend.apply(model, recipe, device, list(_candidate_linears(model, recipe)), emulate)
+        return torchao.apply(model, recipe, device, list(_candidate_linears(model, recipe)), emulate)
     reason = emulation_reason(recipe, device, emulate) if recipe.quantized else None
     native = reason is None
     result = {"path": "native" if native else "emulated", "quantized": [], "skipped": [], "why_emulated": reason}
@@ -78,12 +81,14 @@ def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device
         if not divides:
             result["skipped"].append(full)
             continue
-        if is_experts(mod):
-            mod.set_recipe(recipe, native)
+        if isinstance(mod, Experts):
+            quantize_experts(mod, recipe, native)
         else:
             parent, _, child = full.rpartition(".")
             setattr(model.get_submodule(parent), child, QuantizedLinear.from_linear(mod, recipe, native=native))
         result["quantized"].append(full)
+    result["kernels"] = sorted({m.gemm.name if isinstance(m, Experts) else m.kernel.name
+                                for m in model.modules() if isinstance(m, (Experts, QuantizedLinear))} - {"GroupedBf16"})
     m, n = recipe.dim_multiple, len(model.layers)
     if result["skipped"]:
         warnings.warn(
@@ -97,6 +102,24 @@ def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device
             stacklevel=2,
         )
     return result
+
+
+def quantize_experts(experts: Experts, recipe: Recipe, native: bool) -> None:
+    """Give ``experts`` the kernel of ``recipe`` (:func:`lpbench.precision.grouped.experts_kernel`)."""
+    experts.gemm = experts_kernel(recipe, native, (experts.in_name, "down"), experts.n_experts, experts.down.device)
+    experts.set_tp(experts.tp)
+
+
+def store_frozen_quantized(model: nn.Module) -> list[str]:
+    """Replace every QuantizedLinear whose weight is frozen by its :class:`FrozenQuantizedLinear`
+    (the high-precision weight is freed once nothing else holds it); returns their names."""
+    names = []
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, QuantizedLinear) and not mod.weight.requires_grad:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, FrozenQuantizedLinear.from_linear(mod))
+            names.append(name)
+    return names
 
 
 @torch.no_grad()

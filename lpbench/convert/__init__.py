@@ -1,0 +1,159 @@
+"""Model converters: what a run changes in the plain decoder of ``lpbench.models``, and when.
+
+A converter (torchtitan's ``ModelConverter`` is the model) changes the model once, before it is
+parallelized (:meth:`Converter.convert`), and may hook into training: :meth:`Converter.attach` once the
+optimizer exists (before the first forward, so compiled code sees the converted model),
+:meth:`Converter.after_backward` after a step's last backward, :meth:`Converter.after_optimizer_step`
+after the optimizer step (``prefetch``: the loop allows work for the next step now) and
+:meth:`Converter.after_evaluate`. The trainer calls these hooks of :class:`Converters` and names no
+converter's internals.
+
+The run's converters, in order (:func:`converters_for`): LoRA adapters (:mod:`.lora`), the precision
+recipe (:mod:`.quantize`, or torchao's linears, :mod:`.torchao`), frozen quantized bases, the weight cache
+(:mod:`.weight_cache`) and the experts' FP32 gradient buffers (:mod:`.main_grads`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lpbench.convert import main_grads, weight_cache
+from lpbench.convert.lora import apply_lora
+from lpbench.convert.quantize import apply_recipe, store_frozen_quantized
+
+
+class Converter:
+    """One change to the model and its hooks into training (each a no-op unless overridden)."""
+
+    def convert(self, model: nn.Module) -> None:
+        """Change ``model`` (whole, unsharded, possibly on the meta device)."""
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, owned: list[nn.Parameter]) -> None:
+        """Hook into training once the optimizer exists; ``owned``: the parameters no data-parallel wrapper reduces."""
+
+    def after_backward(self) -> None:
+        """After a step's last backward, before anything reads the gradients."""
+
+    def after_optimizer_step(self, prefetch: bool) -> None:
+        """After the optimizer step; ``prefetch``: the next step's work may start now."""
+
+    def after_evaluate(self) -> None:
+        """After an evaluation (which restores delayed scaling's amaxes)."""
+
+    def log_lines(self) -> list[str]:
+        return []
+
+
+class LoRA(Converter):
+    def __init__(self, cfg, recipe):
+        self.cfg, self.recipe, self.info = cfg, recipe, {}
+
+    def convert(self, model):
+        cfg = self.cfg
+        self.info = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets,
+                               base_dtype=self.recipe.compute_dtype, seed=cfg.seed)
+
+
+class Quantize(Converter):
+    """The recipe's quantized linears and experts (lpbench's or torchao's); ``info``: apply_recipe's result."""
+
+    def __init__(self, recipe, device, emulate, backend: str):
+        self.recipe, self.device, self.emulate, self.backend, self.info = recipe, device, emulate, backend, {}
+
+    def convert(self, model):
+        self.info = apply_recipe(model, self.recipe, device=self.device, emulate=self.emulate, backend=self.backend)
+
+
+class FrozenQuantized(Converter):
+    """Frozen quantized bases stored quantized once (LoRA's ``--lora-base-storage quantized``)."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def convert(self, model):
+        self.names = store_frozen_quantized(model)
+
+
+class WeightCache(Converter):
+    """Weights quantized (or cast to BF16) once per optimizer step (:mod:`lpbench.convert.weight_cache`)."""
+
+    def __init__(self, bf16: bool):
+        self.bf16, self.cache = bf16, None
+
+    def attach(self, model, optimizer, owned):
+        self.cache = weight_cache.install(model, optimizer, self.bf16)
+
+    def after_optimizer_step(self, prefetch):
+        if self.cache is not None and prefetch:
+            self.cache.refresh()
+
+    def after_evaluate(self):
+        if self.cache is not None:  # cast again: evaluate undid the amaxes its refill recorded
+            self.cache.invalidate()
+
+
+class MainGrads(Converter):
+    """The experts' weight gradients accumulated in FP32 by their GEMMs (:mod:`lpbench.convert.main_grads`)."""
+
+    def __init__(self):
+        self.grads = None
+
+    def attach(self, model, optimizer, owned):
+        self.grads = main_grads.install(model, optimizer, owned)
+
+    def after_backward(self):
+        if self.grads is not None:
+            self.grads.expose()
+
+    def log_lines(self):
+        if self.grads is None:
+            return []
+        return [f"lpbench: {len(self.grads.weights)} expert weights' gradients accumulated in FP32 by their GEMMs "
+                "(gradient-accumulation fusion)"]
+
+
+class Converters(list):
+    """A run's converters, in order; each hook calls theirs."""
+
+    def convert(self, model: nn.Module) -> None:
+        for c in self:
+            c.convert(model)
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, owned: list[nn.Parameter]) -> None:
+        for c in self:
+            c.attach(model, optimizer, owned)
+
+    def after_backward(self) -> None:
+        for c in self:
+            c.after_backward()
+
+    def after_optimizer_step(self, prefetch: bool) -> None:
+        for c in self:
+            c.after_optimizer_step(prefetch)
+
+    def after_evaluate(self) -> None:
+        for c in self:
+            c.after_evaluate()
+
+    def log_lines(self) -> list[str]:
+        return [line for c in self for line in c.log_lines()]
+
+    def find(self, kind: type) -> Converter | None:
+        return next((c for c in self if isinstance(c, kind)), None)
+
+
+def converters_for(cfg, recipe, device: torch.device, emulate: bool | str, use_compile: bool) -> Converters:
+    """The converters of run ``cfg`` (a RunConfig) with ``recipe`` on ``device``. The weight cache and the FP32
+    gradient buffers need gradient accumulation (one micro-batch a step has nothing to reuse or accumulate) and
+    eager code between the compiled blocks (their hooks run outside the graphs: not ``--compile-scope model``)."""
+    out = Converters()
+    lora = cfg.workload == "lora"
+    if lora:
+        out.append(LoRA(cfg, recipe))
+    out.append(Quantize(recipe, device, emulate, cfg.backend))
+    if lora and cfg.lora_base_storage == "quantized":
+        out.append(FrozenQuantized())
+    if cfg.grad_accum > 1 and not (use_compile and cfg.compile_scope == "model"):
+        out += [WeightCache(bf16=recipe.compute_dtype == torch.bfloat16), MainGrads()]
+    return out
