@@ -4,7 +4,7 @@
 
 1. One GEMM (tiny's MLP shape, 2048 x 384 x 128) and one training step (fwd + bwd) of the `tiny`
    model under BF16 autocast, on the BF16 route (torch's BF16 kernels) and the FP32 route
-   (lpbench.precision.gemm), alternating so both see the same machine load: median ms, ratio.
+   (lpbench.gemm), alternating so both see the same machine load: median ms, ratio.
 2. The same training step (FP32 route) in fresh processes with OMP_WAIT_POLICY=ACTIVE (OpenMP's
    spinning default) and PASSIVE (lpbench's), alternating; ``--busy N`` adds N spinning processes while
    timing, to load the machine on purpose. Prints the load average before and after.
@@ -55,7 +55,7 @@ def tiny_step_times(steps: int) -> list[float]:
 def routes(steps: int) -> None:
     import torch
 
-    from lpbench.precision import gemm
+    from lpbench import gemm
 
     a, b = torch.randn(2048, 384), torch.randn(128, 384)
     flops = 2 * 2048 * 384 * 128

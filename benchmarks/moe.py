@@ -35,7 +35,7 @@ import torch
 from lpbench.config import RunConfig
 from lpbench.convert.quantize import quantize_experts
 from lpbench.metrics import trace as chrome_trace
-from lpbench.precision import capability
+from lpbench.models import moe as moe_layer
 from lpbench.train.loop import train
 
 MODELS = (("qwen3-30b-a3b", 2), ("mixtral-8x7b", 2))
@@ -64,7 +64,7 @@ def check_native(device: str = "cuda") -> None:
                 torch.nn.init.normal_(p, std=0.05)
             if precision != "bf16":
                 quantize_experts(moe.experts, get_recipe(precision), native=native)
-            capability.grouped_gemm = (lambda t: t.is_cuda) if native else (lambda t: False)
+            moe_layer.grouped_gemm = (lambda t: t.is_cuda) if native else (lambda t: False)
             xi = x.clone().requires_grad_()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y = moe(xi)
@@ -228,14 +228,14 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
     except OSError as exc:
         ap.exit(2, f"moe.py: --out {args.out}: {exc.strerror}\n")
-    native = capability.grouped_gemm
+    native = moe_layer.grouped_gemm
     try:
         if not args.no_check:
             check_native()
     except Exception:
         traceback.print_exc()
     finally:
-        capability.grouped_gemm = native
+        moe_layer.grouped_gemm = native
     print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | seq {args.seq_len} MBS {args.mbs} GBS {args.gbs} | "
           f"steps {args.steps} (first {args.warmup} untimed) | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
           flush=True)
@@ -243,7 +243,7 @@ def main() -> None:
         name, layers = spec.split(":")
         base, profiles = None, {}
         for label, precision, backend, mode in variants:
-            capability.grouped_gemm = (lambda x: False) if mode == "loop" else native
+            moe_layer.grouped_gemm = (lambda x: False) if mode == "loop" else native
             cfg = RunConfig(model=name, num_layers=int(layers), precision=precision, backend=backend,
                             seq_len=args.seq_len, mbs=args.mbs, gbs=args.gbs, steps=args.steps, warmup_steps=args.warmup,
                             log_interval=args.steps, profile_steps=f"{args.steps}:{args.steps}" if args.profile else None)
@@ -272,7 +272,7 @@ def main() -> None:
                 traceback.print_exc()
                 row = {"model": f"{name}@{layers}L", "variant": label, "status": f"error: {exc}".splitlines()[0]}
             finally:
-                capability.grouped_gemm = native
+                moe_layer.grouped_gemm = native
                 gc.collect()  # the run's model and optimizer freed now, not inside the next run's peak
                 torch.cuda.empty_cache()
             if label == "bf16" and row.get("tokens_per_s"):

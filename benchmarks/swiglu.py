@@ -1,4 +1,4 @@
-"""SwiGLU's backward (``lpbench/models/swiglu.py``) at the zoo's MLP shapes: the Triton kernel against inductor's
+"""SwiGLU's backward (``lpbench/precision/kernels/swiglu.py``) at the zoo's MLP shapes: the Triton kernel against inductor's
 compiled autograd of ``silu(gate) * up`` (what the decoder ran before) and a copy of the gradient, with whether
 each is eager autograd's gradient bit for bit; then the kernel's FP8 epilogues (the gate+up linear's gradient
 quantized inside it) against the passes they replace: its amax (tensorwise) against a separate amax of the
@@ -35,7 +35,7 @@ def main() -> int:
         print("swiglu.py: needs a CUDA device", file=sys.stderr)
         return 2
     from lpbench.metrics.timing import HOW, quartiles_ms, us_text
-    from lpbench.models import swiglu as sw
+    from lpbench.precision.kernels import swiglu as sw
 
     def us(fn):
         return us_text(quartiles_ms(fn, warmup=50, rep=300))

@@ -8,7 +8,7 @@ from lpbench.models import build_model
 from lpbench.models.decoder import Linear, configure_loss
 from lpbench.models.fused_loss import linear_cross_entropy
 from lpbench.models.registry import get_model_config, with_overrides
-from lpbench.precision import gemm
+from lpbench import gemm
 
 N, D, V, CHUNK = 40, 32, 96, 16  # three chunks, the last one short
 

@@ -7,7 +7,8 @@ from lpbench.errors import UsageError
 from lpbench.models import build_model
 from lpbench.models.decoder import Linear
 from lpbench.models.registry import get_model_config, with_overrides
-from lpbench.precision import RECIPES, gemm
+from lpbench import gemm
+from lpbench.precision import RECIPES
 from lpbench.precision.linear import QuantizedLinear
 from lpbench.precision.quantize import quantize
 

@@ -14,7 +14,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lpbench"
 # Bottom to top; a module belongs to the longest prefix that names it.
 LAYERS = [
-    ["lpbench", "lpbench.errors", "lpbench.console", "lpbench.configs", "lpbench.threads", "lpbench.paths"],
+    ["lpbench", "lpbench.errors", "lpbench.console", "lpbench.configs", "lpbench.threads", "lpbench.paths",
+     "lpbench.gemm"],
     ["lpbench.models", "lpbench.data", "lpbench.corpus", "lpbench.precision", "lpbench.metrics"],
     ["lpbench.convert"],
     ["lpbench.config"],
@@ -115,6 +116,20 @@ def test_every_module_has_a_layer():
         layer_of(name, LAYERS)
 
 
+def test_the_model_imports_nothing_from_precision():
+    """The decoder is plain torch: quantization reaches it only through lpbench.convert."""
+    assert imports_between(import_graph(PACKAGE), "lpbench.models", "lpbench.precision") == []
+
+
+def imports_between(graph: dict[str, set[str]], source: str, target: str) -> list[str]:
+    """``module imports module`` for every import from package ``source`` into package ``target``."""
+    def inside(name, package):
+        return name == package or name.startswith(package + ".")
+
+    return sorted(f"{m} imports {t}" for m, targets in graph.items() if inside(m, source)
+                  for t in targets if inside(t, target))
+
+
 def test_cli_is_imported_by_nothing_but_the_entry_point():
     graph = import_graph(PACKAGE)
     assert sorted(m for m, targets in graph.items() if "lpbench.cli" in targets) == ["lpbench.__main__"]
@@ -126,6 +141,12 @@ def _write(root: Path, files: dict[str, str]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return root / "pkg"
+
+
+def test_the_check_finds_an_import_between_two_packages():
+    graph = {"pkg.models.a": {"pkg.precision.b", "pkg.models.c"}, "pkg.models.c": set(), "pkg.precision.b": set()}
+    assert imports_between(graph, "pkg.models", "pkg.precision") == ["pkg.models.a imports pkg.precision.b"]
+    assert imports_between(graph, "pkg.precision", "pkg.models") == []
 
 
 def test_the_check_finds_a_cycle_and_an_upward_import(tmp_path):

@@ -13,7 +13,8 @@ from lpbench.convert.quantize import quantize_experts
 
 from lpbench.models.moe import MoE, load_balancing_loss, route, z_loss
 from lpbench.models.registry import ModelConfig
-from lpbench.precision import gemm, grouped
+from lpbench import gemm
+from lpbench.precision import grouped
 from lpbench.precision.linear import QuantizedLinear
 from lpbench.precision.quantize import quantize_fp8
 from lpbench.precision.recipes import RECIPES, get_recipe

@@ -1,4 +1,4 @@
-"""SwiGLU's hand-written backward (``lpbench/models/swiglu.py``) against eager autograd of ``silu(gate) * up``:
+"""SwiGLU's hand-written backward (``lpbench/precision/kernels/swiglu.py``) against eager autograd of ``silu(gate) * up``:
 bit for bit on CUDA and on the CPU route, and the Triton kernel's indexing under the interpreter."""
 
 import os
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lpbench.models import swiglu as sw
+from lpbench.precision.kernels import swiglu as sw
 from lpbench.precision import capability
 
 SPECIALS = [0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 89.0, -104.0, 3e38, -3e38, float("inf"), float("-inf"), float("nan")]

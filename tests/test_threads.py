@@ -9,7 +9,7 @@ import torch
 import lpbench.train.loop as loop
 from lpbench import threads
 from lpbench.config import RunConfig
-from lpbench.precision import gemm
+from lpbench import gemm
 
 
 def test_importing_lpbench_first_makes_idle_openmp_threads_sleep():

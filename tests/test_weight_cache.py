@@ -223,7 +223,7 @@ def _bf16_model(device="cpu") -> nn.Sequential:
 @pytest.fixture
 def bf16_on_cpu(monkeypatch):
     """The BF16 cache on CPU, through autocast's BF16 GEMMs (not the FP32 route of CPUs without BF16)."""
-    from lpbench.precision import gemm
+    from lpbench import gemm
 
     monkeypatch.setattr(gemm, "fp32_route", lambda x: False)
     monkeypatch.setattr(weight_cache, "_plain_fp32_on_cuda", lambda w: w.dtype == torch.float32)

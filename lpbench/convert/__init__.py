@@ -8,7 +8,7 @@ after the optimizer step (``prefetch``: the loop allows work for the next step n
 :meth:`Converter.after_evaluate`. The trainer calls these hooks of :class:`Converters` and names no
 converter's internals.
 
-The run's converters, in order (:func:`converters_for`): LoRA adapters (:mod:`.lora`), the precision
+The run's converters, in order (:func:`converters_for`): SwiGLU's kernel, LoRA adapters (:mod:`.lora`), the precision
 recipe (:mod:`.quantize`, or torchao's linears, :mod:`.torchao`), frozen quantized bases, the weight cache
 (:mod:`.weight_cache`) and the experts' FP32 gradient buffers (:mod:`.main_grads`).
 """
@@ -21,6 +21,9 @@ from torch import nn
 from lpbench.convert import main_grads, weight_cache
 from lpbench.convert.lora import apply_lora
 from lpbench.convert.quantize import apply_recipe, store_frozen_quantized
+from lpbench.models.decoder import MLP
+from lpbench.models.moe import Experts, silu_mul
+from lpbench.precision.kernels.swiglu import swiglu, swiglu_of
 
 
 class Converter:
@@ -43,6 +46,18 @@ class Converter:
 
     def log_lines(self) -> list[str]:
         return []
+
+
+class SwiGLU(Converter):
+    """SwiGLU with its hand-written backward (``precision/kernels/swiglu.py``: eager autograd's numbers), and as
+    the epilogue of a quantized gate+up linear that takes one."""
+
+    def convert(self, model):
+        for m in model.modules():
+            if isinstance(m, MLP) and m.act is silu_mul:
+                m.activate = swiglu_of
+            elif isinstance(m, Experts) and m.act is silu_mul:
+                m.act = swiglu
 
 
 class LoRA(Converter):
@@ -147,7 +162,7 @@ def converters_for(cfg, recipe, device: torch.device, emulate: bool | str, use_c
     """The converters of run ``cfg`` (a RunConfig) with ``recipe`` on ``device``. The weight cache and the FP32
     gradient buffers need gradient accumulation (one micro-batch a step has nothing to reuse or accumulate) and
     eager code between the compiled blocks (their hooks run outside the graphs: not ``--compile-scope model``)."""
-    out = Converters()
+    out = Converters([SwiGLU()])
     lora = cfg.workload == "lora"
     if lora:
         out.append(LoRA(cfg, recipe))

@@ -36,7 +36,7 @@ from torch import nn
 from lpbench.errors import UsageError
 from lpbench.models.decoder import expand_targets
 from lpbench.models.moe import Experts
-from lpbench.precision import gemm
+from lpbench import gemm
 from lpbench.precision.grouped import grouped_linear
 
 class LoRALinear(nn.Module):

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lpbench.models.moe import Experts
+from lpbench.models.moe import Experts, GroupedMM
 from lpbench.precision.grouped import GroupedBf16, GroupedFp8, weight_codes
 from lpbench.precision.kernels.fp8_linear import cache_weight
 from lpbench.precision.linear import QuantizedLinear
@@ -61,7 +61,7 @@ def bf16_eligible(mod: nn.Module) -> bool:
     grouped experts whose plain FP32 CUDA weights autocast casts in every forward."""
     if getattr(type(mod), "caches_bf16_weight", False):
         names = ["weight"]
-    elif isinstance(mod, Experts) and isinstance(mod.gemm, GroupedBf16):
+    elif isinstance(mod, Experts) and isinstance(mod.gemm, (GroupedMM, GroupedBf16)):
         names = [mod.in_name, "down"]
     else:
         return False
@@ -86,6 +86,9 @@ class WeightCache:
         halves = [m for m in model.modules() if bf16_eligible(m)] if bf16 else []
         self.bf16_linears = [m for m in halves if not isinstance(m, Experts)]
         self.experts = [m for m in model.modules() if grouped_eligible(m)] + [m for m in halves if isinstance(m, Experts)]
+        for m in self.experts:
+            if isinstance(m.gemm, GroupedMM):  # the kernel that takes the BF16 copy
+                m.gemm = GroupedBf16()
         for m in self.bf16_linears:
             m.register_buffer("bf16_weight", m.weight.detach().to(torch.bfloat16), persistent=False)
         for m in self.linears:

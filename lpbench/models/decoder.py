@@ -29,11 +29,10 @@ from torch.distributed.tensor import DTensor
 
 from lpbench.errors import UsageError
 from lpbench.models.fused_loss import linear_cross_entropy
-from lpbench.models.moe import MoE, expert_shape
+from lpbench.models.moe import ACTIVATIONS, MoE, expert_shape
 from lpbench.models.registry import ModelConfig
-from lpbench.models.swiglu import swiglu_of
-from lpbench.precision import gemm
-from lpbench.precision.tp_local import local_linear
+from lpbench import gemm
+from lpbench.gemm import local_linear
 
 
 TARGETS: dict[str, tuple[str, ...]] = {
@@ -100,7 +99,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose BF16 GEMMs run as FP32 GEMMs on a CPU without native BF16 (:mod:`lpbench.precision.gemm`),
+    """``nn.Linear`` whose BF16 GEMMs run as FP32 GEMMs on a CPU without native BF16 (:mod:`lpbench.gemm`),
     and under autocast take the BF16 weight the weight cache made once per optimizer step, if it made one."""
 
     tp_aware = True  # on the FP32 route its GEMM runs on the tensor-parallel shards (local_linear)
@@ -150,21 +149,19 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.activation = cfg.activation
+        self.act, self.gated = ACTIVATIONS[cfg.activation], cfg.gated
         if cfg.gated:
             self.gate_up = Linear(cfg.dim, 2 * cfg.ffn_dim, bias=cfg.bias)
         else:
             self.up = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
         self.down = Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
 
+    def activate(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The activation of ``linear(x)`` (a converter may give a fused one: ``lpbench.convert.SwiGLU``)."""
+        return self.act(linear(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "swiglu":
-            hidden = swiglu_of(self.gate_up, x)
-        elif self.activation == "sqrelu":
-            hidden = F.relu(self.up(x)).square()
-        else:
-            hidden = F.gelu(self.up(x))
-        return self.down(hidden)
+        return self.down(self.activate(self.gate_up if self.gated else self.up, x))
 
 
 class Block(nn.Module):

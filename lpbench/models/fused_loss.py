@@ -17,14 +17,14 @@ will bring (1 / gradient accumulation in training) is given to the forward as ``
 ``backward`` multiplies by ``grad / grad_scale``, exactly 1.0 when it matches. So the loss and the
 gradients of hidden states and weight equal the unfused path's up to FP32 summation order.
 Hand-written because PyTorch has no chunked linear + cross-entropy; the GEMMs are
-:mod:`lpbench.precision.gemm`'s, so a CPU takes the same BF16 route as every other linear.
+:mod:`lpbench.gemm`'s, so a CPU takes the same BF16 route as every other linear.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lpbench.precision import gemm
+from lpbench import gemm
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = {"cuda": 1 << 28, "cpu": 1 << 24}  # FP32 logits of one chunk: 1 GiB on CUDA, 64 MiB elsewhere

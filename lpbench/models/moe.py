@@ -23,7 +23,7 @@ training loop divides its loss by (gradient accumulation). Each layer accumulate
 token counts and loss values in ``stats`` for the log.
 
 Dispatch: every (token, expert) pair sorted by expert (stable, so tokens keep their order) into
-the padded buffer of :class:`lpbench.precision.grouped.Groups`; no token is dropped. Expert
+the padded buffer of :class:`Groups`; no token is dropped. Expert
 parallelism (``ep``, :mod:`lpbench.parallel.ep`) exchanges the sorted pairs all-to-all between the
 sort and the GEMMs, and back before the combine. Tensor parallelism (``Experts.tp``, set by
 :func:`lpbench.parallel.tp.apply_tp`) gives every rank all experts' slices of the FFN width: the
@@ -33,15 +33,112 @@ whole weights (:meth:`Experts.split`, the TP-split dense linear's rule).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cached_property
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lpbench.models.registry import ModelConfig
-from lpbench.models.swiglu import swiglu
-from lpbench.precision.grouped import Groups, GroupedBf16
+from lpbench.gemm import linear
 
 ROUTERS = ("mixtral", "qwen3")
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a fused gate+up projection ``h`` [..., 2 x ffn] (gate first): ``silu(gate) * up``."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def sqrelu(h: torch.Tensor) -> torch.Tensor:
+    return F.relu(h).square()
+
+
+ACTIVATIONS = {"swiglu": silu_mul, "sqrelu": sqrelu, "gelu": F.gelu}  # ModelConfig.activation -> the function
+
+
+ALIGN = 16
+ROWS_ALIGN = 128  # the buffer's rows: FP8 codes [C, rows] then start every row on a 128-byte boundary
+
+
+@dataclass
+class Groups:
+    """Where each expert's rows are in a sorted, padded buffer (see the module doc)."""
+
+    counts: torch.Tensor  # [E] int64: tokens per expert
+    starts: torch.Tensor  # [E] int64: first row of each expert, multiples of ALIGN
+    offs: torch.Tensor  # [E] int32: padded end of each expert's rows
+    rows: int  # buffer rows (static: an upper bound of the padded total, a multiple of ROWS_ALIGN)
+    row_group: torch.Tensor  # [rows] int64: the expert each row belongs to (padding to the expert before it)
+
+    @classmethod
+    def of(cls, group: torch.Tensor, n_groups: int) -> tuple["Groups", torch.Tensor]:
+        """The layout of items whose group ids ``group`` [P] are sorted ascending, and each item's row."""
+        counts = torch.zeros(n_groups, dtype=torch.long, device=group.device).scatter_add_(
+            0, group, torch.ones_like(group))
+        padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+        ends = padded.cumsum(0)
+        starts = ends - padded
+        first = counts.cumsum(0) - counts
+        dest = starts[group] + torch.arange(group.numel(), device=group.device) - first[group]
+        rows = (group.numel() + n_groups * ALIGN + ROWS_ALIGN - 1) // ROWS_ALIGN * ROWS_ALIGN
+        # a plain field, not a cached_property: that takes a lock on Python 3.11, where Dynamo breaks the graph at it
+        row_group = torch.searchsorted(ends, torch.arange(rows, device=group.device), right=True)
+        return cls(counts, starts, ends.to(torch.int32), rows, row_group.clamp(max=n_groups - 1)), dest
+
+    @cached_property
+    def host(self) -> list[tuple[int, int]]:
+        """(start, count) of every expert on the host (synchronises a GPU)."""
+        return list(zip(self.starts.tolist(), self.counts.tolist()))
+
+    def clear_tail(self, y: torch.Tensor) -> torch.Tensor:
+        """``y`` with the rows after the last expert's zeroed (a grouped GEMM leaves them unwritten)."""
+        keep = torch.arange(self.rows, device=y.device) < self.offs[-1]
+        return torch.where(keep[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+    def pieces(self, parts: list[torch.Tensor], width: int, like: torch.Tensor) -> torch.Tensor:
+        """The buffer [rows, width] holding ``parts[e]`` at expert e's rows, zeros elsewhere."""
+        out, at = [], 0
+        for (start, count), part in zip(self.host, parts):
+            if start > at:
+                out.append(like.new_zeros(start - at, width))
+            out.append(part)
+            at = start + count
+        out.append(like.new_zeros(self.rows - at, width))
+        return torch.cat(out)
+
+
+def grouped_gemm(x: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMMs (``torch._grouped_mm``) run ``x``'s experts: CUDA, SM 9.0 on."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """``x_e · w_eᵀ`` for every expert in ``x``'s dtype (``w`` already in it): ``torch._grouped_mm`` on CUDA (BF16,
+    SM90+), else one matmul per expert (the same products, the same accumulation: ``lpbench.gemm.linear``)."""
+    if grouped_gemm(x) and x.dtype == torch.bfloat16:
+        return groups.clear_tail(torch._grouped_mm(x, w.transpose(1, 2), offs=groups.offs))
+    return _per_expert_linear(x, w, groups)
+
+
+@torch.compiler.disable  # per-expert shapes: run eagerly, never specialised and recompiled on the counts
+def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+    parts = [linear(x[s:s + c], w[e]) for e, (s, c) in enumerate(groups.host)]
+    return groups.pieces(parts, w.shape[1], x)
+
+
+class GroupedMM:
+    """The experts' default kernel: both projections by :func:`grouped_matmul` in the compute dtype."""
+
+    name, recipe = "GroupedMM", None
+
+    def __call__(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+        return grouped_matmul(x, w.to(x.dtype), groups)
+
+    def set_tp(self, experts) -> None:
+        """Nothing to hold."""
 
 
 def route(logits: torch.Tensor, top_k: int, router: str, norm_topk: bool = True):
@@ -109,11 +206,11 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         E, D, Fd = cfg.n_experts, cfg.dim, cfg.ffn_dim
-        self.activation, self.n_experts, self.first = cfg.activation, E, 0
+        self.act, self.n_experts, self.first = ACTIVATIONS[cfg.activation], E, 0
         self.in_name = "gate_up" if cfg.gated else "up"
         setattr(self, self.in_name, nn.Parameter(torch.empty(E, (2 if cfg.gated else 1) * Fd, D)))
         self.down = nn.Parameter(torch.empty(E, D, Fd))
-        self.gemm = GroupedBf16()  # the kernel of both projections: gemm(self, name, x, weight, groups)
+        self.gemm = GroupedMM()  # the kernel of both projections: gemm(self, name, x, weight, groups)
         self.tp = None  # lpbench.parallel.tp.ExpertsTP: this rank's slice of every expert's FFN width
         self.adapters = nn.ModuleDict()  # LoRA: weight name -> lpbench.convert.lora.ExpertLoRA
         self.weight_codes: dict = {}  # this step's FP8 codes (FP8 grouped) or BF16 copy of each weight (weight_cache)
@@ -145,13 +242,7 @@ class Experts(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if self.tp is not None:
             x = self.tp.enter(x)
-        h = self._project(self.in_name, x, groups)
-        if self.activation == "swiglu":
-            h = swiglu(h)
-        elif self.activation == "sqrelu":
-            h = F.relu(h).square()
-        else:
-            h = F.gelu(h)
+        h = self.act(self._project(self.in_name, x, groups))
         y = self._project("down", h, groups)
         return y if self.tp is None else self.tp.leave(y)
 

@@ -202,7 +202,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
     """Shard ``model`` (a :class:`lpbench.models.decoder.Decoder`) over the 1-D ``mesh`` in place.
 
     Linear subclasses with their own GEMMs must declare ``tp_aware = True`` (see
-    :func:`lpbench.precision.tp_local.local_linear`); others are refused with a UsageError before
+    :func:`lpbench.gemm.local_linear`); others are refused with a UsageError before
     anything changes, as is a split that cuts a linear's quantization blocks (its ``tp_multiple``: every rank's part of
     every section must be a whole number of blocks, so that the blocks are the unsharded ones).
     """

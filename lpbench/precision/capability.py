@@ -122,8 +122,3 @@ def fp8_cast_kernel(t: torch.Tensor) -> bool:
 def nvfp4_kernel(x: torch.Tensor) -> bool:
     """Whether the fused NVFP4 quantizer takes ``x``: a 2-D BF16 CUDA tensor."""
     return triton is not None and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
-
-
-def grouped_gemm(x: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMMs (``torch._grouped_mm``) run ``x``'s experts: CUDA, SM 9.0 on."""
-    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lpbench.precision.formats import pack_e2m1, unpack_e2m1
-from lpbench.precision.gemm import compute_dtype
+from lpbench.gemm import compute_dtype
 from lpbench.precision.linear import QuantizedGemms, QuantizedLinear, QuantizedLinearFn
 from lpbench.precision.quantize import QTensor, Scaling, delayed_scaled_max, delayed_update, quantize
 from lpbench.precision.recipes import Recipe

@@ -8,7 +8,7 @@ take them. Weights are stacked ``[E, N, K]`` (nn.Linear's layout per expert).
 Paths, each giving every expert's tokens the numbers the dense linear of its recipe gives them:
 
 * compute dtype (BF16/FP32): ``torch._grouped_mm`` on CUDA (BF16, SM90+), else one matmul per
-  expert (the same products, the same accumulation; :func:`lpbench.precision.gemm.linear`, the
+  expert (the same products, the same accumulation; :func:`lpbench.gemm.linear`, the
   dense linears' CPU route).
 * FP8 row-wise and tensor-wise (:func:`fp8_grouped`): hand-written because torch has the GEMM
   (``torch._scaled_grouped_mm``, Hopper) but not the quantization of grouped operands: rows are
@@ -29,20 +29,17 @@ Paths, each giving every expert's tokens the numbers the dense linear of its rec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
-
 import torch
 
-from lpbench.precision import capability, gemm
+from lpbench import gemm
+from lpbench.models.moe import ALIGN, ROWS_ALIGN, Groups, grouped_matmul  # noqa: F401 (ROWS_ALIGN: for callers)
+from lpbench.precision import capability
 from lpbench.precision.formats import decode, encode
-from lpbench.precision.gemm import hp_mm, linear, mm_fp32
+from lpbench.gemm import hp_mm, mm_fp32
 from lpbench.precision.kernels import grouped_mm
 from lpbench.precision.kernels.fp8_group import group_amax, group_cast
 from lpbench.precision.quantize import Scaling, all_reduce_max, fp8_decode_scale, fp8_encode_scale
 
-ALIGN = 16
-ROWS_ALIGN = 128  # the buffer's rows: FP8 codes [C, rows] then start every row on a 128-byte boundary
 GROUPED_FP8_SCALINGS = (Scaling.ROW, Scaling.TENSOR)  # FP8 scalings with a grouped GEMM (fp8_grouped)
 
 
@@ -116,53 +113,6 @@ def experts_kernel(recipe, native: bool, names, n_experts: int, device):
     return Looped(recipe, native, names, n_experts, device)
 
 
-@dataclass
-class Groups:
-    """Where each expert's rows are in a sorted, padded buffer (see the module doc)."""
-
-    counts: torch.Tensor  # [E] int64: tokens per expert
-    starts: torch.Tensor  # [E] int64: first row of each expert, multiples of ALIGN
-    offs: torch.Tensor  # [E] int32: padded end of each expert's rows
-    rows: int  # buffer rows (static: an upper bound of the padded total, a multiple of ROWS_ALIGN)
-    row_group: torch.Tensor  # [rows] int64: the expert each row belongs to (padding to the expert before it)
-
-    @classmethod
-    def of(cls, group: torch.Tensor, n_groups: int) -> tuple["Groups", torch.Tensor]:
-        """The layout of items whose group ids ``group`` [P] are sorted ascending, and each item's row."""
-        counts = torch.zeros(n_groups, dtype=torch.long, device=group.device).scatter_add_(
-            0, group, torch.ones_like(group))
-        padded = (counts + ALIGN - 1) // ALIGN * ALIGN
-        ends = padded.cumsum(0)
-        starts = ends - padded
-        first = counts.cumsum(0) - counts
-        dest = starts[group] + torch.arange(group.numel(), device=group.device) - first[group]
-        rows = (group.numel() + n_groups * ALIGN + ROWS_ALIGN - 1) // ROWS_ALIGN * ROWS_ALIGN
-        # a plain field, not a cached_property: that takes a lock on Python 3.11, where Dynamo breaks the graph at it
-        row_group = torch.searchsorted(ends, torch.arange(rows, device=group.device), right=True)
-        return cls(counts, starts, ends.to(torch.int32), rows, row_group.clamp(max=n_groups - 1)), dest
-
-    @cached_property
-    def host(self) -> list[tuple[int, int]]:
-        """(start, count) of every expert on the host (synchronises a GPU)."""
-        return list(zip(self.starts.tolist(), self.counts.tolist()))
-
-    def clear_tail(self, y: torch.Tensor) -> torch.Tensor:
-        """``y`` with the rows after the last expert's zeroed (a grouped GEMM leaves them unwritten)."""
-        keep = torch.arange(self.rows, device=y.device) < self.offs[-1]
-        return torch.where(keep[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
-
-    def pieces(self, parts: list[torch.Tensor], width: int, like: torch.Tensor) -> torch.Tensor:
-        """The buffer [rows, width] holding ``parts[e]`` at expert e's rows, zeros elsewhere."""
-        out, at = [], 0
-        for (start, count), part in zip(self.host, parts):
-            if start > at:
-                out.append(like.new_zeros(start - at, width))
-            out.append(part)
-            at = start + count
-        out.append(like.new_zeros(self.rows - at, width))
-        return torch.cat(out)
-
-
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups, cast: torch.Tensor | None = None,
                    main_grad: torch.Tensor | None = None) -> torch.Tensor:
     """``x_e · w_eᵀ`` for every expert in ``x``'s dtype (w cast to it, or ``cast``: w already cast, as
@@ -173,13 +123,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups, cast: torch
         w16 = cast if cast is not None and cast.dtype == x.dtype else None
         return _GroupedIntoFn.apply(x, w, w16, groups, main_grad)
     w = w.to(x.dtype) if cast is None or cast.dtype != x.dtype else cast
-    return _grouped(x, w, groups)
-
-
-def _grouped(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
-    if capability.grouped_gemm(x) and x.dtype == torch.bfloat16:
-        return groups.clear_tail(torch._grouped_mm(x, w.transpose(1, 2), offs=groups.offs))
-    return _per_expert_linear(x, w, groups)
+    return grouped_matmul(x, w, groups)
 
 
 class _GroupedIntoFn(torch.autograd.Function):
@@ -192,13 +136,13 @@ class _GroupedIntoFn(torch.autograd.Function):
         w16 = w.detach().to(x.dtype) if w16 is None else w16
         ctx.save_for_backward(x, w16)
         ctx.groups, ctx.main_grad = groups, main_grad
-        return _grouped(x, w16, groups)
+        return grouped_matmul(x, w16, groups)
 
     @staticmethod
     def backward(ctx, dy):
         x, w16 = ctx.saved_tensors
         groups = ctx.groups
-        dx = _grouped(dy, w16.transpose(1, 2), groups) if ctx.needs_input_grad[0] else None
+        dx = grouped_matmul(dy, w16.transpose(1, 2), groups) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
             add_wgrad(ctx.main_grad, dy.t(), x.t(), groups)
         return dx, None, None, None, None
@@ -230,12 +174,6 @@ def add_wgrad(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, groups: Group
     else:
         _accumulate(out, _scaled_grouped(a, sa, b, sb, groups, native, fast,
                                          torch.bfloat16 if native else torch.float32))
-
-
-@torch.compiler.disable  # per-expert shapes: run eagerly, never specialised and recompiled on the counts
-def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
-    parts = [linear(x[s:s + c], w[e]) for e, (s, c) in enumerate(groups.host)]
-    return groups.pieces(parts, w.shape[1], x)
 
 
 def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_rows: bool = False,

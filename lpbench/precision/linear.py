@@ -54,10 +54,10 @@ from torch.distributed.tensor import DTensor
 from lpbench.precision import capability, fp8_allgather
 from lpbench.precision.delayed import DelayedScaling
 from lpbench.precision.formats import E2M1
-from lpbench.precision.gemm import compute_dtype, hp_mm, mm_fp32
+from lpbench.gemm import compute_dtype, hp_mm, mm_fp32
 from lpbench.precision.kernels import block_scaled
 from lpbench.precision.kernels.fp8_linear import Fused
-from lpbench.precision.tp_local import local_linear
+from lpbench.gemm import local_linear
 from lpbench.precision.quantize import (
     RHT_SIZE,
     QSpec,
@@ -208,7 +208,7 @@ class QuantizedLinearFn(torch.autograd.Function):
     (the module's, :func:`kernel_for`). Operands are the kernel's own; this only wires the three GEMMs. A frozen base passes no weight: its stored operands are read (Wᵀ in the backward, not held
     from the forward) and it gets no weight gradient.
 
-    ``epilogue`` (the gate+up linear's SwiGLU, ``models/swiglu.py: Epilogue``; only with a kernel that has
+    ``epilogue`` (the gate+up linear's SwiGLU, ``precision/kernels/swiglu.py: Epilogue``; only with a kernel that has
     ``epilogue_operands``, no bias and quantized wgrad): the output is ``epilogue.forward(x · weightᵀ)``, and
     the backward has the kernel quantize the gradient of ``x · weightᵀ`` inside the epilogue's backward."""
 
@@ -394,7 +394,7 @@ class QuantizedLinear(QuantizedGemms, nn.Linear):
 
     @property
     def takes_epilogue(self) -> bool:
-        """Whether :meth:`forward` takes an ``epilogue`` (models/swiglu.py's ``swiglu_of``): not under tensor
+        """Whether :meth:`forward` takes an ``epilogue`` (precision/kernels/swiglu.py's ``swiglu_of``): not under tensor
         parallelism, whose parallel style converts the module's output after ``forward``."""
         return not isinstance(self.weight, DTensor)
 

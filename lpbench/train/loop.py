@@ -29,7 +29,7 @@ from lpbench.parallel.dp import clip_grad_norm_, grad_sync
 from lpbench.parallel.ep import expert_params, sync_expert_grads
 from lpbench.parallel.env import all_reduce, init_distributed
 from lpbench.parallel.plan import parallelize
-from lpbench.precision import gemm
+from lpbench import gemm
 from lpbench.precision.delayed import is_delayed_state
 from lpbench.precision.recipes import get_recipe
 from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError

@@ -20,7 +20,7 @@ the cast: its scale is the module's persistent buffer (Transformer Engine's rule
 ``lpbench.precision.delayed``). So on the compiled path a 16-bit operand (activation or gradient)
 is cast by plain torch ops that inductor fuses into the kernel that produces it: RMSNorm writes
 qkv's and gate_up's input codes, SwiGLU down's, and the row amax is reduced there too. Gate_up's
-gradient comes from SwiGLU's hand-written backward (``models/swiglu.py``), which inductor cannot fuse
+gradient comes from SwiGLU's hand-written backward (``kernels/swiglu.py``), which inductor cannot fuse
 into: gate_up runs SwiGLU as its epilogue (:meth:`Fused.epilogue_operands`), and that kernel writes the
 gradient's codes (delayed) or its amax (tensorwise) itself. ``emulate_precision_casts`` (set by
 ``parallel.plan`` whenever it compiles) keeps the producer's rounding to BF16 that inductor would
@@ -155,7 +155,7 @@ class Fused:
     def epilogue_operands(mod, epilogue, y, grad, row, col):
         """:meth:`operands` of the gradient of ``y`` (``role`` "grad") from ``grad``, the gradient of
         ``epilogue.forward(y)``: its codes (delayed) or amax (tensorwise) come out of the epilogue's backward
-        kernel, which reads y once (``models/swiglu.py``); bit-exact with casting ``epilogue.backward(y, grad)``."""
+        kernel, which reads y once (``kernels/swiglu.py``); bit-exact with casting ``epilogue.backward(y, grad)``."""
         if mod.tp_shard is not None or not epilogue.fuses_cast(y, grad):
             return Fused.operands(mod, epilogue.backward(y, grad), "grad", "dgrad", row, col)
         fmt = mod.recipe.element_format("grad")

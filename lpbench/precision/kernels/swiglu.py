@@ -1,5 +1,8 @@
 """SwiGLU of a fused gate+up projection, ``silu(gate) * up``, with a hand-written backward on CUDA.
 
+The model computes ``silu(gate) * up`` with torch ops (``lpbench.models.moe.silu_mul``); ``lpbench.convert.SwiGLU``
+gives its MLPs :func:`swiglu_of` and its experts :func:`swiglu`, the same numbers with this backward.
+
 The forward is plain torch ops, so torch.compile fuses into it what the next linear needs (down's FP8
 amax or codes). The backward is a Triton kernel because inductor's is slow: it lowers the gradient of
 ``chunk`` as a concatenation whose one kernel computes, for every element of the [tokens, 2 x ffn]

@@ -1,4 +1,9 @@
-"""BF16 GEMMs that are fast on every CPU: the BF16 route or the FP32 route, chosen once per process.
+"""The compute dtype's GEMMs: BF16 GEMMs fast on every CPU (the BF16 or the FP32 route, chosen once per process),
+FP32-accumulated GEMMs of BF16-exact operands, GEMMs on tensor-parallel shards (:func:`local_linear`).
+
+Below ``models`` and ``precision`` (both call it), so neither imports the other for a GEMM.
+
+BF16 GEMMs that are fast on every CPU:
 
 PyTorch's BF16 matmul is fast only on CPUs with BF16 matrix instructions (AVX512-BF16, AMX, Arm's
 BF16 extension); elsewhere it is emulated, e.g. 1.2 GFLOP/s against 103 GFLOP/s in FP32 on an
@@ -19,6 +24,8 @@ import platform
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 ENV = "LPBENCH_CPU_GEMM"
 ROUTES = ("bf16", "fp32")
@@ -149,3 +156,25 @@ def cast_once(w: torch.Tensor, cached: torch.Tensor | None, x: torch.Tensor) -> 
     if cached is None or not torch.is_autocast_enabled(kind) or torch.get_autocast_dtype(kind) != cached.dtype:
         return None
     return _CastOnce.apply(w, cached)
+
+
+def local_linear(module: nn.Linear, x: torch.Tensor, fn) -> torch.Tensor:
+    """Run ``fn(x, weight, bias)`` on the plain local shards of a tensor-parallel linear.
+
+    For a Linear subclass with its own GEMMs (a quantized linear): call this from ``forward``
+    and declare ``tp_aware = True`` (:func:`lpbench.parallel.tp.apply_tp` refuses Linear subclasses without it).
+    Column-wise (weight ``Shard(0)``): the output is ``Shard(-1)``. Row-wise (``Shard(1)``):
+    a partial sum, reduced by the parallel style, with the replicated bias added after the
+    reduction. Not tensor parallel: ``fn`` on the module's own tensors. Differentiable.
+    """
+    w, b = module.weight, module.bias
+    if not isinstance(w, DTensor):
+        return fn(x, w, b)
+    mesh, (placement,) = w.device_mesh, w.placements
+    if placement == Shard(0):  # column-wise: x replicated, its gradient a partial sum over ranks
+        y = fn(x.to_local(grad_placements=[Partial()]), w.to_local(), None if b is None else b.to_local())
+        return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False)
+    if placement == Shard(1):  # row-wise: x sharded on its last dim, the output a partial sum
+        y = DTensor.from_local(fn(x.to_local(), w.to_local(), None), mesh, [Partial()], run_check=False)
+        return y if b is None else y + b
+    raise ValueError(f"local_linear: unsupported weight placement {placement}")
