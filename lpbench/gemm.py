@@ -6,8 +6,7 @@ Below ``models`` and ``precision`` (both call it), so neither imports the other 
 BF16 GEMMs that are fast on every CPU:
 
 PyTorch's BF16 matmul is fast only on CPUs with BF16 matrix instructions (AVX512-BF16, AMX, Arm's
-BF16 extension); elsewhere it is emulated, e.g. 1.2 GFLOP/s against 103 GFLOP/s in FP32 on an
-AVX2-only EPYC. On such a CPU a BF16 GEMM is computed here as an FP32 GEMM over the BF16 operands:
+BF16 extension); elsewhere it is emulated, far slower than FP32 (``benchmarks/cpu_routes.py``). On such a CPU a BF16 GEMM is computed here as an FP32 GEMM over the BF16 operands:
 a product of two BF16 values is exact in FP32 and both routes accumulate in FP32, so only the
 summation order differs, and the output is rounded to BF16 as the BF16 GEMM rounds it (gradients
 too: autograd rounds them where the BF16 graph does). Hand-written because autocast has no such

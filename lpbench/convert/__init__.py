@@ -1,12 +1,11 @@
 """Model converters: what a run changes in the plain decoder of ``lpbench.models``, and when.
 
-A converter (torchtitan's ``ModelConverter`` is the model) changes the model once, before it is
-parallelized (:meth:`Converter.convert`), and may hook into training: :meth:`Converter.attach` once the
-optimizer exists (before the first forward, so compiled code sees the converted model),
-:meth:`Converter.after_backward` after a step's last backward, :meth:`Converter.after_optimizer_step`
-after the optimizer step (``prefetch``: the loop allows work for the next step now) and
-:meth:`Converter.after_evaluate`. The trainer calls these hooks of :class:`Converters` and names no
-converter's internals.
+A converter (torchtitan's ``ModelConverter`` is the model) changes the model once, before it is parallelized
+(``convert``), and may hook into training: ``attach`` once the optimizer exists (before the first forward, so
+compiled code sees the converted model; ``owned``: the parameters no data-parallel wrapper reduces),
+``after_backward`` after a step's last backward, ``after_optimizer_step`` (``prefetch``: the next step's work
+may start now) and ``after_evaluate``. The trainer calls :class:`Converters`' hooks, never a converter's
+internals.
 
 The run's converters, in order (:func:`converters_for`): SwiGLU's kernel, LoRA adapters (:mod:`.lora`), the precision
 recipe (:mod:`.quantize`, or torchao's linears, :mod:`.torchao`), frozen quantized bases, the weight cache
@@ -27,23 +26,14 @@ from lpbench.precision.kernels.swiglu import swiglu, swiglu_of
 
 
 class Converter:
-    """One change to the model and its hooks into training (each a no-op unless overridden)."""
+    """One change to the model (:meth:`convert`, before parallelization) and its hooks into training (see the
+    module doc); every hook is a no-op unless overridden."""
 
-    def convert(self, model: nn.Module) -> None:
-        """Change ``model`` (whole, unsharded, possibly on the meta device)."""
-
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, owned: list[nn.Parameter]) -> None:
-        """Hook into training once the optimizer exists; ``owned``: the parameters no data-parallel wrapper reduces."""
-
-    def after_backward(self) -> None:
-        """After a step's last backward, before anything reads the gradients."""
-
-    def after_optimizer_step(self, prefetch: bool) -> None:
-        """After the optimizer step; ``prefetch``: the next step's work may start now."""
-
-    def after_evaluate(self) -> None:
-        """After an evaluation (which restores delayed scaling's amaxes)."""
-
+    def convert(self, model: nn.Module) -> None: ...
+    def attach(self, model: nn.Module, optimizer, owned: list[nn.Parameter]) -> None: ...
+    def after_backward(self) -> None: ...
+    def after_optimizer_step(self, prefetch: bool) -> None: ...
+    def after_evaluate(self) -> None: ...
     def log_lines(self) -> list[str]:
         return []
 
@@ -65,26 +55,24 @@ class LoRA(Converter):
         self.cfg, self.recipe, self.info = cfg, recipe, {}
 
     def convert(self, model):
-        cfg = self.cfg
-        self.info = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets,
-                               base_dtype=self.recipe.compute_dtype, seed=cfg.seed)
+        c = self.cfg
+        self.info = apply_lora(model, c.lora_rank, c.lora_alpha, c.lora_targets, base_dtype=self.recipe.compute_dtype,
+                               seed=c.seed)
 
 
 class Quantize(Converter):
     """The recipe's quantized linears and experts (lpbench's or torchao's); ``info``: apply_recipe's result."""
 
     def __init__(self, recipe, device, emulate, backend: str):
-        self.recipe, self.device, self.emulate, self.backend, self.info = recipe, device, emulate, backend, {}
+        self.args, self.info = (recipe, device, emulate, backend), {}
 
     def convert(self, model):
-        self.info = apply_recipe(model, self.recipe, device=self.device, emulate=self.emulate, backend=self.backend)
+        recipe, device, emulate, backend = self.args
+        self.info = apply_recipe(model, recipe, device=device, emulate=emulate, backend=backend)
 
 
 class FrozenQuantized(Converter):
     """Frozen quantized bases stored quantized once (LoRA's ``--lora-base-storage quantized``)."""
-
-    def __init__(self):
-        self.names: list[str] = []
 
     def convert(self, model):
         self.names = store_frozen_quantized(model)
@@ -111,8 +99,7 @@ class WeightCache(Converter):
 class MainGrads(Converter):
     """The experts' weight gradients accumulated in FP32 by their GEMMs (:mod:`lpbench.convert.main_grads`)."""
 
-    def __init__(self):
-        self.grads = None
+    grads = None
 
     def attach(self, model, optimizer, owned):
         self.grads = main_grads.install(model, optimizer, owned)
@@ -122,34 +109,22 @@ class MainGrads(Converter):
             self.grads.expose()
 
     def log_lines(self):
-        if self.grads is None:
-            return []
-        return [f"lpbench: {len(self.grads.weights)} expert weights' gradients accumulated in FP32 by their GEMMs "
-                "(gradient-accumulation fusion)"]
+        return [] if self.grads is None else [f"lpbench: {len(self.grads.weights)} expert weights' gradients "
+                                              "accumulated in FP32 by their GEMMs (gradient-accumulation fusion)"]
 
 
 class Converters(list):
-    """A run's converters, in order; each hook calls theirs."""
+    """A run's converters, in order: each hook calls theirs."""
 
-    def convert(self, model: nn.Module) -> None:
+    def _each(self, hook: str, *args) -> None:
         for c in self:
-            c.convert(model)
+            getattr(c, hook)(*args)
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, owned: list[nn.Parameter]) -> None:
-        for c in self:
-            c.attach(model, optimizer, owned)
-
-    def after_backward(self) -> None:
-        for c in self:
-            c.after_backward()
-
-    def after_optimizer_step(self, prefetch: bool) -> None:
-        for c in self:
-            c.after_optimizer_step(prefetch)
-
-    def after_evaluate(self) -> None:
-        for c in self:
-            c.after_evaluate()
+    def convert(self, model): self._each("convert", model)
+    def attach(self, model, optimizer, owned): self._each("attach", model, optimizer, owned)
+    def after_backward(self): self._each("after_backward")
+    def after_optimizer_step(self, prefetch): self._each("after_optimizer_step", prefetch)
+    def after_evaluate(self): self._each("after_evaluate")
 
     def log_lines(self) -> list[str]:
         return [line for c in self for line in c.log_lines()]

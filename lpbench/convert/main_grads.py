@@ -1,26 +1,17 @@
 """The MoE experts' weight gradients accumulated in FP32 by their weight-gradient GEMMs (gradient-accumulation
 fusion, as Megatron's ``main_grad``).
 
-Autograd accumulates a weight's gradient by adding each micro-batch's into ``.grad``: after torch's grouped
-GEMMs, which write BF16 only, that is a cast of the BF16 product to FP32 and an add, over every expert weight
-in every micro-batch. On mixtral-8x7b@2L (H200, ``benchmarks/moe.py --profile``) those casts and adds took
-11.97 ms of BF16's 59-ms micro-batch, and as much in FP8. Here each expert weight has an FP32 buffer
-(``Experts.main_grads``) that the grouped GEMMs' autograd functions add their weight gradient into
-(:func:`lpbench.precision.grouped.add_wgrad`: on Hopper in the GEMM's epilogue, elsewhere by one add), returning
-no gradient for the weight; after the last micro-batch :meth:`MainGrads.expose` makes each buffer its weight's
-``.grad`` for the gradient sync, clipping and the optimizer, and the optimizer's step post-hook zeroes them. On
-the H200 both precisions' steps ran 4-6 % faster with it (mixtral-8x7b@2L and qwen3-30b-a3b@2L at GBS 8): in the
-step the kernel's FP32 read and write of every expert weight costs BF16 and FP8 alike.
+Autograd would add each micro-batch's BF16 grouped-GEMM product into ``.grad`` (a cast and an add per expert
+weight per micro-batch). Here each expert weight has an FP32 buffer (``Experts.main_grads``) that the grouped
+GEMMs' autograd functions add their weight gradient into (``precision/grouped.py: add_wgrad``, on Hopper in the
+GEMM's epilogue), handing autograd none; the converter's ``after_backward`` hook makes each buffer its weight's
+``.grad`` (:meth:`MainGrads.expose`) and the optimizer's step post-hook zeroes them. BF16 experts get the
+``GroupedBf16`` kernel, which adds into the buffers. The buffer holds the sum of the FP32 products, where
+autograd added each product rounded to BF16: the same sum up to that rounding.
 
-The buffer holds the sum of the FP32 products, where autograd added each product rounded to BF16 (the GEMMs'
-output): the same sum up to that rounding, as Megatron's fusion computes it. Emulated FP8 weight gradients are
-FP32 either way: there the buffer holds exactly what ``.grad`` would.
-
-Only for weights whose gradients no data-parallel wrapper reduces (DDP and FSDP reduce ``.grad`` in their
-autograd hooks, which a gradient never handed to autograd does not trigger): one process, or experts split over
-ranks (expert or tensor parallel), which :func:`lpbench.parallel.ep.sync_expert_grads` reduces after
-:meth:`MainGrads.expose`. The training loop installs it with gradient accumulation only (one micro-batch a step
-has nothing to accumulate) and with ``--compile-scope block``, as the weight cache.
+Only for weights no data-parallel wrapper reduces (DDP and FSDP reduce ``.grad`` in autograd hooks): one
+process, or experts split over ranks, which ``parallel/ep.py: sync_expert_grads`` reduces after ``expose``.
+Installed with gradient accumulation and ``--compile-scope block`` only, as the weight cache.
 """
 
 from __future__ import annotations

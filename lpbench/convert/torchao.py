@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lpbench.errors import UsageError
-from lpbench.models.moe import Experts
+from lpbench.models.moe import Experts, GroupedMM
 from lpbench.precision.capability import EMULATE_ALWAYS, FORCED
 from lpbench.precision.recipes import Recipe
 
@@ -97,11 +97,11 @@ def path(recipe: Recipe, device: torch.device, emulate: bool | str = False) -> t
     return "emulated", f"{emulated} on {where}"
 
 
-class TorchaoGrouped:
+class TorchaoGrouped(GroupedMM):
     """The experts' kernel of ``--backend torchao``: torchao's FP8 row-wise grouped GEMMs (groups padded to 16 rows,
     as it requires)."""
 
-    name, recipe = "TorchaoGrouped", None
+    name = "TorchaoGrouped"
 
     def __init__(self):
         from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
@@ -111,9 +111,6 @@ class TorchaoGrouped:
     def __call__(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups) -> torch.Tensor:
         return groups.clear_tail(self.mm(x, w.transpose(1, 2), groups.offs, x.dtype,
                                          pad_token_groups_for_grouped_mm=False))
-
-    def set_tp(self, experts) -> None:
-        """Nothing to hold."""
 
 
 @functools.cache

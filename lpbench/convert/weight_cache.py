@@ -1,38 +1,27 @@
 """Weights quantized (or cast to BF16) once per optimizer step, not once per micro-batch.
 
-With gradient accumulation every micro-batch's forward quantized each FP32 master weight again,
-though it only changes at the optimizer step (llama3-8b@16L: ~35 GB of traffic per micro-batch;
-MoE FP8 grouped experts: casts costlier than the faster GEMMs saved). :class:`WeightCache` alone
-knows when codes are stale: after every ``optimizer.step()`` (a step post-hook: the fused AdamW
-does not bump version counters) and when a weight's version changed (``copy_``, a checkpoint
-load); a forward pre-hook on the model quantizes the stale ones before the forward (outside the compiled
-graphs, each weight in a few fused launches), and the training loop calls the same refill right after the
-optimizer step, while the GPU still runs it (``train.loop.prefetch_weights`` says when it may):
+With gradient accumulation each micro-batch's forward would quantize every FP32 master weight again, though it
+only changes at the optimizer step. :class:`WeightCache` alone knows when codes are stale: after every
+``optimizer.step()`` (a step post-hook: the fused AdamW does not bump version counters) and when a weight's
+version changed (``copy_``, a checkpoint load). A forward pre-hook on the model refills the stale ones outside
+the compiled graphs; the converter's ``after_optimizer_step`` hook calls the same refill while the GPU still
+runs the optimizer. What it holds:
 
-* fused FP8 tensorwise / delayed linears (:func:`eligible`): non-persistent buffers
-  ``fp8_weight`` [N, K], ``fp8_weight_t`` [K, N], ``fp8_weight_scale``, filled by the linear's own
-  one-pass Triton cast (:func:`lpbench.precision.kernels.fp8_linear.cache_weight`); 1 byte per weight held;
-* experts on the FP8 grouped path (:func:`grouped_eligible`, native or emulated): each weight's
-  forward and data-gradient codes (:func:`lpbench.precision.grouped.weight_codes`, one compiled graph
-  per weight shape on CUDA) in ``experts.weight_codes``, 2 bytes per weight, dropped at the step;
-* the 16-bit linears and experts autocast would cast every micro-batch (:func:`bf16_eligible`: the
-  decoder's ``Linear`` and BF16 grouped experts with FP32 CUDA weights): a BF16 copy, ``bf16_weight``
-  or ``experts.weight_codes[name]``, 2 bytes per weight, taken through :func:`cast_once`. The BF16
-  baseline then casts its master weights once per optimizer step, as Megatron's BF16 parameters do;
-  cast every micro-batch it paid ~9 % of mixtral-8x7b@2L's BF16 step (``benchmarks/moe.py --profile``),
-  which flattered every low-precision recipe's ratio to it.
+* fused FP8 tensorwise / delayed linears (:func:`eligible`): buffers ``fp8_weight`` [N, K], ``fp8_weight_t``
+  [K, N], ``fp8_weight_scale``, filled by the linear's own cast (``kernels/fp8_linear.py: cache_weight``);
+* FP8 grouped experts (:func:`grouped_eligible`): each weight's forward and data-gradient codes
+  (``precision/grouped.py: weight_codes``) in ``experts.weight_codes``, dropped at the step;
+* the 16-bit linears and experts autocast would cast every micro-batch (:func:`bf16_eligible`: the decoder's
+  ``Linear`` and BF16 experts with FP32 CUDA weights, which get the ``GroupedBf16`` kernel): a BF16 copy,
+  ``bf16_weight`` or ``experts.weight_codes[name]``, taken through ``lpbench.gemm.cast_once``, as Megatron's
+  BF16 parameters are cast once per step.
 
-The codes are those the uncached forward computes from the same weight, so tensor-wise and
-row-wise scaling and BF16 train bit-identically. fp8-delayed casts a weight once per step with its scale as it
-stands, then records its amax and updates the scale once: the step's later micro-batches reuse the
-first one's codes (as Transformer Engine does), where the uncached forward cast again with the scale
-the first micro-batch's update left. Without accumulation the two are identical.
-
-The training loop installs it only with gradient accumulation (at GBS = MBS the eager refill cost
-more than the in-graph cast: llama3.2-1b on an H200, 138.0 ms a step against 126.9) and only with
-``--compile-scope block`` (the pre-hook must run outside the compiled graphs). Tensor-parallel and
-emulated linears and FSDP-sharded weights (gathered inside the blocks) are left alone; TP-split experts
-are cached, as the codes of their slices quantized as the whole weights (the uncached forward's).
+The codes are those the uncached forward computes, so tensor-wise and row-wise scaling and BF16 train
+bit-identically. fp8-delayed casts a weight once per step with its scale as it stands, then records its amax
+once: the step's later micro-batches reuse the first one's codes (as Transformer Engine does). A run installs
+it with gradient accumulation and ``--compile-scope block`` only (``lpbench.convert.converters_for``).
+Tensor-parallel and emulated linears and FSDP-sharded weights are left alone; TP-split experts are cached as
+their slices quantized as the whole weights.
 """
 
 from __future__ import annotations
@@ -121,10 +110,10 @@ class WeightCache:
                         m.bf16_weight.copy_(w)
                 elif name == "weight":
                     cache_weight(m)
-                elif m.recipe is None:  # BF16 grouped experts
+                elif m.gemm.recipe is None:  # BF16 grouped experts
                     m.weight_codes[name] = w.detach().to(torch.bfloat16)
                 else:
-                    m.weight_codes[name] = weight_codes(w.detach(), m.recipe, m.split(name))
+                    m.weight_codes[name] = weight_codes(w.detach(), m.gemm.recipe, m.split(name))
                 self.versions[i] = w._version
 
     def remove(self) -> None:

@@ -65,7 +65,9 @@ ROWS_ALIGN = 128  # the buffer's rows: FP8 codes [C, rows] then start every row 
 
 @dataclass
 class Groups:
-    """Where each expert's rows are in a sorted, padded buffer (see the module doc)."""
+    """Where each expert's rows are in a sorted, padded buffer: the rows of ``x`` [M, K] sorted by expert, expert e's
+    ``counts[e]`` rows from ``starts[e]``, a multiple of ``ALIGN`` (the FP8 grouped GEMM's requirement), zeros
+    between groups; ``offs``: the groups' padded ends (int32), as torch's grouped-mm ops take them."""
 
     counts: torch.Tensor  # [E] int64: tokens per expert
     starts: torch.Tensor  # [E] int64: first row of each expert, multiples of ALIGN
@@ -130,7 +132,8 @@ def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torc
 
 
 class GroupedMM:
-    """The experts' default kernel: both projections by :func:`grouped_matmul` in the compute dtype."""
+    """The experts' default kernel: both projections by :func:`grouped_matmul` in the compute dtype. A kernel
+    (``Experts.gemm``) has a ``name``, its ``recipe`` (None here), ``__call__`` and ``set_tp``."""
 
     name, recipe = "GroupedMM", None
 
@@ -215,11 +218,6 @@ class Experts(nn.Module):
         self.adapters = nn.ModuleDict()  # LoRA: weight name -> lpbench.convert.lora.ExpertLoRA
         self.weight_codes: dict = {}  # this step's FP8 codes (FP8 grouped) or BF16 copy of each weight (weight_cache)
         self.main_grads: dict = {}  # FP32 buffers the weight gradients are added into (convert.main_grads)
-
-    @property
-    def recipe(self):
-        """The precision recipe of the experts' GEMMs, None in the compute dtype."""
-        return self.gemm.recipe
 
     def set_tp(self, tp) -> None:
         """Hold ``tp``'s slices (an ExpertsTP; the weights already split): every expert's quantized GEMMs

@@ -229,8 +229,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
             for name, (_, sections) in splits.items()]
     for i, block in enumerate(model.layers):  # experts: every rank's part of the FFN width, as a dense MLP's
         experts = getattr(block.mlp, "experts", None)
-        if experts is not None and experts.recipe is not None:
-            cuts.append((f"layers.{i}.mlp.experts", (experts.down.shape[2],), experts.recipe.block or 1))
+        if experts is not None and experts.gemm.recipe is not None:
+            cuts.append((f"layers.{i}.mlp.experts", (experts.down.shape[2],), experts.gemm.recipe.block or 1))
     for name, sections, multiple in cuts:
         if bad := [n // tp for n in sections if n // tp % multiple]:
             raise UsageError(f"--tp {tp} splits {name} into parts of {bad[0]} features, not whole {multiple}-element "

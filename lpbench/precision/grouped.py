@@ -1,16 +1,10 @@
-"""Grouped expert GEMMs: every expert's ``x_e · W_eᵀ`` in one call, tokens sorted by expert.
+"""The experts' quantized kernels (one per Experts module, chosen by :func:`experts_kernel` at conversion):
+every expert's ``x_e · W_eᵀ`` over the expert-sorted buffer of :class:`lpbench.models.moe.Groups` (weights
+stacked ``[E, N, K]``), each expert's tokens getting the numbers the dense linear of its recipe gives them.
 
-Layout (:class:`Groups`): the rows of ``x`` [M, K] are sorted by expert; expert e's ``counts[e]`` rows
-start at ``starts[e]``, a multiple of ``ALIGN`` (the FP8 grouped GEMM's requirement), and the rows
-between groups are zeros; ``offs`` are the groups' padded ends (int32), as torch's grouped-mm ops
-take them. Weights are stacked ``[E, N, K]`` (nn.Linear's layout per expert).
-
-Paths, each giving every expert's tokens the numbers the dense linear of its recipe gives them:
-
-* compute dtype (BF16/FP32): ``torch._grouped_mm`` on CUDA (BF16, SM90+), else one matmul per
-  expert (the same products, the same accumulation; :func:`lpbench.gemm.linear`, the
-  dense linears' CPU route).
-* FP8 row-wise and tensor-wise (:func:`fp8_grouped`): hand-written because torch has the GEMM
+* compute dtype with the weight cache's BF16 copy or an FP32 gradient buffer (:class:`GroupedBf16`): the
+  model's own grouped GEMM (:func:`lpbench.models.moe.grouped_matmul`) around them.
+* FP8 row-wise and tensor-wise (:class:`GroupedFp8`, :func:`fp8_grouped`): hand-written because torch has the GEMM
   (``torch._scaled_grouped_mm``, Hopper) but not the quantization of grouped operands: rows are
   quantized per token, the weights per expert row; tensor-wise takes one scale per expert's
   tokens; the weight gradient quantizes along each expert's tokens (one scale per expert and
@@ -22,8 +16,8 @@ Paths, each giving every expert's tokens the numbers the dense linear of its rec
   with E5M2 gradients (fp8-tensorwise) run natively per expert (below).
 * weight gradients into FP32 buffers (``main_grad``, :mod:`lpbench.convert.main_grads`): the compute-dtype and
   FP8 grouped paths add them there (:func:`add_wgrad`) and hand autograd none for the weight.
-* everything else (delayed scaling with its per-expert histories, blockwise, MX, NVFP4) runs each
-  expert's tokens through the dense quantized linear's own GEMMs (:class:`ExpertGemms`): exact by
+* everything else (:class:`Looped`: delayed scaling with its per-expert histories, blockwise, MX, NVFP4) runs
+  each expert's tokens through the dense quantized linear's own GEMMs (``ExpertGemms``): exact by
   construction; emulation is about the numbers, not speed.
 """
 
@@ -32,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from lpbench import gemm
-from lpbench.models.moe import ALIGN, ROWS_ALIGN, Groups, grouped_matmul  # noqa: F401 (ROWS_ALIGN: for callers)
+from lpbench.models.moe import ALIGN, ROWS_ALIGN, Groups, GroupedMM, grouped_matmul  # noqa: F401 (ROWS_ALIGN: for callers)
 from lpbench.precision import capability
 from lpbench.precision.formats import decode, encode
 from lpbench.gemm import hp_mm, mm_fp32
@@ -43,21 +37,17 @@ from lpbench.precision.quantize import Scaling, all_reduce_max, fp8_decode_scale
 GROUPED_FP8_SCALINGS = (Scaling.ROW, Scaling.TENSOR)  # FP8 scalings with a grouped GEMM (fp8_grouped)
 
 
-class GroupedBf16:
-    """The experts' default kernel: grouped GEMMs in the compute dtype (with the weight cache's BF16 copy and the
-    FP32 gradient buffer where the experts have them)."""
+class GroupedBf16(GroupedMM):
+    """The compute-dtype grouped GEMMs with the weight cache's BF16 copy and the FP32 gradient buffer."""
 
-    name, recipe = "GroupedBf16", None
+    name = "GroupedBf16"
 
     def __call__(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
         main_grad, cached = experts.main_grads.get(name), experts.weight_codes.get(name)
         return grouped_linear(x, w, groups, cached if main_grad is not None else gemm.cast_once(w, cached, x), main_grad)
 
-    def set_tp(self, experts) -> None:
-        """Nothing to hold."""
 
-
-class GroupedFp8:
+class GroupedFp8(GroupedMM):
     """The experts' kernel for FP8 row-wise / tensor-wise recipes (:func:`fp8_grouped`); with the experts' weight
     codes (the weight cache's), TP slice and FP32 gradient buffer (main grads) where they have them."""
 
@@ -69,9 +59,6 @@ class GroupedFp8:
     def __call__(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
         return fp8_grouped(x, w, groups, self.recipe, self.native, experts.weight_codes.get(name), experts.split(name),
                            experts.main_grads.get(name))
-
-    def set_tp(self, experts) -> None:
-        """Nothing to hold: the TP slice is read per call."""
 
 
 class Looped(torch.nn.ModuleDict):
@@ -164,9 +151,8 @@ def add_wgrad(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, groups: Group
     """``out[e] += a_e · b_eᵀ`` over each expert's rows (the weight gradient into its FP32 buffer ``out`` [E, M, N]):
     ``a`` [M, rows] and ``b`` [N, rows] in the compute dtype, or FP8 codes with decode scales ``sa`` [E, M] and ``sb``
     [E, N] (native: the device's FP8 GEMMs, else emulated). On Hopper lpbench's grouped GEMM adds its FP32 product
-    in its epilogue (:func:`kernels.grouped_mm.wgrad_into`), where the grouped GEMMs' BF16 output had been cast and
-    added by autograd: on mixtral-8x7b's gate_up 4.4 against 7.6 ms in FP8, 5.3 against 8.1 in BF16 (H200,
-    ``benchmarks/grouped_gemm.py``). Elsewhere the GEMM's output is added (:func:`_accumulate`)."""
+    in its epilogue (:func:`kernels.grouped_mm.wgrad_into`; ``benchmarks/grouped_gemm.py`` measures it against
+    casting and adding the BF16 output). Elsewhere the GEMM's output is added (:func:`_accumulate`)."""
     if (sa is None or native) and grouped_mm.takes_wgrad_into(a, b, out):
         grouped_mm.wgrad_into(out, a, b, groups.offs, sa, sb, fast)
     elif sa is None:
@@ -328,8 +314,7 @@ def _codes(w: torch.Tensor, fprop, dgrad) -> tuple[torch.Tensor, ...]:
 
 # One graph per weight shape (static; an expert stack has two, gate_up and down): inductor fuses each copy's
 # amax, scales and cast, where the eager ops made ~25 launches per weight with FP32 temporaries (the
-# transposed copy, |w|, w x scale, the clamp): 70.9 ms a step for mixtral-8x7b@2L's 2.8 G expert weights on
-# an H200, against ~15 ms for two reads of the weights and the two FP8 writes.
+# transposed copy, |w|, w x scale, the clamp; benchmarks/RESULTS.md).
 _compiled_codes = torch.compile(_codes, dynamic=False, fullgraph=True)
 
 

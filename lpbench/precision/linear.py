@@ -15,12 +15,8 @@ exactly on any device:
   to the FP32 output, as the hardware does. Equal to a native GEMM up to summation order.
   NVFP4 activations and gradients on CUDA come from the fused quantizer (``kernels/nvfp4.py``,
   bit-exact with the reference) already in this form: BF16 values and a global scale.
-* native path (CUDA, see ``capability.NATIVE``): ``torch._scaled_mm`` for FP8 tensorwise /
-  delayed (SM89+; compiler-fused casts, ``kernels/fp8_linear.py``) and rowwise (SM90+);
-  ``F.scaled_mm`` for blockwise (1x128 activations and gradients, 128x128 weights; Hopper,
-  cuBLAS 12.9+), for shapes it takes (:func:`lpbench.precision.capability.blockwise_shape`), else emulated;
-  ``F.scaled_mm`` for MXFP8 and NVFP4 on compute capability 10.x (``kernels/block_scaled.py``: the
-  same codes and scales as the emulation, packed, swizzled and padded as cuBLAS reads them).
+* native path (CUDA): the scaling's kernel from ``capability.NATIVE`` (:func:`kernel_for`, the classes below),
+  chosen once per module; a shape a native GEMM does not take runs the emulation (same numerics).
   A recipe's ``fast_accum_fprop`` runs the native forward GEMM in Hopper's fast accumulation
   (as TE and torchao do; dgrad and wgrad accumulate in FP32 unless ``fast_accum_grads``, as
   torchao's MoE GEMMs): not bit-reproducible, so the emulation accumulates in FP32 throughout and
@@ -180,7 +176,7 @@ class NativeBlockScaled(Emulated):
         return block_scaled.mm(a, b).float() if block_scaled.takes(a, b) else Emulated.gemm(a, b)
 
 
-class FusedFp8(Fused):
+class FusedFp8(Fused, Emulated):
     """The fused FP8 tensorwise / delayed linear (``kernels/fp8_linear.py``) for calls whose GEMM dims are
     multiples of 16; :class:`NativeScaledMM` for the others."""
 
@@ -191,7 +187,11 @@ class FusedFp8(Fused):
         return capability.fused_fp8_linear(x, weight)
 
 
-KERNELS = {k.name: k for k in (Emulated, NativeScaledMM, NativeBlockwise, NativeBlockScaled, FusedFp8)}
+def _with_subclasses(kernel) -> list:
+    return [kernel] + [k for sub in kernel.__subclasses__() for k in _with_subclasses(sub)]
+
+
+KERNELS = {k.name: k for k in _with_subclasses(Emulated)}  # every kernel class above, by name
 
 
 def kernel_for(recipe: Recipe, native: bool, stored_weight: bool = False):

@@ -336,12 +336,11 @@ def eval_batch_count(cfg: RunConfig, valid) -> int:
 
 
 def prefetch_weights(step: int, cfg: RunConfig, evaluates: bool, saves: bool) -> bool:
-    """Whether the weight cache refills right after step ``step``'s optimizer step, before the step's closing
-    sync, so that the host launches the casts while the GPU still runs the optimizer (refilled at the next
-    forward, they left the GPU idle: ~4 % of a llama3.2-1b fp8-tensorwise step at GBS 8, an H200). Not after
-    the last step, nor before an evaluation or a checkpoint save: those must see delayed scaling's amaxes as
-    they stand before the cast records the weights' (evaluate restores them; a resumed run casts again at its
-    first forward)."""
+    """Whether the converters may start the next step's work (the weight cache's refill) right after step
+    ``step``'s optimizer step, before the step's closing sync, so that the host launches it while the GPU still
+    runs the optimizer. Not after the last step, nor before an evaluation or a checkpoint save: those must see
+    delayed scaling's amaxes as they stand before the cast records the weights' (evaluate restores them; a
+    resumed run casts again at its first forward)."""
     return step < cfg.steps and not evaluates and not saves
 
 

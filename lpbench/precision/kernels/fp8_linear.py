@@ -1,41 +1,24 @@
 """The native FP8 tensorwise / delayed kernel of the quantized linear (SM89+): compiler-fused casts, three ``torch._scaled_mm``.
 
-Same arithmetic as the reference quantized linear (``lpbench.precision.linear``) for the
-``tensor`` and ``delayed`` scalings — identical codes and scales, GEMMs equal up to
-summation order (and, where the recipe asks it, the forward GEMM's fast accumulation):
+The reference quantized linear's arithmetic (``lpbench.precision.linear``) for the ``tensor`` and ``delayed``
+scalings: identical codes and scales, GEMMs equal up to summation order (and the recipe's fast accumulation):
 
     fprop  Y  = Xq · Wqᵀ        (X row-major, W row-major)
     dgrad  dX = dYq · (Wᵀq)ᵀ    (dY row-major, the transposed W copy)
     wgrad  dW = dYᵀq · (Xᵀq)ᵀ   (both transposed copies)
 
-Tensorwise: the amax is a plain torch reduction, so torch.compile (on by default on CUDA)
-fuses it into the operand's producer (RMSNorm, SwiGLU, the previous GEMM's epilogue); CUDA
-operands (16-bit activations and gradients, FP32 master weights) are then cast by the tiled
-Triton kernel of ``kernels/fp8_cast.py``, which writes the row-major and the transposed copy in
-one read (inductor's own transposed write made the casts of an llama3-8b@16L step take 2.4x the
-time of the delayed path's). The scales are the reference's own functions (``quantize.fp8_encode_scale`` /
-``delayed_update`` / ``fp8_decode_scale``), whose division is exact eager or compiled,
-so codes and scales are bit-exact with the reference. Delayed scaling needs no amax before
-the cast: its scale is the module's persistent buffer (Transformer Engine's rule,
-``lpbench.precision.delayed``). So on the compiled path a 16-bit operand (activation or gradient)
-is cast by plain torch ops that inductor fuses into the kernel that produces it: RMSNorm writes
-qkv's and gate_up's input codes, SwiGLU down's, and the row amax is reduced there too. Gate_up's
-gradient comes from SwiGLU's hand-written backward (``kernels/swiglu.py``), which inductor cannot fuse
-into: gate_up runs SwiGLU as its epilogue (:meth:`Fused.epilogue_operands`), and that kernel writes the
-gradient's codes (delayed) or its amax (tensorwise) itself. ``emulate_precision_casts`` (set by
-``parallel.plan`` whenever it compiles) keeps the producer's rounding to BF16 that inductor would
-otherwise elide inside the fused kernel (the generated code multiplies the unrounded FP32 value), so
-these codes, amaxes and scales are the reference's bit for bit and the casts need no hand-written
-producer kernel. The transposed copy for wgrad is made
-from the FP8 codes (``fp8_cast.transpose_codes``: the same bytes, one in and one out per element, where
-transposing the 16-bit operand read two). Then one launch gives the decode scale and updates history
-and scale. Eager (no producer to fuse into) and FP32 master weights take the one-pass Triton cast (both
-copies and the amax in one read) and the same update. Under tensor parallelism the amax is all-reduced
-before the update.
-
-A linear whose weight :mod:`lpbench.convert.weight_cache` keeps in FP8 uses those codes (cast once
-per optimizer step by :func:`cache_weight`, with this module's own cast) instead of casting the
-weight in every micro-batch's forward.
+Tensorwise: the amax is a plain torch reduction that torch.compile fuses into the operand's producer; CUDA
+operands are then cast by the tiled Triton kernel of ``kernels/fp8_cast.py``, which writes the row-major and
+the transposed copy in one read. The scales are the reference's own functions, exact eager or compiled.
+Delayed: the scale is the module's persistent buffer (``lpbench.precision.delayed``), so on the compiled path a
+16-bit operand is cast by plain torch ops that inductor fuses into its producer (RMSNorm, SwiGLU), the
+transposed copy is made from the codes (``fp8_cast.transpose_codes``), and one launch gives the decode scale
+and updates history and scale. Gate_up's gradient comes from SwiGLU's backward kernel, which runs as the
+linear's epilogue (:meth:`Fused.epilogue_operands`) and writes the gradient's codes (delayed) or amax
+(tensorwise) itself. ``emulate_precision_casts`` (set by ``parallel.plan`` whenever it compiles) keeps the
+producer's rounding to BF16 inside fused kernels, so codes, amaxes and scales are the reference's bit for bit.
+Eager code and FP32 master weights take the one-pass Triton cast. Under tensor parallelism the amax is
+all-reduced before the update. A weight the weight cache keeps in FP8 (:func:`cache_weight`) is not cast again.
 """
 
 from __future__ import annotations

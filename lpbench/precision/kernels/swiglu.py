@@ -7,11 +7,8 @@ The forward is plain torch ops, so torch.compile fuses into it what the next lin
 amax or codes). The backward is a Triton kernel because inductor's is slow: it lowers the gradient of
 ``chunk`` as a concatenation whose one kernel computes, for every element of the [tokens, 2 x ffn]
 gradient, the arithmetic of both halves (masked loads of gate, up and the output gradient, then a
-select), twice the work of the pair, and at llama3-8b's MLP (8192 tokens x 2 x 14336, BF16) that work,
-not memory, bounds it: 510 us on an H200 through autograd compiled as ``lpbench run`` compiles, where
-this kernel, which loads gate, up and the output gradient once per pair and stores both halves, takes 294
-(a copy of the 470 MB gradient: 224; ``benchmarks/swiglu.py``). A llama3-8b@16L step is 0.6-1.1 % shorter
-for it in BF16 and FP8 alike.
+select), twice the work of the pair; this kernel loads gate, up and the output gradient once per pair and
+stores both halves (measurements: ``benchmarks/swiglu.py``, benchmarks/RESULTS.md).
 
 The kernel computes what eager PyTorch computes, in the same order: ATen's ``silu`` (x / (1 + exp(-x)))
 rounded to the input dtype as autograd saves it, the product rule's two gradients rounded likewise, and
@@ -150,8 +147,8 @@ def launch_backward(launcher, gate_up: torch.Tensor, grad: torch.Tensor, out: to
     ``cast``: (encode scale, FP8 max, transposed codes [2 x ffn, tokens] or empty): ``out`` then gets the
     saturated codes of the gradient × scale, in its dtype, and the transposed buffer the same codes transposed.
     With ``amax``: returns each program's max of the gradient's |values| as int32 bits [programs] (ordered as
-    the floats, NaN above +inf), for the caller to reduce: one atomic max per program on one address
-    serialises, and took a third of the kernel's time at llama3-8b's MLP on an H200."""
+    the floats, NaN above +inf), for the caller to reduce (one atomic max per program on one address would
+    serialise the programs)."""
     tokens, ffn = grad.shape
     bt, bn, warps = launch or LAUNCH
     grid = (triton.cdiv(tokens, bt), triton.cdiv(ffn, bn))
