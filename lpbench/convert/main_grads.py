@@ -26,7 +26,7 @@ from lpbench.precision.grouped import GroupedBf16, GroupedFp8
 def eligible(mod: nn.Module, owned: set[int]) -> bool:
     """Whether ``mod`` is an MoE layer's experts on the grouped GEMMs (BF16 or FP8 grouped) whose trained weights
     are plain parameters in ``owned`` (ids)."""
-    if not isinstance(mod, Experts) or not isinstance(mod.gemm, (GroupedMM, GroupedBf16, GroupedFp8)):
+    if not isinstance(mod, Experts) or type(mod.gemm) not in (GroupedMM, GroupedBf16, GroupedFp8):
         return False
     weights = [getattr(mod, name) for name in (mod.in_name, "down")]
     return all(type(w) is nn.Parameter and w.requires_grad and id(w) in owned for w in weights)
@@ -40,7 +40,7 @@ class MainGrads:
         self.experts = [m for m in model.modules() if eligible(m, ids)]
         self.weights = [(m, name) for m in self.experts for name in (m.in_name, "down")]
         for m in self.experts:
-            if isinstance(m.gemm, GroupedMM):  # the kernel that adds into the buffers
+            if type(m.gemm) is GroupedMM:  # the kernel that adds into the buffers
                 m.gemm = GroupedBf16()
         for m, name in self.weights:
             m.main_grads[name] = torch.zeros_like(getattr(m, name), dtype=torch.float32)

@@ -50,7 +50,7 @@ def bf16_eligible(mod: nn.Module) -> bool:
     grouped experts whose plain FP32 CUDA weights autocast casts in every forward."""
     if getattr(type(mod), "caches_bf16_weight", False):
         names = ["weight"]
-    elif isinstance(mod, Experts) and isinstance(mod.gemm, (GroupedMM, GroupedBf16)):
+    elif isinstance(mod, Experts) and type(mod.gemm) in (GroupedMM, GroupedBf16):
         names = [mod.in_name, "down"]
     else:
         return False
@@ -76,7 +76,7 @@ class WeightCache:
         self.bf16_linears = [m for m in halves if not isinstance(m, Experts)]
         self.experts = [m for m in model.modules() if grouped_eligible(m)] + [m for m in halves if isinstance(m, Experts)]
         for m in self.experts:
-            if isinstance(m.gemm, GroupedMM):  # the kernel that takes the BF16 copy
+            if type(m.gemm) is GroupedMM:  # the kernel that takes the BF16 copy
                 m.gemm = GroupedBf16()
         for m in self.bf16_linears:
             m.register_buffer("bf16_weight", m.weight.detach().to(torch.bfloat16), persistent=False)
