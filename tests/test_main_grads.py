@@ -1,4 +1,4 @@
-"""The experts' weight gradients accumulated in FP32 buffers by their GEMMs (precision/main_grads.py): the buffers
+"""The experts' weight gradients accumulated in FP32 buffers by their GEMMs (convert/main_grads.py): the buffers
 hold what autograd's ``.grad`` would, the weights get no gradient of their own, the optimizer step zeroes them, and
 the training loop uses them only where no data-parallel wrapper reduces the experts' gradients."""
 

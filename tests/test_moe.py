@@ -266,7 +266,7 @@ def test_compiled_weight_codes_are_the_eager_ones(name, device, shape):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_cached_weight_codes_give_the_uncached_numbers(monkeypatch, device):
-    """Gradient accumulation: FP8 grouped experts quantize each weight once (precision/weight_cache.py); the codes
+    """Gradient accumulation: FP8 grouped experts quantize each weight once (convert/weight_cache.py); the codes
     are those of the uncached call, bit for bit, reused until the weight changes (in place here). On CUDA with
     the native grouped GEMMs."""
     import copy

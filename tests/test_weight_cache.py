@@ -1,4 +1,4 @@
-"""FP8 weights cast once per optimizer step (``precision/weight_cache.py``) train exactly as the
+"""FP8 weights cast once per optimizer step (``convert/weight_cache.py``) train exactly as the
 uncached linear, which casts the weight in every micro-batch's forward."""
 
 import pytest
