@@ -1,7 +1,7 @@
 """The weight gradient's FP8 operands of grouped experts in two reads: group-wise column amaxes, then the codes.
 
 The weight gradient of grouped experts reduces over each expert's tokens, so its FP8 operands (the output
-gradient and the input, rows sorted by expert in a :class:`lpbench.precision.grouped.Groups` buffer) take one
+gradient and the input, rows sorted by expert in a :class:`lpbench.models.moe.Groups` buffer) take one
 scale per expert and column: the amax of each column over the expert's rows; the grouped GEMM takes them
 transposed. Hand-written (Triton) because the compiled ops take more: inductor reduced blocks of rows in one
 kernel and scattered the block maxima by expert in another (``scatter_reduce``), 2.7 ms a micro-batch on

@@ -2,32 +2,24 @@
 GEMMs (2-D x 3-D: each expert's rows of ``a`` times its weight) and the weight gradient (2-D x 2-D: each expert's
 slice of the reduction), of FP8 codes with row-wise decode scales or of BF16 operands.
 
-Hand-written for two things torch's grouped GEMMs do not do well or at all:
+Hand-written for two things torch's grouped GEMMs do not do well or at all (measurements:
+``benchmarks/grouped_gemm.py``, benchmarks/RESULTS.md):
 
-* **Precise FP8 accumulation of small experts.** Torch's grouped FP8 GEMM (``torch._scaled_grouped_mm``,
-  CUTLASS) pays for it very unevenly. On an H200 (``benchmarks/grouped_gemm.py``, 4,096 tokens a micro-batch), on
-  qwen3-30b-a3b's small experts (weights 1536 x 2048 and 2048 x 768, ~256 rows an expert) its precise
-  data-gradient GEMMs took 643 / 410 us (gate_up / down) where this kernel takes 311 / 158 and BF16's grouped
-  GEMM 373 / 192, and its weight gradients 1035 / 691 us against 802 / 372; at 8,192 tokens (~512 rows an
-  expert) still about half; at 2,048 tokens about the same. On mixtral-8x7b's large experts (28672 x 4096 and
-  4096 x 14336) torch's are the faster at 2,048 and 4,096 tokens (1817 against 2357 us, 2737 against 3085 at
-  4,096), so :func:`takes` sends only experts of fewer than ``SMALL_EXPERT`` weight elements here. Fast
-  accumulation stays with torch (within a few percent of this kernel either way).
+* **Precise FP8 accumulation of small experts**, where torch's grouped FP8 GEMM (``torch._scaled_grouped_mm``)
+  is slow: :func:`takes` sends only experts of fewer than ``SMALL_EXPERT`` weight elements here; fast
+  accumulation stays with torch.
 * **The weight gradient added into an FP32 buffer** (:func:`wgrad_into`, gradient-accumulation fusion,
-  :mod:`lpbench.convert.main_grads`): torch's grouped GEMMs write BF16 only, which autograd then casts and adds.
-  Here the epilogue adds the FP32 product to the buffer's tile, loaded before the main loop: mixtral-8x7b's
-  gate_up 4.4 ms in FP8 (torch's GEMM, cast and add 7.6), 5.3 in BF16 (8.1).
+  :mod:`lpbench.convert.main_grads`): torch's grouped GEMMs write BF16 only, which autograd then casts and adds;
+  here the epilogue adds the FP32 product to the buffer's tile, loaded before the main loop.
 
 Precise accumulation is CUTLASS's rule: the tensor cores' partial sums are added into an FP32 accumulator
 every ``PROMOTE`` (128) elements of the reduction (Triton's ``max_num_imprecise_acc``). The results are the
 reference's (decoded codes, an FP32 matmul per expert, then the scales) but for the tensor cores' own summation
 of each 128-long slice and BF16's rounding, and torch's precise kernel's bit for bit (the GPU tests assert both).
-Into FP32 the weight gradient of FP8 codes is sliced at rows that are multiples of 128 instead (an expert's first
-and last slice masked to its rows): its codes' rows are contiguous, and slices from an expert's start, a multiple
-of 16 only, straddled cache lines: with tokens spread as an untrained router spreads them (``benchmarks/
-grouped_gemm.py --skew 0.2``, 16,384 tokens) that had cost 15-23 % against evenly spread tokens, aligned 3-4 %.
+Into FP32 the weight gradient of FP8 codes is sliced at rows that are multiples of 128 (an expert's first and
+last slice masked to its rows), so that slices do not straddle cache lines.
 
-Layout (:class:`lpbench.precision.grouped.Groups`): ``offs`` [E] int32 are the experts' padded ends along the
+Layout (:class:`lpbench.models.moe.Groups`): ``offs`` [E] int32 are the experts' padded ends along the
 grouped dimension, ascending multiples of 16. Forward / data gradient: ``a`` [R, K] row-major, ``b`` [E, N, K]
 (each expert's ``[N, K]`` row-major), ``sa`` [R], ``sb`` [E, N]; out [R, N] BF16, rows after ``offs[-1]``
 unwritten. Weight gradient: ``a`` [M, R] and ``b`` [N, R], ``sa`` [E, M], ``sb`` [E, N]; out [E, M, N] (BF16, zeros
@@ -37,7 +29,7 @@ read transposed).
 
 Each program (one per SM) walks the experts in order and takes every ``PROGRAMS``-th output tile, the side with
 fewer tiles fastest, so the programs at work together share the other side's tile: a weight tile (forward), the
-smaller operand (weight gradient: mixtral's gate_up took 4.7 ms into FP32 with rows fastest, 4.4 so)."""
+smaller operand (weight gradient)."""
 
 from __future__ import annotations
 
