@@ -39,6 +39,7 @@ from torch import nn
 
 from lpbench.models.registry import ModelConfig
 from lpbench.models.swiglu import swiglu
+from lpbench.precision.delayed import rerunning
 from lpbench.precision.grouped import GROUPED_FP8_SCALINGS, Groups, fp8_grouped, grouped_linear, looped
 from lpbench.precision.weight_cache import cast_once
 
@@ -218,9 +219,10 @@ class MoE(nn.Module):
             0, flat, torch.ones_like(flat))
         aux = load_balancing_loss(probs, counts if self.count_group is None else _summed(counts, self.count_group))
         zl = z_loss(logits)
-        with torch.no_grad():
-            self.tokens_per_expert.add_(counts.float())
-            self.loss_sums.add_(torch.stack([aux.detach(), zl.detach(), torch.ones_like(zl)]))
+        if not rerunning():  # activation recomputation's rerun: the first pass counted these
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts.float())
+                self.loss_sums.add_(torch.stack([aux.detach(), zl.detach(), torch.ones_like(zl)]))
         if self.ep is None:
             ys = self._experts(x[token], expert, self.n_experts)
         else:
