@@ -2,9 +2,10 @@
 
 ``none``       every block keeps what its backward needs (the default).
 ``full``       a block keeps only its input; its whole forward reruns in the backward.
-``selective``  torchtitan's per-op policy: a block keeps the outputs of its GEMMs and attention (and of
-               the collectives and amax reductions, cheap to keep and dear to redo) and reruns the rest,
-               the elementwise ops (norms, RoPE, SwiGLU, casts) that hold most bytes per FLOP.
+``selective``  torchtitan's per-op policy: a block keeps the outputs of attention, of every other GEMM
+               (QKV and gate+up) and of the collectives (and compiled, the amax reductions), and reruns
+               the rest: the output and down projections and the elementwise ops (norms, RoPE, SwiGLU,
+               casts) that hold most bytes per FLOP.
 
 ``--recompute-every K`` checkpoints every K-th block (blocks 0, K, 2K, ...), as torchtitan does.
 
@@ -60,7 +61,17 @@ SELECTIVE_SAVE = _ops(
 COMPILED_SAVE = _ops("aten.amax.default", "aten.max.default")
 
 
-def _policy(saved: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+MM = _ops("aten.mm.default", "aten._scaled_mm.default")
+
+
+def _policy(saved: frozenset, counts: dict, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Save ``saved`` ops' outputs, but only every other GEMM's (torchtitan's: the 1st, 3rd, ... of the call:
+    a block's QKV and gate+up projections; its output and down projections are recomputed from them)."""
+    if op in MM:
+        key = "rerun" if ctx.is_recompute else "first"
+        counts[key] += 1
+        if counts[key] % 2 == 0:
+            return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -69,7 +80,7 @@ def _contexts(mode: str, compiled: bool):
     saved = frozenset(MUST_SAVE | (SELECTIVE_SAVE | (COMPILED_SAVE if compiled else set())
                                    if mode == "selective" else set()))
     if compiled or mode == "selective":
-        op_level = create_selective_checkpoint_contexts(partial(_policy, saved))
+        op_level = create_selective_checkpoint_contexts(partial(_policy, saved, {"first": 0, "rerun": 0}))
     else:  # eager full: no per-op policy to apply
         op_level = contextlib.nullcontext(), contextlib.nullcontext()
     if compiled:  # traced once: the graph, not Python state, carries what the rerun needs
