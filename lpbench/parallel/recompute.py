@@ -18,6 +18,8 @@ the same noise; its Hadamard signs are fixed), and delayed scaling's casts take 
 scales instead of updating the histories again (``precision/delayed.py: forward_pass, rerun``), as MoE's
 statistics skip the rerun (``rerunning``). Compiled, the checkpoint becomes a graph region that
 AOTAutograd's partitioner recomputes; delayed scaling's updates are marked to be saved, never rerun.
+A block whose graph breaks (MoE routing) cannot be one compiled region: its checkpointed forward runs
+eagerly, exact as above, and uncompiled.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lpbench.config import RECOMPUTES
+from lpbench.models.moe import MoE
 from lpbench.precision import delayed
 
 
@@ -104,8 +107,9 @@ class _Both:
         return self.stack.__exit__(*exc)
 
 
-def checkpointed(forward, mode: str):
-    """``forward`` whose activations are recomputed as ``mode`` (selective or full) says, when it builds a graph."""
+def checkpointed(forward, mode: str, eager: bool = False):
+    """``forward`` whose activations are recomputed as ``mode`` (selective or full) says, when it builds a graph;
+    ``eager``: never compiled (a forward whose graph breaks, which a compiled checkpoint cannot hold)."""
 
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to recompute
@@ -113,7 +117,7 @@ def checkpointed(forward, mode: str):
         context_fn = partial(_contexts, mode, torch.compiler.is_compiling())
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
-    return run
+    return torch._dynamo.disable(run) if eager else run
 
 
 def apply_recompute(model: nn.Module, mode: str, every: int = 1) -> int:
@@ -125,5 +129,6 @@ def apply_recompute(model: nn.Module, mode: str, every: int = 1) -> int:
         return 0
     blocks = [block for i, block in enumerate(model.layers) if i % every == 0]
     for block in blocks:
-        block.forward = checkpointed(block.forward, mode)
+        # MoE routing breaks a compiled block's graph (data-dependent shapes): such a checkpoint runs eagerly
+        block.forward = checkpointed(block.forward, mode, eager=any(isinstance(m, MoE) for m in block.modules()))
     return len(blocks)

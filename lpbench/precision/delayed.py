@@ -125,7 +125,7 @@ class DelayedScaling:
     def once(self, make):
         """``make()`` (a tensor this module's state gives a forward cast), kept for a rerun; in the rerun of a
         checkpointed forward, the first pass's result in its place (``make`` not called: see the module doc)."""
-        if _pass is None or torch.compiler.is_compiling():  # compiled: the graph's partitioner saves it
+        if _pass is None:  # (a compiled checkpoint keeps no record: its graph's partitioner saves the result)
             return make()
         kept = _pass.setdefault(self, deque())
         if _rerun:
@@ -137,7 +137,7 @@ class DelayedScaling:
     def cast_scale(self, role: str) -> torch.Tensor:
         """The encode scale a cast of ``role`` uses now: the buffer, or in a checkpointed forward a copy of it,
         which the rerun takes back (the buffer holds the updated scale by then)."""
-        if _pass is None or torch.compiler.is_compiling():
+        if _pass is None:
             return self.scale_buffer(role)
         return self.once(lambda: self.scale_buffer(role).clone())
 
