@@ -26,19 +26,20 @@ MOE = dataclasses.replace(DENSE, name="rc-moe", n_experts=4, top_k=2)
 CPU = torch.device("cpu")
 
 
-def _batches(n: int, vocab: int):
+def _batches(n: int, vocab: int, seq: int = 32):
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, vocab, (2, 32), generator=g) for _ in range(n)]
+    return [torch.randint(0, vocab, (2, seq), generator=g) for _ in range(n)]
 
 
 def train(mode: str, precision: str, *, model_cfg=DENSE, workload="pretrain", compiled=False, steps=3, every=1,
-          aux=0.0):
-    """Losses, per-step gradients and the delayed-scaling state after ``steps`` steps."""
+          aux=0.0, device=CPU, seq=32, peaks=None):
+    """Losses, per-step gradients and the delayed-scaling state after ``steps`` steps (``peaks``: a list that
+    gets each step's peak allocated CUDA memory)."""
     torch.manual_seed(0)
-    model = build_model(model_cfg, device=CPU, seed=0)
-    cfg = RunConfig(model="tiny", precision=precision, workload=workload, device="cpu")
+    model = build_model(model_cfg, device=device, seed=0)
+    cfg = RunConfig(model="tiny", precision=precision, workload=workload, device=device.type)
     recipe = get_recipe(precision)
-    prepare_model(model, cfg, recipe, device=CPU, emulate=True)
+    prepare_model(model, cfg, recipe, device=device, emulate=True)
     if aux:
         from lpbench.models.moe import configure_moe
         configure_moe(model, aux_coeff=aux)
@@ -51,10 +52,15 @@ def train(mode: str, precision: str, *, model_cfg=DENSE, workload="pretrain", co
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
     losses, grads = [], []
-    for x in _batches(steps, model_cfg.vocab_size):
-        with torch.autocast("cpu", dtype=recipe.compute_dtype, enabled=recipe.compute_dtype != torch.float32):
+    for x in _batches(steps, model_cfg.vocab_size, seq):
+        x = x.to(device)
+        if peaks is not None:
+            torch.cuda.reset_peak_memory_stats()
+        with torch.autocast(device.type, dtype=recipe.compute_dtype, enabled=recipe.compute_dtype != torch.float32):
             loss = model(x, x.roll(-1, 1))
         loss.backward()
+        if peaks is not None:
+            peaks.append(torch.cuda.max_memory_allocated())
         losses.append(loss.detach())
         grads.append([p.grad.clone() for p in params])
         opt.step()
@@ -185,37 +191,16 @@ def test_recomputation_under_fsdp_and_ddp_trains_bit_for_bit_like_none(tmp_path)
         assert runs[f"{name}-selective"] == runs[f"{name}-none"], name
 
 
-def train_cuda(mode: str, precision: str, compiled: bool, steps: int = 3):
-    """``train``'s loop on CUDA with the GPU's kernels (fused FP8 linear, fused NVFP4 quantizer), native where
-    the GPU runs the recipe, and the peak memory of the last step."""
-    torch.manual_seed(0)
-    cuda = torch.device("cuda")
-    model_cfg = dataclasses.replace(DEEP, dim=256, ffn_dim=768, vocab_size=1024, max_seq_len=1024)
-    model = build_model(model_cfg, device=cuda, seed=0)
-    recipe = get_recipe(precision)
-    prepare_model(model, RunConfig(model="tiny", precision=precision, device="cuda"), recipe, device=cuda,
-                  emulate=True)
-    apply_recompute(model, mode)
-    if compiled:
-        torch._inductor.config.emulate_precision_casts = True
-        torch._dynamo.reset()
-        compile_blocks(model, head=False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    losses, grads = [], []
-    g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x = torch.randint(0, model_cfg.vocab_size, (2, 1024), generator=g).to(cuda)
-        torch.cuda.reset_peak_memory_stats()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x, x.roll(-1, 1))
-        loss.backward()
-        losses.append(loss.detach())
-        grads.append([p.grad.clone() for p in params])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    state = {n: b.clone() for n, b in model.named_buffers() if is_delayed_state(n)}
-    return (losses, grads, state), torch.cuda.max_memory_allocated()
+GPU_MODEL = dataclasses.replace(DEEP, dim=256, ffn_dim=768, vocab_size=1024, max_seq_len=1024)
+
+
+def train_cuda(mode: str, precision: str, compiled: bool):
+    """``train`` on CUDA with the GPU's kernels (fused FP8 linear, fused NVFP4 quantizer), native where the GPU
+    runs the recipe; and the peak memory of the last step."""
+    peaks = []
+    run = train(mode, precision, model_cfg=GPU_MODEL, compiled=compiled, device=torch.device("cuda"), seq=1024,
+                peaks=peaks)
+    return run, peaks[-1]
 
 
 @pytest.mark.gpu

@@ -57,27 +57,24 @@ _rerun = False  # whether that forward is the rerun (takes results back) or the 
 
 
 @contextmanager
+def _in(record: dict, again: bool):
+    global _pass, _rerun
+    outer = _pass, _rerun
+    _pass, _rerun = record, again
+    try:
+        yield
+    finally:
+        _pass, _rerun = outer
+
+
 def forward_pass(record: dict):
     """A checkpointed forward's first pass: forward results of delayed scaling's state kept in ``record``."""
-    global _pass, _rerun
-    outer = _pass, _rerun
-    _pass, _rerun = record, False
-    try:
-        yield
-    finally:
-        _pass, _rerun = outer
+    return _in(record, False)
 
 
-@contextmanager
 def rerun(record: dict):
     """The recomputation of the forward that filled ``record``: its results taken back, nothing updated."""
-    global _pass, _rerun
-    outer = _pass, _rerun
-    _pass, _rerun = record, True
-    try:
-        yield
-    finally:
-        _pass, _rerun = outer
+    return _in(record, True)
 
 
 def rerunning() -> bool:
