@@ -52,6 +52,17 @@ def test_fsdp_divides_the_states_and_quantized_linears_keep_code_bytes():
     assert f.parts["activations (none)"] == 4 * (EAGER - 16 + 8 + 8 - 16 + 8 - 32 + 16)
 
 
+def test_lora_base_stored_quantized_is_its_codes_and_adapters_keep_bf16_inputs():
+    e = estimate(HAND, get_recipe("fp8-tensorwise"), seq_len=4, mbs=1, workload="lora", lora_rank=2,
+                 lora_quantized_base=True, compiled=False, cuda=False)
+    # codes 1 byte per block-linear element, the block's norms in BF16, embeddings and head FP32 (frozen)
+    assert e.parts["frozen base"] == LINEARS + 2 * (BLOCK - LINEARS) + 4 * (PARAMS - BLOCK)
+    assert not e.parts["weight copies held for backward"]  # the stored codes are the operands
+    # rank 2 adapters on qkv (8 in, 16 out), o (8, 8), gate_up (8, 32), down (16, 8)
+    assert e.parts["master weights (fp32)"] == 4 * 2 * (24 + 16 + 40 + 24)
+    assert e.parts["activations (none)"] == 4 * EAGER  # frozen linears keep no input, adapters the BF16 one
+
+
 CAL = ModelConfig("cal", 6, 256, 896, 8, 2, 512, max_seq_len=512)  # NVFP4 quantizes blocks 0 and 1
 
 

@@ -52,7 +52,7 @@ def code_bytes(recipe: Recipe) -> float:
 
 
 def block_bytes_per_token(m: ModelConfig, recipe: Recipe, recompute: str, *, compiled: bool = False,
-                          residual_bytes: int = 4, bf16_copies: bool = False) -> float:
+                          residual_bytes: int = 4, bf16_copies: bool = False, lora: bool = False) -> float:
     """Activation bytes one block keeps per token for its backward, counted tensor by tensor.
 
     ``none``, eager (autocast to the compute dtype, 2 bytes): each RMSNorm keeps its input in FP32 (the
@@ -62,7 +62,8 @@ def block_bytes_per_token(m: ModelConfig, recipe: Recipe, recompute: str, *, com
     and an FP32 log-sum-exp per head; the gate+up linear its input (D) and SwiGLU the gate+up output
     (2F); the down linear its input (F). A quantized linear keeps, instead of its BF16 input, the input's
     wgrad copy in the recipe's code bytes (the output projection too: its input is no view then), or in
-    BF16 values with ``bf16_copies`` (emulated NVFP4 on a GPU: ``kernels/nvfp4.py``'s copies).
+    BF16 values with ``bf16_copies`` (emulated NVFP4 on a GPU: ``kernels/nvfp4.py``'s copies). With
+    ``lora`` a frozen linear keeps nothing of its input (no weight gradient), its adapter the BF16 input.
     Compiled (``torch.compile``'s partitioner, measured): the norms keep their input (``residual_bytes``)
     and rstd only, the normalized outputs and the second norm's input are recomputed, and the output
     projection keeps its own copy of its input. MoE: the MLP part for each of the top-k experts a token
@@ -80,9 +81,10 @@ def block_bytes_per_token(m: ModelConfig, recipe: Recipe, recompute: str, *, com
         return residual_bytes * d
     if recompute == "selective":
         return residual_bytes * d + b * (q + 2 * kv + q + k * up) + lse
-    x = code_bytes(recipe) if recipe.quantized and not bf16_copies else b  # what a linear keeps of its input
+    quantized = recipe.quantized and not lora
+    x = code_bytes(recipe) if quantized and not bf16_copies else b  # what a linear keeps of its input
     sdpa = b * (q + 2 * kv) + b * q + b * kv + b * q + lse  # QKV output (V's storage), Q, K, output, lse
-    o_in = x * q if recipe.quantized or compiled else 0.0
+    o_in = x * q if quantized or compiled else 0.0
     if compiled:
         norms = residual_bytes * d + 8
     else:
@@ -131,7 +133,8 @@ def estimate(m: ModelConfig, recipe: Recipe, *, seq_len: int, mbs: int, dp: int 
     parts["master weights (fp32)"] = 4.0 * trainable / shards
     parts["gradients (fp32)"] = 4.0 * trainable / shards
     parts["optimizer states (fp32 AdamW)"] = 8.0 * trainable / shards
-    held = code_bytes(recipe) * linear * quantized_blocks  # dgrad copies of the quantized weights (whole, under FSDP)
+    # dgrad copies of the quantized weights (whole, under FSDP); a base stored quantized is read as stored
+    held = 0.0 if workload == "lora" and lora_quantized_base else code_bytes(recipe) * linear * quantized_blocks
     if not fsdp and workload != "lora":
         held += 2.0 * linear * (m.n_layers - quantized_blocks)  # autocast's BF16 casts of the others
     parts["weight copies held for backward"] = held / tp
@@ -142,7 +145,7 @@ def estimate(m: ModelConfig, recipe: Recipe, *, seq_len: int, mbs: int, dp: int 
     tokens = mbs * seq_len / tp  # tensor parallelism splits the features (sequence parallelism the rest)
     checkpointed = len(range(0, m.n_layers, recompute_every)) if recompute != "none" else 0
     per = dict(compiled=compiled, residual_bytes=2 if fsdp and cuda else 4,
-               bf16_copies=nvfp4_bf16_copies and recipe.scaling is Scaling.NVFP4)
+               bf16_copies=nvfp4_bf16_copies and recipe.scaling is Scaling.NVFP4, lora=workload == "lora")
     kept = block_bytes_per_token(m, recipe, "none", **per)
     parts[f"activations ({recompute})"] = tokens * (block_bytes_per_token(m, recipe, recompute, **per) * checkpointed
                                                     + kept * (m.n_layers - checkpointed))
