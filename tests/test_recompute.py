@@ -149,7 +149,8 @@ def test_bad_recompute_values_are_usage_errors():
 
 RUN = RunConfig(model="tiny", num_layers=2, seq_len=32, mbs=2, gbs=8, steps=3, warmup_steps=1, device="cpu",
                 precision="fp8-delayed")
-LAYOUTS = {"fsdp": dict(fsdp=True), "ddp-ga": dict(mbs=2, gbs=8)}  # DDP with gradient accumulation (weight cache)
+# DDP with gradient accumulation (the weight cache); TP with sequence parallelism (amaxes all-reduced in the rerun)
+LAYOUTS = {"fsdp": dict(fsdp=True), "ddp-ga": dict(mbs=2, gbs=8), "tp": dict(tp=2, mbs=4, gbs=8)}
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -172,8 +173,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     shutdown()
 
 
-def test_recomputation_under_fsdp_and_ddp_trains_bit_for_bit_like_none(tmp_path):
-    """Two ranks (gloo), fp8-delayed: FSDP, and DDP with gradient accumulation (the weight cache): every loss and
+def test_recomputation_under_fsdp_ddp_and_tp_trains_bit_for_bit_like_none(tmp_path):
+    """Two ranks (gloo), fp8-delayed: FSDP, DDP with gradient accumulation (the weight cache) and TP: every loss and
     gradient norm of full and selective recomputation equals that of none exactly."""
     import json
     import socket
