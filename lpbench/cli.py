@@ -48,6 +48,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="show every column of the summary table, however wide (default: fit the terminal)")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="also write the summary table's rows (every number, unrounded) to FILE as JSON, for scripts")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each config's predicted peak memory per GPU (as `lpbench memory`) and stop")
     p.add_argument("--config", metavar="FILE", default=None,
                    help="take settings from a TOML or YAML file of flag names and values (a sweep spec's keys; "
                         "precision may be a list); flags given on the command line win")
@@ -118,6 +120,8 @@ def cmd_run(args) -> int:
     from lpbench.parallel.env import detect_world, shutdown
     from lpbench.parallel.launch import needs_relaunch, relaunch
 
+    if args.dry_run:
+        return cmd_memory(args)
     configs = configs_from_args(args)  # validate every config before any work starts
     check_dir(args.results, "--results")
     if args.json:
@@ -149,6 +153,29 @@ def cmd_run(args) -> int:
         write_file(args.json, to_json(rows) + "\n")
     console.print(escape(next_command(args.results, group)), highlight=False, soft_wrap=True)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def cmd_memory(args) -> int:
+    """``lpbench memory`` (and ``run --dry-run``): each config's predicted peak per GPU, whether it fits
+    ``--gpu``, and what would make it fit. Exit 1 if one does not fit."""
+    from lpbench.train.memory_plan import report
+
+    world = args.nproc_per_node or args.num_gpus or 1
+    gpu = args.gpu
+    try:
+        configs = configs_from_args(args, world_size=world)
+    except UsageError as exc:  # --gpu names the memory to fit even where it has no recommended config
+        if gpu is None or "recommended" not in str(exc):
+            raise
+        args.gpu = args.num_gpus = None
+        configs = configs_from_args(args, world_size=world)
+    fits = []
+    for cfg in configs:
+        lines, fit = report(cfg, gpu)
+        fits.append(fit)
+        for line in lines:
+            console.print(escape(line), highlight=False, soft_wrap=True)
+    return 1 if False in fits else 0
 
 
 # ----------------------------------------------------------------------------- report
@@ -328,6 +355,12 @@ def add_run_parser(sub) -> None:
     p.set_defaults(func=cmd_run)
 
 
+def add_memory_parser(sub) -> None:
+    p = sub.add_parser("memory", help=COMMANDS["memory"][0])
+    add_run_args(p)
+    p.set_defaults(func=cmd_memory)
+
+
 def add_sweep_parser(sub) -> None:
     from lpbench.bench.sweep import add_parser
 
@@ -409,6 +442,8 @@ COMMANDS = {  # name: (the one line `lpbench --help` lists, what adds the comman
     "converge": ("train several precisions on the same real data and compare their validation loss with the "
                  "first (pass/fail per tolerance)", add_converge_parser),
     "report": ("tables (NeMo style), plots and an HTML page from the results database", add_report_parser),
+    "memory": ("predicted peak memory per GPU of a run (the `run` flags; world size from --num-gpus or "
+               "--nproc-per-node), whether it fits --gpu, what would fit", add_memory_parser),
     "flops": ("model FLOPs per token/sample, TFLOP/s for a throughput, days to train", add_flops_parser),
     "models": ("list the model zoo with parameter counts", add_models_parser),
     "recipes": ("list the precision recipes, their parameters and native/emulated here", add_recipes_parser),

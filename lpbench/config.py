@@ -21,6 +21,7 @@ COMPILE_SCOPES = ("block", "model")  # lpbench/parallel/plan.py
 DEFAULT_PRECISIONS = ("bf16", "fp8-tensorwise", "mxfp8", "nvfp4")  # `lpbench run` and `converge` compare these
 FSDP_SHARDS = ("zero3", "zero2", "zero1")  # lpbench/parallel/dp.py
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
+RECOMPUTES = ("none", "selective", "full")  # lpbench/parallel/recompute.py
 MAX_SIZE = 2**31 - 1  # sizes, counts and steps: what int32 indexing and the data pipeline hold
 MAX_SEED = 2**63 - 1  # torch, numpy and random all take a seed below 2**63
 SECTIONS = ("model", "precision", "parallel", "data", "optim", "observe", "other")  # --help groups, in order
@@ -170,6 +171,13 @@ class RunConfig:
         choices=GRAD_REDUCE_DTYPES, section="parallel", resume=True))
     sequence_parallel: bool = field(default=True, metadata=arg(
         "with --tp > 1, split norms and residuals along the sequence", section="parallel", layout=True))
+    recompute: str = field(default="none", metadata=arg(
+        "activation recomputation: none; selective (each block keeps its attention and every other GEMM's "
+        "output, reruns the rest in the backward); full (each block keeps its input, reruns its forward); "
+        "exact for every recipe", choices=RECOMPUTES, section="parallel", layout=True))
+    recompute_every: int = field(default=1, metadata=arg(
+        "with --recompute: recompute every K-th block (blocks 0, K, 2K, ...)", metavar="K", section="parallel",
+        layout=True))
     compile: bool | None = field(default=None, metadata=arg(
         "torch.compile the model", "on for CUDA, off for CPU", section="parallel", layout=True, converge=True))
     compile_scope: str = field(default="block", metadata=arg(
@@ -399,6 +407,10 @@ class RunConfig:
         if self.compile_scope == "model" and (self.fsdp or self.tp > 1):
             raise UsageError("--compile-scope model needs one process or DDP; FSDP and TP compile each block")
         self._validate_workload()
+        if self.recompute not in RECOMPUTES:
+            raise UsageError(f"unknown --recompute {self.recompute!r}; valid: {', '.join(RECOMPUTES)}")
+        if self.recompute_every < 1:
+            raise UsageError(f"--recompute-every must be >= 1, got {self.recompute_every}")
         if self.lr is not None and self.lr <= 0:
             raise UsageError(f"--lr must be positive, got {self.lr}")
         if self.eval_every < 0 or self.eval_batches < 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import traceback
 from typing import Callable
+import torch
 from rich.markup import escape
 
 from lpbench.config import settings
@@ -65,6 +66,10 @@ def execute(cfg, *, results_dir: str, on_step: Callable[[dict], None] | None = N
     except Exception as exc:
         if isinstance(exc, UsageError) and not record_usage_errors:
             raise
+        if isinstance(exc, torch.OutOfMemoryError):  # before the first step (building, sharding): OOM as in a step
+            result = RunResult(config=cfg, status="oom", error=loop.oom_error(cfg, exc))
+            console.print(f"[red]lpbench: {escape(cfg.precision)} ran out of memory: {escape(result.error)}[/red]")
+            return result
         result = RunResult(config=cfg, status="error", error=f"{type(exc).__name__}: {exc}".splitlines()[0])
         if record_usage_errors:
             traceback.print_exc()

@@ -1,4 +1,4 @@
-"""Dense peak TFLOP/s per GPU and precision class, and GPU detection by device name."""
+"""Dense peak TFLOP/s and memory per GPU and precision class, and GPU detection by device name."""
 
 from __future__ import annotations
 
@@ -11,19 +11,20 @@ class GPUPeaks:
     bf16: float
     fp8: float | None = None
     fp4: float | None = None
+    memory_gb: float | None = None  # what torch reports as the device's total memory, GiB (the peaks' unit)
 
 
 # Dense (no sparsity) peaks in TFLOP/s, from the vendors' datasheets.
 PEAKS: dict[str, GPUPeaks] = {
     p.name: p
     for p in (
-        GPUPeaks("H100 SXM", 989, 1979),
-        GPUPeaks("H100 PCIe", 756, 1513),
-        GPUPeaks("H200", 989, 1979),
-        GPUPeaks("B200", 2250, 4500, 9000),
-        GPUPeaks("GB200", 2500, 5000, 10000),
-        GPUPeaks("GB300", 2500, 5000, 15000),
-        GPUPeaks("A100", 312),
+        GPUPeaks("H100 SXM", 989, 1979, memory_gb=79.2),
+        GPUPeaks("H100 PCIe", 756, 1513, memory_gb=79.2),
+        GPUPeaks("H200", 989, 1979, memory_gb=139.8),
+        GPUPeaks("B200", 2250, 4500, 9000, memory_gb=178.4),
+        GPUPeaks("GB200", 2500, 5000, 10000, memory_gb=184.0),
+        GPUPeaks("GB300", 2500, 5000, 15000, memory_gb=268.0),
+        GPUPeaks("A100", 312, memory_gb=79.2),
     )
 }
 

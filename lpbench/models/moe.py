@@ -42,6 +42,7 @@ from torch import nn
 
 from lpbench.models.registry import ModelConfig
 from lpbench.gemm import linear
+from lpbench.passes import rerunning
 
 ROUTERS = ("mixtral", "qwen3")
 
@@ -276,9 +277,10 @@ class MoE(nn.Module):
             0, flat, torch.ones_like(flat))
         aux = load_balancing_loss(probs, counts if self.count_group is None else _summed(counts, self.count_group))
         zl = z_loss(logits)
-        with torch.no_grad():
-            self.tokens_per_expert.add_(counts.float())
-            self.loss_sums.add_(torch.stack([aux.detach(), zl.detach(), torch.ones_like(zl)]))
+        if not rerunning():  # activation recomputation's rerun: the first pass counted these
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts.float())
+                self.loss_sums.add_(torch.stack([aux.detach(), zl.detach(), torch.ones_like(zl)]))
         if self.ep is None:
             ys = self._experts(x[token], expert, self.n_experts)
         else:

@@ -2,7 +2,8 @@
 
 The layout and every group come from :class:`lpbench.parallel.dims.ParallelDims`. Order
 (torchtitan's): tensor parallel on the ``tp`` mesh, expert parallel (``--ep``, the experts of each
-MoE layer spread over data-parallel ranks, :mod:`lpbench.parallel.ep`), ``torch.compile``, then
+MoE layer spread over data-parallel ranks, :mod:`lpbench.parallel.ep`), activation recomputation
+(``--recompute``, :mod:`lpbench.parallel.recompute`), ``torch.compile``, then
 FSDP2 (``fsdp`` mesh: 1-D, or 2-D for HSDP) or DDP (``dp_replicate`` mesh) over the other weights. A model built on the meta device (no memory) is sharded first, then
 allocated and initialised (:func:`materialize`: after FSDP, else before DDP, which needs the
 values): every rank keeps its shard of the very weights a single process would build from the
@@ -24,6 +25,7 @@ from lpbench.models.moe import Experts, moe_layers
 from lpbench.parallel.dims import Meshes, ParallelDims
 from lpbench.parallel.dp import apply_ddp, apply_fsdp, reduce_dtype
 from lpbench.parallel.ep import apply_ep
+from lpbench.parallel.recompute import apply_recompute
 from lpbench.precision.delayed import DelayedScaling
 from lpbench.convert.quantize import apply_fp8_all_gather
 from lpbench.parallel.tp import apply_tp, interleave
@@ -56,6 +58,7 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
     dims = ParallelDims.of(cfg)
     if cfg.world_size == 1:
         materialize(model, device, cfg.seed)
+        apply_recompute(model, cfg.recompute, cfg.recompute_every)
         if by_block:
             compile_blocks(model, head=True)
         return Parallelized(model, torch.compile(model) if whole else model, dims, None, 0)
@@ -68,6 +71,7 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
         moe.count_group = meshes.group("dp")
     if not dims.fsdp_enabled:
         materialize(model, device, cfg.seed)
+    apply_recompute(model, cfg.recompute, cfg.recompute_every)
     if by_block:
         compile_blocks(model, head=not cfg.fsdp and cfg.tp == 1)
         if cfg.tp > 1:  # torch 2.13: a compiled block fed a DTensor's own local tensor fails in backward

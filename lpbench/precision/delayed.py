@@ -22,12 +22,22 @@ FP8 linear, the weight cache, FSDP's FP8 all-gather) reads and updates through i
 ``amax_history_{role}`` and ``delayed_scale_{role}``, so they follow the module to devices,
 checkpoints and FSDP. The update is one custom op (``kernels/fp8.py``: one Triton kernel on CUDA); the
 fused FP8 linear launches the same kernel itself, which also gives the cast's decode scale.
+
+Activation recomputation (``lpbench/parallel/recompute.py``) reruns a block's forward in its backward. A
+forward cast must then happen once per pass, as without recomputation: in a recomputed block's first pass
+(``lpbench/passes.py``) every forward result of the state (:meth:`DelayedScaling.once`: the scale a cast
+uses, the update's returned scale) is kept in the pass's record, and in its rerun they are taken back in
+order instead of reading the scales (which the first pass updated) or updating them again. So the
+histories advance once per step and the rerun casts with the first pass's scales (same codes, same
+gradients).
 """
 
 from __future__ import annotations
 
+from collections import deque
 import torch
 
+from lpbench import passes
 from lpbench.precision.kernels.fp8 import delayed_update
 from lpbench.precision.quantize import Scaling, delayed_scaled_max
 
@@ -78,12 +88,35 @@ class DelayedScaling:
         """Operand ``role``'s persistent encode scale (the buffer itself: the update changes it in place)."""
         return getattr(self, SCALE + role)
 
+    def once(self, make):
+        """``make()`` (a tensor this module's state gives a forward cast), kept for a rerun; in the rerun of a
+        checkpointed forward, the first pass's result in its place (``make`` not called: see the module doc)."""
+        record, again = passes.current()
+        if record is None:  # (a compiled checkpoint keeps no record: its graph's partitioner saves the result)
+            return make()
+        kept = record.setdefault(self, deque())
+        if again:
+            return kept.popleft()
+        out = make()
+        kept.append(out)
+        return out
+
+    def cast_scale(self, role: str) -> torch.Tensor:
+        """The encode scale a cast of ``role`` uses now: the buffer, or in a checkpointed forward a copy of it,
+        which the rerun takes back (the buffer holds the updated scale by then)."""
+        if passes.current()[0] is None:
+            return self.scale_buffer(role)
+        return self.once(lambda: self.scale_buffer(role).clone())
+
     def scaled_max(self, role: str) -> float:
         return delayed_scaled_max(self.recipe.element_format(role), self.recipe.margin)
 
     def record_amax(self, role: str, amax: torch.Tensor) -> torch.Tensor:
         """Record the amax of a cast of ``role`` and update its scale for the next cast (TE's rule); returns the
-        scale before the update (a new tensor: the encode scale of that cast)."""
+        scale before the update (a new tensor: the encode scale of that cast). Once per pass (:meth:`once`)."""
+        return self.once(lambda: self._update(role, amax))
+
+    def _update(self, role: str, amax: torch.Tensor) -> torch.Tensor:
         return delayed_update(self.amax_history(role), self.scale_buffer(role), amax.float().reshape(()),
                               self.scaled_max(role), self.recipe.amax_compute_algo == "most_recent")
 
@@ -92,4 +125,4 @@ class DelayedScaling:
         ``t``'s amax recorded and the scale updated; None otherwise."""
         if self.recipe.scaling is not Scaling.DELAYED:
             return None
-        return self.record_amax(role, self.reduce_amax(role, t.detach().abs().amax().float()))
+        return self.once(lambda: self._update(role, self.reduce_amax(role, t.detach().abs().amax().float())))

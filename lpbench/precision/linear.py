@@ -202,6 +202,18 @@ def kernel_for(recipe: Recipe, native: bool, stored_weight: bool = False):
     return kernel.fallback if stored_weight and kernel.fallback is not None else kernel
 
 
+def _split(operand) -> tuple[list, callable]:
+    """An operand's tensors (a QTensor, a kernel's tuple of tensors, a tensor or None), for ``save_for_backward``,
+    and the function that makes the operand again from them (it holds no tensor of its own)."""
+    if isinstance(operand, QTensor):
+        block, fmt = operand.block, operand.fmt
+        return [operand.codes, operand.scale, operand.global_scale], lambda t: QTensor(t[0], t[1], block, fmt, t[2])
+    if isinstance(operand, tuple):  # the fused FP8 kernel's (codes, scale), kernels/nvfp4.py's Copy
+        kind = type(operand)
+        return list(operand), (tuple if kind is tuple else lambda t: kind(*t))
+    return [operand], lambda t: t[0]
+
+
 class QuantizedLinearFn(torch.autograd.Function):
     """The one autograd Function of every quantized linear (QuantizedLinear, an MoE expert's ExpertGemms,
     LoRA's frozen base): ``x · weightᵀ + bias`` and its gradients, with the operands and GEMMs of ``kernel``
@@ -226,7 +238,9 @@ class QuantizedLinearFn(torch.autograd.Function):
             y = kernel.mm(mod, xq, wq, x.dtype, bias, mod.recipe.fast_accum_fprop)
             ctx.mod, ctx.kernel, ctx.epilogue, ctx.x_shape, ctx.x_dtype = mod, kernel, epilogue, x.shape, x.dtype
             ctx.w_dtype = None if weight is None else weight.dtype
-            ctx.save_for_backward(x2 if need_dw and not ctx.quantized_wgrad else None, y if epilogue else None)
+            x_wgrad, ctx.x_wgrad_of = _split(ctx.x_wgrad)  # saved as tensors: activation recomputation frees them
+            ctx.x_wgrad = None
+            ctx.save_for_backward(x2 if need_dw and not ctx.quantized_wgrad else None, y if epilogue else None, *x_wgrad)
             if epilogue is not None:
                 y = epilogue.forward(y)
         return y.reshape(*x.shape[:-1], -1)
@@ -238,7 +252,8 @@ class QuantizedLinearFn(torch.autograd.Function):
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1])
-            x2, y = ctx.saved_tensors
+            x2, y, *x_wgrad = ctx.saved_tensors
+            ctx.x_wgrad = ctx.x_wgrad_of(x_wgrad)
             if ctx.epilogue is None:
                 gq, gq_wgrad = kernel.operands(mod, dy2, "grad", "dgrad", need_dx, ctx.quantized_wgrad)
             else:  # dy2 is the gradient of the epilogue's output

@@ -36,6 +36,7 @@ from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError
 from lpbench.train.workload import (build_data, describe_lora, prepare_model, run_flops_per_token,
                                     weight_bytes)
 from lpbench.train.optim import build_optimizer, build_scheduler
+from lpbench.train import memory_plan
 
 
 @dataclass
@@ -163,6 +164,9 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
         f"GBS {cfg.gbs} MBS {cfg.mbs} GA {cfg.grad_accum} "
         f"seq {cfg.seq_len} | peak LR {cfg.peak_lr:g} | {splits.source}")
     log(f"lpbench: {cfg.header()}")
+    predicted = memory_plan.predict(cfg, result.env.get("gpu"), cuda=device.type == "cuda", compiled=use_compile).gb
+    log(f"lpbench: predicted peak memory {predicted:.1f} GB per GPU | recompute {cfg.recompute}"
+        f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}")
     if precision_info.get("why_emulated"):
         log(f"lpbench: {cfg.precision} GEMMs emulated: {precision_info['why_emulated']}")
     if cfg.workload == "lora":
@@ -255,7 +259,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                 log(f"lpbench: {exc}")
                 break
     except torch.OutOfMemoryError as exc:
-        result.status, result.error = "oom", str(exc).splitlines()[0]
+        result.status, result.error = "oom", oom_error(cfg, exc)
+        log(f"lpbench: out of memory: {result.error}")
     finally:
         profile = profiler.close()  # a run that stopped inside the profiled steps still gets its trace
         scalars.close()
@@ -270,6 +275,11 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     if profile:
         result.metrics["profile"] = profile
     result.metrics.update(_max_over_ranks(memory.summary(device), device))
+    result.metrics["predicted_peak_gb"] = predicted
+    measured = result.metrics.get("peak_mem_allocated_gb")
+    if measured is not None and device.type == "cuda":
+        log(f"lpbench: peak memory {measured:.1f} GB per GPU measured, {predicted:.1f} GB predicted "
+            f"({(predicted / measured - 1) * 100:+.0f} %)")
     result.metrics.update(params=n_params, compile=use_compile,
                           compile_scope=cfg.compile_scope if use_compile else "off",  # what ran, not what was asked
                           gpu_peaks=gpu.name if gpu else None,
@@ -279,6 +289,12 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                           grad_reduce_dtype=cfg.grad_reduce_dtype if par.dims.dp_enabled else None,
                           sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel, **workload_metrics)
     return result
+
+
+def oom_error(cfg: RunConfig, exc: BaseException) -> str:
+    """An out-of-memory result's error: torch's first line, the predicted peak and what would fit."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return f"{str(exc).splitlines()[0]} ({memory_plan.oom_hint(cfg, gpu)})"
 
 
 def moe_step_stats(module, device, world_size: int, tp: int, ep: int = 1) -> dict | None:

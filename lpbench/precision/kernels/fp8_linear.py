@@ -88,7 +88,7 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None, amax=Non
     if not kernel:
         amax = mod.reduce_amax(role, t.detach().abs().amax().float())
         return cast(t, amax, mod.record_amax(role, amax), fmt, write_t)
-    scale = mod.scale_buffer(role)
+    scale = mod.cast_scale(role)  # the buffer (a rerun of a checkpointed forward: the first pass's scale)
     if t.element_size() == 2 and torch.compiler.is_compiling():
         # the producer's kernel writes the row-major codes and reduces the amax (inductor fuses these ops into
         # it; emulate_precision_casts keeps its rounding to 16 bits, so the codes are the reference's); wgrad's
@@ -99,13 +99,14 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None, amax=Non
         q, qt, amax = one_pass(scale)
     if mod.tp_shard is not None:
         amax = mod.reduce_amax(role, amax.amax())
-    return q, qt, _record(mod, role, scale, amax, q)
+    return q, qt, _record(mod, role, amax, q)
 
 
-def _record(mod, role: str, scale: torch.Tensor, amax: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Delayed scaling: the decode scale of codes ``q`` cast with ``scale``; ``amax`` recorded, the scale updated."""
-    return fp8_cast.record_amax(mod.amax_history(role), scale, amax, q, mod.scaled_max(role),
-                                mod.recipe.amax_compute_algo)
+def _record(mod, role: str, amax: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Delayed scaling: the decode scale of codes ``q`` cast with the scale buffer as it stands; ``amax`` recorded,
+    the scale updated (once per pass: ``DelayedScaling.once``)."""
+    return mod.once(lambda: fp8_cast.record_amax(mod.amax_history(role), mod.scale_buffer(role), amax, q,
+                                                 mod.scaled_max(role), mod.recipe.amax_compute_algo))
 
 
 def cache_weight(mod) -> None:
@@ -145,7 +146,7 @@ class Fused:
         if mod.recipe.scaling is Scaling.DELAYED:
             scale = mod.scale_buffer("grad")
             q, qt, amax = epilogue.backward_cast(y, grad, scale, fmt, col)
-            dec = _record(mod, "grad", scale, amax, q)
+            dec = _record(mod, "grad", amax, q)
         else:
             g, amax = epilogue.backward_amax(y, grad)
             q, qt, dec = _quantize(mod, "grad", g, col, amax=amax)

@@ -1,0 +1,46 @@
+"""Which forward pass runs now: an ordinary one, or the first pass or rerun of a recomputed block.
+
+Activation recomputation (``lpbench/parallel/recompute.py``) reruns a block's forward in its backward.
+A forward with side effects — delayed scaling's amax histories, MoE's token statistics — must have them
+once, as without recomputation. The recompute wraps a block's first pass in :func:`first` and its rerun in
+:func:`rerun` of the same record (a dict the side effects may keep their first-pass results in, keyed by
+their owner). This sits below models and precision so that both can ask, neither importing the other.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+_record: dict | None = None  # the record of the recomputed forward running now
+_again = False  # whether that forward is the rerun (takes results back) or the first pass (keeps them)
+
+
+@contextmanager
+def _in(record: dict, again: bool):
+    global _record, _again
+    outer = _record, _again
+    _record, _again = record, again
+    try:
+        yield
+    finally:
+        _record, _again = outer
+
+
+def first(record: dict):
+    """A recomputed forward's first pass: side effects happen and may keep their results in ``record``."""
+    return _in(record, False)
+
+
+def rerun(record: dict):
+    """The recomputation of the forward that filled ``record``: its results taken back, no side effect again."""
+    return _in(record, True)
+
+
+def current() -> tuple[dict | None, bool]:
+    """(the record of the recomputed forward running now or None, whether it is the rerun)."""
+    return _record, _again
+
+
+def rerunning() -> bool:
+    """Whether a forward runs now as activation recomputation's rerun (its side effects happened already)."""
+    return _record is not None and _again

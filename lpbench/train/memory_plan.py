@@ -1,0 +1,91 @@
+"""A run's predicted peak memory (``metrics/estimate.py``), whether it fits a GPU, and what would make it fit.
+
+``lpbench memory``, ``lpbench run --dry-run``, every run's header and an out-of-memory result use it.
+"""
+
+from __future__ import annotations
+
+from lpbench.config import RunConfig
+from lpbench.metrics.estimate import Estimate, estimate
+from lpbench.metrics.hardware import detect_gpu
+from lpbench.precision.recipes import get_recipe
+
+
+def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compiled: bool | None = None) -> Estimate:
+    """The predicted peak of one rank of ``cfg`` on ``gpu`` (a GPU without FP4 units, or an unknown one, emulates
+    NVFP4), on CUDA unless ``cuda`` is False; ``compiled`` defaults to what ``train`` does on the device."""
+    peaks = detect_gpu(gpu)
+    return estimate(cfg.model_config(), get_recipe(cfg.precision), seq_len=cfg.seq_len, mbs=cfg.mbs, dp=cfg.dp,
+                    tp=cfg.tp, fsdp=cfg.fsdp, recompute=cfg.recompute, recompute_every=cfg.recompute_every,
+                    grad_accum=cfg.grad_accum, workload=cfg.workload, lora_rank=cfg.lora_rank,
+                    lora_quantized_base=cfg.lora_base_storage == "quantized", fused_loss=cfg.fused_loss,
+                    compiled=(cfg.compile if cfg.compile is not None else cuda) if compiled is None else compiled,
+                    cuda=cuda, nvfp4_bf16_copies=cuda and (peaks is None or peaks.fp4 is None))
+
+
+def capacity_gb(gpu: str | None) -> float | None:
+    """Memory of one GPU named like ``--gpu`` (h100, h200, ...) or like torch names it; None if unknown."""
+    peaks = detect_gpu(gpu)
+    return None if peaks is None else peaks.memory_gb
+
+
+def suggestions(cfg: RunConfig, capacity: float, gpu: str | None = None) -> list[str]:
+    """Changes to ``cfg`` (flags) whose predicted peak fits ``capacity`` GB, cheapest first."""
+    tries = []
+    if cfg.recompute != "selective" and cfg.recompute != "full":
+        tries.append(("--recompute selective", dict(recompute="selective")))
+    if cfg.recompute != "full":
+        tries.append(("--recompute full", dict(recompute="full")))
+    if cfg.recompute_every > 1:
+        tries.append(("--recompute-every 1", dict(recompute_every=1)))
+    if not cfg.fused_loss:
+        tries.append(("--fused-loss", dict(fused_loss=True)))
+    if cfg.dp > 1 and not cfg.fsdp and cfg.workload != "lora":
+        tries.append(("--fsdp", dict(fsdp=True)))
+    if cfg.mbs > 1:
+        tries.append((f"--mbs {cfg.mbs // 2}", dict(mbs=cfg.mbs // 2)))
+    out = []
+    for flags, change in tries:
+        gb = predict(cfg.with_(**change), gpu).gb
+        if gb <= capacity:
+            out.append(f"{flags} ({gb:.1f} GB)")
+    if cfg.workload != "lora" and not out:  # more GPUs, the same batch per GPU, sharded (and recomputing)
+        for world in (2 * cfg.world_size, 4 * cfg.world_size, 8 * cfg.world_size):
+            dp = world // cfg.tp
+            wider = cfg.with_(dp=dp, fsdp=True, gbs=cfg.gbs // cfg.dp * dp)
+            for flags, mode in (("", cfg.recompute), (" --recompute selective", "selective"),
+                                (" --recompute full", "full")):
+                gb = predict(wider.with_(recompute=mode), gpu).gb
+                if gb <= capacity:
+                    return [f"{world} GPUs with --fsdp{flags if mode != cfg.recompute else ''} ({gb:.1f} GB)"]
+    return out
+
+
+def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
+    """The lines ``lpbench memory`` prints for ``cfg`` and whether it fits ``gpu`` (None: memory unknown)."""
+    est = predict(cfg, gpu)
+    lines = [f"{cfg.label} {cfg.precision} {cfg.workload} | seq {cfg.seq_len} MBS {cfg.mbs} GA {cfg.grad_accum} | "
+             f"dp {cfg.dp}{' (fsdp)' if cfg.fsdp else ''} x tp {cfg.tp} | recompute {cfg.recompute}"
+             f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}",
+             f"predicted peak: {est.gb:.1f} GB per GPU"]
+    lines += [f"  {name:<36} {size / 2**30:8.2f} GB" for name, size in est.parts.items() if size]
+    cap = capacity_gb(gpu)
+    if cap is None:
+        return lines, None
+    fits = est.gb <= cap
+    lines.append(f"{'fits' if fits else 'does not fit'} {gpu}'s {cap:.1f} GB")
+    if not fits:
+        found = suggestions(cfg, cap, gpu)
+        lines.append("would fit with: " + ("; ".join(found) if found else "none of lpbench's memory flags alone"))
+    return lines, fits
+
+
+def oom_hint(cfg: RunConfig, gpu: str | None) -> str:
+    """What an out-of-memory result adds to its error: the prediction and, where known, what would fit."""
+    est = predict(cfg, gpu)
+    cap = capacity_gb(gpu)
+    hint = f"predicted peak {est.gb:.1f} GB per GPU"
+    if cap is not None:
+        found = suggestions(cfg, cap, gpu)
+        hint += f" of {cap:.1f} GB" + (f"; would fit with {found[0]}" if found else "")
+    return hint
