@@ -81,11 +81,11 @@ def test_a_delayed_checkpoint_without_scales_is_refused_with_one_line(monkeypatc
     state = ckpt.Checkpointer._state
 
     def without_scales(self, step):  # what an older lpbench saved
-        out = state(self, step)
+        out, rest = state(self, step)
         for part in (out["model"], *(r["buffers"] for r in out["rank"].values())):
             for name in [k for k in part if "delayed_scale_" in k]:
                 del part[name]
-        return out
+        return out, rest
 
     cfg = BASE.with_(precision="fp8-delayed", steps=2)
     with monkeypatch.context() as patch:
@@ -366,7 +366,7 @@ def test_a_full_disk_while_saving_keeps_the_measured_steps(tmp_path, monkeypatch
     real_save = ckpt.dcp.save
 
     def save(state, checkpoint_id, **kw):
-        if state["train"]["step"] == 4:
+        if Path(checkpoint_id).name.startswith(".step-4."):
             Path(checkpoint_id, "__0_0.distcp").write_bytes(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(state, checkpoint_id=checkpoint_id, **kw)
@@ -442,3 +442,107 @@ def test_a_sweep_refuses_checkpoint_settings(key):
 
     with pytest.raises(UsageError, match=f"spec key {key}: checkpoints belong to one run"):
         expand({"name": "s", "model": "tiny", key: 2 if key == "save_every" else "ckpt"})
+
+
+# ----------------------------------------------------------------------------- pickled items (issue 41, class 1)
+class _System:
+    """Unpickling this runs a shell command that creates the file ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+PLANTED = ("train.step", "rank.0.rng.python", "optim.param_groups.0.lr", "rank.0.json")
+
+
+def _plant(src: Path, dst: Path, marker: Path) -> None:
+    """Copy checkpoint ``src`` to ``dst`` with an os.system pickle in every non-tensor item and in each item of
+    ``PLANTED``, the manifest rewritten to match (sizes and SHA-256), as a crafted checkpoint would be."""
+    import hashlib
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items()
+               if isinstance(v, TensorStorageMetadata)}
+    dcp.load(tensors, storage_reader=FileSystemReader(str(src)), no_dist=True)
+    evil = {k: _System(marker) for k in (*PLANTED, *(k for k in saved if k not in tensors))}
+    dst.mkdir(parents=True)
+    dcp.save({**{k: v for k, v in tensors.items() if k not in evil}, **evil}, checkpoint_id=dst, no_dist=True)
+    meta = json.loads((src / META_FILE).read_text())
+    meta["files"] = {p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                     for p in sorted(dst.iterdir()) if p.is_file()}
+    (dst / META_FILE).write_text(json.dumps(meta))
+
+
+@pytest.fixture(scope="module")
+def converge_saved(tmp_path_factory) -> Path:
+    """`lpbench converge` checkpoints of bf16 at step 3 (of 6): DIR/bf16/step-3."""
+    root = tmp_path_factory.mktemp("converge")
+    assert main([*CONVERGE, "--tokens", "192", "--results", str(root / "results"), "--save-every", "3",
+                 "--save-dir", str(root / "saved")]) == 0
+    return root / "saved"
+
+
+CONVERGE = ["converge", "--data", "mock", "--model", "tiny", "--precision", "bf16", "--eval-every", "0",
+            "--seq-len", "32", "--mbs", "2", "--gbs", "2", "--device", "cpu", "--log-interval", "100"]
+
+
+@pytest.mark.parametrize("entry", ["run --load STEP", "run --load DIR", "converge --load DIR"])
+def test_a_payload_in_any_checkpoint_item_never_runs(entry, saved, converge_saved, tmp_path, capsys):
+    """Every entry point that loads refuses, in one line and exit 2, a checkpoint whose non-tensor items
+    (which DCP unpickles) carry code; the code does not run, whatever the manifest says."""
+    marker = tmp_path / "payload-ran"
+    if entry.startswith("converge"):
+        _plant(converge_saved / "bf16" / "step-3", tmp_path / "ckpt" / "bf16" / "step-3", marker)
+        argv = [*CONVERGE, "--tokens", "384", "--load", str(tmp_path / "ckpt")]
+    else:
+        _plant(saved, tmp_path / "ckpt" / "step-2", marker)
+        argv = [*CLI, "--load", str(tmp_path / "ckpt" / "step-2" if entry.endswith("STEP") else tmp_path / "ckpt")]
+    capsys.readouterr()
+    assert main([*argv, "--results", str(tmp_path / "results")]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists(), "the checkpoint's payload ran"
+    assert len(err.strip().splitlines()) == 1 and "pickled item" in err and "Traceback" not in err, err
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_checkpoint_of_the_pickling_format_is_refused_saying_why(saved, tmp_path, capsys):
+    ckpt = tmp_path / "step-2"
+    shutil.copytree(saved, ckpt)
+    meta = json.loads((ckpt / META_FILE).read_text())
+    del meta["format"]  # as lpbench wrote it before: its step, RNG and scheduler state pickled
+    (ckpt / META_FILE).write_text(json.dumps(meta))
+    assert main([*CLI, "--load", str(ckpt), "--results", str(tmp_path / "results")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "pickles the step, RNG and scheduler state" in err, err
+
+
+def test_every_file_of_a_checkpoint_is_hashed_and_checked(saved, tmp_path, capsys):
+    ckpt = tmp_path / "step-2"
+    shutil.copytree(saved, ckpt)
+    shard = next(ckpt.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1  # same size, one bit flipped in a tensor
+    shard.write_bytes(bytes(data))
+    assert main([*CLI, "--load", str(ckpt), "--results", str(tmp_path / "results")]) == 2
+    assert f"corrupt checkpoint ({shard.name} differs from what was saved (SHA-256))" in capsys.readouterr().err
+
+
+def test_an_hf_pytorch_bin_checkpoint_is_never_unpickled(tmp_path, capsys, monkeypatch):
+    """A ``pytorch_model.bin`` beside config.json is refused without being read: it is a pickle."""
+    from lpbench.models.hf import hf_config_dict
+
+    marker = tmp_path / "payload-ran"
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf_config_dict(MODELS["test-ckpt"])))
+    torch.save({"model.embed_tokens.weight": _System(marker)}, folder / "pytorch_model.bin")
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load called"))
+    assert main([*CLI, "--hf-checkpoint", str(folder), "--results", str(tmp_path / "results")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and ".bin checkpoints are not read" in err and not marker.exists(), err

@@ -22,12 +22,17 @@ renames. A run killed mid-save leaves only the temporary folder, which ``--load`
 that fails (a full disk ...) removes its temporary folder and ends the run with the cause named;
 the steps measured so far are kept.
 
-Loading runs no code from the checkpoint. ``lpbench.json`` (JSON) lists every file with its size
-and the SHA-256 of DCP's ``.metadata``; ``--load`` checks them before reading anything else. DCP
-pickles ``.metadata``: it is read by ``_MetadataUnpickler``, which admits only DCP's metadata
-types, torch dtypes/sizes/layouts and paths, and may reference no file outside the manifest. The
-shards are read by DCP with ``torch.load(weights_only=True)``, which builds tensors only. Only
-the metadata is hashed: hashing every shard would cost seconds per GB at each save.
+Loading runs no code from the checkpoint, and nothing in it is pickled but DCP's own ``.metadata``.
+Every item DCP stores is a tensor: the step, the LR scheduler's and the data sampler's state, the
+optimizer's hyperparameters and the python and numpy RNG states go in one JSON document per rank,
+stored as a ``uint8`` tensor (``rank.R.json``); the torch RNG states are tensors already.
+``lpbench.json`` (JSON) lists every file with its size and SHA-256, checked before anything else
+is read. ``.metadata`` is read by ``_MetadataUnpickler``, which admits only DCP's metadata types,
+torch dtypes/sizes/layouts and paths, and may reference no file outside the manifest; a checkpoint
+whose metadata lists any non-tensor ("bytes") item, which DCP would unpickle, is refused before any
+shard is read, and ``_VerifiedReader`` reads tensors only (DCP reads those with
+``torch.load(weights_only=True)``). Checkpoints of the older format, which pickled those items,
+are refused with one line saying so.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lpbench import __version__
@@ -63,6 +69,7 @@ from lpbench.parallel.ep import expert_params
 from lpbench.precision.delayed import SCALE, is_delayed_state
 
 META_FILE = "lpbench.json"
+FORMAT = 2  # 2: every DCP item a tensor, a SHA-256 per file; 1 (no "format" key) pickled the non-tensor state
 STEP_DIR = re.compile(r"step-(\d+)")
 
 
@@ -90,13 +97,23 @@ def read_metadata(ckpt: Path) -> dict:
             raise TypeError("a step record is not an object")
     except FileNotFoundError:
         raise UsageError(f"--load {ckpt}: corrupt checkpoint ({META_FILE} is missing)") from None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise UsageError(f"--load {ckpt}: corrupt checkpoint ({META_FILE} is garbled)") from None
+    if meta.get("format") != FORMAT:
+        raise UsageError(f"--load {ckpt}: saved by lpbench {meta.get('lpbench', '?')} in a checkpoint format that "
+                         "pickles the step, RNG and scheduler state, which could run code on loading; this lpbench "
+                         "loads no pickled data (resume it with the lpbench that saved it)")
     if not (ckpt / ".metadata").is_file():
         raise UsageError(f"--load {ckpt}: corrupt checkpoint (DCP's .metadata is missing)")
     problem = _manifest_problem(ckpt, meta.get("files"))
     if problem:
         raise UsageError(f"--load {ckpt}: corrupt checkpoint ({problem})")
+    try:
+        meta["dcp"] = _VerifiedReader(ckpt, meta["files"]).read_metadata()
+    except _PickledItems as exc:
+        raise UsageError(f"--load {ckpt}: refused: {exc}") from None
+    except Exception as exc:  # a damaged or crafted .metadata: refused by the unpickler, truncated ...
+        raise UsageError(f"--load {ckpt}: corrupt checkpoint ({_cause(exc)})") from None
     return meta
 
 
@@ -109,14 +126,9 @@ def _sha256(path: Path) -> str:
 
 
 def _manifest(folder: Path) -> dict:
-    """Every file of a saved checkpoint folder: its size, and the SHA-256 of DCP's ``.metadata``."""
-    files = {}
-    for path in sorted(folder.iterdir()):
-        if path.is_file() and path.name != META_FILE:
-            files[path.name] = {"bytes": path.stat().st_size}
-            if path.name == ".metadata":
-                files[path.name]["sha256"] = _sha256(path)
-    return files
+    """Every file of a saved checkpoint folder: its size and SHA-256."""
+    return {path.name: {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            for path in sorted(folder.iterdir()) if path.is_file() and path.name != META_FILE}
 
 
 def _manifest_problem(ckpt: Path, files) -> str | None:
@@ -125,13 +137,17 @@ def _manifest_problem(ckpt: Path, files) -> str | None:
         return f"{META_FILE} has no file manifest"
     for name, entry in files.items():
         path = ckpt / str(name)
-        if not isinstance(entry, dict) or os.sep in str(name) or str(name) in (".", ".."):
-            return f"bad manifest entry {name!r}"
+        if not isinstance(entry, dict) or os.sep in str(name) or str(name) in (".", "..") \
+                or not isinstance(entry.get("sha256"), str):
+            return f"bad manifest entry {str(name)[:80]!r}"
+    for name, entry in files.items():  # sizes first: a missing or truncated file is named without hashing
+        path = ckpt / str(name)
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != entry.get("bytes"):
             return f"{name} has {path.stat().st_size} bytes, {entry.get('bytes')} were saved"
-        if "sha256" in entry and _sha256(path) != entry["sha256"]:
+    for name, entry in files.items():
+        if _sha256(ckpt / str(name)) != entry["sha256"]:
             return f"{name} differs from what was saved (SHA-256)"
     return None
 
@@ -159,8 +175,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+class _PickledItems(ValueError):
+    """A checkpoint holds items that DCP would unpickle."""
+
+
 class _VerifiedReader(FileSystemReader):
-    """DCP's file reader with ``.metadata`` read by ``_MetadataUnpickler``, shards only from the manifest."""
+    """DCP's file reader with ``.metadata`` read by ``_MetadataUnpickler``, shards only from the manifest,
+    tensors only: a checkpoint with non-tensor (pickled) items is refused before any of them is read."""
 
     def __init__(self, path: Path, files: dict):
         super().__init__(str(path))
@@ -175,10 +196,21 @@ class _VerifiedReader(FileSystemReader):
         shards = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
         if not shards <= self.files:
             raise pickle.UnpicklingError(f".metadata names files outside the manifest: {sorted(map(str, shards - self.files))}")
+        pickled = sorted(k for k, v in metadata.state_dict_metadata.items()
+                         if not isinstance(v, dcp_metadata.TensorStorageMetadata))
+        if pickled:
+            raise _PickledItems(f"it holds {len(pickled)} pickled item(s) ({', '.join(pickled[:3])}"
+                                f"{' ...' if len(pickled) > 3 else ''}), which could run code; lpbench loads "
+                                "tensors only")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)
         return metadata
+
+    def read_data(self, plan, planner):
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
+            raise _PickledItems("a pickled item was asked for; lpbench loads tensors only")
+        return super().read_data(plan, planner)
 
 
 def _rank() -> tuple[int, int]:
@@ -193,19 +225,33 @@ def _persistent_buffers(module: torch.nn.Module):
                 yield f"{prefix}.{name}" if prefix else name, buffer
 
 
-def _rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+def _json_tensor(value) -> torch.Tensor:
+    """``value`` as JSON in a ``uint8`` tensor: how a checkpoint stores what is not a tensor."""
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
 
 
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+def _from_json_tensor(tensor: torch.Tensor):
+    return json.loads(bytes(tensor.numpy()).decode())
+
+
+def _rng_state(device: torch.device) -> tuple[dict, dict]:
+    """This process's RNG states: (tensors, the JSON-able rest)."""
+    tensors = {"torch": torch.get_rng_state()}
     if device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
+        tensors["cuda"] = torch.cuda.get_rng_state(device)
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    return tensors, {"numpy": [name, keys.tolist(), pos, has_gauss, cached], "python": [version, list(internal), gauss]}
+
+
+def _set_rng_state(tensors: dict, rest: dict, device: torch.device) -> None:
+    torch.set_rng_state(tensors["torch"])
+    name, keys, pos, has_gauss, cached = rest["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = rest["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(tensors["cuda"], device)
 
 
 class Checkpointer:
@@ -227,21 +273,25 @@ class Checkpointer:
             dist.broadcast_object_list(box, src=0)
             self.pid = box[0]
 
-    def _state(self, step: int) -> dict:
-        """What DCP saves, or the template it loads into.
+    def _state(self, step: int) -> tuple[dict, dict]:
+        """What DCP saves, or the template it loads into (tensors only), and the JSON-able rest.
 
         ``rank.<r>`` holds what may differ between ranks (each rank saves and loads its own): RNG
         states, persistent buffers (amax histories record each rank's inputs and gradients; the
-        model's copy of a buffer is deduplicated to one rank's).
+        model's copy of a buffer is deduplicated to one rank's), and ``json``, the rest as JSON:
+        the step, scheduler and sampler state and the optimizer's hyperparameters (the same on
+        every rank) and the python and numpy RNG states.
         """
         model, optim = get_state_dict(self.module, self.optimizer)
         split = self._split_experts()
-        local = {"rng": _rng_state(self.device),
+        rng, rest = _rng_state(self.device)
+        rest.update(step=step, scheduler=self.scheduler.state_dict(), data=self.data.state_dict(),
+                    param_groups=optim.pop("param_groups"))
+        local = {"rng": rng,
                  "buffers": {name: b.detach().clone() for name, b in _persistent_buffers(self.module)},
                  "experts": {name: model.pop(name) for name in split},
                  "experts_optim": {name: optim["state"].pop(name) for name in split if name in optim["state"]}}
-        return {"model": model, "optim": optim, "rank": {str(self.rank): local},
-                "train": {"step": step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict()}}
+        return {"model": model, "optim": optim, "rank": {str(self.rank): local}}, rest
 
     def _split_experts(self) -> list[str]:
         """State-dict names of the expert weights that differ between ranks (expert or tensor parallel)."""
@@ -256,28 +306,38 @@ class Checkpointer:
             return 0, []
         ckpt = find_checkpoint(self.cfg.load)  # checked against the config before the run (bench/runner.py)
         meta = read_metadata(ckpt)
-        state = self._state(0)
-        if any(is_delayed_state(k, SCALE) for k in state["model"]) and not any(  # the file's keys read only then
-                is_delayed_state(k, SCALE) for k in _VerifiedReader(ckpt, meta["files"]).read_metadata().state_dict_metadata):
+        state, template = self._state(0)
+        saved = meta["dcp"].state_dict_metadata
+        if any(is_delayed_state(k, SCALE) for k in state["model"]) and not any(is_delayed_state(k, SCALE) for k in saved):
             raise UsageError(f"--load {ckpt}: no delayed-scaling scales in it (saved before fp8-delayed kept a "
                              "persistent scale per operand); resume it with the lpbench that saved it")
+        local = state["rank"][str(self.rank)]
+        blob = saved.get(f"rank.{self.rank}.json")
+        if blob is None or len(blob.size) != 1 or blob.properties.dtype != torch.uint8:
+            raise UsageError(f"--load {ckpt}: corrupt checkpoint (no training state of rank {self.rank})")
+        local["json"] = torch.empty(blob.size, dtype=torch.uint8)
         try:
             with _single_process_ok():
                 dcp.load(state, storage_reader=_VerifiedReader(ckpt, meta["files"]), no_dist=self.world == 1)
-        except (Exception, CheckpointException) as exc:  # damaged files: unpickling, I/O, missing keys ...
+            rest = _from_json_tensor(local["json"])
+            for group, now in zip(rest["param_groups"], template["param_groups"], strict=True):
+                group.update({k: tuple(group[k]) for k, v in now.items() if isinstance(v, tuple)})  # betas
+            state["optim"]["param_groups"] = rest["param_groups"]
+            state["model"].update(local["experts"])
+            state["optim"]["state"].update(local["experts_optim"])
+            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+            self.scheduler.load_state_dict(rest["scheduler"])
+            self.data.load_state_dict(rest["data"])
+            with torch.no_grad():
+                for name, buffer in _persistent_buffers(self.module):
+                    buffer.copy_(local["buffers"][name])
+            _set_rng_state(local["rng"], rest, self.device)
+            step = int(rest["step"])
+        except UsageError:
+            raise
+        except (Exception, CheckpointException) as exc:  # damaged files: I/O, missing keys, bad JSON ...
             raise UsageError(f"--load {ckpt}: corrupt checkpoint ({_cause(exc)})") from None
-        train, local = state["train"], state["rank"][str(self.rank)]
-        state["model"].update(local["experts"])
-        state["optim"]["state"].update(local["experts_optim"])
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        self.scheduler.load_state_dict(train["scheduler"])
-        self.data.load_state_dict(train["data"])
-        with torch.no_grad():
-            for name, buffer in _persistent_buffers(self.module):
-                buffer.copy_(local["buffers"][name])
-        _set_rng_state(local["rng"], self.device)
-        step = int(train["step"])
         note = f" (saved by a run of {meta['steps']} steps; the LR schedule follows --steps {self.cfg.steps})" \
             if meta.get("steps") != self.cfg.steps else ""
         self.log(f"lpbench: resumed from {ckpt} at step {step}{note}")
@@ -296,11 +356,14 @@ class Checkpointer:
         final, tmp = root / f"step-{step}", root / f".step-{step}.tmp-{self.pid}"
         try:
             tmp.mkdir(parents=True, exist_ok=True)
+            state, rest = self._state(step)
+            state["rank"][str(self.rank)]["json"] = _json_tensor(rest)
             with _single_process_ok():
-                dcp.save(self._state(step), checkpoint_id=tmp, no_dist=self.world == 1)
+                dcp.save(state, checkpoint_id=tmp, no_dist=self.world == 1)
             if self.rank == 0:
                 keys = {k: getattr(self.cfg, k) for k in settings("resume")}
-                meta = {"lpbench": __version__, "step": step, "steps": self.cfg.steps, "world_size": self.world,
+                meta = {"lpbench": __version__, "format": FORMAT, "step": step, "steps": self.cfg.steps,
+                        "world_size": self.world,
                         "config": keys, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": _manifest(tmp),
                         "history": history}
                 with open(tmp / META_FILE, "w") as f:
