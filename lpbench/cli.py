@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import sys
 import uuid
@@ -22,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from lpbench import __version__
-from lpbench.console import Parser, console, csv_list
+from lpbench.console import Parser, console, csv_list, stdout_failed, usable_streams
 from lpbench.errors import Terminated, UsageError, raise_terminated
 from lpbench.paths import check_dir, check_file, write_file
 
@@ -99,6 +98,7 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     if base.tensorboard is not None:  # before any work: the optional package is there, or one line says how
         from lpbench.metrics.tensorboard import require_tensorboard
 
+        check_dir(base.tensorboard, "--tensorboard")
         require_tensorboard()
     if base.wandb is not None:
         from lpbench.metrics.tensorboard import require_wandb
@@ -115,7 +115,7 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
 def cmd_run(args) -> int:
     from lpbench.bench.progress import RunsProgress, next_command, step_costs
     from lpbench.bench.runner import execute, record
-    from lpbench.bench.store import ResultsStore
+    from lpbench.bench.store import open_store
     from lpbench.report.tables import summary_rows, to_json, to_rich
     from lpbench.parallel.env import detect_world, shutdown
     from lpbench.parallel.launch import needs_relaunch, relaunch
@@ -131,7 +131,10 @@ def cmd_run(args) -> int:
     if needs_relaunch(args.nproc_per_node):
         return relaunch(args.nproc_per_node)
     is_main = detect_world().is_main  # only rank 0 writes the database and prints the table
-    store = None  # opened at the first result: a run rejected on the way creates no database
+    # an existing database is opened now, so that its problems are known before training (a database that
+    # cannot be written keeps the runs in pending-runs/); a new one is made at the first result, so that a
+    # run rejected on the way creates none
+    store = open_store(args.results, create=False) if is_main else None
     group = uuid.uuid4().hex[:12]
     statuses = []
     with RunsProgress(console, [(cfg.precision, cfg.steps) for cfg in configs], step_costs(configs),
@@ -141,7 +144,7 @@ def cmd_run(args) -> int:
             result = execute(cfg, results_dir=args.results, on_step=progress.step)
             statuses.append(result.status)
             if is_main:
-                store = store or ResultsStore(args.results)
+                store = store or open_store(args.results)
                 record(store, result, group_id=group)
                 progress.finish(i, result.status)
     shutdown()
@@ -471,6 +474,17 @@ def build_parser(command: str | None = None) -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except OSError as exc:
+        code = stdout_failed(exc)
+        if code is None:
+            raise
+        return code
+
+
+def _main(argv: list[str] | None) -> int:
+    usable_streams()
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)  # the top level takes no valued option
     parser = build_parser(command if command in COMMANDS else "")
@@ -488,9 +502,13 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, raise_terminated) if threading.current_thread() is threading.main_thread() \
         else None
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a broken pipe or a full /dev/full is found here, not at exit
+        return code
     except UsageError as exc:
-        if os.environ.get("RANK", "0") == "0":  # every rank of a launch has the same bad input: say it once
+        from lpbench.parallel.env import is_main_process
+
+        if is_main_process():  # every rank of a launch has the same bad input: say it once
             print(f"lpbench {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except Terminated:

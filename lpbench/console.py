@@ -3,13 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
 from rich.console import Console
 
 # A terminal's width, or $COLUMNS; 200 columns into a file or pipe (no terminal to fit)
-console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else 200)
+console = Console(width=None if (sys.stdout is not None and sys.stdout.isatty())
+                  or os.environ.get("COLUMNS", "").isdigit() else 200)
+
+
+def usable_streams() -> None:
+    """Make printing safe whatever the shell gave: a closed stdout (``>&-``) becomes /dev/null, one line on
+    stderr says so; characters the streams' encoding lacks (``PYTHONIOENCODING=ascii`` and a path
+    with an accent) are escaped, not an error."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the process's stdout until it exits)
+        print("lpbench: stdout is closed; what lpbench prints there is discarded", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+
+
+def stdout_failed(exc: OSError) -> int | None:
+    """For an error writing stdout (a broken pipe, ``/dev/full``, a closed descriptor): one line on stderr,
+    stdout pointed at /dev/null (so nothing fails again at exit), and the exit status (141 for a broken
+    pipe, as a process SIGPIPE ends); None for any other OSError."""
+    if exc.errno not in (errno.EPIPE, errno.ENOSPC, errno.EBADF, errno.EIO) or exc.filename is not None:
+        return None
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+    why = "the reader went away (broken pipe)" if exc.errno == errno.EPIPE else exc.strerror
+    print(f"lpbench: cannot write to stdout: {why}; output cut short", file=sys.stderr)
+    return 141 if exc.errno == errno.EPIPE else 1
 
 
 class Parser(argparse.ArgumentParser):

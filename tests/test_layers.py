@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lpbench"
 # Bottom to top; a module belongs to the longest prefix that names it.
 LAYERS = [
     ["lpbench", "lpbench.errors", "lpbench.console", "lpbench.configs", "lpbench.threads", "lpbench.paths",
-     "lpbench.gemm", "lpbench.passes"],
+     "lpbench.gemm", "lpbench.passes", "lpbench.parsing"],
     ["lpbench.models", "lpbench.data", "lpbench.corpus", "lpbench.precision", "lpbench.metrics"],
     ["lpbench.convert"],
     ["lpbench.config"],

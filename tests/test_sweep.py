@@ -247,3 +247,19 @@ def test_a_run_that_fails_before_training_is_recorded_with_the_machines_gpu(tmp_
     _, (row,) = _rows(tmp_path, "g")
     assert rc == 1 and row["status"] == "error" and "torchao missing" in row["error"]
     assert row["gpu"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_a_resumed_run_is_not_credited_with_its_killed_attempts_steps(tmp_path, monkeypatch):
+    """The steps file of a run is this attempt's: a killed earlier attempt's records (here a loss of 99 at
+    steps 1-3) must not become the curve and final loss of the attempt that resumed it."""
+    _inject(monkeypatch, "seed=1:crash@2")  # this attempt dies at step 2, leaving no row
+    spec = _spec(tmp_path, "again", seed=1)
+    [run] = sw.expand(sw.load_spec(spec)).runs
+    steps_file = tmp_path / "sweeps" / "again" / f"{run.index:03d}-{run.key}.steps.jsonl"
+    steps_file.parent.mkdir(parents=True)
+    steps_file.write_text("".join(json.dumps({"step": s, "loss": 99.0}) + "\n" for s in (1, 2, 3)))
+    assert sw.run_sweep(str(spec), results=str(tmp_path)) == 1
+    store, [row] = _rows(tmp_path, "again")
+    steps = store.steps(row["id"])
+    assert row["status"] == "error" and "SIGKILL" in row["error"]
+    assert [s["step"] for s in steps] == [1] and steps[0]["loss"] != 99.0, steps

@@ -231,7 +231,7 @@ def cmd_converge(args) -> int:
 
     from lpbench.bench.progress import RunsProgress, next_command, step_costs
     from lpbench.bench.runner import execute, record
-    from lpbench.bench.store import ResultsStore
+    from lpbench.bench.store import open_store
     from lpbench.console import console
     from lpbench.report.plots import convergence_curves
     from lpbench.report.tables import precision_name
@@ -250,7 +250,7 @@ def cmd_converge(args) -> int:
                   f"same seed ({first.seed}), same data order", highlight=False)
     for line in data_lines:
         console.print(f"  {escape(line)}", highlight=False)
-    store = ResultsStore(args.results)
+    store = open_store(args.results)
     group = uuid.uuid4().hex[:12]
     outcomes = []
     labels = [cfg.precision if cfg.seed == first.seed else f"{cfg.precision} @ seed {cfg.seed}" for cfg in configs]

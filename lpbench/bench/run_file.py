@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from lpbench.errors import UsageError
+from lpbench.parsing import MAX_DEPTH, check_structure, parse_yaml
 
 IGNORED = ("name", "description")  # a sweep spec's labels: allowed, unused by one run
 LAUNCH_KEYS = ("gpu", "num_gpus", "nproc_per_node")  # flags of `lpbench run` that are not fields (typed by _coerce)
@@ -35,15 +36,11 @@ def load_mapping(path: str) -> dict:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise UsageError(f"--config {path}: not valid TOML: {exc}") from None
+        except RecursionError:
+            raise UsageError(f"--config {path}: nested deeper than {MAX_DEPTH} levels") from None
+        check_structure(data, f"--config {path}: ")
     elif p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        from lpbench.bench.sweep_spec import yaml_loader
-
-        try:
-            data = yaml.load(text, Loader=yaml_loader())
-        except yaml.YAMLError as exc:
-            raise UsageError(f"--config {path}: not valid YAML: {' '.join(str(exc).split())}") from None
+        data = parse_yaml(text, f"--config {path}")
     else:
         raise UsageError(f"--config {path}: expected a .toml, .yaml or .yml file")
     if data is None:

@@ -16,8 +16,13 @@ A finished run is never lost: a write that fails (the database locked by another
 beyond SQLite's busy timeout, a full disk) is retried with backoff, and if it still fails the run
 is kept as JSON in ``pending-runs/`` beside the database (one line on stderr says so). The next
 command that opens the database for writing (``run``, ``sweep``, ``converge``, ``report``)
-imports those files and says so in one line. A database that cannot be written at all (a
-read-only file or folder) is still read by ``report``.
+imports those files and says so in one line; a file there that is not a kept run (malformed JSON,
+a row or steps of the wrong shape) is moved to ``pending-runs/rejected/`` with a one-line warning
+and blocks nothing. A database that cannot be written at all (a read-only file or folder, a path
+SQLite cannot open, locked by another process past ``LOCK_WAIT_S``: each said in one line) is
+still read by ``report``, and ``open_store`` gives the runs of ``run``, ``converge`` and a sweep
+child to ``pending-runs/`` instead (:class:`AsideStore`). A database found locked when opened is
+waited for, at most ``LOCK_WAIT_S``, and one line says so.
 """
 
 from __future__ import annotations
@@ -35,12 +40,15 @@ from pathlib import Path
 
 from lpbench.errors import UsageError
 from lpbench.models.registry import model_label
+from lpbench.parsing import parse_json
 
 SCHEMA_VERSION = 3  # 2: runs.sweep_id + UNIQUE(sweep_id, run_key); 3: run keys over non-default settings
 DB_NAME = "results.db"
 PENDING_DIR = "pending-runs"  # runs that could not be written, imported by the next writer
 BUSY_TIMEOUT_S = 30.0  # SQLite waits this long for another writer's lock ...
 RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)  # ... then lpbench retries after each of these pauses
+LOCK_WAIT_S = 60.0  # a database locked by another process when opened is waited for this long
+SQLITE_MAX_PATH = 512  # SQLite opens no database whose absolute path is longer (SQLITE_MAX_PATHNAME)
 
 # Summary columns copied from a run's metrics (or config) for querying.
 METRIC_COLUMNS = ("path", "step_time_s", "last_step_time_s", "tokens_per_sec_per_gpu", "tflops_per_gpu",
@@ -139,6 +147,43 @@ def run_row(run: RunRecord) -> dict:
 
 
 _TRANSIENT = ("locked", "busy", "disk is full", "disk i/o error")
+_UNWRITABLE = ("readonly", "read-only", "unable to open", "disk i/o error", "disk is full")
+
+
+class StoreUnwritable(UsageError):
+    """The results database cannot be written now (locked past the wait, read-only, a path SQLite cannot open)."""
+
+
+def _locked(exc: Exception) -> bool:
+    return any(t in str(exc).lower() for t in ("locked", "busy"))
+
+
+def kept_run_of(data) -> tuple[dict, list[dict]]:
+    """(row, steps) of a ``pending-runs/`` file's parsed JSON; TypeError or ValueError saying what is wrong with it."""
+    if not isinstance(data, dict) or not isinstance(data.get("row"), dict) or not isinstance(data.get("steps"), list):
+        raise TypeError("not an object with a row object and a steps list")
+    row, steps = data["row"], data["steps"]
+    known = {"id", "run_key", "group_id", "sweep_id", "created_at", "status", "error", "workload", "backend",
+             "num_gpus", "gpu", *CONFIG_COLUMNS, *METRIC_COLUMNS, "config", "env", "metrics"}
+    if set(row) - known:
+        raise ValueError(f"unknown row field(s) {sorted(set(row) - known)[:3]}")
+    for key in ("run_key", "created_at", "status"):
+        if not isinstance(row.get(key), str):
+            raise TypeError(f"row field {key} is not a string")
+    for key in ("config", "env", "metrics"):
+        if not isinstance(row.get(key), dict):
+            raise TypeError(f"row field {key} is not an object")
+    for key in ("group_id", "sweep_id", "error", "gpu", "model", "precision", "path", "workload", "backend"):
+        if not isinstance(row.get(key), (str, type(None))):
+            raise TypeError(f"row field {key} is not a string")
+    for key in ("num_gpus", "seq_len", "mbs", "gbs", *METRIC_COLUMNS):
+        if key != "path" and not isinstance(row.get(key), (int, float, type(None))):
+            raise TypeError(f"row field {key} is not a number")
+    for s in steps:
+        if not isinstance(s, dict) or not isinstance(s.get("step"), int) or isinstance(s.get("step"), bool) or any(
+                not isinstance(s.get(c), (int, float, type(None))) for c in STEP_COLUMNS):
+            raise TypeError("a step is not an object of numbers with an integer step")
+    return _rekeyed(data), steps
 
 
 def _retrying(write):
@@ -163,16 +208,22 @@ class ResultsStore:
         self.kept: list[dict] = []  # rows this process could not write (kept in PENDING_DIR)
         self.read_only = False
         try:
+            if len(os.fsencode(self.path.absolute())) > SQLITE_MAX_PATH:
+                raise sqlite3.OperationalError(f"unable to open database file: its path is longer than SQLite's "
+                                               f"{SQLITE_MAX_PATH} bytes")
             if create:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             self.conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
             self.conn.row_factory = sqlite3.Row
             self.conn.execute("PRAGMA foreign_keys = ON")
-            _retrying(lambda: self.conn.execute("PRAGMA journal_mode = WAL"))
-            version = _retrying(self._set_up)
-        except sqlite3.OperationalError as exc:
-            if create or not any(t in str(exc).lower() for t in ("readonly", "read-only", "unable to open")):
+            version = self._waiting_for_lock(self._set_up)
+        except (sqlite3.OperationalError, OSError, StoreUnwritable) as exc:
+            unwritable = isinstance(exc, (StoreUnwritable, OSError)) or any(t in str(exc).lower() for t in _UNWRITABLE)
+            if not unwritable:
                 raise UsageError(f"{self.path} is not a readable lpbench results database ({exc})") from None
+            if create or not self.path.exists():
+                why = exc if isinstance(exc, StoreUnwritable) else f"{self.path} cannot be written ({exc})"
+                raise StoreUnwritable(str(why)) from None
             version = self._open_read_only()
         except sqlite3.DatabaseError as exc:
             raise UsageError(f"{self.path} is not a readable lpbench results database ({exc})") from None
@@ -191,21 +242,43 @@ class ResultsStore:
             try:
                 self.conn = sqlite3.connect(uri + mode, uri=True, isolation_level=None)
                 self.conn.row_factory = sqlite3.Row
-                return int(self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+                return _schema_version(self.conn)
             except sqlite3.OperationalError as exc:
                 error = exc
-            except (sqlite3.DatabaseError, TypeError) as exc:
+            except sqlite3.DatabaseError as exc:
                 raise UsageError(f"{self.path} is not a readable lpbench results database ({exc})") from None
         raise UsageError(f"{self.path} is not a readable lpbench results database ({error})") from None
 
+    def _waiting_for_lock(self, action):
+        """``action()``; if another process holds the database locked, say so and wait for it at most
+        ``LOCK_WAIT_S`` (StoreUnwritable after that)."""
+        self.conn.execute("PRAGMA busy_timeout = 100")
+        try:
+            return action()
+        except sqlite3.OperationalError as exc:
+            if not _locked(exc):
+                raise
+        print(f"lpbench: {self.path} is locked by another process; waiting for it (at most {LOCK_WAIT_S:g} s)",
+              file=sys.stderr, flush=True)
+        self.conn.execute(f"PRAGMA busy_timeout = {int(LOCK_WAIT_S * 1000)}")
+        try:
+            return action()
+        except sqlite3.OperationalError as exc:
+            if _locked(exc):
+                raise StoreUnwritable(f"{self.path} is locked by another process (waited {LOCK_WAIT_S:g} s)") from None
+            raise
+        finally:
+            self.conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+
     def _set_up(self) -> int:
         """Create or migrate the schema; returns the schema version."""
+        self.conn.execute("PRAGMA journal_mode = WAL")
         with self.transaction():
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     self.conn.execute(stmt)
             self.conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            version = int(self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+            version = _schema_version(self.conn)
             if version == 1:  # written by lpbench before sweeps: add the column, keep every row
                 self.conn.execute("ALTER TABLE runs ADD COLUMN sweep_id TEXT")
             if version in (1, 2):  # run keys hashed every setting: recompute them from each row's config
@@ -226,7 +299,10 @@ class ResultsStore:
         rows = self.conn.execute("SELECT id, sweep_id, run_key, config_json FROM runs ORDER BY id").fetchall()
         taken, updates = set(), []
         for r in rows:
-            key = run_key(json.loads(r["config_json"]))
+            try:
+                key = run_key(json.loads(r["config_json"]))
+            except (ValueError, TypeError, AttributeError, RecursionError):  # a row of the wrong shape keeps its key
+                key = r["run_key"]
             if r["sweep_id"] is not None and (r["sweep_id"], key) in taken:
                 key = r["run_key"]  # differs from an earlier run of its sweep only in what the new key leaves out
             taken.add((r["sweep_id"], key))
@@ -275,49 +351,57 @@ class ResultsStore:
         return run_id
 
     def import_kept(self) -> int:
-        """Insert the runs kept in ``PENDING_DIR`` and delete their files; returns how many were imported."""
+        """Insert the runs kept in ``PENDING_DIR`` and delete their files; returns how many were imported.
+        A file that is not a kept run is set aside (:func:`_set_aside`), one line each."""
         folder = self.path.parent / PENDING_DIR
-        files = sorted(folder.glob("*.json")) if folder.is_dir() else []
-        imported, unreadable = 0, []
-        for path in files:
+        imported = 0
+        for path, kept in _kept_files(folder):
             try:
-                kept = json.loads(path.read_text())
-                row, steps = _rekeyed(kept), kept["steps"]
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                unreadable.append(path.name)
-                continue
-            try:
-                _retrying(lambda: self._insert(row, steps, kept=True))
+                row, steps = kept_run_of(kept)
+                _retrying(lambda row=row, steps=steps: self._insert(row, steps, kept=True))
                 path.unlink()
+            except (ValueError, TypeError, sqlite3.IntegrityError, sqlite3.InterfaceError) as exc:
+                _set_aside(path, str(exc))
+                continue
             except (sqlite3.OperationalError, OSError):
-                return imported  # still not writable: the files stay for the next command
+                break  # still not writable: the files stay for the next command
             imported += 1
         if imported:
             print(f"lpbench: imported {imported} run(s) kept in {folder} when {self.path} could not be written",
                   file=sys.stderr, flush=True)
-        if unreadable:
-            print(f"lpbench: {folder}: not a kept run, left as is: {', '.join(unreadable)}", file=sys.stderr)
         return imported
 
     def kept_run(self, sweep_id: str, run_key: str) -> dict | None:
         """The run of ``run_key`` in sweep ``sweep_id`` kept in ``PENDING_DIR`` (not yet imported), or None."""
-        folder = self.path.parent / PENDING_DIR
-        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        for _, kept in _kept_files(self.path.parent / PENDING_DIR, quiet=True):
             try:
-                row = _rekeyed(json.loads(path.read_text()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                row, _ = kept_run_of(kept)
+            except (TypeError, ValueError):
                 continue
             if row.get("sweep_id") == sweep_id and row.get("run_key") == run_key:
                 return row
         return None
 
     def runs(self, where: str = "1", params: tuple = ()) -> list[dict]:
+        """The rows ``where`` selects; a row whose JSON or numbers are not what lpbench writes is skipped with
+        a one-line warning (a report still shows the others)."""
         rows = self.conn.execute(f"SELECT * FROM runs WHERE {where} ORDER BY id", params).fetchall()
         out = []
         for r in rows:
             d = dict(r)
-            for key in ("config", "env", "metrics"):
-                d[key] = json.loads(d.pop(f"{key}_json"))
+            try:
+                for key in ("config", "env", "metrics"):
+                    d[key] = parse_json(d.pop(f"{key}_json"), f"its {key}_json")
+                    if not isinstance(d[key], dict):
+                        raise UsageError(f"its {key}_json is not an object")
+                bad = [c for c in ("num_gpus", *CONFIG_COLUMNS, *METRIC_COLUMNS) if c not in ("model", "precision", "path")
+                       and not isinstance(d.get(c), (int, float, type(None)))]
+                bad += [c for c in ("run_key", "status", "created_at") if not isinstance(d.get(c), str)]
+                if bad:
+                    raise UsageError(f"its {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} of the wrong type")
+            except UsageError as exc:
+                print(f"lpbench: {self.path}: run {d.get('id')} skipped: {exc}", file=sys.stderr)
+                continue
             out.append(d)
         return out
 
@@ -350,6 +434,51 @@ def _rekeyed(kept: dict) -> dict:
     return {**row, "run_key": run_key(row["config"])}
 
 
+def _schema_version(conn: sqlite3.Connection) -> int:
+    row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    try:
+        return int(row[0])
+    except (TypeError, ValueError):
+        raise sqlite3.DatabaseError(f"schema version {row[0] if row else None!r} is not a number") from None
+
+
+def _kept_files(folder: Path, quiet: bool = False):
+    """(path, parsed JSON) of each file in ``folder``; one that is not JSON is set aside (left as is if ``quiet``)."""
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            yield path, parse_json(path.read_bytes().decode("utf-8"), "")
+        except (OSError, UnicodeDecodeError, UsageError) as exc:
+            if not quiet and path.exists():
+                _set_aside(path, str(exc).strip(": ") or "not JSON")
+
+
+def _set_aside(path: Path, why: str) -> None:
+    """Move a ``pending-runs/`` file that is not a kept run to ``pending-runs/rejected/``, saying so in one line."""
+    dest = path.parent / "rejected" / path.name
+    try:
+        dest.parent.mkdir(exist_ok=True)
+        os.replace(path, dest)
+        where = f"moved to {dest}"
+    except OSError:
+        where = "left as is"
+    print(f"lpbench: {path}: not a kept run ({why.splitlines()[0][:160]}); {where}", file=sys.stderr, flush=True)
+
+
+def open_store(directory: str | Path, create: bool = True) -> ResultsStore | AsideStore | None:
+    """The results database of ``directory`` for writing runs, or, where it cannot be written (locked past
+    the wait, read-only, a path SQLite cannot open), an :class:`AsideStore` keeping them in ``PENDING_DIR``
+    (one line says so). A file that is not a results database is a UsageError. ``create=False``: None
+    where there is no database yet (and one could be made)."""
+    path = Path(directory) / DB_NAME
+    if not create and not path.exists() and len(os.fsencode(path.absolute())) <= SQLITE_MAX_PATH:
+        return None
+    try:
+        return ResultsStore(directory)
+    except StoreUnwritable as exc:
+        print(f"lpbench: {exc}; runs will be kept in {Path(directory) / PENDING_DIR}", file=sys.stderr, flush=True)
+        return AsideStore(directory, str(exc))
+
+
 def keep_run(directory: Path, row: dict, steps: list[dict]) -> Path:
     """Write a run the database could not take to ``directory/PENDING_DIR`` (else the temp folder)."""
     text = strict_json({"schema": SCHEMA_VERSION, "row": row, "steps": _json_safe(steps)})
@@ -376,11 +505,18 @@ class AsideStore:
 
     def __init__(self, directory: str | Path, reason: str):
         self.directory, self.reason = Path(directory), reason
+        self.path = self.directory / DB_NAME
+        self.kept: list[dict] = []
 
     def add_run(self, run: RunRecord) -> None:
-        path = keep_run(self.directory, run_row(run), run.steps)
+        row = run_row(run)
+        path = keep_run(self.directory, row, run.steps)
+        self.kept.append(row)
         print(f"lpbench: {self.reason}; the run is kept in {path} and imported by the next lpbench command on "
               "this results folder", file=sys.stderr, flush=True)
+
+    def runs(self, where: str = "1", params: tuple = ()) -> list[dict]:
+        return []
 
     def close(self) -> None:
         pass

@@ -83,9 +83,10 @@ def read_steps(path: Path) -> list[dict]:
     for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             continue
-        steps[rec["step"]] = rec
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            steps[rec["step"]] = rec
     return [steps[k] for k in sorted(steps)]
 
 
@@ -150,6 +151,7 @@ def execute(run: SweepRun, store, results: Path, sweep_id: str, timeout: float, 
 
         env = launch_env(env)
     rc, timed_out = None, False
+    steps_path.write_bytes(b"")  # this attempt's steps only: a killed earlier attempt's are not this run's
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen(child_command(run, results, sweep_id, steps_path), stdout=out, stderr=err,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)

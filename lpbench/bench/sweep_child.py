@@ -79,16 +79,17 @@ def child_main(argv: list[str] | None = None) -> int:
     _watch_parent()
 
     from lpbench.bench import runner
-    from lpbench.bench.store import AsideStore, ResultsStore
+    from lpbench.bench.store import AsideStore, open_store
     from lpbench.errors import UsageError
     from lpbench.config import RunConfig
+    from lpbench.parallel.env import detect_world
 
     cfg = RunConfig(**json.loads(args.config))
     if cfg.key() != args.run_key:
         print(f"lpbench sweep: run key mismatch ({cfg.key()} != {args.run_key}): different lpbench versions?",
               file=sys.stderr)
         return 2
-    rank = int(os.environ.get("RANK", "0"))
+    rank = detect_world().rank
     steps_file = open(args.steps_file, "a") if args.steps_file and rank == 0 else None
 
     def on_step(rec: dict) -> None:  # the parent reads them if this process dies before its row
@@ -101,8 +102,8 @@ def child_main(argv: list[str] | None = None) -> int:
         result.metrics["diverged_step"] = result.steps[-1]["step"]
     if rank == 0:
         try:
-            store = ResultsStore(args.results)  # retries, and keeps the run aside if a write still fails
-        except UsageError as exc:  # not even openable (locked throughout): the run is kept aside
+            store = open_store(args.results)  # retries, and keeps the run aside if a write still fails
+        except UsageError as exc:  # not even a results database: the run is kept aside
             store = AsideStore(args.results, str(exc))
         env = result.env or {"lpbench": __import__("lpbench").__version__, "host": platform.node(),
                              "gpu": _gpu_name(cfg.device)}  # a failed run is reported with the machine's GPU

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from lpbench.errors import UsageError
+from lpbench.parsing import parse_yaml
 
 DEFAULT_TIMEOUT_S = 3600.0
 RESERVED = ("name", "timeout", "description")
@@ -126,36 +127,15 @@ def _words(key: str, run_fields: dict) -> tuple:
     return run_fields[key].metadata.get("words", ()) if key in run_fields else ()
 
 
-def yaml_loader():
-    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last)."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice",
-                                                            key_node.start_mark)
-                seen.add(key)
-            return super().construct_mapping(node, deep=deep)
-
-    return Loader
-
-
 def load_spec(path: str | Path) -> dict:
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"no sweep spec at {path}")
     try:
-        spec = yaml.load(path.read_text(encoding="utf-8"), Loader=yaml_loader())
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise UsageError(f"{path} is not UTF-8 text (byte {exc.start}); a sweep spec is a YAML file") from None
-    except yaml.YAMLError as exc:
-        raise UsageError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    spec = parse_yaml(text, str(path))
     if not isinstance(spec, dict) or not spec:
         raise UsageError(f"{path}: a sweep spec is a YAML mapping of settings (see README, Sweeps)")
     spec.setdefault("name", path.stem)

@@ -21,6 +21,7 @@ from lpbench.data import indexed, sources
 from lpbench.data.tokenizer import (DEFAULT_EOS, Tokenizer, fingerprint, get_tokenizer,
                                     train_tokenizer)
 from lpbench.errors import UsageError
+from lpbench.parsing import parse_json
 from lpbench.paths import check_file, write_file
 
 METADATA_SUFFIX = ".lpbench.json"
@@ -64,9 +65,9 @@ def read_metadata(prefix: str | os.PathLike) -> dict | None:
     if not os.path.isfile(path):
         return None
     try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as exc:
+        with open(path, "rb") as f:
+            meta = parse_json(f.read(), path)
+    except OSError as exc:
         raise UsageError(f"{path}: not readable JSON ({exc})") from None
     vocab = meta.get("vocab_size") if isinstance(meta, dict) else None
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:

@@ -16,12 +16,12 @@ skipping hidden ones. Empty documents are skipped. Problems raise :class:`UsageE
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from lpbench.errors import UsageError
+from lpbench.parsing import parse_json
 
 TEXT_EXTENSIONS = (".txt", ".text", ".md", ".rst")
 JSONL_EXTENSIONS = (".jsonl", ".ndjson", ".json")
@@ -112,11 +112,12 @@ def jsonl_records(path: PathLike) -> Iterator[tuple[int, object]]:
             if not line.strip():
                 continue
             try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as exc:
+                value = parse_json(line, f"{path}:{lineno}")
+            except UsageError as exc:
                 hint = " (a JSON array? use one object per line)" if lineno == 1 and \
                     line.lstrip().startswith("[") else ""
-                raise UsageError(f"{path}:{lineno}: not a JSON object per line{hint}: {exc.msg}") from None
+                raise UsageError(f"{exc}{hint}") from None
+            yield lineno, value
 
 
 def read_jsonl(path: PathLike, text_key: str = "text") -> Iterator[str]:

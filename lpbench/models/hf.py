@@ -38,6 +38,7 @@ import torch
 from lpbench.errors import UsageError
 from lpbench.models.decoder import Decoder
 from lpbench.models.registry import ModelConfig, get_model_config
+from lpbench.parsing import parse_json
 
 PathLike = str | os.PathLike
 
@@ -62,9 +63,9 @@ def read_hf_config(path: PathLike) -> dict:
     if not f.is_file():
         raise UsageError(f"{f}: no such file (a Hugging Face checkpoint folder holds config.json)")
     try:
-        cfg = json.loads(f.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{f}: not valid JSON: {exc}") from None
+        cfg = parse_json(f.read_bytes(), str(f))
+    except OSError as exc:
+        raise UsageError(f"{f}: cannot read it ({exc.strerror})") from None
     if not isinstance(cfg, dict):
         raise UsageError(f"{f}: not a JSON object")
     return cfg
@@ -313,9 +314,11 @@ def safetensors_files(path: PathLike) -> list[Path]:
     index = d / SAFETENSORS_INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = parse_json(index.read_bytes(), str(index))["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            if not all(isinstance(n, str) and n and "/" not in n for n in names):
+                raise TypeError("shard names must be file names")
+        except (KeyError, TypeError, AttributeError) as exc:
             raise UsageError(f"{index}: not a safetensors index (no weight_map): {exc}") from None
         missing = [n for n in names if not (d / n).is_file()]
         if missing:

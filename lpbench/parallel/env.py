@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lpbench.errors import UsageError
+
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -37,14 +39,41 @@ class World:
 
 
 def detect_world(env: dict | None = None) -> World:
-    """The launch this process belongs to, read from the environment (nothing is initialised)."""
+    """The launch this process belongs to, read from the environment (nothing is initialised); a launch
+    variable that is not a whole number, or a rank outside the world, is a UsageError naming it."""
     env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]), "torchrun")
-    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        return World(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)),
-                     int(env["SLURM_STEP_NUM_TASKS"]), "slurm")
+    for launcher, (rank, local, size) in _LAUNCH_VARS.items():
+        if rank in env and size in env:
+            world = World(_count(env, rank), _count(env, local, 0), _count(env, size), launcher)
+            if world.size < 1 or world.rank >= world.size:
+                raise UsageError(f"{rank}={env[rank]} with {size}={env[size]}: not a rank of the launch "
+                                 f"(set by {launcher}; unset them to run one process)")
+            return world
     return World()
+
+
+_LAUNCH_VARS = {"torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
+                "slurm": ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS")}
+
+
+def _count(env, name: str, default: int | None = None) -> int:
+    """``env[name]`` as a whole number >= 0 (``default`` when unset)."""
+    text = env.get(name)
+    if text is None and default is not None:
+        return default
+    if not (text or "").strip().isdigit() or len(text.strip()) > 9:
+        raise UsageError(f"{name}={text!r} in the environment: not a rank or process count (set by torchrun or "
+                         "srun; unset it to run one process)")
+    return int(text)
+
+
+def is_main_process() -> bool:
+    """Whether this process speaks for the launch (rank 0, or not launched); True when the launch
+    variables are unusable, so that the error naming them is shown."""
+    try:
+        return detect_world().is_main
+    except UsageError:
+        return True
 
 
 def _slurm_rendezvous() -> None:
