@@ -25,6 +25,8 @@ from lpbench.console import Parser, console, csv_list, stdout_failed, usable_str
 from lpbench.errors import Terminated, UsageError, raise_terminated
 from lpbench.paths import check_dir, check_file, write_file
 
+MAX_QUANT_ERROR_ELEMENTS = 1 << 28  # quant-error's sample tensors: about 1 GB each at this size
+
 
 # ----------------------------------------------------------------------------- run
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -298,9 +300,20 @@ def cmd_quant_error(args) -> int:
             raise UsageError(f"unknown distribution {dist!r}; valid: {', '.join(DISTRIBUTIONS)}")
     if len(args.shape) != 2 or min(args.shape) <= 0:
         raise UsageError("--shape takes two positive integers, e.g. --shape 512 1024")
+    if args.shape[0] * args.shape[1] > MAX_QUANT_ERROR_ELEMENTS:
+        raise UsageError(f"--shape {args.shape[0]} {args.shape[1]}: more than {MAX_QUANT_ERROR_ELEMENTS:,} elements "
+                         "(a sample tensor, not a model)")
     try:
         rows = quant_error_table(recipes, args.role or ROLES, args.distribution or DISTRIBUTIONS,
                                  shape=tuple(args.shape), seed=args.seed)
+    except MemoryError:
+        raise UsageError(f"--shape {args.shape[0]} {args.shape[1]}: not enough memory for it; pick a smaller "
+                         "shape") from None
+    except RuntimeError as exc:
+        if "alloc" not in str(exc).lower():
+            raise
+        raise UsageError(f"--shape {args.shape[0]} {args.shape[1]}: not enough memory for it; pick a smaller "
+                         "shape") from None
     except ValueError as exc:  # a block that does not divide --shape (NVFP4 pads; the others do not)
         raise UsageError(f"{exc}; pick a --shape the recipes' blocks divide, or fewer --precision") from None
     return _show(rows, args.json, f"quantization error on {args.shape[0]}x{args.shape[1]} tensors (blocks along "

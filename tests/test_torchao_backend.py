@@ -41,6 +41,7 @@ def test_torchao_refuses_in_one_line_where_it_cannot_run(capability):
 
 
 def test_cli_refuses_torchao_nvfp4_on_cpu_with_exit_2(capsys, tmp_path):
+    pytest.importorskip("torchao")  # without it, the run is refused for that first (the test below)
     from lpbench.cli import main
 
     assert main(["run", "--model", "tiny", "--precision", "nvfp4", "--backend", "torchao", "--steps", "2",
@@ -64,6 +65,25 @@ def test_cli_refuses_torchao_mx_runs_it_cannot_shape(argv, message, capsys, tmp_
     assert len(err) == 1 and message in err[0]
 
 
+def test_torchao_missing_is_refused_before_any_work(monkeypatch, capsys, tmp_path):
+    """Without torchao installed, ``--backend torchao`` is one line and exit 2 before training, not a run
+    recorded as an error (issue 41, class 5)."""
+    import importlib.util
+
+    from lpbench.cli import main
+
+    import lpbench.train.loop as loop
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find(name, *a))
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("training started"))
+    assert main(["run", "--model", "tiny", "--precision", "mxfp8", "--emulate", "--backend", "torchao", "--steps",
+                 "2", "--warmup-steps", "1", "--results", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lpbench run: error: --backend torchao needs torchao: pip install 'lpbench[torchao]'"]
+    assert not (tmp_path / "r").exists()
+
+
 def test_an_older_torchao_is_named(monkeypatch):
     pytest.importorskip("torchao")
     import importlib.util
@@ -74,8 +94,13 @@ def test_an_older_torchao_is_named(monkeypatch):
         apply_recipe(Toy(), "mxfp8", device="cpu", emulate=True, backend="torchao")
 
 
-def test_torchao_mx_runs_take_no_tensor_parallelism():
+def test_torchao_mx_runs_take_no_tensor_parallelism(monkeypatch):
+    import importlib.util
+
     from lpbench.convert.torchao import run_problem
+
+    find = importlib.util.find_spec  # as if torchao were installed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else find(name, *a))
 
     assert run_problem("mxfp8", 4096, 2) == "--backend torchao runs mxfp8 without tensor parallelism (--tp 1)"
     assert run_problem("nvfp4", 4096, 1) is None and run_problem("fp8-rowwise", 96, 2) is None

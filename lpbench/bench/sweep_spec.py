@@ -156,8 +156,8 @@ def expand(spec: dict) -> Sweep:
     timeout = spec_timeout = spec.pop("timeout", DEFAULT_TIMEOUT_S)
     spec.pop("description", None)
     try:
-        timeout = float(timeout)
-    except (TypeError, ValueError):
+        timeout = -1.0 if isinstance(timeout, bool) else float(timeout)  # `timeout: true` is not a number
+    except (TypeError, ValueError, OverflowError):
         timeout = -1.0
     if not (math.isfinite(timeout) and timeout > 0):
         raise UsageError(f"spec key timeout: expected seconds > 0, got {spec_timeout!r}")

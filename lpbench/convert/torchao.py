@@ -46,15 +46,17 @@ NO_NVFP4_EMULATION = ("torchao 0.18's NVFP4Linear has no emulated mode (KernelPr
 
 def run_problem(precision: str, tokens: int, tp: int) -> str | None:
     """What a run of torchao's ``precision`` with ``tokens`` tokens per micro-batch and TP size ``tp`` cannot
-    do (None when it can): its MX linears quantize along the tokens for wgrad and take no TP split here."""
-    if precision not in ("mxfp8", "nvfp4"):
-        return None
-    if tp > 1:
-        return f"--backend torchao runs {precision} without tensor parallelism (--tp 1)"
-    multiple = NVFP4_MULTIPLE if precision == "nvfp4" else 32
-    if tokens % multiple:
-        return (f"--backend torchao {precision} needs MBS x seq len a multiple of {multiple} (its wgrad blocks "
-                f"run along the tokens), got {tokens}")
+    do (None when it can): torchao must be installed, its MX linears quantize along the tokens for wgrad and
+    take no TP split here."""
+    if precision in ("mxfp8", "nvfp4"):
+        if tp > 1:
+            return f"--backend torchao runs {precision} without tensor parallelism (--tp 1)"
+        multiple = NVFP4_MULTIPLE if precision == "nvfp4" else 32
+        if tokens % multiple:
+            return (f"--backend torchao {precision} needs MBS x seq len a multiple of {multiple} (its wgrad blocks "
+                    f"run along the tokens), got {tokens}")
+    if importlib.util.find_spec("torchao") is None:
+        return "--backend torchao needs torchao: pip install 'lpbench[torchao]'"
     return None
 
 

@@ -36,6 +36,7 @@ import random
 import re
 import sys
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -43,6 +44,7 @@ from typing import Callable, Iterator
 from lpbench.console import Ticker
 from lpbench.corpus.roff import strip_roff
 from lpbench.errors import UsageError
+from lpbench.paths import check_dir, check_file, write_file
 
 DEDUP_MIN_WORDS = 6
 MAX_NON_ASCII = 0.10
@@ -69,9 +71,16 @@ def reflow(text: str) -> str:
 
 
 def _read(path: Path) -> str:
-    data = path.read_bytes()
-    if path.suffix == ".gz":
-        data = gzip.decompress(data)
+    """The text of ``path``, gunzipped if it ends in .gz; a file that cannot be read or decompressed (a
+    corrupt .gz) is skipped as empty, one line on stderr saying so: one bad page does not stop a corpus."""
+    try:
+        data = path.read_bytes()
+        if path.suffix == ".gz":
+            data = gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as exc:
+        print(f"lpbench data corpus: {path}: not readable ({' '.join(str(exc).split())[:120]}); skipped",
+              file=sys.stderr)
+        return ""
     return data.decode("utf-8", errors="replace")
 
 
@@ -269,6 +278,9 @@ def assemble(out_dir: str | os.PathLike, sources: list[str] | None = None,
         raise UsageError(f"--min-words must be >= 1, got {min_words}")
     if max_words is not None and max_words < min_words:
         raise UsageError(f"--max-words ({max_words}) must be at least --min-words ({min_words})")
+    check_dir(out_dir, "--out")
+    for name in ("corpus.jsonl", "corpus.stats.json"):
+        check_file(Path(out_dir) / name, "--out")
     dedup = Deduplicator()
     records: list[str] = []
     stats: dict = {"sources": {}, "seed": seed, "min_words": min_words, "dedup_min_words": DEDUP_MIN_WORDS}
@@ -318,14 +330,11 @@ def assemble(out_dir: str | os.PathLike, sources: list[str] | None = None,
         raise UsageError("no documents found in the chosen sources")
     random.Random(seed).shuffle(records)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "corpus.jsonl"
-    with open(f"{path}.tmp", "w", encoding="utf-8") as f:
-        f.writelines(r + "\n" for r in records)
-    os.replace(f"{path}.tmp", path)
+    write_file(path, "".join(r + "\n" for r in records))
     stats.update(documents=len(records), words=total_words, bytes=sum(s["bytes"] for s in stats["sources"].values()),
                  paragraphs_dropped_as_duplicates=dedup.dropped, output=str(path))
-    (out / "corpus.stats.json").write_text(json.dumps(stats, indent=1))
+    write_file(out / "corpus.stats.json", json.dumps(stats, indent=1))
     return stats
 
 

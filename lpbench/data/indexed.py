@@ -163,6 +163,10 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(idx, "<i8", n_doc, 34 + 12 * n_seq)
         if n_doc == 0 or self.document_indices[0] != 0 or self.document_indices[-1] != n_seq:
             raise UsageError(f"{ipath}: document index does not span the {n_seq} sequences")
+        if n_seq and (int(self.sequence_lengths.min()) < 0 or int(self.sequence_pointers.min()) < 0):
+            raise UsageError(f"{ipath}: a negative sequence length or pointer: not a Megatron index")
+        if n_doc > 1 and bool((np.diff(self.document_indices) < 0).any()):
+            raise UsageError(f"{ipath}: document index is not in order: not a Megatron index")
         nbytes = os.path.getsize(bin_path(self.prefix))
         end = (int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1])
                * self.dtype.itemsize) if n_seq else 0

@@ -159,6 +159,9 @@ def _build_indexed(prefix, tokenizer, seq_len, seed, vocab_size, val_fraction, v
                          f"({meta.get('tokenizer')})")
     elif meta:
         vocab, eos_id = int(meta["vocab_size"]), meta.get("eos_id")
+        if len(tokens) and int(tokens.max()) >= vocab:
+            raise UsageError(f"{prefix}{METADATA_SUFFIX}: vocabulary of {vocab}, but the data holds token id "
+                             f"{int(tokens.max())}: the note does not belong to this data")
         notes.append(f"tokenizer (from {prefix}{METADATA_SUFFIX}): {meta.get('tokenizer')}")
     else:
         vocab = int(tokens.max()) + 1 if len(tokens) else 1

@@ -25,6 +25,7 @@ from lpbench.parsing import parse_json
 from lpbench.paths import check_file, write_file
 
 METADATA_SUFFIX = ".lpbench.json"
+MAX_VOCAB = 1 << 24  # no tokenizer has more token ids; a note saying so is not lpbench's
 
 
 def tokenize_documents(docs: Iterable[str], tokenizer: Tokenizer,
@@ -70,8 +71,9 @@ def read_metadata(prefix: str | os.PathLike) -> dict | None:
     except OSError as exc:
         raise UsageError(f"{path}: not readable JSON ({exc})") from None
     vocab = meta.get("vocab_size") if isinstance(meta, dict) else None
-    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
-        raise UsageError(f"{path}: not lpbench's dataset note (vocab_size must be a positive integer, got {vocab!r})")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or not 1 <= vocab <= MAX_VOCAB:
+        raise UsageError(f"{path}: not lpbench's dataset note (vocab_size must be an integer from 1 to "
+                         f"{MAX_VOCAB:,}, got {vocab!r})")
     return meta
 
 

@@ -121,6 +121,8 @@ def train_tokenizer(docs: Iterable[str], vocab_size: int, eos_token: str = DEFAU
     The vocabulary holds the 256 byte symbols, ``eos_token`` and up to ``vocab_size - 257``
     merges; a small corpus may yield fewer (``vocab_size`` of the result is the real size).
     """
+    if vocab_size > 1 << 24:  # the BPE trainer takes a 32-bit size; no tokenizer is larger
+        raise UsageError(f"--vocab-size must be <= {1 << 24:,}, got {vocab_size}")
     if vocab_size < 258:
         raise UsageError(f"--vocab-size must be >= 258 (256 bytes + EOS + merges), "
                          f"got {vocab_size}")

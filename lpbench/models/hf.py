@@ -72,6 +72,12 @@ def read_hf_config(path: PathLike) -> dict:
 
 
 _MISSING = object()
+# Bounds far above any published model's: a config beyond them is a mistake or an attack, not a model to build.
+MAX_DIM = 1 << 17  # hidden_size, intermediate_size, head_dim, moe_intermediate_size ...
+MAX_DIMS = {"num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+            "vocab_size": 1 << 24, "num_experts": 4096, "num_local_experts": 4096, "num_experts_per_tok": 4096,
+            "max_position_embeddings": 1 << 24}
+MAX_PARAMS = 10**13
 
 
 def _field(hf: dict, key: str, kind: type, where: str, default=_MISSING):
@@ -144,8 +150,8 @@ def config_from_hf(path_or_config: PathLike | dict, name: str | None = None) -> 
 
     def need(key, default=_MISSING):
         v = _field(hf, key, int, where, default)
-        if v is not None and v < 1:
-            raise UsageError(f"{where}: {key} must be a positive integer, got {v!r}")
+        if v is not None and not 1 <= v <= MAX_DIMS.get(key, MAX_DIM):
+            raise UsageError(f"{where}: {key} must be an integer from 1 to {MAX_DIMS.get(key, MAX_DIM):,}, got {v!r}")
         return v
 
     dim, ffn, layers = need("hidden_size"), need("intermediate_size"), need("num_hidden_layers")
@@ -182,6 +188,11 @@ def config_from_hf(path_or_config: PathLike | dict, name: str | None = None) -> 
         types = set(_field(hf, "layer_types", list, where, None) or ["full_attention"])
         if types != {"full_attention"}:
             raise UsageError(f"{where}: layer_types {sorted(types)} are not supported (full attention only)")
+    hd = head_dim or dim // heads
+    params = 2 * vocab * dim + layers * (dim * hd * (2 * heads + 2 * kv) + 3 * dim * ffn * moe.get("n_experts", 1))
+    if params > MAX_PARAMS:
+        raise UsageError(f"{where}: {params:.2e} parameters, more than lpbench builds ({MAX_PARAMS:.0e}): "
+                         "check hidden_size, intermediate_size, num_hidden_layers and vocab_size")
     theta, scaling = _rope(hf, family, where)
     return ModelConfig(
         name or f"hf:{Path(str(path_or_config)).name if not isinstance(path_or_config, dict) else family}",
@@ -367,6 +378,9 @@ def load_hf_weights(model: Decoder, path: PathLike) -> Decoder:
                     lp, lo, hi = wmap[key]
                     dst = _param_view(params, lp) if lo is None else _param_view(params, lp)[lo:hi]
                     t = fh.get_tensor(key)
+                    if not t.dtype.is_floating_point:
+                        raise UsageError(f"{f.name}: tensor {key} holds {str(t.dtype).replace('torch.', '')}, "
+                                         "not floating-point weights")
                     if tuple(t.shape) != tuple(dst.shape):
                         raise UsageError(f"{f.name}: tensor {key} has shape {tuple(t.shape)}, expected "
                                          f"{tuple(dst.shape)} from config.json")
