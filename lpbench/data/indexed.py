@@ -64,7 +64,9 @@ class IndexedDatasetWriter:
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
             raise UsageError(f"dtype {self.dtype} has no Megatron dtype code")
-        Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(self.prefix).absolute().parent
+        self._made = [p for p in (folder, *folder.parents) if not p.exists()]  # removed again by abort()
+        folder.mkdir(parents=True, exist_ok=True)
         self._tmp = f".tmp{os.getpid()}"  # per process: ranks may build one cache at once
         self._bin = open(bin_path(self.prefix) + self._tmp, "wb")
         self.sequence_lengths: list[int] = []
@@ -121,6 +123,11 @@ class IndexedDatasetWriter:
         for p in (bin_path(self.prefix) + self._tmp, idx_path(self.prefix) + self._tmp):
             if os.path.exists(p):
                 os.remove(p)
+        for folder in self._made:  # deepest first; a folder something else wrote into stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
     def __enter__(self) -> "IndexedDatasetWriter":
         return self
