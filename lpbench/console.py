@@ -42,10 +42,18 @@ def stdout_failed(exc: OSError) -> int | None:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (exit 2) instead of usage dumps."""
+    """argparse with one-line errors (exit 2) instead of usage dumps, and no empty values: ``--results ''``
+    would otherwise mean the current folder, ``--sources ''`` every source, ``--plot ''`` no plot."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def _get_value(self, action, arg_string):
+        if isinstance(arg_string, str) and not arg_string.strip() and action.nargs not in (argparse.PARSER,
+                                                                                          argparse.REMAINDER):
+            name = "/".join(action.option_strings) or action.dest
+            raise argparse.ArgumentError(None, f"argument {name}: an empty value")
+        return super()._get_value(action, arg_string)
 
 
 def csv_list(value: str) -> list[str]:

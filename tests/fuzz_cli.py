@@ -18,6 +18,7 @@ import contextlib
 import io
 import os
 import random
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -56,8 +57,9 @@ FILE_OUTPUTS = ("output", "html", "plot")
 FREE = {"job-name", "time", "partition", "account", "container", "container-mounts", "group", "name",
         "eos-token", "text-key", "help", "version", "gpu", "precision", "role", "distribution"}
 # (command, flag): values that are valid there although hostile in general.
-ALLOWED = {("flops", "--tokens", "1e3"), ("converge", "--tokens", "1e3"), ("report", "--html", "{d}/loop"),
-           ("report", "--html", "{d}/dangling")}
+ALLOWED = {("flops", "--tokens", "1e3"), ("converge", "--tokens", "1e3"),
+           ("data prepare", "--output-prefix", "{d}/loop"),  # writes loop.bin, loop.idx: not the symlink
+           ("data prepare", "--output-prefix", "{d}/dangling")}
 
 
 @dataclass
@@ -139,8 +141,19 @@ def _snapshot(folder: Path) -> dict:
             for p in folder.rglob("*")}
 
 
-class _TrainingStarted(Exception):
+class _TrainingStarted(BaseException):  # not an Exception: a run's error handling must not turn it into a row
     pass
+
+
+class _TooSlow(Exception):
+    pass
+
+
+CASE_LIMIT_S = 20  # a refusal comes before any work: a case still running after this is a failure
+
+
+def _too_slow(signum, frame):
+    raise _TooSlow
 
 
 def run_case(case: Case) -> str | None:
@@ -148,10 +161,10 @@ def run_case(case: Case) -> str | None:
     import lpbench.train.loop as loop
     from lpbench.cli import main
 
-    def no_training(*args, **kw):
+    def no_training(*args, **kw):  # the first step would follow: device, data and model were accepted
         raise _TrainingStarted
 
-    real_train, loop.train = loop.train, no_training
+    real_resume, loop.Checkpointer.resume = loop.Checkpointer.resume, no_training
     cwd = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="lpbench-fuzz-") as tmp:
         folder = Path(tmp)
@@ -159,6 +172,8 @@ def run_case(case: Case) -> str | None:
         before = _snapshot(folder)
         out, err = io.StringIO(), io.StringIO()
         os.chdir(folder)
+        previous = signal.signal(signal.SIGALRM, _too_slow)
+        signal.alarm(CASE_LIMIT_S)
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 try:
@@ -167,11 +182,15 @@ def run_case(case: Case) -> str | None:
                     code = exc.code
         except _TrainingStarted:
             return "accepted: training started"
+        except _TooSlow:
+            return f"still running after {CASE_LIMIT_S} s"
         except Exception as exc:  # noqa: BLE001 (what the fuzzer looks for)
             return f"traceback: {type(exc).__name__}: {exc}"[:300]
         finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
             os.chdir(cwd)
-            loop.train = real_train
+            loop.Checkpointer.resume = real_resume
         lines = err.getvalue().strip().splitlines()
         if code != 2:
             return f"exit {code}: {' | '.join(lines)[:200]}"
@@ -190,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     all_cases = cases()
     chosen = random.Random(args.seed).sample(all_cases, args.limit) if args.limit else all_cases
-    failures = [(c, why) for c in chosen if (why := run_case(c))]
-    for case, why in failures:
-        print(f"FAIL {case}: {why}")
+    failures = []
+    for case in chosen:
+        if why := run_case(case):
+            failures.append((case, why))
+            print(f"FAIL {case}: {why}", flush=True)
     print(f"{len(chosen) - len(failures)} of {len(chosen)} hostile command lines refused in one line "
           f"({len(all_cases)} generated)")
     return 1 if failures else 0

@@ -117,7 +117,7 @@ def places(tmp_path):
     (["run", *TINY, "--results", "{tmp}/loop"], "symlink that leads nowhere"),
     (["run", *TINY, "--results", "{tmp}/loop/results"], "symlink that leads nowhere"),
     (["run", *TINY, "--results", "{tmp}/dangling"], "symlink that leads nowhere"),
-    (["run", *TINY, "--results", ""], "--results '': an empty path"),
+    (["run", *TINY, "--results", ""], "argument --results: an empty value"),
     (["run", *TINY, "--results", "{tmp}/r", "--tensorboard", "/proc/x"], "--tensorboard /proc/x: nothing can be"),
     (["run", *TINY, "--results", "{tmp}/r", "--save-every", "1", "--save-dir", "/proc/ckpt"], "--save-dir /proc/ckpt"),
     (["data", "prepare", "--input", "{tmp}/text.txt", "--output-prefix", "/proc/data"],

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from lpbench.console import Ticker
+from lpbench.console import Parser, Ticker
 from lpbench.data import indexed, sources
 from lpbench.data.tokenizer import (DEFAULT_EOS, Tokenizer, fingerprint, get_tokenizer,
                                     train_tokenizer)
@@ -119,7 +119,7 @@ def build_tokenizer(input: str | os.PathLike, vocab_size: int, output: str | os.
 
 # --------------------------------------------------------------------------------------- CLI
 
-class _UsageParser(argparse.ArgumentParser):
+class _UsageParser(Parser):
     """Argument errors become UsageError (the CLI prints one line and exits 2)."""
 
     def error(self, message):
