@@ -158,8 +158,8 @@ def _too_slow(signum, frame):
 
 def run_case(case: Case) -> str | None:
     """None if ``case`` was refused as promised, else what went wrong."""
-    import lpbench.train.loop as loop
     from lpbench.cli import main
+    from lpbench.train import loop
 
     def no_training(*args, **kw):  # the first step would follow: device, data and model were accepted
         raise _TrainingStarted

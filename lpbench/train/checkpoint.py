@@ -136,7 +136,6 @@ def _manifest_problem(ckpt: Path, files) -> str | None:
     if not isinstance(files, dict) or not isinstance(files.get(".metadata"), dict):
         return f"{META_FILE} has no file manifest"
     for name, entry in files.items():
-        path = ckpt / str(name)
         if not isinstance(entry, dict) or os.sep in str(name) or str(name) in (".", "..") \
                 or not isinstance(entry.get("sha256"), str):
             return f"bad manifest entry {str(name)[:80]!r}"
