@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lpbench.bench.store import ResultsStore, RunRecord
+from lpbench.bench.store import SCHEMA_VERSION, ResultsStore, RunRecord
 from lpbench.cli import main
 from lpbench.train import loop
 
@@ -67,7 +67,8 @@ BAD_PENDING = {
 def test_a_bad_pending_file_is_set_aside_and_never_loses_a_run(tmp_path, capsys):
     store = ResultsStore(tmp_path)
     _add(store, "before")
-    good = {"row": dict(store.runs()[0], id=None, run_key="kept"), "steps": [{"step": 1, "loss": 2.0}]}
+    good = {"schema": SCHEMA_VERSION, "row": dict(store.runs()[0], id=None, run_key="kept"),
+            "steps": [{"step": 1, "loss": 2.0}]}
     store.close()
     folder = tmp_path / "pending-runs"
     folder.mkdir()
