@@ -68,7 +68,9 @@ def sized_to_data(cfg, explicit: dict):
     model_vocab = get_model_config(cfg.model).vocab_size
     if found is None or found[0] == model_vocab:
         return cfg
-    if os.environ.get("RANK", "0") == "0":
+    from lpbench.parallel.env import is_main_process
+
+    if is_main_process():  # a stale RANK in the shell is not a launch
         print(f"lpbench: model {cfg.model}'s vocabulary of {model_vocab} resized to the data's {found[0]} "
               f"(from {found[1]})", file=sys.stderr)
     return cfg.with_(vocab_size=found[0])

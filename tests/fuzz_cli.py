@@ -51,8 +51,8 @@ PATH_VALUES = ["", "/proc/lpbench-fuzz", "/sys/lpbench-fuzz/x", "{d}/loop", "{d}
 OUTPUT_FILE_VALUES = ["{d}/db/results.db", "{d}/ckpt/lpbench.json"]
 NAME_VALUES = ["bogus-name", "", "../../etc/passwd", "[red]x[/red]"]
 PATH_FLAGS = ("results", "output", "out", "output-prefix", "html", "plot", "plots", "save-dir", "tensorboard",
-              "load", "input", "config", "data", "hf-checkpoint", "root", "tokenizer")
-FILE_OUTPUTS = ("output", "html", "plot")
+              "wandb", "load", "input", "config", "data", "hf-checkpoint", "root", "tokenizer", "json")
+FILE_OUTPUTS = ("output", "html", "plot", "json")
 # Flags whose values are free text (any string is a valid label) or that need another flag to matter.
 FREE = {"job-name", "time", "partition", "account", "container", "container-mounts", "group", "name",
         "eos-token", "text-key", "help", "version", "gpu", "precision", "role", "distribution"}

@@ -103,8 +103,18 @@ def data_vocab(spec: str) -> tuple[int, str] | None:
     if spec in MOCK_KINDS:
         return None
     prefix = spec[:-4] if spec.endswith((".bin", ".idx")) else spec
-    meta = read_metadata(prefix) if indexed.exists(prefix) else None
+    meta = _note(prefix, indexed.IndexedDataset(prefix).tokens()) if indexed.exists(prefix) else None
     return (int(meta["vocab_size"]), prefix + METADATA_SUFFIX) if meta else None
+
+
+def _note(prefix, tokens) -> dict | None:
+    """The ``PREFIX.lpbench.json`` note of a dataset whose token ids are ``tokens`` (None without one);
+    UsageError when its vocabulary does not hold them."""
+    meta = read_metadata(prefix)
+    if meta and len(tokens) and int(tokens.max()) >= int(meta["vocab_size"]):
+        raise UsageError(f"{prefix}{METADATA_SUFFIX}: vocabulary of {meta['vocab_size']}, but the data holds token "
+                         f"id {int(tokens.max())}: the note does not belong to this data")
+    return meta
 
 
 def _build_mock(tokenizer, seq_len, seed, vocab_size, val_sequences, eos_token, kind) -> DataSplits:
@@ -148,10 +158,10 @@ def _splits(tokens, doc_starts, seq_len, seed, vocab, eos_id, source, tok, n_doc
 def _build_indexed(prefix, tokenizer, seq_len, seed, vocab_size, val_fraction, val_sequences,
                    eos_token, source=None, notes=None) -> DataSplits:
     ds = indexed.IndexedDataset(prefix)
-    meta = read_metadata(prefix) or {}
+    tokens = ds.tokens()
+    meta = _note(prefix, tokens) or {}
     notes = list(notes or [])
     tok = get_tokenizer(tokenizer, eos_token) if tokenizer is not None else None
-    tokens = ds.tokens()
     if tok is not None:
         vocab, eos_id = tok.vocab_size, tok.eos_id
         if meta.get("tokenizer_fingerprint") not in (None, fingerprint(tok)):
@@ -159,9 +169,6 @@ def _build_indexed(prefix, tokenizer, seq_len, seed, vocab_size, val_fraction, v
                          f"({meta.get('tokenizer')})")
     elif meta:
         vocab, eos_id = int(meta["vocab_size"]), meta.get("eos_id")
-        if len(tokens) and int(tokens.max()) >= vocab:
-            raise UsageError(f"{prefix}{METADATA_SUFFIX}: vocabulary of {vocab}, but the data holds token id "
-                             f"{int(tokens.max())}: the note does not belong to this data")
         notes.append(f"tokenizer (from {prefix}{METADATA_SUFFIX}): {meta.get('tokenizer')}")
     else:
         vocab = int(tokens.max()) + 1 if len(tokens) else 1

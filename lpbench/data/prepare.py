@@ -18,7 +18,7 @@ import numpy as np
 
 from lpbench.console import Parser, Ticker
 from lpbench.data import indexed, sources
-from lpbench.data.tokenizer import (DEFAULT_EOS, Tokenizer, fingerprint, get_tokenizer,
+from lpbench.data.tokenizer import (DEFAULT_EOS, Tokenizer, check_vocab_size, fingerprint, get_tokenizer,
                                     train_tokenizer)
 from lpbench.errors import UsageError
 from lpbench.parsing import parse_json
@@ -103,6 +103,7 @@ def build_tokenizer(input: str | os.PathLike, vocab_size: int, output: str | os.
     """Train a byte-level BPE on the documents under ``input`` and save it as ``output``."""
     sources.list_files(input)  # fail fast on a bad path
     check_file(output, "--output")
+    check_vocab_size(vocab_size)
     docs = sources.iter_documents(input, text_key=text_key, text_unit=text_unit)
     tick = Ticker("lpbench data tokenizer: reading")
 

@@ -113,6 +113,14 @@ def load_tokenizer(path: str | os.PathLike, eos_token: str | None = None) -> HFT
     return HFTokenizer(tok, eos_token, source=str(p))
 
 
+def check_vocab_size(vocab_size: int) -> None:
+    """UsageError unless a byte-level BPE of ``vocab_size`` tokens can be trained."""
+    if vocab_size > 1 << 24:  # the BPE trainer takes a 32-bit size; no tokenizer is larger
+        raise UsageError(f"--vocab-size must be <= {1 << 24:,}, got {vocab_size}")
+    if vocab_size < 258:
+        raise UsageError(f"--vocab-size must be >= 258 (256 bytes + EOS + merges), got {vocab_size}")
+
+
 def train_tokenizer(docs: Iterable[str], vocab_size: int, eos_token: str = DEFAULT_EOS,
                     min_frequency: int = 2, output: str | os.PathLike | None = None
                     ) -> HFTokenizer:
@@ -121,11 +129,7 @@ def train_tokenizer(docs: Iterable[str], vocab_size: int, eos_token: str = DEFAU
     The vocabulary holds the 256 byte symbols, ``eos_token`` and up to ``vocab_size - 257``
     merges; a small corpus may yield fewer (``vocab_size`` of the result is the real size).
     """
-    if vocab_size > 1 << 24:  # the BPE trainer takes a 32-bit size; no tokenizer is larger
-        raise UsageError(f"--vocab-size must be <= {1 << 24:,}, got {vocab_size}")
-    if vocab_size < 258:
-        raise UsageError(f"--vocab-size must be >= 258 (256 bytes + EOS + merges), "
-                         f"got {vocab_size}")
+    check_vocab_size(vocab_size)
     tk = _tokenizers()
     tok = tk.Tokenizer(tk.models.BPE())
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
