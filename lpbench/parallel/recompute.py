@@ -25,6 +25,7 @@ eagerly, exact as above, and uncompiled.
 from __future__ import annotations
 
 import contextlib
+import functools
 from functools import partial
 
 import torch
@@ -37,21 +38,24 @@ from lpbench.models.moe import MoE
 
 
 
-def _ops(*names: str) -> set:
-    """The ``torch.ops`` overloads ``names`` ("namespace.op.overload") that this torch has."""
+@functools.cache
+def _ops(*names: str) -> frozenset:
+    """The ``torch.ops`` overloads ``names`` ("namespace.op.overload") that this torch has. Resolved at the
+    first checkpointed forward, once the converted model's kernel modules have registered their ops."""
     found = set()
     for name in names:
         namespace, op, overload = name.split(".")
         packet = getattr(getattr(torch.ops, namespace), op, None) if hasattr(torch.ops, namespace) else None
         if packet is not None and hasattr(packet, overload):
             found.add(getattr(packet, overload))
-    return found
+    return frozenset(found)
 
 
-# never rerun: the update of delayed scaling's state (a rerun would advance its history twice)
-MUST_SAVE = _ops("lpbench.delayed_update.default")
+# never rerun: the updates of delayed scaling's state (a rerun would advance its history twice): the
+# reference update and the fused FP8 linear's record-and-update kernel
+MUST_SAVE = ("lpbench.delayed_update.default", "lpbench.fp8_record_amax.default")
 # kept by selective recomputation: GEMMs, attention, collectives, the amax reductions of quantized casts
-SELECTIVE_SAVE = _ops(
+SELECTIVE_SAVE = (
     "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._scaled_mm.default",
     "aten._grouped_mm.default", "aten._scaled_grouped_mm.default", "lpbench.blockwise_mm.default",
     "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default",
@@ -61,16 +65,14 @@ SELECTIVE_SAVE = _ops(
 )
 # compiled only: eager, a rerun skips delayed scaling's amaxes (``DelayedScaling.once``), and the eager policy
 # hands back saved outputs per op in call order, so no op that a rerun may skip can be kept
-COMPILED_SAVE = _ops("aten.amax.default", "aten.max.default")
-
-
-MM = _ops("aten.mm.default", "aten._scaled_mm.default")
+COMPILED_SAVE = ("aten.amax.default", "aten.max.default")
+MM = ("aten.mm.default", "aten._scaled_mm.default")
 
 
 def _policy(saved: frozenset, counts: dict, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Save ``saved`` ops' outputs, but only every other GEMM's (torchtitan's: the 1st, 3rd, ... of the call:
     a block's QKV and gate+up projections; its output and down projections are recomputed from them)."""
-    if op in MM:
+    if op in _ops(*MM):
         key = "rerun" if ctx.is_recompute else "first"
         counts[key] += 1
         if counts[key] % 2 == 0:
@@ -80,8 +82,8 @@ def _policy(saved: frozenset, counts: dict, ctx, op, *args, **kwargs) -> Checkpo
 
 def _contexts(mode: str, compiled: bool):
     """The (first pass, rerun) context managers of one checkpointed call."""
-    saved = frozenset(MUST_SAVE | (SELECTIVE_SAVE | (COMPILED_SAVE if compiled else set())
-                                   if mode == "selective" else set()))
+    names = MUST_SAVE + ((SELECTIVE_SAVE + (COMPILED_SAVE if compiled else ())) if mode == "selective" else ())
+    saved = _ops(*names)
     if compiled or mode == "selective":
         op_level = create_selective_checkpoint_contexts(partial(_policy, saved, {"first": 0, "rerun": 0}))
     else:  # eager full: no per-op policy to apply
