@@ -19,8 +19,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lpbench.models import get_model_config
 
-BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
 
 
 def main() -> None:
@@ -39,11 +42,20 @@ def main() -> None:
     v = torch.randn(B, KV, S, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     flops = 4 * B * H * S * S * D / 2 * 3.5  # causal forward (2 matmuls) + backward (2.5x)
-    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | {args.model}: B {B} S {S} "
-          f"heads {H} kv {KV} head_dim {D} bf16 causal")
+    print(
+        f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | {args.model}: B {B} S {S} "
+        f"heads {H} kv {KV} head_dim {D} bf16 causal"
+    )
     ref = None
-    for name, expand in [("flash", False), ("cudnn", False), ("efficient", False), ("cudnn", True),
-                         ("flash", True), ("default", False)]:
+    for name, expand in [
+        ("flash", False),
+        ("cudnn", False),
+        ("efficient", False),
+        ("cudnn", True),
+        ("flash", True),
+        ("default", False),
+    ]:
+
         def step():
             kk, vv = (k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)) if expand else (k, v)
             out = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=not expand and H != KV)

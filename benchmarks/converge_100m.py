@@ -54,12 +54,43 @@ def parse_run(name: str) -> tuple[str, int]:
 
 def converge_command(args, name: str, work: Path) -> list[str]:
     recipe, seed = parse_run(name)
-    cmd = [sys.executable, "-m", "lpbench", "converge", "--model", args.model, "--data", args.data,
-           "--precision", recipe, "--seed", str(seed), "--tokens", f"{args.tokens:.0f}", "--seq-len", str(args.seq_len),
-           "--mbs", str(args.mbs),
-           "--gbs", str(args.gbs), "--lr", f"{LR:g}", "--eval-every", str(args.eval_every),
-           "--eval-batches", str(max(1, 256 // args.mbs)), "--device", args.device, "--emulate", "--log-interval", "100",
-           "--results", str(work / name), "--plot", str(work / f"{name}.png")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lpbench",
+        "converge",
+        "--model",
+        args.model,
+        "--data",
+        args.data,
+        "--precision",
+        recipe,
+        "--seed",
+        str(seed),
+        "--tokens",
+        f"{args.tokens:.0f}",
+        "--seq-len",
+        str(args.seq_len),
+        "--mbs",
+        str(args.mbs),
+        "--gbs",
+        str(args.gbs),
+        "--lr",
+        f"{LR:g}",
+        "--eval-every",
+        str(args.eval_every),
+        "--eval-batches",
+        str(max(1, 256 // args.mbs)),
+        "--device",
+        args.device,
+        "--emulate",
+        "--log-interval",
+        "100",
+        "--results",
+        str(work / name),
+        "--plot",
+        str(work / f"{name}.png"),
+    ]
     if args.ckpt:
         ckpt = Path(args.ckpt) / name
         cmd += ["--save-every", str(args.save_every), "--save-dir", str(ckpt)]
@@ -80,8 +111,12 @@ def corpus_identity(data: str) -> dict:
     with open(data + ".bin", "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
-    return {"documents": note.get("documents"), "tokens": note.get("tokens"),
-            "tokenizer_fingerprint": note.get("tokenizer_fingerprint"), "sha256": digest.hexdigest()}
+    return {
+        "documents": note.get("documents"),
+        "tokens": note.get("tokens"),
+        "tokenizer_fingerprint": note.get("tokenizer_fingerprint"),
+        "sha256": digest.hexdigest(),
+    }
 
 
 def export(name: str, work: Path, command: list[str], wall_s: float | None, corpus: dict) -> dict | None:
@@ -99,17 +134,48 @@ def export(name: str, work: Path, command: list[str], wall_s: float | None, corp
     per_step = cfg["gbs"] * cfg["seq_len"]
     steps = store.steps(row["id"])
     recipe, seed = parse_run(name)
-    keep = ("model", "precision", "seed", "seq_len", "mbs", "gbs", "steps", "lr", "min_lr_ratio", "weight_decay",
-            "grad_clip", "eval_every", "eval_batches", "vocab_size", "data", "compile", "emulate")
+    keep = (
+        "model",
+        "precision",
+        "seed",
+        "seq_len",
+        "mbs",
+        "gbs",
+        "steps",
+        "lr",
+        "min_lr_ratio",
+        "weight_decay",
+        "grad_clip",
+        "eval_every",
+        "eval_batches",
+        "vocab_size",
+        "data",
+        "compile",
+        "emulate",
+    )
     return {
-        "run": name, "recipe": recipe, "seed": seed, "status": row["status"], "error": row["error"],
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "command": " ".join(command[1:]),
-        "device": env.get("gpu"), "driver": env.get("driver"), "torch": env.get("torch"),
-        "git_sha": os.environ.get("CODE_REV") or env.get("git_sha"), "config": {k: cfg.get(k) for k in keep}, "corpus": corpus,
-        "tokens": cfg["steps"] * per_step, "tokens_per_step": per_step, "path": m.get("path"),
-        "params": m.get("params"), "tokens_per_sec": m.get("tokens_per_sec_per_gpu"),
-        "resumed_from_step": m.get("resumed_from_step"), "peak_mem_gb": m.get("peak_mem_allocated_gb"),
-        "wall_s": None if wall_s is None else round(wall_s, 1), "train_loss_last10": m.get("train_loss"),
+        "run": name,
+        "recipe": recipe,
+        "seed": seed,
+        "status": row["status"],
+        "error": row["error"],
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "command": " ".join(command[1:]),
+        "device": env.get("gpu"),
+        "driver": env.get("driver"),
+        "torch": env.get("torch"),
+        "git_sha": os.environ.get("CODE_REV") or env.get("git_sha"),
+        "config": {k: cfg.get(k) for k in keep},
+        "corpus": corpus,
+        "tokens": cfg["steps"] * per_step,
+        "tokens_per_step": per_step,
+        "path": m.get("path"),
+        "params": m.get("params"),
+        "tokens_per_sec": m.get("tokens_per_sec_per_gpu"),
+        "resumed_from_step": m.get("resumed_from_step"),
+        "peak_mem_gb": m.get("peak_mem_allocated_gb"),
+        "wall_s": None if wall_s is None else round(wall_s, 1),
+        "train_loss_last10": m.get("train_loss"),
         "val_loss": m["val_losses"][-1][1] if m.get("val_losses") else None,
         "val_losses": m.get("val_losses", []),
         "train": [[s["step"], round(s["loss"], 5), float(f"{s['lr']:.4g}"), round(s["grad_norm"], 4)] for s in steps],
@@ -150,9 +216,11 @@ def cmd_run(args) -> int:
             failed += 1
             continue
         (out / f"{name}.json").write_text(dump(record))
-        print(f"converge_100m: {name}: {record['status']}, validation loss {record['val_loss']}, "
-              f"{record['tokens_per_sec'] or 0:,.0f} tokens/s, {record['wall_s']:.0f} s -> {out / name}.json",
-              flush=True)
+        print(
+            f"converge_100m: {name}: {record['status']}, validation loss {record['val_loss']}, "
+            f"{record['tokens_per_sec'] or 0:,.0f} tokens/s, {record['wall_s']:.0f} s -> {out / name}.json",
+            flush=True,
+        )
     return 1 if failed else 0
 
 
@@ -183,10 +251,25 @@ def load_runs(folder: Path) -> dict[str, dict]:
 
 def order(names) -> list[str]:
     """bf16 first, then recipes, then nvfp4 ablations, then noise-seed runs."""
-    rank = ["bf16", "fp8-tensorwise", "fp8-delayed", "mxfp8", "nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d",
-            "nvfp4-no-bf16-tail"]
-    return sorted(names, key=lambda n: (parse_run(n)[1] != REF_SEED, rank.index(parse_run(n)[0])
-                                        if parse_run(n)[0] in rank else len(rank), n))
+    rank = [
+        "bf16",
+        "fp8-tensorwise",
+        "fp8-delayed",
+        "mxfp8",
+        "nvfp4",
+        "nvfp4-no-rht",
+        "nvfp4-no-sr",
+        "nvfp4-no-2d",
+        "nvfp4-no-bf16-tail",
+    ]
+    return sorted(
+        names,
+        key=lambda n: (
+            parse_run(n)[1] != REF_SEED,
+            rank.index(parse_run(n)[0]) if parse_run(n)[0] in rank else len(rank),
+            n,
+        ),
+    )
 
 
 def gap(loss: float, ref: float) -> float:
@@ -201,26 +284,38 @@ def cmd_report(args) -> int:
         print(f"converge_100m: no {REFERENCE} run in {args.runs} yet: nothing to compare", file=sys.stderr)
         return 2
     ref = runs[REFERENCE]
-    other = sorted(n for n, r in runs.items() if r.get("corpus", {}).get("sha256") != ref.get("corpus", {}).get("sha256"))
+    other = sorted(
+        n for n, r in runs.items() if r.get("corpus", {}).get("sha256") != ref.get("corpus", {}).get("sha256")
+    )
     for n in other:
-        print(f"converge_100m: {n} trained on another corpus than {REFERENCE} "
-              f"(SHA-256 {runs[n].get('corpus', {}).get('sha256')}): left out", file=sys.stderr)
+        print(
+            f"converge_100m: {n} trained on another corpus than {REFERENCE} "
+            f"(SHA-256 {runs[n].get('corpus', {}).get('sha256')}): left out",
+            file=sys.stderr,
+        )
         del runs[n]
     names = order(runs)
     ref_val = dict((s, v) for s, v in ref["val_losses"])
-    noise = [abs(gap(runs[n]["val_loss"], ref["val_loss"])) for n in names if parse_run(n)[1] != REF_SEED
-             and parse_run(n)[0] == REFERENCE and runs[n]["val_loss"] is not None]
+    noise = [
+        abs(gap(runs[n]["val_loss"], ref["val_loss"]))
+        for n in names
+        if parse_run(n)[1] != REF_SEED and parse_run(n)[0] == REFERENCE and runs[n]["val_loss"] is not None
+    ]
     floor = f"±{max(noise):.2f}% ({len(noise)} seed{'s' * (len(noise) > 1)})" if noise else "not yet measured"
-    print(f"| run | path | device | tokens | train loss (last 10) | val loss | gap vs bf16 | noise floor "
-          f"(bf16, other seeds) | tolerance | tokens/s |")
+    print(
+        "| run | path | device | tokens | train loss (last 10) | val loss | gap vs bf16 | noise floor "
+        "(bf16, other seeds) | tolerance | tokens/s |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---|---:|---:|")
     for n in names:
         r = runs[n]
         g = "—" if n == REFERENCE or r["val_loss"] is None else f"{gap(r['val_loss'], ref['val_loss']):+.2f}%"
         tol = tolerance_for(parse_run(n)[0]) if parse_run(n)[1] == REF_SEED else None
-        print(f"| {n} | {r['path']} | {r['device']} | {r['tokens'] / 1e6:.1f} M | {r['train_loss_last10']:.4f} | "
-              f"{r['val_loss']:.4f} | {g} | {floor} | {'—' if tol is None else f'{tol:g}%'} | "
-              f"{r['tokens_per_sec'] or 0:,.0f} |")
+        print(
+            f"| {n} | {r['path']} | {r['device']} | {r['tokens'] / 1e6:.1f} M | {r['train_loss_last10']:.4f} | "
+            f"{r['val_loss']:.4f} | {g} | {floor} | {'—' if tol is None else f'{tol:g}%'} | "
+            f"{r['tokens_per_sec'] or 0:,.0f} |"
+        )
     steps = sorted(ref_val)
     per_step = ref["tokens_per_step"]
     print("\nGap of the validation loss to bf16 (%) at each evaluation (M tokens):\n")
@@ -239,17 +334,34 @@ def cmd_report(args) -> int:
             r = runs[n]
             recipe, seed = parse_run(n)
             tol = tolerance_for(recipe)
-            verdict = "reference" if n == REFERENCE else "seed noise" if seed != REF_SEED else \
-                "no tolerance" if tol is None else "pass" if gap(r["val_loss"], ref["val_loss"]) <= tol else "fail"
-            plot_runs.append({"precision": recipe if seed == REF_SEED else f"{recipe} @ seed {seed}",
-                              "status": r["status"], "ok": r["status"] == "ok", "verdict": verdict,
-                              "tolerance": tol if n != REFERENCE and seed == REF_SEED else None,
-                              "train": [(s * per_step, loss) for s, loss, _, _ in r["train"]],
-                              "val": [(s * per_step, v) for s, v in r["val_losses"]]})
-        png = convergence_curves(plot_runs,
-                                 title=f"{ref['config']['model']} · {ref['tokens'] / 1e6:.1f} M tokens per run · GBS "
-                                       f"{ref['config']['gbs']} × seq {ref['config']['seq_len']} · cosine LR "
-                                       f"{ref['config']['lr']:g} · {ref['device'] or 'cpu'}")
+            verdict = (
+                "reference"
+                if n == REFERENCE
+                else "seed noise"
+                if seed != REF_SEED
+                else "no tolerance"
+                if tol is None
+                else "pass"
+                if gap(r["val_loss"], ref["val_loss"]) <= tol
+                else "fail"
+            )
+            plot_runs.append(
+                {
+                    "precision": recipe if seed == REF_SEED else f"{recipe} @ seed {seed}",
+                    "status": r["status"],
+                    "ok": r["status"] == "ok",
+                    "verdict": verdict,
+                    "tolerance": tol if n != REFERENCE and seed == REF_SEED else None,
+                    "train": [(s * per_step, loss) for s, loss, _, _ in r["train"]],
+                    "val": [(s * per_step, v) for s, v in r["val_losses"]],
+                }
+            )
+        png = convergence_curves(
+            plot_runs,
+            title=f"{ref['config']['model']} · {ref['tokens'] / 1e6:.1f} M tokens per run · GBS "
+            f"{ref['config']['gbs']} × seq {ref['config']['seq_len']} · cosine LR "
+            f"{ref['config']['lr']:g} · {ref['device'] or 'cpu'}",
+        )
         Path(args.plot).write_bytes(png)
         print(f"\nplot: {args.plot}")
     return 0
@@ -259,8 +371,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="train the named runs, one JSON each")
-    e = sub.add_parser("export", help="the JSON of runs that trained but whose wrapper was stopped before writing it "
-                                      "(from their results databases in --work; the same flags as their run)")
+    e = sub.add_parser(
+        "export",
+        help="the JSON of runs that trained but whose wrapper was stopped before writing it "
+        "(from their results databases in --work; the same flags as their run)",
+    )
     for a in (r, e):
         a.add_argument("runs", nargs="+", help="run names: <recipe> or <recipe>-seed<N>")
         a.add_argument("--out", required=True, help="folder for <run>.json")
@@ -273,7 +388,9 @@ def main(argv=None) -> int:
         a.add_argument("--mbs", type=int, default=64)
         a.add_argument("--gbs", type=int, default=64)
         a.add_argument("--eval-every", type=int, default=150)
-        a.add_argument("--ckpt", default=None, help="checkpoint folder (resume from it when a run's checkpoint is there)")
+        a.add_argument(
+            "--ckpt", default=None, help="checkpoint folder (resume from it when a run's checkpoint is there)"
+        )
         a.add_argument("--save-every", type=int, default=300)
     r.set_defaults(func=cmd_run)
     e.set_defaults(func=cmd_export)

@@ -59,8 +59,10 @@ def routes(steps: int) -> None:
 
     a, b = torch.randn(2048, 384), torch.randn(128, 384)
     flops = 2 * 2048 * 384 * 128
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, native BF16: {gemm.native_bf16_cpu()}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, native BF16: {gemm.native_bf16_cpu()}, "
+        f"{torch.get_num_threads()} threads"
+    )
     res: dict[str, dict[str, list[float]]] = {r: {"gemm": [], "step": []} for r in gemm.ROUTES}
     for _ in range(3):
         for r in gemm.ROUTES:
@@ -74,8 +76,10 @@ def routes(steps: int) -> None:
     for what in ("gemm", "step"):
         med = {r: statistics.median(res[r][what]) for r in gemm.ROUTES}
         extra = {r: f", {flops / med[r] / 1e9:.1f} GFLOP/s" if what == "gemm" else "" for r in gemm.ROUTES}
-        print(f"{what:5s}: bf16 route {med['bf16'] * 1e3:9.1f} ms{extra['bf16']} | fp32 route {med['fp32'] * 1e3:9.1f} ms"
-              f"{extra['fp32']} | bf16/fp32 = {med['bf16'] / med['fp32']:.1f}x")
+        print(
+            f"{what:5s}: bf16 route {med['bf16'] * 1e3:9.1f} ms{extra['bf16']} | fp32 route {med['fp32'] * 1e3:9.1f} ms"
+            f"{extra['fp32']} | bf16/fp32 = {med['bf16'] / med['fp32']:.1f}x"
+        )
 
 
 def wait_policies(steps: int, busy: int) -> None:
@@ -84,8 +88,10 @@ def wait_policies(steps: int, busy: int) -> None:
     for p in spinners:
         p.start()
     res: dict[str, list[float]] = {"ACTIVE": [], "PASSIVE": []}
-    code = f"import sys, json; sys.path.insert(0, {ROOT!r}); import lpbench; " \
-           f"from benchmarks.cpu_routes import tiny_step_times; print(json.dumps(tiny_step_times({steps})))"
+    code = (
+        f"import sys, json; sys.path.insert(0, {ROOT!r}); import lpbench; "
+        f"from benchmarks.cpu_routes import tiny_step_times; print(json.dumps(tiny_step_times({steps})))"
+    )
     try:
         for _ in range(2):
             for policy in res:
@@ -97,10 +103,12 @@ def wait_policies(steps: int, busy: int) -> None:
         for p in spinners:
             p.join()
     med = {k: statistics.median(v) for k, v in res.items()}
-    print(f"wait policy ({busy} extra spinning processes): ACTIVE {med['ACTIVE'] * 1e3:.1f} ms "
-          f"[{min(res['ACTIVE']) * 1e3:.0f}-{max(res['ACTIVE']) * 1e3:.0f}] | PASSIVE {med['PASSIVE'] * 1e3:.1f} ms "
-          f"[{min(res['PASSIVE']) * 1e3:.0f}-{max(res['PASSIVE']) * 1e3:.0f}] | ACTIVE/PASSIVE = "
-          f"{med['ACTIVE'] / med['PASSIVE']:.2f}x")
+    print(
+        f"wait policy ({busy} extra spinning processes): ACTIVE {med['ACTIVE'] * 1e3:.1f} ms "
+        f"[{min(res['ACTIVE']) * 1e3:.0f}-{max(res['ACTIVE']) * 1e3:.0f}] | PASSIVE {med['PASSIVE'] * 1e3:.1f} ms "
+        f"[{min(res['PASSIVE']) * 1e3:.0f}-{max(res['PASSIVE']) * 1e3:.0f}] | ACTIVE/PASSIVE = "
+        f"{med['ACTIVE'] / med['PASSIVE']:.2f}x"
+    )
 
 
 def main() -> None:

@@ -31,8 +31,9 @@ def _launches(spec: str) -> list[tuple[int, int, int]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--casts", default=CASTS, help=f"ROWSxCOLSxWARPS,... of the cast (default {CASTS})")
-    ap.add_argument("--transposes", default=TRANSPOSES,
-                    help=f"the same for the codes' transpose (default {TRANSPOSES})")
+    ap.add_argument(
+        "--transposes", default=TRANSPOSES, help=f"the same for the codes' transpose (default {TRANSPOSES})"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("fp8_cast.py: needs a CUDA device", file=sys.stderr)
@@ -46,8 +47,10 @@ def main() -> int:
         return median_ms(fn, warmup=25, rep=200)
 
     print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__}")
-    print(f"{'shape':<22} {'kernel':<10} {'launch':>9} {'amax':>5} {'us':>8} {'GB/s':>6} {'copy GB/s':>9} "
-          f"{'exact':>5}  operand")
+    print(
+        f"{'shape':<22} {'kernel':<10} {'launch':>9} {'amax':>5} {'us':>8} {'GB/s':>6} {'copy GB/s':>9} "
+        f"{'exact':>5}  operand"
+    )
     ok_all = True
     for m, n, dtype, what in SHAPES:
         x = (torch.randn(m, n, device="cuda") * 3).to(dtype)
@@ -62,16 +65,22 @@ def main() -> int:
         def row(kernel, launch, with_amax, ms, nbytes, ok):
             nonlocal ok_all
             ok_all &= ok
-            print(f"{shape:<22} {kernel:<10} {'x'.join(map(str, launch)):>9} {with_amax:>5} {ms * 1e3:8.1f} "
-                  f"{nbytes / ms / 1e6:6.0f} {copy_bw:9.0f} {str(ok):>5}  {what}", flush=True)
+            print(
+                f"{shape:<22} {kernel:<10} {'x'.join(map(str, launch)):>9} {with_amax:>5} {ms * 1e3:8.1f} "
+                f"{nbytes / ms / 1e6:6.0f} {copy_bw:9.0f} {str(ok):>5}  {what}",
+                flush=True,
+            )
 
         for launch in _launches(args.casts):
             for with_amax in (True, False):
                 q = torch.zeros((m, n), device="cuda", dtype=torch.float8_e4m3fn)
                 qt = torch.zeros((n, m), device="cuda", dtype=torch.float8_e4m3fn)
                 got = fp8_cast.cast_transpose_into(x, enc, E4M3, q, qt, with_amax, launch)
-                ok = (torch.equal(q.view(torch.uint8), ref_q) and torch.equal(qt.view(torch.uint8), ref_qt)
-                      and (torch.equal(got, amax) if with_amax else got.numel() == 0))
+                ok = (
+                    torch.equal(q.view(torch.uint8), ref_q)
+                    and torch.equal(qt.view(torch.uint8), ref_qt)
+                    and (torch.equal(got, amax) if with_amax else got.numel() == 0)
+                )
                 ms = bench(lambda: fp8_cast.cast_transpose_into(x, enc, E4M3, q, qt, with_amax, launch))
                 row("cast", launch, str(with_amax), ms, x.numel() * (x.element_size() + 2), ok)
         codes = ref.codes.cuda()

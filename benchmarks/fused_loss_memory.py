@@ -51,12 +51,28 @@ def main() -> int:
     print(f"CPU eager, tokens {args.tokens} dim {args.dim} vocab {args.vocab}: FP32 logits {logits_gib:.2f} GiB")
     out = {}
     for kind in ("unfused", "fused"):
-        res = subprocess.run([sys.executable, __file__, "--child", kind, "--tokens", str(args.tokens),
-                              "--dim", str(args.dim), "--vocab", str(args.vocab)],
-                             capture_output=True, text=True, check=True)
+        res = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                kind,
+                "--tokens",
+                str(args.tokens),
+                "--dim",
+                str(args.dim),
+                "--vocab",
+                str(args.vocab),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         out[kind] = tuple(map(float, res.stdout.split()))
-        print(f"{kind:8s} peak +{out[kind][0]:.2f} GiB  ({out[kind][0] / logits_gib:.2f}x the FP32 logits)  "
-              f"{out[kind][1]:.2f} s")
+        print(
+            f"{kind:8s} peak +{out[kind][0]:.2f} GiB  ({out[kind][0] / logits_gib:.2f}x the FP32 logits)  "
+            f"{out[kind][1]:.2f} s"
+        )
     print(f"fused / unfused peak: {out['fused'][0] / out['unfused'][0]:.2f}x")
     return 0
 

@@ -15,8 +15,10 @@ import sys
 import torch
 
 SHAPES = [  # (model, what, columns, experts, top-k)
-    ("mixtral-8x7b", "gate_up grad", 2 * 14336, 8, 2), ("mixtral-8x7b", "down grad / x", 4096, 8, 2),
-    ("mixtral-8x7b", "down input", 14336, 8, 2), ("qwen3-30b-a3b", "gate_up grad", 2 * 768, 128, 8),
+    ("mixtral-8x7b", "gate_up grad", 2 * 14336, 8, 2),
+    ("mixtral-8x7b", "down grad / x", 4096, 8, 2),
+    ("mixtral-8x7b", "down input", 14336, 8, 2),
+    ("qwen3-30b-a3b", "gate_up grad", 2 * 768, 128, 8),
     ("qwen3-30b-a3b", "down grad / x", 2048, 128, 8),
 ]
 
@@ -24,11 +26,16 @@ SHAPES = [  # (model, what, columns, experts, top-k)
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--launches", default="",
-                    help="ROWSxCOLSxWARPSxBLOCK,... of the amax kernel to time too (group + row amax, "
-                         "launched directly)")
-    ap.add_argument("--cast-launches", default="",
-                    help="TILExWARPS,... of group_cast's kernel to time (both codes, as for the output gradient)")
+    ap.add_argument(
+        "--launches",
+        default="",
+        help="ROWSxCOLSxWARPSxBLOCK,... of the amax kernel to time too (group + row amax, launched directly)",
+    )
+    ap.add_argument(
+        "--cast-launches",
+        default="",
+        help="TILExWARPS,... of group_cast's kernel to time (both codes, as for the output gradient)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("group_amax.py: needs a CUDA device", file=sys.stderr)
@@ -47,9 +54,12 @@ def main() -> int:
         groups, _ = Groups.of(expert, experts)
         x = torch.randn(groups.rows, cols, device="cuda", dtype=torch.bfloat16)
         gid = groups.row_group
-        for label, fn in (("copy", lambda: x.clone()), ("torch row amax", lambda: x.abs().amax(1)),
-                          ("group amax", lambda: group_amax(x, gid, experts, ALIGN)),
-                          ("group + row amax", lambda: group_amax(x, gid, experts, ALIGN, row_amax=True))):
+        for label, fn in (
+            ("copy", lambda: x.clone()),
+            ("torch row amax", lambda: x.abs().amax(1)),
+            ("group amax", lambda: group_amax(x, gid, experts, ALIGN)),
+            ("group + row amax", lambda: group_amax(x, gid, experts, ALIGN, row_amax=True)),
+        ):
             print(f"{model:>14} {what:>14} {groups.rows:>6} x {cols:<6} {label:>17} {us(fn):>24}", flush=True)
         for launch in filter(None, args.launches.split(",")):
             rows, c, warps, block = (int(v) for v in launch.split("x"))
@@ -64,9 +74,11 @@ def main() -> int:
             q = torch.empty(groups.rows, cols, dtype=torch.float8_e4m3fn, device="cuda")
             qt = torch.empty(cols, groups.rows, dtype=torch.float8_e4m3fn, device="cuda")
             fn = lambda: launch_group_cast(  # noqa: E731
-                lambda k: k, x, row_enc, gid, group_enc, q, qt, 448.0, tile, warps)
-            print(f"{model:>14} {what:>14} {groups.rows:>6} x {cols:<6} {'cast ' + launch:>17} {us(fn):>24}",
-                  flush=True)
+                lambda k: k, x, row_enc, gid, group_enc, q, qt, 448.0, tile, warps
+            )
+            print(
+                f"{model:>14} {what:>14} {groups.rows:>6} x {cols:<6} {'cast ' + launch:>17} {us(fn):>24}", flush=True
+            )
     return 0
 
 

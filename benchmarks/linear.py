@@ -72,8 +72,9 @@ def build(recipe: str, backend: str, k: int, n: int, compile_lpbench: bool = Fal
 
         torch._dynamo.reset()  # a fresh compile per shape/recipe: they would share (and exhaust) one cache
 
-        model = convert_to_float8_training(nn.Sequential(lin),
-                                           config=Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe]))
+        model = convert_to_float8_training(
+            nn.Sequential(lin), config=Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe])
+        )
         return torch.compile(model)
     r = get_recipe(recipe)
     module = QuantizedLinear.from_linear(lin, r, native=native_supported(r, "cuda"))
@@ -91,6 +92,7 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
         for p in params:
             p.grad = None
         module(x).backward(g)
+
     return step
 
 
@@ -109,6 +111,7 @@ def fp8_gemms_only(m: int, k: int, n: int):
         torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
         torch._scaled_mm(g, wt.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
         torch._scaled_mm(gt, xt.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+
     return step
 
 
@@ -130,8 +133,9 @@ def main() -> None:
     torch._dynamo.config.recompile_limit = 64  # one compiled module per (shape, recipe, backend)
     torch._inductor.config.emulate_precision_casts = True  # as lpbench run compiles
     recipes, backends = args.recipes.split(","), args.backends.split(",")
-    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | tokens {args.tokens} | "
-          f"tune {args.tune}")
+    print(
+        f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | tokens {args.tokens} | tune {args.tune}"
+    )
     rows = []
     for name, k, n in (s for s in SHAPES if s[0] in args.shapes.split(",")):
         x = torch.randn(args.tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -143,8 +147,7 @@ def main() -> None:
                 if recipe == "bf16" or (backend == "torchao" and recipe not in TORCHAO_RECIPES):
                     continue
                 try:
-                    variants.append((recipe, backend,
-                                     fwd_bwd(build(recipe, backend, k, n, args.compile), x, g)))
+                    variants.append((recipe, backend, fwd_bwd(build(recipe, backend, k, n, args.compile), x, g)))
                 except Exception as exc:  # report and go on: one backend missing must not hide the rest
                     print(f"{name} {recipe} {backend}: skipped ({type(exc).__name__}: {exc})")
         rows.append({"shape": name, "k": k, "n": n, "recipe": "bf16", "backend": "lpbench", "ms": base, "speedup": 1.0})
@@ -154,16 +157,19 @@ def main() -> None:
             except Exception as exc:
                 print(f"{name} {recipe} {backend}: failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
                 continue
-            rows.append({"shape": name, "k": k, "n": n, "recipe": recipe, "backend": backend, "ms": ms,
-                         "speedup": base / ms})
+            rows.append(
+                {"shape": name, "k": k, "n": n, "recipe": recipe, "backend": backend, "ms": ms, "speedup": base / ms}
+            )
             if args.profile:
                 print(f"{name} {recipe} {backend}: {ms:.3f} ms\n{kernel_table(fn)}", flush=True)
         del x, g
         torch.cuda.empty_cache()
     print(f"\n{'shape':8} {'KxN':>12} {'recipe':18} {'backend':8} {'ms':>8} {'vs bf16':>8}")
     for r in rows:
-        print(f"{r['shape']:8} {str(r['k']) + 'x' + str(r['n']):>12} {r['recipe']:18} {r['backend']:8} "
-              f"{r['ms']:8.3f} {r['speedup']:7.2f}x")
+        print(
+            f"{r['shape']:8} {str(r['k']) + 'x' + str(r['n']):>12} {r['recipe']:18} {r['backend']:8} "
+            f"{r['ms']:8.3f} {r['speedup']:7.2f}x"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

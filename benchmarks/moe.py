@@ -39,9 +39,13 @@ from lpbench.models import moe as moe_layer
 from lpbench.train.loop import train
 
 MODELS = (("qwen3-30b-a3b", 2), ("mixtral-8x7b", 2))
-VARIANTS = (("bf16", "bf16", "lpbench", None), ("fp8-rowwise", "fp8-rowwise", "lpbench", None),
-            ("fp8-rowwise/torchao", "fp8-rowwise", "torchao", None), ("bf16-loop", "bf16", "lpbench", "loop"),
-            ("fp8-rowwise-fast-grads", "fp8-rowwise-fast-grads", "lpbench", None))
+VARIANTS = (
+    ("bf16", "bf16", "lpbench", None),
+    ("fp8-rowwise", "fp8-rowwise", "lpbench", None),
+    ("fp8-rowwise/torchao", "fp8-rowwise", "torchao", None),
+    ("bf16-loop", "bf16", "lpbench", "loop"),
+    ("fp8-rowwise-fast-grads", "fp8-rowwise-fast-grads", "lpbench", None),
+)
 DEFAULT_VARIANTS = ("bf16", "fp8-rowwise", "fp8-rowwise/torchao", "bf16-loop")
 
 
@@ -71,8 +75,11 @@ def check_native(device: str = "cuda") -> None:
             y.float().square().sum().backward()
             outs.append([y.float(), xi.grad.float(), moe.experts.gate_up.grad, moe.experts.down.grad])
         rel = [((a - b).norm() / b.norm()).item() for a, b in zip(*outs)]
-        print(f"check {precision:22s} native vs emulated, rel. error y / dx / dW_gate_up / dW_down: "
-              + " / ".join(f"{r:.2e}" for r in rel), flush=True)
+        print(
+            f"check {precision:22s} native vs emulated, rel. error y / dx / dW_gate_up / dW_down: "
+            + " / ".join(f"{r:.2e}" for r in rel),
+            flush=True,
+        )
 
 
 def kernel_table(trace: str, top: int = 25) -> list[str]:
@@ -85,17 +92,30 @@ def kernel_table(trace: str, top: int = 25) -> list[str]:
     return lines
 
 
-CATEGORIES = ("expert GEMMs", "dense GEMMs", "attention", "FP8 activation casts", "weight casts",
-              "weight-grad casts + accumulation", "router/permute", "other kernels", "optimizer", "idle")
+CATEGORIES = (
+    "expert GEMMs",
+    "dense GEMMs",
+    "attention",
+    "FP8 activation casts",
+    "weight casts",
+    "weight-grad casts + accumulation",
+    "router/permute",
+    "other kernels",
+    "optimizer",
+    "idle",
+)
 CASTS = ("FP8 activation casts", "weight casts")
 _OPTIMIZER = re.compile(r"Optimizer\.step|clip_grad|_foreach_|multi_tensor|fused_adam", re.IGNORECASE)
 _WEIGHT_CODES = re.compile(r"weight_cache\.py|weight_codes")  # FP8 codes of the weights, once per step
 # CUTLASS grouped GEMMs, lpbench's grouped FP8 kernel (kernels/grouped_mm.py), or launched by the op
 _EXPERT = re.compile(r"GroupProblemShape|grouped_gemm|_grouped_mm|^_grouped_kernel$")
-_COPY_ONLY = re.compile(r"^triton_[a-z]+_fused_((_?grouped_mm|_?scaled_grouped_mm|_?to_copy|_?transpose|_?t|_?view"
-                        r"|_?clone|_?permute|_?unsafe_view)_?)+\d+$")  # a dtype cast (and layout change) alone
-_ROUTER = re.compile(r"topk|sort|radix|scatter|gather|index|searchsorted|cumsum|softmax|bincount|nonzero|cub::",
-                     re.IGNORECASE)
+_COPY_ONLY = re.compile(
+    r"^triton_[a-z]+_fused_((_?grouped_mm|_?scaled_grouped_mm|_?to_copy|_?transpose|_?t|_?view"
+    r"|_?clone|_?permute|_?unsafe_view)_?)+\d+$"
+)  # a dtype cast (and layout change) alone
+_ROUTER = re.compile(
+    r"topk|sort|radix|scatter|gather|index|searchsorted|cumsum|softmax|bincount|nonzero|cub::", re.IGNORECASE
+)
 _LOSS = re.compile(r"log_softmax|cross_entropy|nll_loss", re.IGNORECASE)
 
 
@@ -142,9 +162,14 @@ def step_categories(trace: str, wall_ms: float | None = None) -> tuple[dict[str,
     if wall_ms is None:
         wall_ms = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
     kernels = chrome_trace.device_events(events)
-    host = sorted((e for e in events if e.get("cat") in ("cpu_op", "python_function", "user_annotation",
-                                                           "cuda_runtime", "cuda_driver")),
-                  key=lambda e: (e["tid"], e["ts"], -e["dur"]))
+    host = sorted(
+        (
+            e
+            for e in events
+            if e.get("cat") in ("cpu_op", "python_function", "user_annotation", "cuda_runtime", "cuda_driver")
+        ),
+        key=lambda e: (e["tid"], e["ts"], -e["dur"]),
+    )
     chains, stacks = {}, {}
     for e in host:  # an interval sweep per thread: the open events enclose this one
         stack = stacks.setdefault(e["tid"], [])
@@ -168,8 +193,10 @@ def category_table(model: str, profiles: dict[str, dict[str, float]], micro: int
     """Per-category time per micro-batch (the optimizer's step shared by the step's micro-batches) of each profiled
     variant, and the Amdahl bound on FP8's speedup over BF16 that the BF16 profile implies."""
     labels = list(profiles)
-    lines = [f"CATEGORIES {model}: ms per micro-batch (step / {micro}; the optimizer runs once per step)",
-             f"  {'':33s}" + "".join(f"{label:>24s}" for label in labels)]
+    lines = [
+        f"CATEGORIES {model}: ms per micro-batch (step / {micro}; the optimizer runs once per step)",
+        f"  {'':33s}" + "".join(f"{label:>24s}" for label in labels),
+    ]
     for cat in (*CATEGORIES, "total"):
         row = [sum(p.values()) if cat == "total" else p[cat] for p in profiles.values()]
         lines.append(f"  {cat:33s}" + "".join(f"{t / micro:24.2f}" for t in row))
@@ -178,8 +205,10 @@ def category_table(model: str, profiles: dict[str, dict[str, float]], micro: int
         return lines
     total = sum(bf16.values())
     gemms = bf16["expert GEMMs"] + bf16["dense GEMMs"]
-    lines.append(f"AMDAHL {model}: BF16 {total / micro:.2f} ms per micro-batch, GEMMs {gemms / micro:.2f} (experts "
-                 f"{bf16['expert GEMMs'] / micro:.2f}); 1.2x means FP8 at {total / 1.2 / micro:.2f} ms per micro-batch")
+    lines.append(
+        f"AMDAHL {model}: BF16 {total / micro:.2f} ms per micro-batch, GEMMs {gemms / micro:.2f} (experts "
+        f"{bf16['expert GEMMs'] / micro:.2f}); 1.2x means FP8 at {total / 1.2 / micro:.2f} ms per micro-batch"
+    )
     lines.append(f"  BF16 GEMMs free, nothing else changed:                        {total / (total - gemms):.3f}x")
     ideal = total - gemms / 2 - bf16["weight casts"]
     lines.append(f"  GEMMs 2x BF16's speed (FP8 peak), weight and FP8 casts free:  {total / ideal:.3f}x")
@@ -189,9 +218,11 @@ def category_table(model: str, profiles: dict[str, dict[str, float]], micro: int
         fp8 = sum(p.values())
         casts = sum(p[c] for c in CASTS)
         acc = p["weight-grad casts + accumulation"], bf16["weight-grad casts + accumulation"]
-        lines.append(f"  {label}: measured {total / fp8:.3f}x; its GEMMs with casts free {total / (fp8 - casts):.3f}x "
-                     f"(casts {casts / micro:.2f} ms per micro-batch); also without weight-grad casts + accumulation "
-                     f"in both {(total - acc[1]) / (fp8 - casts - acc[0]):.3f}x")
+        lines.append(
+            f"  {label}: measured {total / fp8:.3f}x; its GEMMs with casts free {total / (fp8 - casts):.3f}x "
+            f"(casts {casts / micro:.2f} ms per micro-batch); also without weight-grad casts + accumulation "
+            f"in both {(total - acc[1]) / (fp8 - casts - acc[0]):.3f}x"
+        )
     return lines
 
 
@@ -201,16 +232,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--models", default=",".join(f"{m}:{n}" for m, n in MODELS), help="NAME:LAYERS,...")
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                    help=f"labels to run, comma-separated, of {', '.join(v[0] for v in VARIANTS)}")
+    ap.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"labels to run, comma-separated, of {', '.join(v[0] for v in VARIANTS)}",
+    )
     ap.add_argument("--gbs", type=int, default=1, help="global batch (sequences per optimizer step)")
     ap.add_argument("--mbs", type=int, default=1, help="micro-batch (sequences per forward and backward)")
     ap.add_argument("--profile", action="store_true", help="trace each run's last step, print its top kernels")
     ap.add_argument("--no-check", action="store_true", help="skip the native-vs-emulated check")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--categorize", metavar="LABEL=TRACE,...",
-                    help="only split saved traces of one model (bf16=trace-...-bf16.json.gz,...; --gbs and --mbs "
-                         "as when traced) by category and print the Amdahl bounds, then exit")
+    ap.add_argument(
+        "--categorize",
+        metavar="LABEL=TRACE,...",
+        help="only split saved traces of one model (bf16=trace-...-bf16.json.gz,...; --gbs and --mbs "
+        "as when traced) by category and print the Amdahl bounds, then exit",
+    )
     args = ap.parse_args()
     if args.mbs < 1 or args.gbs < 1 or args.gbs % args.mbs:
         ap.exit(2, f"moe.py: --gbs {args.gbs} must be a positive multiple of --mbs {args.mbs}\n")
@@ -236,31 +273,54 @@ def main() -> None:
         traceback.print_exc()
     finally:
         moe_layer.grouped_gemm = native
-    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | seq {args.seq_len} MBS {args.mbs} GBS {args.gbs} | "
-          f"steps {args.steps} (first {args.warmup} untimed) | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-          flush=True)
+    print(
+        f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | seq {args.seq_len} MBS {args.mbs} GBS {args.gbs} | "
+        f"steps {args.steps} (first {args.warmup} untimed) | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        flush=True,
+    )
     for spec in args.models.split(","):
         name, layers = spec.split(":")
         base, profiles = None, {}
         for label, precision, backend, mode in variants:
             moe_layer.grouped_gemm = (lambda x: False) if mode == "loop" else native
-            cfg = RunConfig(model=name, num_layers=int(layers), precision=precision, backend=backend,
-                            seq_len=args.seq_len, mbs=args.mbs, gbs=args.gbs, steps=args.steps, warmup_steps=args.warmup,
-                            log_interval=args.steps, profile_steps=f"{args.steps}:{args.steps}" if args.profile else None)
+            cfg = RunConfig(
+                model=name,
+                num_layers=int(layers),
+                precision=precision,
+                backend=backend,
+                seq_len=args.seq_len,
+                mbs=args.mbs,
+                gbs=args.gbs,
+                steps=args.steps,
+                warmup_steps=args.warmup,
+                log_interval=args.steps,
+                profile_steps=f"{args.steps}:{args.steps}" if args.profile else None,
+            )
             t0 = time.time()
             try:
-                r = train(cfg, log=lambda line: print("   ", line, flush=True),
-                          results_dir=os.path.join(args.out, "results"))
+                r = train(
+                    cfg, log=lambda line: print("   ", line, flush=True), results_dir=os.path.join(args.out, "results")
+                )
                 m = r.metrics
-                row = {"model": f"{name}@{layers}L", "variant": label, "status": r.status,
-                       "tokens_per_s": m.get("tokens_per_sec_per_gpu"), "step_ms": 1e3 * m.get("step_time_s", 0),
-                       "step_ms_p25": 1e3 * m.get("step_time_p25_s", 0), "step_ms_p75": 1e3 * m.get("step_time_p75_s", 0),
-                       "tflops": m.get("tflops_per_gpu"), "mfu_bf16": m.get("mfu_bf16"),
-                       "peak_gb": m.get("peak_mem_allocated_gb"), "wall_s": time.time() - t0}
+                row = {
+                    "model": f"{name}@{layers}L",
+                    "variant": label,
+                    "status": r.status,
+                    "tokens_per_s": m.get("tokens_per_sec_per_gpu"),
+                    "step_ms": 1e3 * m.get("step_time_s", 0),
+                    "step_ms_p25": 1e3 * m.get("step_time_p25_s", 0),
+                    "step_ms_p75": 1e3 * m.get("step_time_p75_s", 0),
+                    "tflops": m.get("tflops_per_gpu"),
+                    "mfu_bf16": m.get("mfu_bf16"),
+                    "peak_gb": m.get("peak_mem_allocated_gb"),
+                    "wall_s": time.time() - t0,
+                }
                 if args.profile and "profile" in m:
                     trace = m["profile"]["trace"]
-                    print(f"PROFILE {name}@{layers}L {label}: step {1e3 * r.steps[-1]['step_time_s']:.1f} ms wall",
-                          flush=True)
+                    print(
+                        f"PROFILE {name}@{layers}L {label}: step {1e3 * r.steps[-1]['step_time_s']:.1f} ms wall",
+                        flush=True,
+                    )
                     print("\n".join(kernel_table(trace)), flush=True)
                     profiles[label], other = step_categories(trace, 1e3 * r.steps[-1]["step_time_s"])
                     print("  heaviest other kernels: " + "; ".join(f"{t:.2f} ms {n}" for t, n in other), flush=True)
@@ -282,11 +342,14 @@ def main() -> None:
             with open(os.path.join(args.out, "moe.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
             if row.get("tokens_per_s"):
-                print(f"RESULT {row['model']:20s} {label:22s} {row['tokens_per_s']:9.0f} tok/s  "
-                      f"{row['step_ms']:8.1f} ms ({row['step_ms_p25']:.1f}-{row['step_ms_p75']:.1f})  "
-                      f"{row['tflops']:6.1f} TFLOP/s  MFU {row['mfu_bf16']:.3f}  "
-                      f"peak {row['peak_gb']:.1f} GB  {row.get('vs_grouped_bf16', float('nan')):.2f}x grouped bf16  "
-                      f"(wall {row['wall_s']:.0f} s)", flush=True)
+                print(
+                    f"RESULT {row['model']:20s} {label:22s} {row['tokens_per_s']:9.0f} tok/s  "
+                    f"{row['step_ms']:8.1f} ms ({row['step_ms_p25']:.1f}-{row['step_ms_p75']:.1f})  "
+                    f"{row['tflops']:6.1f} TFLOP/s  MFU {row['mfu_bf16']:.3f}  "
+                    f"peak {row['peak_gb']:.1f} GB  {row.get('vs_grouped_bf16', float('nan')):.2f}x grouped bf16  "
+                    f"(wall {row['wall_s']:.0f} s)",
+                    flush=True,
+                )
             else:
                 print(f"RESULT {row['model']:20s} {label:22s} {row['status']}", flush=True)
         if profiles:

@@ -42,8 +42,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the fused quantizer's kernels")
     args = ap.parse_args()
     x = torch.randn(args.rows, args.cols, device="cuda", dtype=torch.bfloat16)
-    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | x {tuple(x.shape)} bf16 | "
-          f"stochastic rounding: {args.stochastic}")
+    print(
+        f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | x {tuple(x.shape)} bf16 | "
+        f"stochastic rounding: {args.stochastic}"
+    )
 
     def fused(t):
         return nvfp4.quantize(t, row=True, col=True, rht=True, stochastic=args.stochastic)

@@ -58,8 +58,9 @@ def variants(n_blocks: int, tail: int) -> dict:
     groups = [(i, min(i + tail, n_blocks)) for i in range(0, n_blocks, tail)]
     out = {"nvfp4": nv, "nvfp4-no-bf16-tail": get_recipe("nvfp4-no-bf16-tail")}
     for lo, hi in groups:
-        out[f"nvfp4@{lo}-{hi - 1}"] = dataclasses.replace(nv, name=f"nvfp4@{lo}-{hi - 1}", first_bf16_layers=lo,
-                                                          last_bf16_layers=n_blocks - hi)
+        out[f"nvfp4@{lo}-{hi - 1}"] = dataclasses.replace(
+            nv, name=f"nvfp4@{lo}-{hi - 1}", first_bf16_layers=lo, last_bf16_layers=n_blocks - hi
+        )
     return out
 
 
@@ -108,10 +109,13 @@ def main(argv=None) -> int:
         load_weights(base, args.ckpt)
     batches = list(itertools.islice(splits.valid_batches(args.mbs), args.batches))
     tail = get_recipe("nvfp4").last_bf16_layers
-    print(f"nvfp4_tail: {args.model} ({model_cfg.n_layers} blocks, vocab {splits.vocab_size}), weights "
-          f"{args.ckpt or 'at init'}, {args.batches} x {args.mbs} x {args.seq_len} validation tokens, "
-          f"{args.repeats} SR draws, {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-          f"eager", flush=True)
+    print(
+        f"nvfp4_tail: {args.model} ({model_cfg.n_layers} blocks, vocab {splits.vocab_size}), weights "
+        f"{args.ckpt or 'at init'}, {args.batches} x {args.mbs} x {args.seq_len} validation tokens, "
+        f"{args.repeats} SR draws, {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+        f"eager",
+        flush=True,
+    )
     ref_loss, ref = loss_and_grads(base, batches, device, 0)
     blocks = sorted({group_of(n) for n in ref}, key=lambda g: (not g.startswith("block"), g))
     by_group = {g: [n for n in ref if group_of(n) == g] for g in blocks}
@@ -131,11 +135,16 @@ def main(argv=None) -> int:
     print("| variant | loss | vs bf16 | " + " | ".join(g.replace("block ", "b") for g in blocks) + " |")
     print("|---|---:|---:|" + "---:|" * len(blocks))
     for name, loss, one, avg in rows:
-        print(f"| {name} (1 draw) | {loss:.5f} | {(loss - ref_loss) / ref_loss * 100:+.3f}% | "
-              + " | ".join(f"{one[g]:.3f}" for g in blocks) + " |")
+        print(
+            f"| {name} (1 draw) | {loss:.5f} | {(loss - ref_loss) / ref_loss * 100:+.3f}% | "
+            + " | ".join(f"{one[g]:.3f}" for g in blocks)
+            + " |"
+        )
         print(f"| {name} (mean of {args.repeats}) | | | " + " | ".join(f"{avg[g]:.3f}" for g in blocks) + " |")
-    print("\nentries: relative error of the gradient, ||g - g_bf16|| / ||g_bf16||, per block (all its parameters) "
-          "and for the embedding, final norm and head")
+    print(
+        "\nentries: relative error of the gradient, ||g - g_bf16|| / ||g_bf16||, per block (all its parameters) "
+        "and for the embedding, final norm and head"
+    )
     return 0
 
 

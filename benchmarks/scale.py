@@ -48,9 +48,22 @@ def plan(args) -> list[tuple[str, int, list[str]]]:
     gpus = sorted({int(g) for g in args.gpus.split(",")})
     if not gpus or gpus[0] < 1:
         raise SystemExit("scale.py: --gpus takes GPU counts >= 1, e.g. 1,2,4")
-    common = ["--model", args.model, "--seq-len", str(args.seq_len), "--mbs", str(args.mbs),
-              "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps), "--precision", args.precision,
-              *(["--num-layers", str(args.num_layers)] if args.num_layers else []), *shlex.split(args.extra)]
+    common = [
+        "--model",
+        args.model,
+        "--seq-len",
+        str(args.seq_len),
+        "--mbs",
+        str(args.mbs),
+        "--steps",
+        str(args.steps),
+        "--warmup-steps",
+        str(args.warmup_steps),
+        "--precision",
+        args.precision,
+        *(["--num-layers", str(args.num_layers)] if args.num_layers else []),
+        *shlex.split(args.extra),
+    ]
     runs = []
     for n in gpus:
         for layout, flags in ({"single": []} if n == 1 else parse_layouts(args.layouts)).items():
@@ -75,12 +88,24 @@ def rows_of(results: Path, name: str, gpus: int) -> list[dict]:
         out = []
         for run in store.runs():
             m = run["metrics"]
-            timed = [s["tokens_per_sec_per_gpu"] for s in store.steps(run["id"])
-                     if s["step"] > run["config"].get("warmup_steps", 0) and s["tokens_per_sec_per_gpu"]]
-            out.append({"name": name, "layout": name.split("-", 1)[1], "gpus": gpus, "precision": run["precision"],
-                        "status": run["status"], "tps": run["tokens_per_sec_per_gpu"],
-                        "spread": quartiles(timed), "tflops": run["tflops_per_gpu"],
-                        "peak_gb": m.get("peak_mem_allocated_gb")})
+            timed = [
+                s["tokens_per_sec_per_gpu"]
+                for s in store.steps(run["id"])
+                if s["step"] > run["config"].get("warmup_steps", 0) and s["tokens_per_sec_per_gpu"]
+            ]
+            out.append(
+                {
+                    "name": name,
+                    "layout": name.split("-", 1)[1],
+                    "gpus": gpus,
+                    "precision": run["precision"],
+                    "status": run["status"],
+                    "tps": run["tokens_per_sec_per_gpu"],
+                    "spread": quartiles(timed),
+                    "tflops": run["tflops_per_gpu"],
+                    "peak_gb": m.get("peak_mem_allocated_gb"),
+                }
+            )
         return out
     finally:
         store.close()
@@ -90,8 +115,10 @@ def table(rows: list[dict]) -> str:
     """Markdown: efficiency against the one-GPU row of the same precision, ratio to BF16 of the same run."""
     single = {r["precision"]: r["tps"] for r in rows if r["gpus"] == 1 and r["tps"]}
     bf16 = {r["name"]: r["tps"] for r in rows if r["precision"] == "bf16" and r["tps"]}
-    lines = ["| layout | GPUs | precision | tokens/s/GPU (q1-q3 of steps) | TFLOP/s/GPU | efficiency | vs BF16 | peak GB |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| layout | GPUs | precision | tokens/s/GPU (q1-q3 of steps) | TFLOP/s/GPU | efficiency | vs BF16 | peak GB |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if not r["tps"]:
             lines.append(f"| {r['layout']} | {r['gpus']} | {r['precision']} | {r['status']} | | | | |")
@@ -100,13 +127,17 @@ def table(rows: list[dict]) -> str:
         eff = f"{r['tps'] / single[r['precision']]:.1%}" if r["precision"] in single else "-"
         ratio = f"{r['tps'] / bf16[r['name']]:.3f}x" if r["name"] in bf16 else "-"
         peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
-        lines.append(f"| {r['layout']} | {r['gpus']} | {r['precision']} | {r['tps']:,.0f} ({q1:,.0f}-{q3:,.0f}) | "
-                     f"{r['tflops']:.1f} | {eff} | {ratio} | {peak} |")
+        lines.append(
+            f"| {r['layout']} | {r['gpus']} | {r['precision']} | {r['tps']:,.0f} ({q1:,.0f}-{q3:,.0f}) | "
+            f"{r['tflops']:.1f} | {eff} | {ratio} | {peak} |"
+        )
     return "\n".join(lines)
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=8192)

@@ -44,8 +44,10 @@ import yaml
 from lpbench.metrics import trace as chrome_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_ROWS = ("bf16,fp8-tensorwise,fp8-delayed,fp8-rowwise,fp8-blockwise,torchao:fp8-tensorwise,"
-                "torchao:fp8-rowwise,mxfp8,nvfp4,hf")
+DEFAULT_ROWS = (
+    "bf16,fp8-tensorwise,fp8-delayed,fp8-rowwise,fp8-blockwise,torchao:fp8-tensorwise,"
+    "torchao:fp8-rowwise,mxfp8,nvfp4,hf"
+)
 PARTS = ("gemm", "quantize", "attention", "other")
 
 
@@ -60,16 +62,25 @@ def spec_for(args, rows: list[str]) -> dict:
         point = {"precision": precision, "backend": backend or "lpbench"}
         for suffix in suffixes:
             if suffix not in SUFFIXES:
-                raise SystemExit(f"step_table.py: unknown row suffix /{suffix}; valid: "
-                                 f"{', '.join('/' + k for k in SUFFIXES)}")
+                raise SystemExit(
+                    f"step_table.py: unknown row suffix /{suffix}; valid: {', '.join('/' + k for k in SUFFIXES)}"
+                )
             key, value = SUFFIXES[suffix]
             point[key] = value
         if precision in ("mxfp8", "mxfp4", "nvfp4", "fp8-blockwise"):
             point["emulate"] = True  # native where the GPU has it, exact emulation where it does not
         recipes.append(point)
-    spec = {"name": f"step-table-{time.strftime('%Y%m%d-%H%M%S')}", "timeout": args.timeout, "model": args.model,
-            "seq_len": args.seq_len, "mbs": args.mbs, "gbs": args.gbs or args.mbs, "steps": args.steps,
-            "warmup_steps": args.warmup_steps, "recipe": recipes}
+    spec = {
+        "name": f"step-table-{time.strftime('%Y%m%d-%H%M%S')}",
+        "timeout": args.timeout,
+        "model": args.model,
+        "seq_len": args.seq_len,
+        "mbs": args.mbs,
+        "gbs": args.gbs or args.mbs,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "recipe": recipes,
+    }
     if args.profile:
         spec["profile_steps"] = f"{args.steps - 1}:{args.steps}"
     if args.num_layers:
@@ -97,8 +108,10 @@ def idle_gaps(trace: str | None, steps: int, n: int) -> tuple[float, list[tuple[
     (ms per step, name): where the device waited on the host."""
     if not trace or not Path(trace).is_file():
         return 0.0, [], []
-    gaps = [((after["ts"] - start) / 1e3, before["name"], after["name"])
-            for start, before, after in chrome_trace.gaps(_trace_events(trace))]
+    gaps = [
+        ((after["ts"] - start) / 1e3, before["name"], after["name"])
+        for start, before, after in chrome_trace.gaps(_trace_events(trace))
+    ]
     waited = Counter()
     for ms, _, name in gaps:
         waited[name] += ms / steps
@@ -121,8 +134,9 @@ def host_waits(trace: str | None, steps: int, n: int) -> tuple[list[tuple[float,
         return [], []
     events = _trace_events(trace)
     queries, queued = _late_launches(events)
-    frames = sorted(((e["ts"], -e["dur"], e["tid"], e["name"]) for e in events
-                     if e.get("cat") == "python_function" and "dur" in e))
+    frames = sorted(
+        ((e["ts"], -e["dur"], e["tid"], e["name"]) for e in events if e.get("cat") == "python_function" and "dur" in e)
+    )
     stacks: dict = {}
     late = Counter()
     i = 0
@@ -178,8 +192,9 @@ def idle_after_blocking(trace: str | None, steps: int) -> list[tuple[str, float]
         return []
     events = _trace_events(trace)
     ends = sorted(e["ts"] + e["dur"] for e in _blocking_calls(events))
-    edges = [f"< {SINCE_BLOCKING_MS[0]:g} ms"] + [f"{a:g}-{b:g} ms" for a, b in
-                                                 zip(SINCE_BLOCKING_MS, SINCE_BLOCKING_MS[1:])]
+    edges = [f"< {SINCE_BLOCKING_MS[0]:g} ms"] + [
+        f"{a:g}-{b:g} ms" for a, b in zip(SINCE_BLOCKING_MS, SINCE_BLOCKING_MS[1:])
+    ]
     edges.append(f">= {SINCE_BLOCKING_MS[-1]:g} ms or none before")
     split = dict.fromkeys(edges, 0.0)
     for t, _tid, ms in _late_launches(events)[0]:
@@ -190,17 +205,37 @@ def idle_after_blocking(trace: str | None, steps: int) -> list[tuple[str, float]
 
 
 def run_hf(args, log_dir: Path) -> dict | None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "hf_baseline.py"), "--model", args.model,
-           "--seq-len", str(args.seq_len), "--mbs", str(args.mbs), "--steps", str(args.steps),
-           "--warmup-steps", str(args.warmup_steps), "--profile-steps", f"{args.steps - 1}:{args.steps}",
-           "--profile-dir", str(log_dir / "hf-profile")]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "hf_baseline.py"),
+        "--model",
+        args.model,
+        "--seq-len",
+        str(args.seq_len),
+        "--mbs",
+        str(args.mbs),
+        "--steps",
+        str(args.steps),
+        "--warmup-steps",
+        str(args.warmup_steps),
+        "--profile-steps",
+        f"{args.steps - 1}:{args.steps}",
+        "--profile-dir",
+        str(log_dir / "hf-profile"),
+    ]
     if args.num_layers:
         cmd += ["--num-layers", str(args.num_layers)]
     print("+", " ".join(cmd), flush=True)
     with open(log_dir / "hf.log", "w") as log:
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, timeout=args.timeout,
-                                  env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
+            proc = subprocess.run(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                timeout=args.timeout,
+                env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"},
+            )
         except subprocess.TimeoutExpired:
             print("hf baseline: timed out", flush=True)
             return None
@@ -209,12 +244,15 @@ def run_hf(args, log_dir: Path) -> dict | None:
     if proc.returncode or not found:
         print(f"hf baseline failed (exit {proc.returncode}); see {log_dir / 'hf.log'}", flush=True)
         return None
-    return json.loads(found[-1][len("RESULT "):])
+    return json.loads(found[-1][len("RESULT ") :])
 
 
 def table(rows: list[dict], bf16_tps: float | None) -> list[str]:
-    out = ["| row | path | step ms | tokens/s | model TFLOP/s | MFU | vs lpbench BF16 | GEMM | quantize | "
-           "attention | other | kernels | peak GB |", "|---|---|" + "---:|" * 11]
+    out = [
+        "| row | path | step ms | tokens/s | model TFLOP/s | MFU | vs lpbench BF16 | GEMM | quantize | "
+        "attention | other | kernels | peak GB |",
+        "|---|---|" + "---:|" * 11,
+    ]
     for r in rows:
         if r.get("status") != "ok":
             out.append(f"| {r['name']} | | | | | | {r.get('status')}: {r.get('error') or ''} | | | | | | |")
@@ -231,8 +269,10 @@ def table(rows: list[dict], bf16_tps: float | None) -> list[str]:
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else ""
         peak = f"{r['peak_gb']:.1f}" if r.get("peak_gb") is not None else ""
         kernel = f"{r['kernel_ms']:.1f}" if r.get("kernel_ms") else ""
-        out.append(f"| {r['name']} | {r['path']} | {r['step_ms']:.1f} | {r['tps']:,.0f} | {r['tflops']:.0f} | {mfu} | "
-                   f"{ratio} | {' | '.join(cells)} | {kernel} | {peak} |")
+        out.append(
+            f"| {r['name']} | {r['path']} | {r['step_ms']:.1f} | {r['tps']:,.0f} | {r['tflops']:.0f} | {mfu} | "
+            f"{ratio} | {' | '.join(cells)} | {kernel} | {peak} |"
+        )
     return out
 
 
@@ -246,8 +286,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12, help="the last two are profiled (default 12)")
     ap.add_argument("--warmup-steps", type=int, default=6)
     ap.add_argument("--rows", default=DEFAULT_ROWS)
-    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
-                    help="profile each row's last two steps (default on)")
+    ap.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="profile each row's last two steps (default on)",
+    )
     ap.add_argument("--results", default="lpbench-results/step-table")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per row (default 420)")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per row (default 12)")
@@ -273,14 +317,28 @@ def main() -> int:
             prof = dict(m.get("profile") or {})
             first, _, last = str(prof.get("steps", "")).partition(":")
             prof["n_steps"] = int(last) - int(first) + 1 if last else 1
-            name = cfg["precision"] + (f" ({r['backend']})" if r["backend"] != "lpbench" else "") + \
-                (" fused loss" if cfg.get("fused_loss") else "") + \
-                (" model scope" if cfg.get("compile_scope") == "model" else "")
-            out.append({"name": name, "status": r["status"], "error": r.get("error"), "path": m.get("path", ""),
-                        "step_ms": (r.get("step_time_s") or 0) * 1e3, "tps": r.get("tokens_per_sec_per_gpu"),
-                        "tflops": r.get("tflops_per_gpu"), "mfu": r.get("mfu_bf16"),
-                        "peak_gb": r.get("peak_mem_allocated_gb"), "profile": prof, "model": r["model"],
-                        "gpu": r.get("gpu")})
+            name = (
+                cfg["precision"]
+                + (f" ({r['backend']})" if r["backend"] != "lpbench" else "")
+                + (" fused loss" if cfg.get("fused_loss") else "")
+                + (" model scope" if cfg.get("compile_scope") == "model" else "")
+            )
+            out.append(
+                {
+                    "name": name,
+                    "status": r["status"],
+                    "error": r.get("error"),
+                    "path": m.get("path", ""),
+                    "step_ms": (r.get("step_time_s") or 0) * 1e3,
+                    "tps": r.get("tokens_per_sec_per_gpu"),
+                    "tflops": r.get("tflops_per_gpu"),
+                    "mfu": r.get("mfu_bf16"),
+                    "peak_gb": r.get("peak_mem_allocated_gb"),
+                    "profile": prof,
+                    "model": r["model"],
+                    "gpu": r.get("gpu"),
+                }
+            )
     if "hf" in rows:
         res = run_hf(args, results)
         if res is None:
@@ -288,20 +346,32 @@ def main() -> int:
         else:
             prof = res.get("profile") or {}
             prof["n_steps"] = 2
-            out.append({"name": "hf-transformers + compile", "status": "ok", "path": "native",
-                        "step_ms": res["step_time_s"] * 1e3, "tps": res["tokens_per_sec_per_gpu"],
-                        "tflops": res["tflops_per_gpu"], "mfu": res.get("mfu"), "peak_gb": res.get("peak_mem_gb"),
-                        "profile": prof})
+            out.append(
+                {
+                    "name": "hf-transformers + compile",
+                    "status": "ok",
+                    "path": "native",
+                    "step_ms": res["step_time_s"] * 1e3,
+                    "tps": res["tokens_per_sec_per_gpu"],
+                    "tflops": res["tflops_per_gpu"],
+                    "mfu": res.get("mfu"),
+                    "peak_gb": res.get("peak_mem_gb"),
+                    "profile": prof,
+                }
+            )
     bf16 = next((r["tps"] for r in out if r["name"] == "bf16" and r["status"] == "ok"), None)
     for r in out:
-        kernels, total = top_kernels((r.get("profile") or {}).get("trace"),
-                                     (r.get("profile") or {}).get("n_steps", 1), args.top)
+        kernels, total = top_kernels(
+            (r.get("profile") or {}).get("trace"), (r.get("profile") or {}).get("n_steps", 1), args.top
+        )
         r["kernel_ms"] = total
         if kernels:
             prof = r.get("profile") or {}
             profiled = prof.get("total_ms", 0.0) / prof.get("n_steps", 1)
-            print(f"\n{r['name']}: heaviest kernels (ms per step; all kernels {total:.1f} ms per step, "
-                  f"the profile's categories {profiled:.1f})")
+            print(
+                f"\n{r['name']}: heaviest kernels (ms per step; all kernels {total:.1f} ms per step, "
+                f"the profile's categories {profiled:.1f})"
+            )
             for name, ms in kernels:
                 print(f"  {ms:8.2f}  {name[:150]}")
             idle, gaps, waited = idle_gaps(prof.get("trace"), prof.get("n_steps", 1), 8)
@@ -313,8 +383,10 @@ def main() -> int:
             for name, ms in waited:
                 print(f"  {ms:8.2f}  {name[:140]}")
             late, blocking = host_waits(prof.get("trace"), prof.get("n_steps", 1), 15)
-            print("  idle by where the host was when it launched the kernel after the gap (ms per step; "
-                  "lpbench frame | innermost frame):")
+            print(
+                "  idle by where the host was when it launched the kernel after the gap (ms per step; "
+                "lpbench frame | innermost frame):"
+            )
             for name, ms in late:
                 print(f"  {ms:8.2f}  {name[:200]}")
             print("  CUDA runtime calls that can block the host (ms per step):")
@@ -325,8 +397,10 @@ def main() -> int:
                 print(f"  {ms:8.2f}  {name}")
     label = next((r["model"] for r in out if r.get("model")), args.model)
     gpu = next((r["gpu"] for r in out if r.get("gpu")), "?")
-    print(f"\n{label}, seq {args.seq_len}, MBS {args.mbs}, GBS {args.gbs or args.mbs}, {gpu}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; GEMM..kernels: profiled kernel ms per step")
+    print(
+        f"\n{label}, seq {args.seq_len}, MBS {args.mbs}, GBS {args.gbs or args.mbs}, {gpu}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; GEMM..kernels: profiled kernel ms per step"
+    )
     print("\n".join(table(out, bf16)))
     (results / "table.json").write_text(json.dumps(out, indent=1, default=str))
     return 0

@@ -26,10 +26,16 @@ SHAPES = [  # (tokens, ffn, what)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--launches", default="32x128x4,16x256x4,32x256x8,64x128x8",
-                    help="TOKENSxCOLUMNSxWARPS,... of the kernel (the first is the module's default)")
-    ap.add_argument("--cast-launches", default="32x128x4,64x64x4,64x128x4",
-                    help="the same for the kernel that stores FP8 codes and their transpose")
+    ap.add_argument(
+        "--launches",
+        default="32x128x4,16x256x4,32x256x8,64x128x8",
+        help="TOKENSxCOLUMNSxWARPS,... of the kernel (the first is the module's default)",
+    )
+    ap.add_argument(
+        "--cast-launches",
+        default="32x128x4,64x64x4,64x128x4",
+        help="the same for the kernel that stores FP8 codes and their transpose",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("swiglu.py: needs a CUDA device", file=sys.stderr)
@@ -74,16 +80,22 @@ def main() -> int:
                 out = torch.empty_like(gate_up)
                 sw.launch_backward(lambda k: k, gate_up, grad, out, launch)
                 name = "kernel " + "x".join(map(str, launch))
-                print(f"{row} {name:>22} "
-                      f"{us(lambda: sw.launch_backward(lambda k: k, gate_up, grad, out, launch)):>22} "
-                      f"{str(torch.equal(out, eager)):>9}")
+                print(
+                    f"{row} {name:>22} "
+                    f"{us(lambda: sw.launch_backward(lambda k: k, gate_up, grad, out, launch)):>22} "
+                    f"{str(torch.equal(out, eager)):>9}"
+                )
             print(f"{row} {'copy of the gradient':>22} {us(lambda: gate_up.clone()):>22}")
-            print(f"{row} {'kernel, then amax':>22} "
-                  f"{us(lambda: (sw.launch_backward(lambda k: k, gate_up, grad, out), out.abs().amax())):>22}")
+            print(
+                f"{row} {'kernel, then amax':>22} "
+                f"{us(lambda: (sw.launch_backward(lambda k: k, gate_up, grad, out), out.abs().amax())):>22}"
+            )
             for launch in launches:
                 name = "kernel + amax " + "x".join(map(str, launch))
-                print(f"{row} {name:>22} "
-                      f"{us(lambda: sw.launch_backward(lambda k: k, gate_up, grad, out, launch, True).amax()):>22}")
+                print(
+                    f"{row} {name:>22} "
+                    f"{us(lambda: sw.launch_backward(lambda k: k, gate_up, grad, out, launch, True).amax()):>22}"
+                )
             enc = torch.tensor(E5M2.max / (4 * eager.float().abs().amax().item()), device="cuda")
             q, qt = torch.empty_like(gate_up, dtype=E5M2.dtype), torch.empty_like(gate_up.t(), dtype=E5M2.dtype)
 
@@ -95,8 +107,10 @@ def main() -> int:
             cast = (enc, E5M2.max, qt)
             for launch in cast_launches:
                 name = "kernel + cast " + "x".join(map(str, launch))
-                print(f"{row} {name:>22} "
-                      f"{us(lambda: sw.launch_backward(lambda k: k, gate_up, grad, q, launch, True, cast)):>22}")
+                print(
+                    f"{row} {name:>22} "
+                    f"{us(lambda: sw.launch_backward(lambda k: k, gate_up, grad, q, launch, True, cast)):>22}"
+                )
             del q, qt
             del gate_up, grad, x, y, eager, out
     return 0

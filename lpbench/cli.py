@@ -16,6 +16,7 @@ import math
 import shlex
 import sys
 import uuid
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 from rich.table import Table
@@ -25,6 +26,9 @@ from lpbench.console import Parser, console, csv_list, stdout_failed, usable_str
 from lpbench.errors import Terminated, UsageError, raise_terminated
 from lpbench.paths import check_dir, check_file, write_file
 
+if TYPE_CHECKING:  # imported where used: `lpbench --help` imports no torch
+    from lpbench.config import RunConfig
+
 MAX_QUANT_ERROR_ELEMENTS = 1 << 28  # quant-error's sample tensors: about 1 GB each at this size
 
 
@@ -33,27 +37,54 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     from lpbench.config import RunConfig, add_config_args
 
     defaults = RunConfig()
-    recommended = {k: f"the recommended config with --gpu, else {defaults.default_text(k)}"
-                   for k in ("seq_len", "mbs", "gbs", "tp")}  # the flags --gpu fills
+    recommended = {
+        k: f"the recommended config with --gpu, else {defaults.default_text(k)}"
+        for k in ("seq_len", "mbs", "gbs", "tp")
+    }  # the flags --gpu fills
     add_config_args(p, default_texts=recommended)  # every RunConfig setting; unset ones stay None
-    p.add_argument("--gpu", default=None,
-                   help="take --seq-len/--mbs/--gbs/--tp (and --flops-formula) defaults from lpbench's recommended "
-                        "config for this GPU type (h100, h200, b200, gb200, cpu); explicit flags override")
-    p.add_argument("--num-gpus", type=int, default=None,
-                   help="GPU count of the recommended config to use with --gpu (default: the smallest listed)")
-    p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="start N processes (one per GPU) on this machine through torchrun; not needed when "
-                        "lpbench is started by torchrun or srun")
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help="take --seq-len/--mbs/--gbs/--tp (and --flops-formula) defaults from lpbench's recommended "
+        "config for this GPU type (h100, h200, b200, gb200, cpu); explicit flags override",
+    )
+    p.add_argument(
+        "--num-gpus",
+        type=int,
+        default=None,
+        help="GPU count of the recommended config to use with --gpu (default: the smallest listed)",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="start N processes (one per GPU) on this machine through torchrun; not needed when "
+        "lpbench is started by torchrun or srun",
+    )
     p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
-    p.add_argument("--wide", action="store_true",
-                   help="show every column of the summary table, however wide (default: fit the terminal)")
-    p.add_argument("--json", metavar="FILE", default=None,
-                   help="also write the summary table's rows (every number, unrounded) to FILE as JSON, for scripts")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print each config's predicted peak memory per GPU (as `lpbench memory`) and stop")
-    p.add_argument("--config", metavar="FILE", default=None,
-                   help="take settings from a TOML or YAML file of flag names and values (a sweep spec's keys; "
-                        "precision may be a list); flags given on the command line win")
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="show every column of the summary table, however wide (default: fit the terminal)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        default=None,
+        help="also write the summary table's rows (every number, unrounded) to FILE as JSON, for scripts",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print each config's predicted peak memory per GPU (as `lpbench memory`) and stop",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="take settings from a TOML or YAML file of flag names and values (a sweep spec's keys; "
+        "precision may be a list); flags given on the command line win",
+    )
 
 
 def sized_to_data(cfg, explicit: dict):
@@ -71,8 +102,11 @@ def sized_to_data(cfg, explicit: dict):
     from lpbench.parallel.env import is_main_process
 
     if is_main_process():  # a stale RANK in the shell is not a launch
-        print(f"lpbench: model {cfg.model}'s vocabulary of {model_vocab} resized to the data's {found[0]} "
-              f"(from {found[1]})", file=sys.stderr)
+        print(
+            f"lpbench: model {cfg.model}'s vocabulary of {model_vocab} resized to the data's {found[0]} "
+            f"(from {found[1]})",
+            file=sys.stderr,
+        )
     return cfg.with_(vocab_size=found[0])
 
 
@@ -93,9 +127,15 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
         explicit["model"] = hf_label(args.hf_checkpoint)
     world = world_size or planned_world(args.nproc_per_node)
     defaults = RunConfig()
-    recommended = recommended_defaults(args.gpu, args.num_gpus, model=explicit.get("model", defaults.model),
-                                       workload=explicit.get("workload", defaults.workload),
-                                       precision=(args.precision or [None])[0], explicit=explicit, world=world)
+    recommended = recommended_defaults(
+        args.gpu,
+        args.num_gpus,
+        model=explicit.get("model", defaults.model),
+        workload=explicit.get("workload", defaults.workload),
+        precision=(args.precision or [None])[0],
+        explicit=explicit,
+        world=world,
+    )
     base = RunConfig(**{**recommended, **explicit})  # explicit flags > the recommended config > RunConfig's defaults
     base = base.with_world(world, dp=args.dp)
     base = sized_to_data(base, explicit)
@@ -141,8 +181,9 @@ def cmd_run(args) -> int:
     store = open_store(args.results, create=False) if is_main else None
     group = uuid.uuid4().hex[:12]
     statuses = []
-    with RunsProgress(console, [(cfg.precision, cfg.steps) for cfg in configs], step_costs(configs),
-                      enabled=is_main) as progress:
+    with RunsProgress(
+        console, [(cfg.precision, cfg.steps) for cfg in configs], step_costs(configs), enabled=is_main
+    ) as progress:
         for i, cfg in enumerate(configs):
             progress.start(i)
             result = execute(cfg, results_dir=args.results, on_step=progress.step)
@@ -203,14 +244,23 @@ def cmd_flops(args) -> int:
     model = first_blocks(get_model_config(args.model), args.num_layers)
     label = model_label(args.model, args.num_layers)
     fpt = flops_per_token(model, args.seq_len, args.flops_formula)
-    out = {"model": label, "seq_len": args.seq_len, "formula": args.flops_formula, "flops_per_token": fpt,
-           "flops_per_sample": fpt * args.seq_len}
+    out = {
+        "model": label,
+        "seq_len": args.seq_len,
+        "formula": args.flops_formula,
+        "flops_per_token": fpt,
+        "flops_per_sample": fpt * args.seq_len,
+    }
     if args.tokens_per_sec_per_gpu is not None:
         if not (math.isfinite(args.tokens_per_sec_per_gpu) and args.tokens_per_sec_per_gpu > 0):
             raise UsageError("--tokens-per-sec-per-gpu must be positive")
-        out.update(tokens_per_sec_per_gpu=args.tokens_per_sec_per_gpu, num_gpus=args.num_gpus,
-                   tflops_per_gpu=tflops_per_gpu(fpt, args.tokens_per_sec_per_gpu), tokens=args.tokens,
-                   days_to_train=days_to_train(args.tokens, args.tokens_per_sec_per_gpu, args.num_gpus))
+        out.update(
+            tokens_per_sec_per_gpu=args.tokens_per_sec_per_gpu,
+            num_gpus=args.num_gpus,
+            tflops_per_gpu=tflops_per_gpu(fpt, args.tokens_per_sec_per_gpu),
+            tokens=args.tokens,
+            days_to_train=days_to_train(args.tokens, args.tokens_per_sec_per_gpu, args.num_gpus),
+        )
     if args.json:
         print(json.dumps(out))
         return 0
@@ -250,18 +300,34 @@ def cmd_models(args) -> int:
         notes += ["qk-norm"] if cfg.qk_norm else []
         notes += ["tied"] if cfg.tie_embeddings else []
         notes += [f"MoE {cfg.n_experts}x top-{cfg.top_k} ({cfg.router} routing)"] if cfg.n_experts else []
-        rows.append({"name": cfg.name, "layers": cfg.n_layers, "hidden": cfg.dim, "ffn": cfg.ffn_dim,
-                     "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "head_dim": cfg.hd, "vocab": cfg.vocab_size,
-                     "max_seq_len": cfg.max_seq_len, "params": params, "active_params": active,
-                     "notes": ", ".join(notes)})
+        rows.append(
+            {
+                "name": cfg.name,
+                "layers": cfg.n_layers,
+                "hidden": cfg.dim,
+                "ffn": cfg.ffn_dim,
+                "heads": cfg.n_heads,
+                "kv_heads": cfg.n_kv_heads,
+                "head_dim": cfg.hd,
+                "vocab": cfg.vocab_size,
+                "max_seq_len": cfg.max_seq_len,
+                "params": params,
+                "active_params": active,
+                "notes": ", ".join(notes),
+            }
+        )
     cols = ("name", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab")
 
     def size(p):
         return f"{p / 1e9:.2f} B" if p >= 1e8 else f"{p / 1e6:.1f} M"
 
-    return _show(rows, args.json, "lpbench models (parameters counted on the meta device)",
-                 {c: {} for c in (*cols, "params", "active", "notes")},
-                 lambda r: (*(str(r[c]) for c in cols), size(r["params"]), size(r["active_params"]), r["notes"]))
+    return _show(
+        rows,
+        args.json,
+        "lpbench models (parameters counted on the meta device)",
+        {c: {} for c in (*cols, "params", "active", "notes")},
+        lambda r: (*(str(r[c]) for c in cols), size(r["params"]), size(r["active_params"]), r["notes"]),
+    )
 
 
 def cmd_recipes(args) -> int:
@@ -276,15 +342,31 @@ def cmd_recipes(args) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rows = []
     for r in RECIPES.values():
-        params = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
-                  if f.name not in ("name", "description") and getattr(r, f.name) != f.default}
-        rows.append({"name": r.name, "path": "native" if native_supported(r, device) else "emulated",
-                     "params": {k: str(v).replace("torch.", "") for k, v in params.items()},
-                     "description": r.description})
-    return _show(rows, args.json, f"lpbench precision recipes (path on this device: {where})",
-                 {c: {"overflow": "fold"} for c in ("name", "path", "parameters", "description")},
-                 lambda r: (r["name"], r["path"], ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-",
-                            r["description"]))
+        params = {
+            f.name: getattr(r, f.name)
+            for f in dataclasses.fields(r)
+            if f.name not in ("name", "description") and getattr(r, f.name) != f.default
+        }
+        rows.append(
+            {
+                "name": r.name,
+                "path": "native" if native_supported(r, device) else "emulated",
+                "params": {k: str(v).replace("torch.", "") for k, v in params.items()},
+                "description": r.description,
+            }
+        )
+    return _show(
+        rows,
+        args.json,
+        f"lpbench precision recipes (path on this device: {where})",
+        {c: {"overflow": "fold"} for c in ("name", "path", "parameters", "description")},
+        lambda r: (
+            r["name"],
+            r["path"],
+            ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-",
+            r["description"],
+        ),
+    )
 
 
 def cmd_quant_error(args) -> int:
@@ -303,25 +385,39 @@ def cmd_quant_error(args) -> int:
     if len(args.shape) != 2 or min(args.shape) <= 0:
         raise UsageError("--shape takes two positive integers, e.g. --shape 512 1024")
     if args.shape[0] * args.shape[1] > MAX_QUANT_ERROR_ELEMENTS:
-        raise UsageError(f"--shape {args.shape[0]} {args.shape[1]}: more than {MAX_QUANT_ERROR_ELEMENTS:,} elements "
-                         "(a sample tensor, not a model)")
+        raise UsageError(
+            f"--shape {args.shape[0]} {args.shape[1]}: more than {MAX_QUANT_ERROR_ELEMENTS:,} elements "
+            "(a sample tensor, not a model)"
+        )
     try:
-        rows = quant_error_table(recipes, args.role or ROLES, args.distribution or DISTRIBUTIONS,
-                                 shape=tuple(args.shape), seed=args.seed)
+        rows = quant_error_table(
+            recipes, args.role or ROLES, args.distribution or DISTRIBUTIONS, shape=tuple(args.shape), seed=args.seed
+        )
     except MemoryError:
-        raise UsageError(f"--shape {args.shape[0]} {args.shape[1]}: not enough memory for it; pick a smaller "
-                         "shape") from None
+        raise UsageError(
+            f"--shape {args.shape[0]} {args.shape[1]}: not enough memory for it; pick a smaller shape"
+        ) from None
     except RuntimeError as exc:
         if "alloc" not in str(exc).lower():
             raise
-        raise UsageError(f"--shape {args.shape[0]} {args.shape[1]}: not enough memory for it; pick a smaller "
-                         "shape") from None
+        raise UsageError(
+            f"--shape {args.shape[0]} {args.shape[1]}: not enough memory for it; pick a smaller shape"
+        ) from None
     except ValueError as exc:  # a block that does not divide --shape (NVFP4 pads; the others do not)
         raise UsageError(f"{exc}; pick a --shape the recipes' blocks divide, or fewer --precision") from None
-    return _show(rows, args.json, f"quantization error on {args.shape[0]}x{args.shape[1]} tensors (blocks along "
-                 "the last dim)", {"distribution": {}, "recipe": {}, "role": {}, "relative error": {"justify": "right"},
-                                   "SQNR dB": {"justify": "right"}},
-                 lambda r: (r["distribution"], r["recipe"], r["role"], f"{r['rel_error']:.3e}", f"{r['sqnr_db']:.1f}"))
+    return _show(
+        rows,
+        args.json,
+        f"quantization error on {args.shape[0]}x{args.shape[1]} tensors (blocks along the last dim)",
+        {
+            "distribution": {},
+            "recipe": {},
+            "role": {},
+            "relative error": {"justify": "right"},
+            "SQNR dB": {"justify": "right"},
+        },
+        lambda r: (r["distribution"], r["recipe"], r["role"], f"{r['rel_error']:.3e}", f"{r['sqnr_db']:.1f}"),
+    )
 
 
 # ----------------------------------------------------------------------------- slurm
@@ -337,24 +433,42 @@ def cmd_slurm(args) -> int:
     run_parser = Parser(prog="lpbench slurm ... -- <lpbench run flags>")
     add_run_args(run_parser)
     configs_from_args(run_parser.parse_args(run_args), world_size=args.nodes * args.gpus_per_node)
-    script = sbatch_script(run_args, nodes=args.nodes, gpus_per_node=args.gpus_per_node, launcher=args.launcher,
-                           container=args.container, container_mounts=args.container_mounts,
-                           job_name=args.job_name, time=args.time, partition=args.partition, account=args.account)
+    script = sbatch_script(
+        run_args,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        launcher=args.launcher,
+        container=args.container,
+        container_mounts=args.container_mounts,
+        job_name=args.job_name,
+        time=args.time,
+        partition=args.partition,
+        account=args.account,
+    )
     write_file(args.output, script)
-    print(f"wrote {args.output}: {args.nodes} node(s) x {args.gpus_per_node} GPU(s), {args.launcher} launch\n"
-          f"submit it with: sbatch {shlex.quote(args.output)}")
+    print(
+        f"wrote {args.output}: {args.nodes} node(s) x {args.gpus_per_node} GPU(s), {args.launcher} launch\n"
+        f"submit it with: sbatch {shlex.quote(args.output)}"
+    )
     return 0
 
 
 def add_slurm_parser(sub) -> None:
     from lpbench.parallel.slurm import LAUNCHERS
 
-    p = sub.add_parser("slurm", help=COMMANDS["slurm"][0],
-                       description="Write an sbatch script; the flags after -- are passed to `lpbench run`.")
+    p = sub.add_parser(
+        "slurm",
+        help=COMMANDS["slurm"][0],
+        description="Write an sbatch script; the flags after -- are passed to `lpbench run`.",
+    )
     p.add_argument("--nodes", type=int, required=True, help="number of nodes")
     p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (processes) per node")
-    p.add_argument("--launcher", choices=LAUNCHERS, default="torchrun",
-                   help="torchrun: one task per node running torchrun (default); srun: one task per GPU")
+    p.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="torchrun",
+        help="torchrun: one task per node running torchrun (default); srun: one task per GPU",
+    )
     p.add_argument("--container", metavar="IMAGE", help="run in this container image (Pyxis --container-image)")
     p.add_argument("--container-mounts", help="Pyxis --container-mounts (default: the submit directory)")
     p.add_argument("--job-name", default="lpbench", help="job name, also the log file's prefix (default lpbench)")
@@ -393,19 +507,37 @@ def add_converge_parser(sub) -> None:
 
 def add_report_parser(sub) -> None:
     p = sub.add_parser("report", help=COMMANDS["report"][0])
-    p.add_argument("--results", action="append", metavar="DIR",
-                   help="results folder (default ./lpbench-results); repeat it to report several databases together")
-    p.add_argument("--format", choices=["md", "csv", "json"], default="md",
-                   help="stdout format: md (one table per workload + time to train 1T tokens), or csv/json "
-                        "(one flat row per run) (default md)")
+    p.add_argument(
+        "--results",
+        action="append",
+        metavar="DIR",
+        help="results folder (default ./lpbench-results); repeat it to report several databases together",
+    )
+    p.add_argument(
+        "--format",
+        choices=["md", "csv", "json"],
+        default="md",
+        help="stdout format: md (one table per workload + time to train 1T tokens), or csv/json "
+        "(one flat row per run) (default md)",
+    )
     p.add_argument("--html", metavar="FILE", help="also write one self-contained HTML page (tables + plots)")
     p.add_argument("--plots", metavar="DIR", help="also write the PNG plots into DIR")
-    p.add_argument("--group", action="append", metavar="ID",
-                   help="only runs of this sweep id or `lpbench run` group id (repeatable, or comma-separated)")
-    p.add_argument("--list", action="store_true",
-                   help="list the groups (id, when, runs, what differs between them) instead of the tables")
-    p.add_argument("--wide", action="store_true",
-                   help="md only: every column, however wide (default: the columns that differ between runs)")
+    p.add_argument(
+        "--group",
+        action="append",
+        metavar="ID",
+        help="only runs of this sweep id or `lpbench run` group id (repeatable, or comma-separated)",
+    )
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="list the groups (id, when, runs, what differs between them) instead of the tables",
+    )
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="md only: every column, however wide (default: the columns that differ between runs)",
+    )
     p.set_defaults(func=cmd_report)
 
 
@@ -440,8 +572,7 @@ def add_quant_error_parser(sub) -> None:
     p = sub.add_parser("quant-error", help=COMMANDS["quant-error"][0])
     p.add_argument("--precision", type=csv_list, help="recipes to compare (default: all)")
     p.add_argument("--role", type=csv_list, help="operand roles: input, weight, grad (default: all)")
-    p.add_argument("--distribution", type=csv_list,
-                   help="gaussian, student-t, outlier-channel (default: all)")
+    p.add_argument("--distribution", type=csv_list, help="gaussian, student-t, outlier-channel (default: all)")
     p.add_argument("--shape", type=int, nargs="+", default=[512, 1024], help="tensor shape (default 512 1024)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -457,11 +588,17 @@ def add_data_parser(sub) -> None:
 COMMANDS = {  # name: (the one line `lpbench --help` lists, what adds the command's full parser)
     "run": ("train one or more precisions on the same work and compare them", add_run_parser),
     "sweep": ("run a grid of configs from a YAML spec, one subprocess per run, resumable", add_sweep_parser),
-    "converge": ("train several precisions on the same real data and compare their validation loss with the "
-                 "first (pass/fail per tolerance)", add_converge_parser),
+    "converge": (
+        "train several precisions on the same real data and compare their validation loss with the "
+        "first (pass/fail per tolerance)",
+        add_converge_parser,
+    ),
     "report": ("tables (NeMo style), plots and an HTML page from the results database", add_report_parser),
-    "memory": ("predicted peak memory per GPU of a run (the `run` flags; world size from --num-gpus or "
-               "--nproc-per-node), whether it fits --gpu, what would fit", add_memory_parser),
+    "memory": (
+        "predicted peak memory per GPU of a run (the `run` flags; world size from --num-gpus or "
+        "--nproc-per-node), whether it fits --gpu, what would fit",
+        add_memory_parser,
+    ),
     "flops": ("model FLOPs per token/sample, TFLOP/s for a throughput, days to train", add_flops_parser),
     "models": ("list the model zoo with parameter counts", add_models_parser),
     "recipes": ("list the precision recipes, their parameters and native/emulated here", add_recipes_parser),
@@ -473,11 +610,13 @@ COMMANDS = {  # name: (the one line `lpbench --help` lists, what adds the comman
 
 def build_parser(command: str | None = None) -> Parser:
     """The CLI's parser: every command's flags, or only ``command``'s (the others listed by name and help)."""
-    parser = Parser(prog="lpbench",
-                    description="Pretrain, fine-tune and benchmark decoder LLMs in BF16, FP8, MXFP8 and NVFP4, "
-                                "side by side: throughput, memory and whether each precision still learns.",
-                    epilog="Start with `lpbench run` (the tiny model in four precisions, then a summary table); "
-                           "`lpbench COMMAND --help` describes each command.")
+    parser = Parser(
+        prog="lpbench",
+        description="Pretrain, fine-tune and benchmark decoder LLMs in BF16, FP8, MXFP8 and NVFP4, "
+        "side by side: throughput, memory and whether each precision still learns.",
+        epilog="Start with `lpbench run` (the tiny model in four precisions, then a summary table); "
+        "`lpbench COMMAND --help` describes each command.",
+    )
     parser.add_argument("--version", action="version", version=f"lpbench {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser, required=True)
     for name, (help_text, add) in COMMANDS.items():
@@ -514,8 +653,11 @@ def _main(argv: list[str] | None) -> int:
     import signal
     import threading
 
-    previous = signal.signal(signal.SIGTERM, raise_terminated) if threading.current_thread() is threading.main_thread() \
+    previous = (
+        signal.signal(signal.SIGTERM, raise_terminated)
+        if threading.current_thread() is threading.main_thread()
         else None
+    )
     try:
         code = args.func(args)
         sys.stdout.flush()  # a broken pipe or a full /dev/full is found here, not at exit

@@ -26,8 +26,16 @@ MAX_SIZE = 2**31 - 1  # sizes, counts and steps: what int32 indexing and the dat
 MAX_SEED = 2**63 - 1  # torch, numpy and random all take a seed below 2**63
 SECTIONS = ("model", "precision", "parallel", "data", "optim", "observe", "other")  # --help groups, in order
 # A setting's facts (``arg``'s keywords) and their values when a field does not state them.
-FACTS = {"section": "other", "key": True, "resume": False, "layout": False, "converge": False, "sweep": True,
-         "many": False, "derive": None}
+FACTS = {
+    "section": "other",
+    "key": True,
+    "resume": False,
+    "layout": False,
+    "converge": False,
+    "sweep": True,
+    "many": False,
+    "derive": None,
+}
 
 
 def check_number(name: str, value, kind: type) -> None:
@@ -78,181 +86,435 @@ class RunConfig:
     access stays flat (``cfg.tp``)."""
 
     # --- model: what is trained
-    model: str = field(default="tiny", metadata=arg(
-        "model name from `lpbench models` (with --hf-checkpoint: hf:<folder>, or a zoo model of the "
-        "checkpoint's shape to label the run)", section="model", resume=True, converge=True))
-    num_layers: int | None = field(default=None, metadata=arg(
-        "keep the model's first N blocks (widths and vocabulary unchanged), as Megatron's --num-layers: measures "
-        "a large model's blocks on one GPU; labelled model@NL, FLOPs and parameters counted for what ran", "all",
-        metavar="N", section="model", resume=True, converge=True))
-    vocab_size: int | None = field(default=None, metadata=arg(
-        "override the zoo model's vocabulary (>= the data's token ids)", "the model's", metavar="N",
-        section="model", resume=True))
-    hf_checkpoint: str | None = field(default=None, metadata=arg(
-        "start from a local Hugging Face Llama/Qwen3/Qwen3-MoE folder (config.json + *.safetensors): its architecture "
-        "and weights instead of a randomly initialised --model", "none", metavar="PATH", section="model"))
-    workload: str = field(default="pretrain", metadata=arg(
-        "pretrain; sft: packed prompt/response samples, loss on responses, attention per sample; lora: sft "
-        "with a frozen base and trained low-rank adapters", choices=WORKLOADS, section="model", resume=True))
-    lora_rank: int = field(default=32, metadata=arg(  # NeMo's and Megatron-Bridge's
-        "LoRA adapter rank", section="model", resume=True))
-    lora_alpha: float = field(default=32.0, metadata=arg(
-        "LoRA alpha; adapters are scaled by alpha / rank", section="model"))
-    lora_targets: str = field(default="qkv,o,mlp", metadata=arg(
-        "linears of every block that get adapters: qkv, o, mlp (or gate_up, up, down)", section="model",
-        resume=True))
-    lora_base_storage: str = field(default="bf16", metadata=arg(
-        "frozen base weights in BF16, quantized by the recipe every step, or quantized once in the "
-        "recipe's format with the BF16 copy freed (less memory, same numerics)", choices=LORA_BASE_STORAGES,
-        section="model"))
-    moe_aux_loss_coeff: float = field(default=0.0, metadata=arg(
-        "MoE load-balancing loss coefficient (Switch/Megatron: E x sum of token share x mean probability per "
-        "expert, per layer; e.g. 0.01), applied as router gradients: lm loss stays the cross-entropy",
-        section="model"))
-    moe_z_loss_coeff: float = field(default=0.0, metadata=arg(
-        "MoE router z-loss coefficient (ST-MoE; e.g. 0.001)", section="model"))
-    fused_loss: bool = field(default=False, metadata=arg(
-        "LM head + cross-entropy over chunks of tokens, never the whole batch's FP32 logits (exact: the unfused "
-        "head's loss and gradients up to summation order); cuts memory where the head runs eagerly (CPU, "
-        "--no-compile); benchmarks/RESULTS.md compares the two", section="model"))
+    model: str = field(
+        default="tiny",
+        metadata=arg(
+            "model name from `lpbench models` (with --hf-checkpoint: hf:<folder>, or a zoo model of the "
+            "checkpoint's shape to label the run)",
+            section="model",
+            resume=True,
+            converge=True,
+        ),
+    )
+    num_layers: int | None = field(
+        default=None,
+        metadata=arg(
+            "keep the model's first N blocks (widths and vocabulary unchanged), as Megatron's --num-layers: measures "
+            "a large model's blocks on one GPU; labelled model@NL, FLOPs and parameters counted for what ran",
+            "all",
+            metavar="N",
+            section="model",
+            resume=True,
+            converge=True,
+        ),
+    )
+    vocab_size: int | None = field(
+        default=None,
+        metadata=arg(
+            "override the zoo model's vocabulary (>= the data's token ids)",
+            "the model's",
+            metavar="N",
+            section="model",
+            resume=True,
+        ),
+    )
+    hf_checkpoint: str | None = field(
+        default=None,
+        metadata=arg(
+            "start from a local Hugging Face Llama/Qwen3/Qwen3-MoE folder (config.json + *.safetensors): its architecture "
+            "and weights instead of a randomly initialised --model",
+            "none",
+            metavar="PATH",
+            section="model",
+        ),
+    )
+    workload: str = field(
+        default="pretrain",
+        metadata=arg(
+            "pretrain; sft: packed prompt/response samples, loss on responses, attention per sample; lora: sft "
+            "with a frozen base and trained low-rank adapters",
+            choices=WORKLOADS,
+            section="model",
+            resume=True,
+        ),
+    )
+    lora_rank: int = field(
+        default=32,
+        metadata=arg(  # NeMo's and Megatron-Bridge's
+            "LoRA adapter rank", section="model", resume=True
+        ),
+    )
+    lora_alpha: float = field(
+        default=32.0, metadata=arg("LoRA alpha; adapters are scaled by alpha / rank", section="model")
+    )
+    lora_targets: str = field(
+        default="qkv,o,mlp",
+        metadata=arg(
+            "linears of every block that get adapters: qkv, o, mlp (or gate_up, up, down)", section="model", resume=True
+        ),
+    )
+    lora_base_storage: str = field(
+        default="bf16",
+        metadata=arg(
+            "frozen base weights in BF16, quantized by the recipe every step, or quantized once in the "
+            "recipe's format with the BF16 copy freed (less memory, same numerics)",
+            choices=LORA_BASE_STORAGES,
+            section="model",
+        ),
+    )
+    moe_aux_loss_coeff: float = field(
+        default=0.0,
+        metadata=arg(
+            "MoE load-balancing loss coefficient (Switch/Megatron: E x sum of token share x mean probability per "
+            "expert, per layer; e.g. 0.01), applied as router gradients: lm loss stays the cross-entropy",
+            section="model",
+        ),
+    )
+    moe_z_loss_coeff: float = field(
+        default=0.0, metadata=arg("MoE router z-loss coefficient (ST-MoE; e.g. 0.001)", section="model")
+    )
+    fused_loss: bool = field(
+        default=False,
+        metadata=arg(
+            "LM head + cross-entropy over chunks of tokens, never the whole batch's FP32 logits (exact: the unfused "
+            "head's loss and gradients up to summation order); cuts memory where the head runs eagerly (CPU, "
+            "--no-compile); benchmarks/RESULTS.md compares the two",
+            section="model",
+        ),
+    )
 
     # --- precision: how the GEMMs are computed
-    precision: str = field(default="bf16", metadata=arg(
-        "comma-separated recipes from `lpbench recipes` (RECIPE-no-INGREDIENT for an ablation), run one after "
-        "another on the same work and compared against the first",
-        f"{','.join(DEFAULT_PRECISIONS)}, emulating what the device lacks", metavar="A,B", many=True,
-        section="precision", resume=True, converge=True))
-    backend: str = field(default="lpbench", metadata=arg(  # torchao: its training linears (FP8, MXFP8, NVFP4)
-        "lpbench or torchao: run fp8-tensorwise/-rowwise/-rowwise-gw-hp through torchao's "
-        "convert_to_float8_training, mxfp8 through its MXFP8Linear and nvfp4 through its NVFP4Linear (compute "
-        "capability 10.x only) on the same linears, MoE experts with fp8-rowwise through "
-        "torchao.prototype.moe_training (needs lpbench[torchao])", section="precision", resume=True))
-    emulate: bool | str | None = field(default=None, metadata=arg(
-        "exact emulation (slower, same numerics) of the recipes this device cannot run natively; --emulate "
-        "always: emulate even those it runs natively, to compare the two paths", "on for CPU, off on GPU",
-        words=(EMULATE_ALWAYS,), off="refuse a recipe this device cannot run natively", section="precision",
-        converge=True))
+    precision: str = field(
+        default="bf16",
+        metadata=arg(
+            "comma-separated recipes from `lpbench recipes` (RECIPE-no-INGREDIENT for an ablation), run one after "
+            "another on the same work and compared against the first",
+            f"{','.join(DEFAULT_PRECISIONS)}, emulating what the device lacks",
+            metavar="A,B",
+            many=True,
+            section="precision",
+            resume=True,
+            converge=True,
+        ),
+    )
+    backend: str = field(
+        default="lpbench",
+        metadata=arg(  # torchao: its training linears (FP8, MXFP8, NVFP4)
+            "lpbench or torchao: run fp8-tensorwise/-rowwise/-rowwise-gw-hp through torchao's "
+            "convert_to_float8_training, mxfp8 through its MXFP8Linear and nvfp4 through its NVFP4Linear (compute "
+            "capability 10.x only) on the same linears, MoE experts with fp8-rowwise through "
+            "torchao.prototype.moe_training (needs lpbench[torchao])",
+            section="precision",
+            resume=True,
+        ),
+    )
+    emulate: bool | str | None = field(
+        default=None,
+        metadata=arg(
+            "exact emulation (slower, same numerics) of the recipes this device cannot run natively; --emulate "
+            "always: emulate even those it runs natively, to compare the two paths",
+            "on for CPU, off on GPU",
+            words=(EMULATE_ALWAYS,),
+            off="refuse a recipe this device cannot run natively",
+            section="precision",
+            converge=True,
+        ),
+    )
 
     # --- parallel: where and how it runs
-    device: str = field(default="auto", metadata=arg(
-        "auto (GPU if present), cpu, cuda or cuda:N", section="parallel", converge=True))
-    tp: int = field(default=1, metadata=arg(
-        "tensor-parallel size", aliases=("-tp",), section="parallel", resume=True, layout=True))
-    ep: int = field(default=1, metadata=arg(
-        "expert-parallel size: each MoE layer's experts spread over this many data-parallel ranks, tokens "
-        "exchanged all-to-all; must divide the experts and the data-parallel size", section="parallel",
-        resume=True, layout=True))
-    dp: int = field(default=1, metadata=arg(
-        "data-parallel size; DP = world size / (TP x PP x CP), so only a check", "derived", section="parallel", resume=True,
-        layout=True))
-    pp: int = field(default=1, metadata=arg(
-        "pipeline-parallel size (not supported yet: 1 only)", section="parallel", resume=True, layout=True))
-    cp: int = field(default=1, metadata=arg(
-        "context-parallel size (not supported yet: 1 only)", section="parallel", resume=True, layout=True))
-    dp_replicate: int = field(default=1, metadata=arg(
-        "with --fsdp, HSDP: this many replicas of the FSDP shards (shard within a group of DP / N ranks, e.g. a "
-        "node; gradients all-reduced across the replicas)", metavar="N", section="parallel", resume=True,
-        layout=True))
-    fsdp: bool = field(default=False, metadata=arg(
-        "shard the data-parallel dimension with FSDP2 (per-block groups, BF16 all-gather on CUDA, FP32 "
-        "gradient reduce-scatter) instead of DDP", section="parallel", resume=True, layout=True))
-    fsdp_fp8_all_gather: bool = field(default=False, metadata=arg(
-        "with --fsdp and fp8-tensorwise/-delayed: all-gather the quantized linears' weights as FP8 codes "
-        "(1 byte/element) under one scale for the whole weight, used as gathered", section="parallel",
-        layout=True))
-    fsdp_shard: str = field(default="zero3", metadata=arg(
-        "what FSDP2 keeps sharded between uses: zero3 (parameters re-gathered for every micro-batch's forward "
-        "and backward), zero2 (gathered once per micro-batch, kept from forward to backward), zero1 "
-        "(gathered once per optimizer step, kept unsharded across the micro-batches of gradient accumulation; "
-        "most memory); gradients are reduce-scattered once per step in all three", choices=FSDP_SHARDS,
-        section="parallel", layout=True))
-    grad_reduce_dtype: str = field(default="fp32", metadata=arg(
-        "dtype of the data-parallel gradient reduction (FSDP2 reduce-scatter, DDP all-reduce)",
-        choices=GRAD_REDUCE_DTYPES, section="parallel", resume=True))
-    sequence_parallel: bool = field(default=True, metadata=arg(
-        "with --tp > 1, split norms and residuals along the sequence", section="parallel", layout=True))
-    recompute: str = field(default="none", metadata=arg(
-        "activation recomputation: none; selective (each block keeps its attention and every other GEMM's "
-        "output, reruns the rest in the backward); full (each block keeps its input, reruns its forward); "
-        "exact for every recipe", choices=RECOMPUTES, section="parallel", layout=True))
-    recompute_every: int = field(default=1, metadata=arg(
-        "with --recompute: recompute every K-th block (blocks 0, K, 2K, ...)", metavar="K", section="parallel",
-        layout=True))
-    compile: bool | None = field(default=None, metadata=arg(
-        "torch.compile the model", "on for CUDA, off for CPU", section="parallel", layout=True, converge=True))
-    compile_scope: str = field(default="block", metadata=arg(
-        "what one compiled graph holds: each block and the output head apart (compiles one block's code for "
-        "all), or the whole model (one process or DDP: slower to compile, fuses across blocks)",
-        choices=COMPILE_SCOPES, section="parallel", layout=True))
+    device: str = field(
+        default="auto", metadata=arg("auto (GPU if present), cpu, cuda or cuda:N", section="parallel", converge=True)
+    )
+    tp: int = field(
+        default=1, metadata=arg("tensor-parallel size", aliases=("-tp",), section="parallel", resume=True, layout=True)
+    )
+    ep: int = field(
+        default=1,
+        metadata=arg(
+            "expert-parallel size: each MoE layer's experts spread over this many data-parallel ranks, tokens "
+            "exchanged all-to-all; must divide the experts and the data-parallel size",
+            section="parallel",
+            resume=True,
+            layout=True,
+        ),
+    )
+    dp: int = field(
+        default=1,
+        metadata=arg(
+            "data-parallel size; DP = world size / (TP x PP x CP), so only a check",
+            "derived",
+            section="parallel",
+            resume=True,
+            layout=True,
+        ),
+    )
+    pp: int = field(
+        default=1,
+        metadata=arg(
+            "pipeline-parallel size (not supported yet: 1 only)", section="parallel", resume=True, layout=True
+        ),
+    )
+    cp: int = field(
+        default=1,
+        metadata=arg("context-parallel size (not supported yet: 1 only)", section="parallel", resume=True, layout=True),
+    )
+    dp_replicate: int = field(
+        default=1,
+        metadata=arg(
+            "with --fsdp, HSDP: this many replicas of the FSDP shards (shard within a group of DP / N ranks, e.g. a "
+            "node; gradients all-reduced across the replicas)",
+            metavar="N",
+            section="parallel",
+            resume=True,
+            layout=True,
+        ),
+    )
+    fsdp: bool = field(
+        default=False,
+        metadata=arg(
+            "shard the data-parallel dimension with FSDP2 (per-block groups, BF16 all-gather on CUDA, FP32 "
+            "gradient reduce-scatter) instead of DDP",
+            section="parallel",
+            resume=True,
+            layout=True,
+        ),
+    )
+    fsdp_fp8_all_gather: bool = field(
+        default=False,
+        metadata=arg(
+            "with --fsdp and fp8-tensorwise/-delayed: all-gather the quantized linears' weights as FP8 codes "
+            "(1 byte/element) under one scale for the whole weight, used as gathered",
+            section="parallel",
+            layout=True,
+        ),
+    )
+    fsdp_shard: str = field(
+        default="zero3",
+        metadata=arg(
+            "what FSDP2 keeps sharded between uses: zero3 (parameters re-gathered for every micro-batch's forward "
+            "and backward), zero2 (gathered once per micro-batch, kept from forward to backward), zero1 "
+            "(gathered once per optimizer step, kept unsharded across the micro-batches of gradient accumulation; "
+            "most memory); gradients are reduce-scattered once per step in all three",
+            choices=FSDP_SHARDS,
+            section="parallel",
+            layout=True,
+        ),
+    )
+    grad_reduce_dtype: str = field(
+        default="fp32",
+        metadata=arg(
+            "dtype of the data-parallel gradient reduction (FSDP2 reduce-scatter, DDP all-reduce)",
+            choices=GRAD_REDUCE_DTYPES,
+            section="parallel",
+            resume=True,
+        ),
+    )
+    sequence_parallel: bool = field(
+        default=True,
+        metadata=arg("with --tp > 1, split norms and residuals along the sequence", section="parallel", layout=True),
+    )
+    recompute: str = field(
+        default="none",
+        metadata=arg(
+            "activation recomputation: none; selective (each block keeps its attention and every other GEMM's "
+            "output, reruns the rest in the backward); full (each block keeps its input, reruns its forward); "
+            "exact for every recipe",
+            choices=RECOMPUTES,
+            section="parallel",
+            layout=True,
+        ),
+    )
+    recompute_every: int = field(
+        default=1,
+        metadata=arg(
+            "with --recompute: recompute every K-th block (blocks 0, K, 2K, ...)",
+            metavar="K",
+            section="parallel",
+            layout=True,
+        ),
+    )
+    compile: bool | None = field(
+        default=None,
+        metadata=arg(
+            "torch.compile the model", "on for CUDA, off for CPU", section="parallel", layout=True, converge=True
+        ),
+    )
+    compile_scope: str = field(
+        default="block",
+        metadata=arg(
+            "what one compiled graph holds: each block and the output head apart (compiles one block's code for "
+            "all), or the whole model (one process or DDP: slower to compile, fuses across blocks)",
+            choices=COMPILE_SCOPES,
+            section="parallel",
+            layout=True,
+        ),
+    )
 
     # --- data: what the model reads, in which batches
-    data: str = field(default="mock", metadata=arg(
-        "mock (learnable random-walk tokens), mock-uniform (NeMo's uniform tokens), a text/JSONL/parquet file "
-        "or folder, or a Megatron .bin/.idx prefix; for sft/lora: mock (prompt/response samples) or a "
-        "JSONL/parquet file or folder of them", section="data", resume=True, converge=True))
-    seq_len: int = field(default=256, metadata=arg(
-        "sequence length", section="data", resume=True, converge=True))
-    mbs: int = field(default=8, metadata=arg(
-        "micro batch size per GPU", section="data", resume=True, converge=True))
-    gbs: int | None = field(default=None, metadata=arg(
-        "global batch size; grad accumulation = GBS / (MBS x DP)", "MBS x DP",
-        derive=lambda c: c.mbs * c.dp, section="data", resume=True, converge=True))
-    seed: int = field(default=1234, metadata=arg(
-        "random seed for weights and data", section="data", resume=True, converge=True))
+    data: str = field(
+        default="mock",
+        metadata=arg(
+            "mock (learnable random-walk tokens), mock-uniform (NeMo's uniform tokens), a text/JSONL/parquet file "
+            "or folder, or a Megatron .bin/.idx prefix; for sft/lora: mock (prompt/response samples) or a "
+            "JSONL/parquet file or folder of them",
+            section="data",
+            resume=True,
+            converge=True,
+        ),
+    )
+    seq_len: int = field(default=256, metadata=arg("sequence length", section="data", resume=True, converge=True))
+    mbs: int = field(default=8, metadata=arg("micro batch size per GPU", section="data", resume=True, converge=True))
+    gbs: int | None = field(
+        default=None,
+        metadata=arg(
+            "global batch size; grad accumulation = GBS / (MBS x DP)",
+            "MBS x DP",
+            derive=lambda c: c.mbs * c.dp,
+            section="data",
+            resume=True,
+            converge=True,
+        ),
+    )
+    seed: int = field(
+        default=1234, metadata=arg("random seed for weights and data", section="data", resume=True, converge=True)
+    )
 
     # --- optim: the optimizer and its schedule
     steps: int = field(default=40, metadata=arg("optimizer steps", section="optim"))
-    lr: float | None = field(default=None, metadata=arg(
-        "peak learning rate", "3e-3 for the CPU-sized presets, 3e-4 otherwise", section="optim", converge=True))
-    lr_warmup_steps: int | None = field(default=None, metadata=arg(
-        "steps of linear learning-rate warm-up", "10%% of --steps, at least 1", metavar="N", section="optim"))
-    min_lr_ratio: float = field(default=0.1, metadata=arg(
-        "cosine decay ends at this fraction of the peak learning rate", section="optim"))
-    weight_decay: float = field(default=0.1, metadata=arg(
-        "AdamW's decoupled weight decay of the weight matrices", section="optim"))
-    grad_clip: float = field(default=1.0, metadata=arg(
-        "clip the gradients' global norm to this", section="optim"))
+    lr: float | None = field(
+        default=None,
+        metadata=arg(
+            "peak learning rate", "3e-3 for the CPU-sized presets, 3e-4 otherwise", section="optim", converge=True
+        ),
+    )
+    lr_warmup_steps: int | None = field(
+        default=None,
+        metadata=arg(
+            "steps of linear learning-rate warm-up", "10%% of --steps, at least 1", metavar="N", section="optim"
+        ),
+    )
+    min_lr_ratio: float = field(
+        default=0.1, metadata=arg("cosine decay ends at this fraction of the peak learning rate", section="optim")
+    )
+    weight_decay: float = field(
+        default=0.1, metadata=arg("AdamW's decoupled weight decay of the weight matrices", section="optim")
+    )
+    grad_clip: float = field(default=1.0, metadata=arg("clip the gradients' global norm to this", section="optim"))
 
     # --- observe: what is measured and kept, not what is trained (most are out of the run key)
-    warmup_steps: int | None = field(default=None, metadata=arg(
-        "first steps excluded from timing", "min(10, steps / 2)", derive=lambda c: min(10, c.steps // 2),
-        section="observe"))
-    flops_formula: str = field(default="megatron", metadata=arg(
-        "model FLOPs formula for TFLOP/s and MFU: megatron, nemo-legacy or mha",
-        "megatron; with --gpu, the formula of the row's published table", aliases=("--formula",),
-        section="observe", key=False))  # converts the measured tokens/s: runs differing only in it are one run
-    log_interval: int = field(default=1, metadata=arg(
-        "print a log line every N steps", section="observe", converge=True))
-    eval_every: int = field(default=0, metadata=arg(
-        "validation loss every K steps and at the last step", "0: never", metavar="K", section="observe",
-        converge=True))
-    eval_batches: int = field(default=0, metadata=arg(
-        "micro-batches per evaluation", "0: the whole validation split", metavar="N", section="observe",
-        converge=True))
-    save_every: int = field(default=0, metadata=arg(
-        "write a checkpoint every K steps (not at the end unless K divides --steps) as --save-dir/step-K; "
-        "needs --save-dir and one --precision", "0: never", metavar="K", section="observe", key=False,
-        sweep=False))
-    save_dir: str | None = field(default=None, metadata=arg(
-        "folder for --save-every's checkpoints (model, optimizer, LR schedule, data position, RNG; written "
-        "atomically, an existing step-K is replaced)", "none", metavar="DIR", section="observe", key=False,
-        sweep=False))
-    load: str | None = field(default=None, metadata=arg(
-        "resume from a checkpoint: DIR/step-K, or DIR for its latest step-K; continues at step K+1 up to "
-        "--steps, reproducing the uninterrupted run's losses; model, precision, shapes, parallel layout, "
-        "data and seed must match the checkpoint's", "none", metavar="PATH", section="observe", key=False,
-        sweep=False))
-    profile_steps: str | None = field(default=None, metadata=arg(
-        "profile steps A..B (inclusive; pick them after warm-up) with torch.profiler: a Chrome trace in "
-        "RESULTS/profiles/<run key>/ and a GEMM / quantize / attention / comm / other time table; profiled "
-        "steps are left out of the timing", "none", metavar="A:B", section="observe", key=False))
-    tensorboard: str | None = field(default=None, metadata=arg(
-        "also write each step's metrics as TensorBoard scalars to DIR/<model>-<precision>-<run key> (needs "
-        "`pip install tensorboard`)", "none", metavar="DIR", section="observe", key=False))
-    wandb: str | None = field(default=None, metadata=arg(
-        "also log each step's metrics to Weights & Biases, offline, into DIR (project lpbench, one run per "
-        "precision; `wandb sync DIR/wandb/offline-run-*` uploads them later; needs `pip install wandb`)", "none",
-        metavar="DIR", section="observe", key=False))
+    warmup_steps: int | None = field(
+        default=None,
+        metadata=arg(
+            "first steps excluded from timing",
+            "min(10, steps / 2)",
+            derive=lambda c: min(10, c.steps // 2),
+            section="observe",
+        ),
+    )
+    flops_formula: str = field(
+        default="megatron",
+        metadata=arg(
+            "model FLOPs formula for TFLOP/s and MFU: megatron, nemo-legacy or mha",
+            "megatron; with --gpu, the formula of the row's published table",
+            aliases=("--formula",),
+            section="observe",
+            key=False,
+        ),
+    )  # converts the measured tokens/s: runs differing only in it are one run
+    log_interval: int = field(
+        default=1, metadata=arg("print a log line every N steps", section="observe", converge=True)
+    )
+    eval_every: int = field(
+        default=0,
+        metadata=arg(
+            "validation loss every K steps and at the last step",
+            "0: never",
+            metavar="K",
+            section="observe",
+            converge=True,
+        ),
+    )
+    eval_batches: int = field(
+        default=0,
+        metadata=arg(
+            "micro-batches per evaluation",
+            "0: the whole validation split",
+            metavar="N",
+            section="observe",
+            converge=True,
+        ),
+    )
+    save_every: int = field(
+        default=0,
+        metadata=arg(
+            "write a checkpoint every K steps (not at the end unless K divides --steps) as --save-dir/step-K; "
+            "needs --save-dir and one --precision",
+            "0: never",
+            metavar="K",
+            section="observe",
+            key=False,
+            sweep=False,
+        ),
+    )
+    save_dir: str | None = field(
+        default=None,
+        metadata=arg(
+            "folder for --save-every's checkpoints (model, optimizer, LR schedule, data position, RNG; written "
+            "atomically, an existing step-K is replaced)",
+            "none",
+            metavar="DIR",
+            section="observe",
+            key=False,
+            sweep=False,
+        ),
+    )
+    load: str | None = field(
+        default=None,
+        metadata=arg(
+            "resume from a checkpoint: DIR/step-K, or DIR for its latest step-K; continues at step K+1 up to "
+            "--steps, reproducing the uninterrupted run's losses; model, precision, shapes, parallel layout, "
+            "data and seed must match the checkpoint's",
+            "none",
+            metavar="PATH",
+            section="observe",
+            key=False,
+            sweep=False,
+        ),
+    )
+    profile_steps: str | None = field(
+        default=None,
+        metadata=arg(
+            "profile steps A..B (inclusive; pick them after warm-up) with torch.profiler: a Chrome trace in "
+            "RESULTS/profiles/<run key>/ and a GEMM / quantize / attention / comm / other time table; profiled "
+            "steps are left out of the timing",
+            "none",
+            metavar="A:B",
+            section="observe",
+            key=False,
+        ),
+    )
+    tensorboard: str | None = field(
+        default=None,
+        metadata=arg(
+            "also write each step's metrics as TensorBoard scalars to DIR/<model>-<precision>-<run key> (needs "
+            "`pip install tensorboard`)",
+            "none",
+            metavar="DIR",
+            section="observe",
+            key=False,
+        ),
+    )
+    wandb: str | None = field(
+        default=None,
+        metadata=arg(
+            "also log each step's metrics to Weights & Biases, offline, into DIR (project lpbench, one run per "
+            "precision; `wandb sync DIR/wandb/offline-run-*` uploads them later; needs `pip install wandb`)",
+            "none",
+            metavar="DIR",
+            section="observe",
+            key=False,
+        ),
+    )
 
     def __post_init__(self):
         """Fill the unset (None) settings whose default follows others (``derive``); ``derived`` names them."""
@@ -297,8 +559,9 @@ class RunConfig:
     def model_config(self) -> ModelConfig:
         """The architecture: the zoo's ``model``, or ``hf_checkpoint``'s config.json labelled ``model``."""
         if self.hf_checkpoint is None:
-            return with_overrides(first_blocks(get_model_config(self.model), self.num_layers),
-                                  vocab_size=self.vocab_size)
+            return with_overrides(
+                first_blocks(get_model_config(self.model), self.num_layers), vocab_size=self.vocab_size
+            )
         from lpbench.models.hf import hf_model_config
 
         return hf_model_config(self.model, self.hf_checkpoint)
@@ -312,11 +575,13 @@ class RunConfig:
         if self.workload not in WORKLOADS:
             raise UsageError(f"unknown workload {self.workload!r}; valid: {', '.join(WORKLOADS)}")
         if self.workload != "lora":
-            changed = [f.name for f in fields(self)
-                       if f.name.startswith("lora_") and getattr(self, f.name) != f.default]
+            changed = [
+                f.name for f in fields(self) if f.name.startswith("lora_") and getattr(self, f.name) != f.default
+            ]
             if changed:
-                raise UsageError(f"--{changed[0].replace('_', '-')} applies to --workload lora only "
-                                 f"(this run is {self.workload})")
+                raise UsageError(
+                    f"--{changed[0].replace('_', '-')} applies to --workload lora only (this run is {self.workload})"
+                )
             return
         from lpbench.models.decoder import expand_targets
 
@@ -324,17 +589,22 @@ class RunConfig:
             raise UsageError(f"--lora-rank must be positive, got {self.lora_rank}")
         width = self.model_config().dim
         if self.lora_rank > width:
-            raise UsageError(f"--lora-rank {self.lora_rank} exceeds {self.model}'s width {width}: an adapter of "
-                             "that rank is no longer low-rank")
+            raise UsageError(
+                f"--lora-rank {self.lora_rank} exceeds {self.model}'s width {width}: an adapter of "
+                "that rank is no longer low-rank"
+            )
         if not self.lora_alpha > 0:
             raise UsageError(f"--lora-alpha must be positive, got {self.lora_alpha}")
         expand_targets(self.lora_targets)
         if self.lora_base_storage not in LORA_BASE_STORAGES:
-            raise UsageError(f"unknown --lora-base-storage {self.lora_base_storage!r}; "
-                             f"valid: {', '.join(LORA_BASE_STORAGES)}")
+            raise UsageError(
+                f"unknown --lora-base-storage {self.lora_base_storage!r}; valid: {', '.join(LORA_BASE_STORAGES)}"
+            )
         if self.tp > 1 or self.fsdp:
-            raise UsageError("--workload lora runs on one GPU or data-parallel with DDP; "
-                             "--tp and --fsdp are not supported for LoRA yet")
+            raise UsageError(
+                "--workload lora runs on one GPU or data-parallel with DDP; "
+                "--tp and --fsdp are not supported for LoRA yet"
+            )
         if self.lora_base_storage == "quantized" and self.backend != "lpbench":
             raise UsageError("--lora-base-storage quantized needs --backend lpbench")
 
@@ -358,13 +628,18 @@ class RunConfig:
         if self.warmup_steps < 0:
             raise UsageError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.warmup_steps >= self.steps:
-            raise UsageError(f"--warmup-steps ({self.warmup_steps}) must be less than --steps ({self.steps}): "
-                             "no step would be timed")
+            raise UsageError(
+                f"--warmup-steps ({self.warmup_steps}) must be less than --steps ({self.steps}): no step would be timed"
+            )
         if self.gbs % (self.mbs * self.dp):
-            raise UsageError(f"global batch {self.gbs} is not divisible by micro batch {self.mbs} "
-                             f"x data-parallel size {self.dp}")
-        for what, n in (("attention heads", model.n_heads), ("kv heads", model.n_kv_heads),
-                        ("FFN width", model.ffn_dim)):
+            raise UsageError(
+                f"global batch {self.gbs} is not divisible by micro batch {self.mbs} x data-parallel size {self.dp}"
+            )
+        for what, n in (
+            ("attention heads", model.n_heads),
+            ("kv heads", model.n_kv_heads),
+            ("FFN width", model.ffn_dim),
+        ):
             if n % self.tp:
                 raise UsageError(f"--tp {self.tp} does not divide {self.model}'s {n} {what}")
         if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
@@ -376,8 +651,10 @@ class RunConfig:
         if self.ep > 1 and self.workload == "lora":
             raise UsageError("--ep > 1 does not train LoRA adapters: use --ep 1")
         if self.tp > 1 and self.sequence_parallel and self.seq_len % self.tp:
-            raise UsageError(f"sequence parallelism needs --seq-len ({self.seq_len}) divisible by --tp {self.tp} "
-                             "(or --no-sequence-parallel)")
+            raise UsageError(
+                f"sequence parallelism needs --seq-len ({self.seq_len}) divisible by --tp {self.tp} "
+                "(or --no-sequence-parallel)"
+            )
         if self.seq_len > model.max_seq_len:
             raise UsageError(f"--seq-len {self.seq_len} exceeds {self.model}'s limit of {model.max_seq_len}")
         from lpbench.convert.quantize import BACKENDS
@@ -393,15 +670,19 @@ class RunConfig:
             raise UsageError(f"unknown FLOP formula {self.flops_formula!r}; valid: {', '.join(FORMULAS)}")
         if self.fsdp_fp8_all_gather and not self.fsdp:
             raise UsageError("--fsdp-fp8-all-gather needs --fsdp")
-        if self.fsdp_fp8_all_gather and (get_recipe(self.precision).scaling not in (Scaling.TENSOR, Scaling.DELAYED)
-                                         or self.backend != "lpbench"):
-            raise UsageError(f"--fsdp-fp8-all-gather needs precision fp8-tensorwise or fp8-delayed on the lpbench "
-                             f"backend, not {self.precision} ({self.backend})")
+        if self.fsdp_fp8_all_gather and (
+            get_recipe(self.precision).scaling not in (Scaling.TENSOR, Scaling.DELAYED) or self.backend != "lpbench"
+        ):
+            raise UsageError(
+                f"--fsdp-fp8-all-gather needs precision fp8-tensorwise or fp8-delayed on the lpbench "
+                f"backend, not {self.precision} ({self.backend})"
+            )
         if self.fsdp_shard not in FSDP_SHARDS:
             raise UsageError(f"unknown --fsdp-shard {self.fsdp_shard!r}; valid: {', '.join(FSDP_SHARDS)}")
         if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-            raise UsageError(f"unknown --grad-reduce-dtype {self.grad_reduce_dtype!r}; "
-                             f"valid: {', '.join(GRAD_REDUCE_DTYPES)}")
+            raise UsageError(
+                f"unknown --grad-reduce-dtype {self.grad_reduce_dtype!r}; valid: {', '.join(GRAD_REDUCE_DTYPES)}"
+            )
         if self.compile_scope not in COMPILE_SCOPES:
             raise UsageError(f"unknown --compile-scope {self.compile_scope!r}; valid: {', '.join(COMPILE_SCOPES)}")
         if self.compile_scope == "model" and (self.fsdp or self.tp > 1):
@@ -414,15 +695,19 @@ class RunConfig:
         if self.lr is not None and self.lr <= 0:
             raise UsageError(f"--lr must be positive, got {self.lr}")
         if self.eval_every < 0 or self.eval_batches < 0:
-            raise UsageError(f"--eval-every and --eval-batches must be >= 0, "
-                             f"got {self.eval_every} and {self.eval_batches}")
+            raise UsageError(
+                f"--eval-every and --eval-batches must be >= 0, got {self.eval_every} and {self.eval_batches}"
+            )
         if self.vocab_size is not None and (self.vocab_size < 2 or self.hf_checkpoint):
             raise UsageError("vocab_size overrides a zoo model's vocabulary: >= 2, and not with --hf-checkpoint")
         if self.save_every < 0:
             raise UsageError(f"--save-every must be >= 0, got {self.save_every}")
         if bool(self.save_every) != bool(self.save_dir):
-            raise UsageError("--save-every K needs --save-dir DIR" if self.save_every else
-                             "--save-dir needs --save-every K (steps between checkpoints)")
+            raise UsageError(
+                "--save-every K needs --save-dir DIR"
+                if self.save_every
+                else "--save-dir needs --save-every K (steps between checkpoints)"
+            )
         first, last = self.profile_range or (1, 1)
         if not 1 <= first <= last <= self.steps:
             raise UsageError(f"--profile-steps {self.profile_steps}: need 1 <= A <= B <= --steps ({self.steps})")
@@ -436,8 +721,10 @@ class RunConfig:
         other = self.tp * self.pp * self.cp
         what = " x ".join(f"--{n} {getattr(self, n)}" for n in ("tp", "pp", "cp") if n == "tp" or getattr(self, n) > 1)
         if world_size % other:
-            raise UsageError(f"world size {world_size} is not divisible by {what} "
-                             "(start processes with --nproc-per-node, torchrun or srun)")
+            raise UsageError(
+                f"world size {world_size} is not divisible by {what} "
+                "(start processes with --nproc-per-node, torchrun or srun)"
+            )
         if dp is not None and dp * other != world_size:
             raise UsageError(f"--dp {dp} x {what} = {dp * other} ranks, but the world size is {world_size}")
         return self.with_(dp=world_size // other)
@@ -462,8 +749,10 @@ class RunConfig:
     def header(self) -> str:
         """What the run's log header adds to the settings: each default that followed other settings, and the
         FLOP formula of its TFLOP/s and MFU: ``gbs 16 (default: MBS x DP) | TFLOP/s by the megatron formula``."""
-        parts = [f"{name.replace('_', ' ')} {getattr(self, name)} (default: {self.default_text(name)})"
-                 for name in self.derived]
+        parts = [
+            f"{name.replace('_', ' ')} {getattr(self, name)} (default: {self.default_text(name)})"
+            for name in self.derived
+        ]
         return " | ".join([*parts, f"TFLOP/s by the {self.flops_formula} formula"])
 
 
@@ -501,12 +790,18 @@ def flag_fields(names=None) -> list:
 def _shown(value) -> str:
     if isinstance(value, (list, tuple)):
         return ",".join(map(str, value))
-    return ("on" if value else "off") if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) \
+    return (
+        ("on" if value else "off")
+        if isinstance(value, bool)
+        else f"{value:g}"
+        if isinstance(value, float)
         else str(value)
+    )
 
 
-def add_config_args(parser: argparse.ArgumentParser, names=None, defaults: dict | None = None,
-                    default_texts: dict | None = None) -> None:
+def add_config_args(
+    parser: argparse.ArgumentParser, names=None, defaults: dict | None = None, default_texts: dict | None = None
+) -> None:
     """One flag per RunConfig field with ``arg`` metadata (or per field in ``names``), typed by its annotation,
     in one ``--help`` group per section when the flags span several.
 
@@ -532,8 +827,14 @@ def add_config_args(parser: argparse.ArgumentParser, names=None, defaults: dict 
         words, off = meta.pop("words", ()), meta.pop("off", None)
         if words:  # --flag [WORD] and --no-flag
             group.add_argument(flag, *aliases, nargs="?", const=True, choices=words, metavar="|".join(words), **meta)
-            group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const", const=False,
-                               default=meta["default"], help=off)
+            group.add_argument(
+                "--no-" + f.name.replace("_", "-"),
+                dest=f.name,
+                action="store_const",
+                const=False,
+                default=meta["default"],
+                help=off,
+            )
             continue
         if fact(f, "many"):
             meta["type"] = csv_list
@@ -547,5 +848,8 @@ def add_config_args(parser: argparse.ArgumentParser, names=None, defaults: dict 
 def config_kwargs(args: argparse.Namespace, names=None) -> dict:
     """The RunConfig fields ``args`` sets (flags given, or with a default other than None); ``many`` fields
     (a list of values, one run each) are the caller's to spread."""
-    return {f.name: getattr(args, f.name) for f in flag_fields(names)
-            if getattr(args, f.name, None) is not None and not fact(f, "many")}
+    return {
+        f.name: getattr(args, f.name)
+        for f in flag_fields(names)
+        if getattr(args, f.name, None) is not None and not fact(f, "many")
+    }

@@ -10,8 +10,9 @@ import sys
 from rich.console import Console
 
 # A terminal's width, or $COLUMNS; 200 columns into a file or pipe (no terminal to fit)
-console = Console(width=None if (sys.stdout is not None and sys.stdout.isatty())
-                  or os.environ.get("COLUMNS", "").isdigit() else 200)
+console = Console(
+    width=None if (sys.stdout is not None and sys.stdout.isatty()) or os.environ.get("COLUMNS", "").isdigit() else 200
+)
 
 
 def usable_streams() -> None:
@@ -49,8 +50,11 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
     def _get_value(self, action, arg_string):
-        if isinstance(arg_string, str) and not arg_string.strip() and action.nargs not in (argparse.PARSER,
-                                                                                          argparse.REMAINDER):
+        if (
+            isinstance(arg_string, str)
+            and not arg_string.strip()
+            and action.nargs not in (argparse.PARSER, argparse.REMAINDER)
+        ):
             name = "/".join(action.option_strings) or action.dest
             raise argparse.ArgumentError(None, f"argument {name}: an empty value")
         return super()._get_value(action, arg_string)

@@ -59,11 +59,11 @@ def _loader():
             for key_node, _ in node.value:
                 key = self.construct_object(key_node, deep=deep)
                 if isinstance(key, (list, dict, set)):
-                    raise yaml.constructor.ConstructorError(None, None, "a key is a list or a mapping, not a name",
-                                                            key_node.start_mark)
+                    raise yaml.constructor.ConstructorError(
+                        None, None, "a key is a list or a mapping, not a name", key_node.start_mark
+                    )
                 if key in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice",
-                                                            key_node.start_mark)
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 

@@ -90,8 +90,9 @@ def check_file(path: str | os.PathLike, flag: str) -> Path:
         raise UsageError(f"{flag} {text}: a folder, not a file")
     if path.exists():
         if held := _holds_results(path):
-            raise UsageError(f"{flag} {path}: {held} is there; lpbench does not overwrite results (choose another "
-                             "file)")
+            raise UsageError(
+                f"{flag} {path}: {held} is there; lpbench does not overwrite results (choose another file)"
+            )
         if not os.access(path, os.W_OK):
             raise UsageError(f"{flag} {path}: not writable")
         if why := _probe(path.parent):

@@ -9,8 +9,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_addoption(parser):
-    parser.addoption("--run-slow", action="store_true",
-                     help="also run the tests marked slow (minutes each on a 2-core CPU; left out by default)")
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        help="also run the tests marked slow (minutes each on a 2-core CPU; left out by default)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -28,21 +28,66 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-TINY = ["--model", "tiny", "--precision", "bf16", "--device", "cpu", "--seq-len", "32", "--mbs", "2", "--gbs", "2",
-        "--steps", "2", "--warmup-steps", "1", "--eval-every", "0"]
+TINY = [
+    "--model",
+    "tiny",
+    "--precision",
+    "bf16",
+    "--device",
+    "cpu",
+    "--seq-len",
+    "32",
+    "--mbs",
+    "2",
+    "--gbs",
+    "2",
+    "--steps",
+    "2",
+    "--warmup-steps",
+    "1",
+    "--eval-every",
+    "0",
+]
 # A valid command line per command ({d}: the case's folder); each case changes one flag of it.
 BASES = {
     "run": ["run", *TINY, "--results", "{d}/r"],
-    "converge": ["converge", "--data", "mock", "--model", "tiny", "--precision", "bf16", "--tokens", "192",
-                 "--seq-len", "32", "--mbs", "2", "--gbs", "2", "--device", "cpu", "--results", "{d}/r"],
+    "converge": [
+        "converge",
+        "--data",
+        "mock",
+        "--model",
+        "tiny",
+        "--precision",
+        "bf16",
+        "--tokens",
+        "192",
+        "--seq-len",
+        "32",
+        "--mbs",
+        "2",
+        "--gbs",
+        "2",
+        "--device",
+        "cpu",
+        "--results",
+        "{d}/r",
+    ],
     "sweep": ["sweep", "{d}/spec.yaml", "--results", "{d}/r", "--dry-run"],
     "report": ["report", "--results", "{d}/db"],
     "flops": ["flops", "--model", "tiny", "--seq-len", "32"],
     "quant-error": ["quant-error", "--shape", "64", "64", "--precision", "bf16"],
     "slurm": ["slurm", "--nodes", "1", "--gpus-per-node", "1", "--output", "{d}/job.sbatch", "--", "--model", "tiny"],
     "data prepare": ["data", "prepare", "--input", "{d}/text.txt", "--output-prefix", "{d}/out/data"],
-    "data tokenizer": ["data", "tokenizer", "--input", "{d}/text.txt", "--vocab-size", "300",
-                       "--output", "{d}/tok.json"],
+    "data tokenizer": [
+        "data",
+        "tokenizer",
+        "--input",
+        "{d}/text.txt",
+        "--vocab-size",
+        "300",
+        "--output",
+        "{d}/tok.json",
+    ],
     "data corpus": ["data", "corpus", "--out", "{d}/corpus", "--sources", "man", "--root", "man={d}/man"],
 }
 INT_VALUES = ["abc", "1.5", "", "0x10", "1e3"]
@@ -50,16 +95,53 @@ FLOAT_VALUES = ["nan", "inf", "-inf", "abc", "1e999"]
 PATH_VALUES = ["", "/proc/lpbench-fuzz", "/sys/lpbench-fuzz/x", "{d}/loop", "{d}/dangling", "{d}/file/below"]
 OUTPUT_FILE_VALUES = ["{d}/db/results.db", "{d}/ckpt/lpbench.json"]
 NAME_VALUES = ["bogus-name", "", "../../etc/passwd", "[red]x[/red]"]
-PATH_FLAGS = ("results", "output", "out", "output-prefix", "html", "plot", "plots", "save-dir", "tensorboard",
-              "wandb", "load", "input", "config", "data", "hf-checkpoint", "root", "tokenizer", "json")
+PATH_FLAGS = (
+    "results",
+    "output",
+    "out",
+    "output-prefix",
+    "html",
+    "plot",
+    "plots",
+    "save-dir",
+    "tensorboard",
+    "wandb",
+    "load",
+    "input",
+    "config",
+    "data",
+    "hf-checkpoint",
+    "root",
+    "tokenizer",
+    "json",
+)
 FILE_OUTPUTS = ("output", "html", "plot", "json")
 # Flags whose values are free text (any string is a valid label) or that need another flag to matter.
-FREE = {"job-name", "time", "partition", "account", "container", "container-mounts", "group", "name",
-        "eos-token", "text-key", "help", "version", "gpu", "precision", "role", "distribution"}
+FREE = {
+    "job-name",
+    "time",
+    "partition",
+    "account",
+    "container",
+    "container-mounts",
+    "group",
+    "name",
+    "eos-token",
+    "text-key",
+    "help",
+    "version",
+    "gpu",
+    "precision",
+    "role",
+    "distribution",
+}
 # (command, flag): values that are valid there although hostile in general.
-ALLOWED = {("flops", "--tokens", "1e3"), ("converge", "--tokens", "1e3"),
-           ("data prepare", "--output-prefix", "{d}/loop"),  # writes loop.bin, loop.idx: not the symlink
-           ("data prepare", "--output-prefix", "{d}/dangling")}
+ALLOWED = {
+    ("flops", "--tokens", "1e3"),
+    ("converge", "--tokens", "1e3"),
+    ("data prepare", "--output-prefix", "{d}/loop"),  # writes loop.bin, loop.idx: not the symlink
+    ("data prepare", "--output-prefix", "{d}/dangling"),
+}
 
 
 @dataclass
@@ -73,7 +155,7 @@ class Case:
         value = self.value.format(d=folder)
         if self.flag in base:
             i = base.index(self.flag)
-            return [*base[:i + 1], value, *base[i + 2:]]
+            return [*base[: i + 1], value, *base[i + 2 :]]
         cut = base.index("--") if "--" in base else len(base)
         return [*base[:cut], self.flag, value, *base[cut:]]
 
@@ -137,8 +219,10 @@ def _prepare(folder: Path) -> None:
 
 
 def _snapshot(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() and "results.db" not in p.name else None)
-            for p in folder.rglob("*")}
+    return {
+        str(p.relative_to(folder)): (p.read_bytes() if p.is_file() and "results.db" not in p.name else None)
+        for p in folder.rglob("*")
+    }
 
 
 class _TrainingStarted(BaseException):  # not an Exception: a run's error handling must not turn it into a row
@@ -214,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         if why := run_case(case):
             failures.append((case, why))
             print(f"FAIL {case}: {why}", flush=True)
-    print(f"{len(chosen) - len(failures)} of {len(chosen)} hostile command lines refused in one line "
-          f"({len(all_cases)} generated)")
+    print(
+        f"{len(chosen) - len(failures)} of {len(chosen)} hostile command lines refused in one line "
+        f"({len(all_cases)} generated)"
+    )
     return 1 if failures else 0
 
 

@@ -9,7 +9,6 @@ would (unpack, un-swizzle, drop the padding, dequantize) against the emulated GE
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lpbench.errors import UsageError
 from lpbench.convert.quantize import apply_recipe
@@ -21,10 +20,13 @@ from lpbench.precision import capability as caps
 from lpbench.precision.capability import why_emulated
 from lpbench.precision.quantize import QTensor, apply_rht, quantize, scale_to_float
 
-pytestmark = pytest.mark.skipif(caps.block_scaled_unavailable() is not None, reason=str(caps.block_scaled_unavailable()))
+pytestmark = pytest.mark.skipif(
+    caps.block_scaled_unavailable() is not None, reason=str(caps.block_scaled_unavailable())
+)
 
 
 # ---------------------------------------------------------------- independent layout (cuBLAS's description)
+
 
 def cublas_offset(r: torch.Tensor, c: torch.Tensor, cols: int) -> torch.Tensor:
     """Byte offset of scale (r, c) of an operand with ``cols`` scale columns in cuBLAS's layout."""
@@ -57,7 +59,7 @@ def read_operand(data, flat_scale, global_scale, rows: int, k: int, block: int):
     # what lies beyond k is padding: zero codes (zero scales), so it adds nothing to the product
     pad_codes = codes[:, k:].view(torch.uint8) if not fp4 else codes[:, k:]
     assert not pad_codes.any()
-    values = (decode(codes[:, :k], E2M1) if fp4 else codes[:, :k].float())
+    values = decode(codes[:, :k], E2M1) if fp4 else codes[:, :k].float()
     values = values * scale_to_float(scales).repeat_interleave(block, 1)[:, :k]
     return values, (torch.ones(()) if global_scale is None else global_scale)
 
@@ -80,6 +82,7 @@ def _tensor(rows, cols, seed, spread=6):
 
 # ---------------------------------------------------------------- packing
 
+
 def test_e2m1_pairs_pack_first_element_in_the_low_nibble():
     codes = torch.tensor([[1, 2, 15, 8, 0, 7]], dtype=torch.uint8)
     packed = pack_e2m1(codes)
@@ -97,6 +100,7 @@ def test_quantized_rows_pack_to_half_the_bytes_in_order():
 
 
 # ---------------------------------------------------------------- swizzle
+
 
 @pytest.mark.parametrize("shape", [(1, 1), (128, 4), (130, 5), (256, 8), (300, 3), (32, 12)])
 @pytest.mark.parametrize("dtype", [torch.float8_e8m0fnu, torch.float8_e4m3fn])
@@ -118,6 +122,7 @@ def test_swizzle_refuses_what_is_not_a_one_byte_matrix():
 
 # ---------------------------------------------------------------- operands, padding, torch's checks
 
+
 def _ops(recipe, gemm, m, n, k, seed=0):
     """Operands a [m, k] and b [n, k] of ``gemm`` as the recipe quantizes them (RHT on wgrad where it has it)."""
     r = get_recipe(recipe)
@@ -133,10 +138,17 @@ def _meta(t):
     return None if t is None else t.to("meta")
 
 
-CASES = [("mxfp8", "fprop", 200, 96, 64), ("mxfp8", "dgrad", 64, 160, 96), ("mxfp8", "wgrad", 96, 64, 288),
-         ("nvfp4", "fprop", 200, 96, 48), ("nvfp4", "dgrad", 64, 160, 96), ("nvfp4", "wgrad", 96, 64, 48),
-         ("nvfp4-no-2d", "fprop", 130, 32, 80),
-         ("nvfp4", "fprop", 50, 96, 40), ("nvfp4", "dgrad", 64, 160, 40)]  # NVFP4 pads a partial last block
+CASES = [
+    ("mxfp8", "fprop", 200, 96, 64),
+    ("mxfp8", "dgrad", 64, 160, 96),
+    ("mxfp8", "wgrad", 96, 64, 288),
+    ("nvfp4", "fprop", 200, 96, 48),
+    ("nvfp4", "dgrad", 64, 160, 96),
+    ("nvfp4", "wgrad", 96, 64, 48),
+    ("nvfp4-no-2d", "fprop", 130, 32, 80),
+    ("nvfp4", "fprop", 50, 96, 40),
+    ("nvfp4", "dgrad", 64, 160, 40),
+]  # NVFP4 pads a partial last block
 
 
 @pytest.mark.parametrize("recipe,gemm,m,n,k", CASES)
@@ -204,8 +216,10 @@ def fake_scaled_mm(a, scale_a, b, scale_b, global_a=None, global_b=None):
     block = 32 if global_a is None else 16
     assert scale_a.dtype == scale_b.dtype == (torch.float8_e8m0fnu if block == 32 else torch.float8_e4m3fn)
     k = a.shape[1] * (2 if a.dtype == torch.float4_e2m1fn_x2 else 1)
-    (va, fa), (vb, fb) = (read_operand(a, scale_a, global_a, a.shape[0], k, block),
-                          read_operand(b, scale_b, global_b, b.shape[0], k, block))
+    (va, fa), (vb, fb) = (
+        read_operand(a, scale_a, global_a, a.shape[0], k, block),
+        read_operand(b, scale_b, global_b, b.shape[0], k, block),
+    )
     return ((va @ vb.t()) * fa * fb).bfloat16()
 
 
@@ -237,10 +251,12 @@ def test_native_linear_hands_the_quantizers_codes_to_the_gemm(monkeypatch, repla
 
 # ---------------------------------------------------------------- dispatch
 
+
 @pytest.fixture
 def capability(monkeypatch):
     def fake(cap):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+
     return fake
 
 
@@ -283,6 +299,7 @@ def test_dispatch_names_a_torch_without_block_scaled_gemms(capability, monkeypat
 
 # ---------------------------------------------------------------- on a Blackwell GPU (not yet run: none is lent)
 
+
 def _blackwell():
     if torch.cuda.get_device_capability() < (10, 0):
         pytest.skip("the block-scaled GEMMs need compute capability 10.x")
@@ -293,8 +310,12 @@ def _blackwell():
 def test_native_gemm_matches_emulated_gemm_on_blackwell(recipe, gemm, m, n, k):
     _blackwell()
     a, b = _ops(recipe, gemm, m, n, k, seed=11)
-    a, b = (QTensor(q.codes.cuda(), q.scale.cuda(), q.block, q.fmt,
-                    None if q.global_scale is None else q.global_scale.cuda()) for q in (a, b))
+    a, b = (
+        QTensor(
+            q.codes.cuda(), q.scale.cuda(), q.block, q.fmt, None if q.global_scale is None else q.global_scale.cuda()
+        )
+        for q in (a, b)
+    )
     got, want = NativeBlockScaled.gemm(a, b), Emulated.gemm(a, b)
     # the same operands: BF16 output and the summation order only
     assert torch.equal(got, got.bfloat16().float())

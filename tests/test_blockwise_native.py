@@ -15,8 +15,14 @@ def _operand(rows: int, cols: int, role: str, gemm: str, device: str = "cpu", se
     """Quantized operand whose 128-wide blocks span 2^-6..2^6 in magnitude, so a misplaced scale shows."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=g)
-    x = x * 2.0 ** torch.randint(-6, 7, (rows // 128 + 1, cols // 128 + 1), generator=g).float().repeat_interleave(
-        128, 0).repeat_interleave(128, 1)[:rows, :cols]
+    x = (
+        x
+        * 2.0
+        ** torch.randint(-6, 7, (rows // 128 + 1, cols // 128 + 1), generator=g)
+        .float()
+        .repeat_interleave(128, 0)
+        .repeat_interleave(128, 1)[:rows, :cols]
+    )
     return quantize(x.bfloat16().to(device), RECIPE.operand(role, gemm))
 
 
@@ -61,6 +67,8 @@ def test_native_blockwise_linear_matches_emulated(precise_casts, compiled):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = mod(x)
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(4)).cuda().to(y.dtype))
-        outs.append((y.float(), x.grad.float(), fast.weight.grad.float() if mod is not ref else ref.weight.grad.float()))
+        outs.append(
+            (y.float(), x.grad.float(), fast.weight.grad.float() if mod is not ref else ref.weight.grad.float())
+        )
     for got, want in zip(*outs):
         assert ((got - want).norm() / want.norm()).item() < 5e-3

@@ -25,10 +25,26 @@ from lpbench.parallel.env import shutdown
 from lpbench.train.checkpoint import META_FILE, find_checkpoint
 
 MODEL_ARGS = ("test-ckpt", 2, 64, 128, 4, 2, 512)  # 2 blocks, dim 64, vocab 512: fast on CPU
-BASE = RunConfig(model="test-ckpt", seq_len=32, mbs=4, gbs=4, steps=6, warmup_steps=1, precision="bf16",
-                 device="cpu")
-CLI = ["run", "--model", "test-ckpt", "--precision", "bf16", "--device", "cpu", "--seq-len", "32", "--mbs", "4",
-       "--gbs", "4", "--steps", "4", "--warmup-steps", "1"]
+BASE = RunConfig(model="test-ckpt", seq_len=32, mbs=4, gbs=4, steps=6, warmup_steps=1, precision="bf16", device="cpu")
+CLI = [
+    "run",
+    "--model",
+    "test-ckpt",
+    "--precision",
+    "bf16",
+    "--device",
+    "cpu",
+    "--seq-len",
+    "32",
+    "--mbs",
+    "4",
+    "--gbs",
+    "4",
+    "--steps",
+    "4",
+    "--warmup-steps",
+    "1",
+]
 
 
 def _register_model() -> None:
@@ -53,8 +69,9 @@ def _trace(result, key: str = "loss") -> list[float]:
     return [s[key] for s in result.steps]
 
 
-@pytest.mark.parametrize("kw", [{}, {"mbs": 2}, {"precision": "fp8-delayed", "mbs": 2}],
-                         ids=["bf16", "bf16-ga2", "fp8-delayed-ga2"])
+@pytest.mark.parametrize(
+    "kw", [{}, {"mbs": 2}, {"precision": "fp8-delayed", "mbs": 2}], ids=["bf16", "bf16-ga2", "fp8-delayed-ga2"]
+)
 def test_resume_reproduces_the_uninterrupted_run_exactly(kw, tmp_path):
     cfg = BASE.with_(**kw)
     straight = _train(cfg)
@@ -69,7 +86,9 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(kw, tmp_path):
     saved = FileSystemReader(str(tmp_path / "step-3")).read_metadata().state_dict_metadata
     assert any(k.startswith("optim.state.") for k in saved)
     if cfg.precision == "fp8-delayed":  # the amax histories and scales, whose loss effect the resume must carry
-        assert any(k.endswith("amax_history_grad") for k in saved) and any(k.endswith("delayed_scale_grad") for k in saved)
+        assert any(k.endswith("amax_history_grad") for k in saved) and any(
+            k.endswith("delayed_scale_grad") for k in saved
+        )
     meta = json.loads((tmp_path / "step-3" / META_FILE).read_text())
     assert meta["step"] == 3 and meta["config"]["precision"] == cfg.precision and meta["config"]["mbs"] == cfg.mbs
 
@@ -91,7 +110,9 @@ def test_a_delayed_checkpoint_without_scales_is_refused_with_one_line(monkeypatc
     with monkeypatch.context() as patch:
         patch.setattr(ckpt.Checkpointer, "_state", without_scales)
         _train(cfg.with_(save_every=2, save_dir=str(tmp_path)))
-    with pytest.raises(UsageError, match=r"no delayed-scaling scales in it .* resume it with the lpbench that saved it"):
+    with pytest.raises(
+        UsageError, match=r"no delayed-scaling scales in it .* resume it with the lpbench that saved it"
+    ):
         loop.train(cfg.with_(load=str(tmp_path / "step-2"), steps=3), log=lambda line: None)
 
 
@@ -118,8 +139,12 @@ KILL_SCRIPT = textwrap.dedent("""
 
 def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     cfg = BASE.with_(save_every=2, save_dir=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(model_args=MODEL_ARGS),
-                           json.dumps(cfg.to_dict())], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_SCRIPT.format(model_args=MODEL_ARGS), json.dumps(cfg.to_dict())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert "iteration 4/6" in proc.stdout and "iteration 5/6" not in proc.stdout
     names = sorted(p.name for p in tmp_path.iterdir())
@@ -183,15 +208,18 @@ def _damage(kind: str, ckpt: Path, tmp_path: Path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("kind,message", [
-    ("missing", "no such file or directory"),
-    ("empty", "no checkpoint (no step-K folder) in it"),
-    ("no-metadata", "corrupt checkpoint (lpbench.json is missing)"),
-    ("garbled-metadata", "corrupt checkpoint (lpbench.json is garbled)"),
-    ("no-dcp-metadata", "corrupt checkpoint (DCP's .metadata is missing)"),
-    ("missing-shards", "corrupt checkpoint (__0_0.distcp is missing)"),
-    ("garbled-shards", "corrupt checkpoint (__0_0.distcp has "),
-])
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ("missing", "no such file or directory"),
+        ("empty", "no checkpoint (no step-K folder) in it"),
+        ("no-metadata", "corrupt checkpoint (lpbench.json is missing)"),
+        ("garbled-metadata", "corrupt checkpoint (lpbench.json is garbled)"),
+        ("no-dcp-metadata", "corrupt checkpoint (DCP's .metadata is missing)"),
+        ("missing-shards", "corrupt checkpoint (__0_0.distcp is missing)"),
+        ("garbled-shards", "corrupt checkpoint (__0_0.distcp has "),
+    ],
+)
 def test_a_bad_checkpoint_is_refused_with_exit_2(kind, message, saved, tmp_path, capsys):
     path = _damage(kind, saved, tmp_path)
     assert main([*CLI, "--load", str(path), "--results", str(tmp_path / "results")]) == 2
@@ -199,13 +227,16 @@ def test_a_bad_checkpoint_is_refused_with_exit_2(kind, message, saved, tmp_path,
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--precision", "fp8-delayed"], "precision 'bf16' (this run: 'fp8-delayed')"),
-    (["--seq-len", "64"], "seq_len 32 (this run: 64)"),
-    (["--mbs", "2"], "mbs 4 (this run: 2)"),
-    (["--steps", "2"], "checkpoint is at step 2, --steps 2 leaves nothing to train"),
-    (["--profile-steps", "1:2"], "starts at step 3"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--precision", "fp8-delayed"], "precision 'bf16' (this run: 'fp8-delayed')"),
+        (["--seq-len", "64"], "seq_len 32 (this run: 64)"),
+        (["--mbs", "2"], "mbs 4 (this run: 2)"),
+        (["--steps", "2"], "checkpoint is at step 2, --steps 2 leaves nothing to train"),
+        (["--profile-steps", "1:2"], "starts at step 3"),
+    ],
+)
 def test_a_mismatched_checkpoint_is_refused_with_exit_2(flags, message, saved, tmp_path, capsys):
     assert main([*CLI, *flags, "--load", str(saved), "--results", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -228,14 +259,19 @@ def test_a_setting_the_checkpoint_predates_counts_as_its_default(saved, tmp_path
         validated(BASE.with_(steps=4, seed=7, load=str(copy)))
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--save-every", "2"], "--save-every K needs --save-dir DIR"),
-    (["--save-dir", "{dir}"], "--save-dir needs --save-every K"),
-    (["--save-every", "-1", "--save-dir", "{dir}"], "--save-every must be >= 0"),
-    (["--precision", "bf16,fp8-delayed", "--save-every", "2", "--save-dir", "{dir}"],
-     "--save-dir and --load take a single --precision"),
-    (["--save-every", "2", "--save-dir", "{file}/ckpt"], "cannot create it ({file} is a file, not a folder)"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--save-every", "2"], "--save-every K needs --save-dir DIR"),
+        (["--save-dir", "{dir}"], "--save-dir needs --save-every K"),
+        (["--save-every", "-1", "--save-dir", "{dir}"], "--save-every must be >= 0"),
+        (
+            ["--precision", "bf16,fp8-delayed", "--save-every", "2", "--save-dir", "{dir}"],
+            "--save-dir and --load take a single --precision",
+        ),
+        (["--save-every", "2", "--save-dir", "{file}/ckpt"], "cannot create it ({file} is a file, not a folder)"),
+    ],
+)
 def test_checkpoint_flags_are_validated(flags, message, tmp_path, capsys):
     (tmp_path / "file").write_text("")
     flags = [f.format(dir=tmp_path / "ckpt", file=tmp_path / "file") for f in flags]
@@ -248,8 +284,11 @@ def test_checkpoint_flags_are_validated(flags, message, tmp_path, capsys):
 def test_cli_saves_and_resumes(tmp_path, capsys):
     ckpt, results = tmp_path / "ckpt", str(tmp_path / "results")
     assert main([*CLI, "--save-every", "2", "--save-dir", str(ckpt), "--results", results]) == 0
-    straight = [line.split("lm loss: ")[1].split(" ")[0] for line in capsys.readouterr().out.splitlines()
-                if line.startswith("iteration")]
+    straight = [
+        line.split("lm loss: ")[1].split(" ")[0]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("iteration")
+    ]
     assert main([*CLI, "--load", str(ckpt / "step-2"), "--results", results]) == 0
     out = capsys.readouterr().out
     assert f"resumed from {ckpt / 'step-2'} at step 2" in out
@@ -334,6 +373,7 @@ def test_replacing_a_step_is_atomic_under_a_kill_at_any_instant(tmp_path, monkey
                 if len(calls) == kill_at:
                     raise _Killed
                 return real[name](*args, **kw)
+
             return call
 
         with monkeypatch.context() as m:
@@ -373,8 +413,12 @@ def test_a_full_disk_while_saving_keeps_the_measured_steps(tmp_path, monkeypatch
 
     monkeypatch.setattr(ckpt.dcp, "save", save)
     results = tmp_path / "results"
-    assert main([*CLI, "--steps", "6", "--save-every", "2", "--save-dir", str(tmp_path / "ckpt"),
-                 "--results", str(results)]) == 1
+    assert (
+        main(
+            [*CLI, "--steps", "6", "--save-every", "2", "--save-dir", str(tmp_path / "ckpt"), "--results", str(results)]
+        )
+        == 1
+    )
     out = capsys.readouterr()
     assert "Traceback" not in out.err
     [run] = ResultsStore(results).runs()
@@ -384,15 +428,19 @@ def test_a_full_disk_while_saving_keeps_the_measured_steps(tmp_path, monkeypatch
 
 
 # ----------------------------------------------------------------------------- two ranks (gloo)
-SCENARIOS = {"ddp": dict(mbs=1), "fsdp-fp8-delayed": dict(mbs=1, fsdp=True, precision="fp8-delayed"),
-             # MoE experts split over the ranks: each rank's experts (EP) or slices of them (TP) differ
-             "ep2-moe": dict(mbs=1, model="test-ckpt-moe", ep=2, moe_aux_loss_coeff=0.01),
-             "tp2-moe": dict(mbs=2, model="test-ckpt-moe", tp=2, precision="fp32")}
+SCENARIOS = {
+    "ddp": dict(mbs=1),
+    "fsdp-fp8-delayed": dict(mbs=1, fsdp=True, precision="fp8-delayed"),
+    # MoE experts split over the ranks: each rank's experts (EP) or slices of them (TP) differ
+    "ep2-moe": dict(mbs=1, model="test-ckpt-moe", ep=2, moe_aux_loss_coeff=0.01),
+    "tp2-moe": dict(mbs=2, model="test-ckpt-moe", tp=2, precision="fp32"),
+}
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     _register_model()
     results = {}
@@ -402,8 +450,12 @@ def _worker(rank: int, port: int, out: str) -> None:
         straight = loop.train(cfg, log=lambda line: None)
         saving = loop.train(cfg.with_(save_every=2, save_dir=folder), log=lambda line: None)
         resumed = loop.train(cfg.with_(load=folder + "/step-2"), log=lambda line: None)
-        results[name] = {"straight": _trace(straight), "saving": _trace(saving), "resumed": _trace(resumed),
-                         "files": sorted(os.listdir(folder + "/step-2"))}
+        results[name] = {
+            "straight": _trace(straight),
+            "saving": _trace(saving),
+            "resumed": _trace(resumed),
+            "files": sorted(os.listdir(folder + "/step-2")),
+        }
         if kw.get("ep"):  # another expert layout: refused before any work
             try:
                 execute(cfg.with_(ep=1, load=folder + "/step-2"), results_dir=out)  # the runner checks resumes
@@ -467,15 +519,21 @@ def _plant(src: Path, dst: Path, marker: Path) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = FileSystemReader(str(src)).read_metadata().state_dict_metadata
-    tensors = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items()
-               if isinstance(v, TensorStorageMetadata)}
+    tensors = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in saved.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
     dcp.load(tensors, storage_reader=FileSystemReader(str(src)), no_dist=True)
     evil = {k: _System(marker) for k in (*PLANTED, *(k for k in saved if k not in tensors))}
     dst.mkdir(parents=True)
     dcp.save({**{k: v for k, v in tensors.items() if k not in evil}, **evil}, checkpoint_id=dst, no_dist=True)
     meta = json.loads((src / META_FILE).read_text())
-    meta["files"] = {p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-                     for p in sorted(dst.iterdir()) if p.is_file()}
+    meta["files"] = {
+        p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(dst.iterdir())
+        if p.is_file()
+    }
     (dst / META_FILE).write_text(json.dumps(meta))
 
 
@@ -483,13 +541,46 @@ def _plant(src: Path, dst: Path, marker: Path) -> None:
 def converge_saved(tmp_path_factory) -> Path:
     """`lpbench converge` checkpoints of bf16 at step 3 (of 6): DIR/bf16/step-3."""
     root = tmp_path_factory.mktemp("converge")
-    assert main([*CONVERGE, "--tokens", "192", "--results", str(root / "results"), "--save-every", "3",
-                 "--save-dir", str(root / "saved")]) == 0
+    assert (
+        main(
+            [
+                *CONVERGE,
+                "--tokens",
+                "192",
+                "--results",
+                str(root / "results"),
+                "--save-every",
+                "3",
+                "--save-dir",
+                str(root / "saved"),
+            ]
+        )
+        == 0
+    )
     return root / "saved"
 
 
-CONVERGE = ["converge", "--data", "mock", "--model", "tiny", "--precision", "bf16", "--eval-every", "0",
-            "--seq-len", "32", "--mbs", "2", "--gbs", "2", "--device", "cpu", "--log-interval", "100"]
+CONVERGE = [
+    "converge",
+    "--data",
+    "mock",
+    "--model",
+    "tiny",
+    "--precision",
+    "bf16",
+    "--eval-every",
+    "0",
+    "--seq-len",
+    "32",
+    "--mbs",
+    "2",
+    "--gbs",
+    "2",
+    "--device",
+    "cpu",
+    "--log-interval",
+    "100",
+]
 
 
 @pytest.mark.parametrize("entry", ["run --load STEP", "run --load DIR", "converge --load DIR"])

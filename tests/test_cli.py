@@ -10,18 +10,21 @@ from lpbench.cli import main
 TINY = ["--model", "tiny", "--seq-len", "32", "--mbs", "2", "--gbs", "4", "--steps", "6", "--warmup-steps", "2"]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["run", "--model", "gpt5"], "unknown model 'gpt5'; valid: llama3-8b"),
-    (["run", "--precision", "bf16,fp3"], "unknown precision 'fp3'; valid: bf16"),
-    (["run", "--gbs", "10", "--mbs", "4"], "global batch 10 is not divisible by micro batch 4"),
-    (["run", "--steps", "0"], "--steps must be positive"),
-    (["run", "--steps", "5", "--warmup-steps", "5"], "must be less than --steps"),
-    (["run", "--model", "tiny", "--seq-len", "4096"], "exceeds tiny's limit of 2048"),
-    (["run", "--steps", "abc"], "invalid int value"),
-    (["run", "--flops-formula", "magic"], "unknown FLOP formula"),
-    (["flops", "--model", "llama3-8b", "--seq-len", "8192", "--formula", "magic"], "unknown FLOP formula"),
-    (["report", "--results", "/nonexistent/lpbench"], "no results database"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["run", "--model", "gpt5"], "unknown model 'gpt5'; valid: llama3-8b"),
+        (["run", "--precision", "bf16,fp3"], "unknown precision 'fp3'; valid: bf16"),
+        (["run", "--gbs", "10", "--mbs", "4"], "global batch 10 is not divisible by micro batch 4"),
+        (["run", "--steps", "0"], "--steps must be positive"),
+        (["run", "--steps", "5", "--warmup-steps", "5"], "must be less than --steps"),
+        (["run", "--model", "tiny", "--seq-len", "4096"], "exceeds tiny's limit of 2048"),
+        (["run", "--steps", "abc"], "invalid int value"),
+        (["run", "--flops-formula", "magic"], "unknown FLOP formula"),
+        (["flops", "--model", "llama3-8b", "--seq-len", "8192", "--formula", "magic"], "unknown FLOP formula"),
+        (["report", "--results", "/nonexistent/lpbench"], "no results database"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         sys.exit(main([*argv, *(["--results", str(tmp_path)] if argv[0] == "run" else [])]))
@@ -32,14 +35,34 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys, tmp_path):
 
 
 def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "lpbench.cli", "run", "--model", "nope", "--results", str(tmp_path)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "lpbench.cli", "run", "--model", "nope", "--results", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2 and "unknown model 'nope'" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_flops_json(capsys):
-    assert main(["flops", "--model", "llama3-8b", "--seq-len", "8192", "--formula", "nemo-legacy",
-                 "--tokens-per-sec-per-gpu", "33099", "--num-gpus", "8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "flops",
+                "--model",
+                "llama3-8b",
+                "--seq-len",
+                "8192",
+                "--formula",
+                "nemo-legacy",
+                "--tokens-per-sec-per-gpu",
+                "33099",
+                "--num-gpus",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["tflops_per_gpu"] == pytest.approx(1917, rel=0.005)
     assert out["flops_per_sample"] == pytest.approx(out["flops_per_token"] * 8192)
@@ -110,8 +133,9 @@ def test_progress_eta_is_the_rate_so_far_times_the_steps_left(monkeypatch):
             now[0] += 0.5
             p.step({"step": step})
         assert p.progress.tasks[0].completed == 10 and p.progress.tasks[0].total == 40
-        assert p.finish(0, "ok") == ("lpbench: run 1/2 bf16: ok in 0:00:05 | elapsed 0:00:05 | "
-                                     "ETA 0:00:15 for 1 more run(s)")
+        assert p.finish(0, "ok") == (
+            "lpbench: run 1/2 bf16: ok in 0:00:05 | elapsed 0:00:05 | ETA 0:00:15 for 1 more run(s)"
+        )
         p.start(1)
         p.step({"step": 21})  # resumed from a checkpoint at step 20
         assert p.progress.tasks[0].completed == 31
@@ -158,10 +182,24 @@ def test_fully_resumed_sweep_says_so_without_an_empty_bar(tmp_path, monkeypatch)
     from lpbench.bench.store import ResultsStore
 
     spec = tmp_path / "s.yaml"
-    spec.write_text(yaml.safe_dump({"name": "s", "model": "tiny", "device": "cpu", "steps": 3, "warmup_steps": 1,
-                                    "seq_len": 32, "mbs": 2, "gbs": 2, "precision": ["bf16", "fp32"]}))
-    monkeypatch.setattr(ResultsStore, "finished_keys", lambda self, sweep_id: {r.key for r in sw.expand(
-        sw.load_spec(str(spec))).runs})
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "s",
+                "model": "tiny",
+                "device": "cpu",
+                "steps": 3,
+                "warmup_steps": 1,
+                "seq_len": 32,
+                "mbs": 2,
+                "gbs": 2,
+                "precision": ["bf16", "fp32"],
+            }
+        )
+    )
+    monkeypatch.setattr(
+        ResultsStore, "finished_keys", lambda self, sweep_id: {r.key for r in sw.expand(sw.load_spec(str(spec))).runs}
+    )
     monkeypatch.setattr(sw, "execute", lambda *a, **k: pytest.fail("nothing should run"))
     console = Console(file=io.StringIO(), width=200, force_terminal=True)
     sw.run_sweep(str(spec), results=str(tmp_path), console=console)

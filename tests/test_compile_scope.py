@@ -34,7 +34,9 @@ def test_model_scope_compiles_one_graph():
     assert "head" not in vars(model)
 
 
-@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
+@pytest.mark.skipif(
+    not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler"
+)
 def test_block_compiled_loss_and_gradients_equal_eager():
     ids = torch.randint(0, TINY.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     results = []
@@ -51,10 +53,15 @@ def test_block_compiled_loss_and_gradients_equal_eager():
     assert ((grad_c - grad_e).norm() / grad_e.norm()) < 1e-4
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--compile-scope", "model", "--fsdp", "--nproc-per-node", "2", "--mbs", "4"],
-     "--compile-scope model needs one process or DDP; FSDP and TP compile each block"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--compile-scope", "model", "--fsdp", "--nproc-per-node", "2", "--mbs", "4"],
+            "--compile-scope model needs one process or DDP; FSDP and TP compile each block",
+        ),
+    ],
+)
 def test_model_scope_is_refused_under_fsdp_and_tp(argv, message, capsys, tmp_path):
     assert main(["run", "--model", "tiny", *argv, "--results", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -66,12 +73,32 @@ def test_a_run_records_the_compile_scope_that_ran(tmp_path):
     from lpbench.report.tables import summary_rows
     from lpbench.train.loop import train
 
-    cfg = RunConfig(model="tiny", seq_len=16, mbs=1, gbs=1, steps=2, warmup_steps=1, precision="fp32",
-                    device="cpu", compile_scope="model")  # compile defaults to off on CPU: nothing compiled
+    cfg = RunConfig(
+        model="tiny",
+        seq_len=16,
+        mbs=1,
+        gbs=1,
+        steps=2,
+        warmup_steps=1,
+        precision="fp32",
+        device="cpu",
+        compile_scope="model",
+    )  # compile defaults to off on CPU: nothing compiled
     result = train(cfg, log=lambda line: None)
     assert result.metrics["compile"] is False and result.metrics["compile_scope"] == "off"
     store = ResultsStore(tmp_path)
-    store.add_run(RunRecord(config=cfg.to_dict(), status="ok", error=None, metrics=result.metrics, steps=result.steps,
-                  env=result.env, run_key=cfg.key(), group_id="g", workload="pretrain"))
+    store.add_run(
+        RunRecord(
+            config=cfg.to_dict(),
+            status="ok",
+            error=None,
+            metrics=result.metrics,
+            steps=result.steps,
+            env=result.env,
+            run_key=cfg.key(),
+            group_id="g",
+            workload="pretrain",
+        )
+    )
     (row,) = summary_rows(store.runs())
     assert row["compile_scope"] == "off" and row["compile"] is False

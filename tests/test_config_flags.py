@@ -115,16 +115,61 @@ def test_the_facts_lists_come_from_the_declaration():
     from lpbench.config import settings
     from lpbench.report.tables import layout_keys
 
-    assert set(settings("resume")) >= {"model", "num_layers", "vocab_size", "precision", "backend", "workload",
-                                       "lora_rank", "lora_targets", "seq_len", "mbs", "gbs", "dp", "tp", "ep",
-                                       "fsdp", "data", "seed"}
+    assert set(settings("resume")) >= {
+        "model",
+        "num_layers",
+        "vocab_size",
+        "precision",
+        "backend",
+        "workload",
+        "lora_rank",
+        "lora_targets",
+        "seq_len",
+        "mbs",
+        "gbs",
+        "dp",
+        "tp",
+        "ep",
+        "fsdp",
+        "data",
+        "seed",
+    }
     assert {f.name for f in fields(RunConfig)} - set(settings("key")) == {
-        "save_every", "save_dir", "load", "profile_steps", "tensorboard", "wandb", "flops_formula"}
-    assert set(settings("converge")) >= {"model", "num_layers", "data", "seq_len", "mbs", "gbs", "lr", "eval_every",
-                                         "eval_batches", "seed", "device", "compile", "emulate", "log_interval",
-                                         "precision"}
-    assert set(layout_keys()) >= {"tp", "ep", "dp", "fsdp", "fsdp_fp8_all_gather", "sequence_parallel", "compile",
-                                  "compile_scope"}
+        "save_every",
+        "save_dir",
+        "load",
+        "profile_steps",
+        "tensorboard",
+        "wandb",
+        "flops_formula",
+    }
+    assert set(settings("converge")) >= {
+        "model",
+        "num_layers",
+        "data",
+        "seq_len",
+        "mbs",
+        "gbs",
+        "lr",
+        "eval_every",
+        "eval_batches",
+        "seed",
+        "device",
+        "compile",
+        "emulate",
+        "log_interval",
+        "precision",
+    }
+    assert set(layout_keys()) >= {
+        "tp",
+        "ep",
+        "dp",
+        "fsdp",
+        "fsdp_fp8_all_gather",
+        "sequence_parallel",
+        "compile",
+        "compile_scope",
+    }
     assert set(layout_keys(numbers_only=True)) >= {"tp", "ep", "dp"} and "fsdp" not in layout_keys(True)
     converge = _flags_of(_subparser("converge"))
     assert set(settings("converge")) <= converge and "lr_warmup_steps" not in converge
@@ -146,8 +191,14 @@ def test_help_groups_the_settings_by_section(capsys):
         pp: int = field(default=1, metadata=arg("pipeline-parallel size"))
 
     (pp,) = fields(Legacy)
-    assert [fact(pp, k) for k in ("section", "key", "resume", "layout", "converge", "sweep")] == \
-        ["other", True, False, False, False, True]
+    assert [fact(pp, k) for k in ("section", "key", "resume", "layout", "converge", "sweep")] == [
+        "other",
+        True,
+        False,
+        False,
+        False,
+        True,
+    ]
     p = argparse.ArgumentParser()
     add_config_args(p, ["precision", "steps"])
     assert p.parse_args(["--precision", "bf16,nvfp4"]).precision == ["bf16", "nvfp4"]  # generated, a list
@@ -157,6 +208,7 @@ def test_help_groups_the_settings_by_section(capsys):
 def test_defaults_follow_the_settings_they_depend_on():
     """#40.5: warm-up follows --steps, GBS follows MBS x DP (also after DP is set from the world size); only
     explicit contradictions are errors."""
+
     def configs(*argv, world=None):
         return configs_from_args(build_parser().parse_args(["run", "--precision", "bf16", *argv]), world_size=world)
 
@@ -178,13 +230,39 @@ def test_defaults_follow_the_settings_they_depend_on():
 def test_steps_2_on_two_processes_runs_with_the_defaults(tmp_path):
     """#40.5 end to end: ``--steps 2 --nproc-per-node 2`` with the default warm-up and GBS trains, and the log
     header says which defaults followed."""
-    out = subprocess.run([sys.executable, "-m", "lpbench", "run", "--precision", "bf16", "--model", "tiny",
-                          "--seq-len", "32", "--mbs", "2", "--steps", "2", "--device", "cpu", "--nproc-per-node", "2",
-                          "--results", str(tmp_path)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lpbench",
+            "run",
+            "--precision",
+            "bf16",
+            "--model",
+            "tiny",
+            "--seq-len",
+            "32",
+            "--mbs",
+            "2",
+            "--steps",
+            "2",
+            "--device",
+            "cpu",
+            "--nproc-per-node",
+            "2",
+            "--results",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert ("lpbench: gbs 4 (default: MBS x DP) | warmup steps 1 (default: min(10, steps / 2)) | TFLOP/s by the "
-            "megatron formula") in out.stdout
+    assert (
+        "lpbench: gbs 4 (default: MBS x DP) | warmup steps 1 (default: min(10, steps / 2)) | TFLOP/s by the "
+        "megatron formula"
+    ) in out.stdout
     assert out.stdout.count("train_step_timing in s:") == 2
 
 

@@ -23,12 +23,17 @@ SMALL = ["--seq-len", "32", "--mbs", "2", "--gbs", "2", "--device", "cpu", "--lo
 def write_corpus(path, n_docs=300, seed=0):
     """JSON lines of English-like sentences from a small grammar (enough for a held-out split)."""
     rng = random.Random(seed)
-    subjects, verbs, objects = ["the program", "a widget", "every user", "the file"], \
-        ["reads", "writes", "turns", "opens"], ["the output", "a gadget", "each line", "the input"]
+    subjects, verbs, objects = (
+        ["the program", "a widget", "every user", "the file"],
+        ["reads", "writes", "turns", "opens"],
+        ["the output", "a gadget", "each line", "the input"],
+    )
     with open(path, "w") as f:
         for _ in range(n_docs):
-            text = " ".join(f"{rng.choice(subjects).capitalize()} {rng.choice(verbs)} {rng.choice(objects)}."
-                            for _ in range(rng.randint(3, 8)))
+            text = " ".join(
+                f"{rng.choice(subjects).capitalize()} {rng.choice(verbs)} {rng.choice(objects)}."
+                for _ in range(rng.randint(3, 8))
+            )
             f.write(json.dumps({"text": text}) + "\n")
     return path
 
@@ -38,8 +43,12 @@ def test_ablation_switches_off_exactly_that_ingredient(ingredient):
     off, _ = ABLATIONS[ingredient]
     name = "fp8-tensorwise" if ingredient == "fast-accum" else "nvfp4"
     base, ablated = get_recipe(name), get_recipe(f"{name}-no-{ingredient}")
-    changed = {f.name for f in dataclasses.fields(Recipe)
-               if getattr(base, f.name) != getattr(ablated, f.name)} - {"name", "description", "display_name", "colour"}
+    changed = {f.name for f in dataclasses.fields(Recipe) if getattr(base, f.name) != getattr(ablated, f.name)} - {
+        "name",
+        "description",
+        "display_name",
+        "colour",
+    }
     assert changed == set(off)
     assert all(getattr(ablated, k) == v for k, v in off.items())
     assert ablated.name == f"{name}-no-{ingredient}"
@@ -69,9 +78,14 @@ def test_tolerances_by_name_or_family_prefix():
 
 
 def test_judge_computes_gaps_and_verdicts():
-    outs = [Outcome("bf16", "ok", val_loss=4.0), Outcome("fp8-tensorwise", "ok", val_loss=4.01),
-            Outcome("mxfp8", "ok", val_loss=4.04), Outcome("nvfp4", "ok", val_loss=4.05),
-            Outcome("fp32", "ok", val_loss=3.9), Outcome("nvfp4-no-sr", "diverged", diverged_step=7)]
+    outs = [
+        Outcome("bf16", "ok", val_loss=4.0),
+        Outcome("fp8-tensorwise", "ok", val_loss=4.01),
+        Outcome("mxfp8", "ok", val_loss=4.04),
+        Outcome("nvfp4", "ok", val_loss=4.05),
+        Outcome("fp32", "ok", val_loss=3.9),
+        Outcome("nvfp4-no-sr", "diverged", diverged_step=7),
+    ]
     assert judge(outs, {}) == "val_loss"
     assert [o.gap_pct for o in outs[:5]] == pytest.approx([0.0, 0.25, 1.0, 1.25, -2.5])
     assert [o.verdict for o in outs] == ["reference", "pass", "fail", "pass", "no tolerance", "diverged @ step 7"]
@@ -82,8 +96,17 @@ def test_judge_computes_gaps_and_verdicts():
 
 
 def test_validation_every_k_steps_leaves_training_unchanged():
-    cfg = RunConfig(model="tiny", precision="fp8-delayed", seq_len=32, mbs=2, gbs=2, steps=5, warmup_steps=1,
-                    device="cpu", log_interval=100)
+    cfg = RunConfig(
+        model="tiny",
+        precision="fp8-delayed",
+        seq_len=32,
+        mbs=2,
+        gbs=2,
+        steps=5,
+        warmup_steps=1,
+        device="cpu",
+        log_interval=100,
+    )
     plain = loop.train(cfg, log=lambda line: None)
     lines = []
     evaluated = loop.train(cfg.with_(eval_every=2, eval_batches=3), log=lines.append)
@@ -100,9 +123,28 @@ def test_validation_every_k_steps_leaves_training_unchanged():
 def test_converge_on_raw_text(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     results, plot = tmp_path / "res", tmp_path / "curves.png"
-    rc = main(["converge", "--data", str(corpus), "--precision", "bf16,fp8-tensorwise", "--tokens", "384",
-               "--eval-every", "2", "--vocab-size", "300", "--tolerance", "fp8=0", "--results", str(results),
-               "--plot", str(plot)] + SMALL)
+    rc = main(
+        [
+            "converge",
+            "--data",
+            str(corpus),
+            "--precision",
+            "bf16,fp8-tensorwise",
+            "--tokens",
+            "384",
+            "--eval-every",
+            "2",
+            "--vocab-size",
+            "300",
+            "--tolerance",
+            "fp8=0",
+            "--results",
+            str(results),
+            "--plot",
+            str(plot),
+        ]
+        + SMALL
+    )
     out = capsys.readouterr().out
     assert "no tokenizer given" not in out and "a byte-level BPE (vocab 300 requested) was trained on" in out
     runs = ResultsStore(results).runs("workload = 'converge'")
@@ -144,8 +186,22 @@ def test_a_diverging_recipe_stops_and_the_others_run(tmp_path, capsys, monkeypat
 
     monkeypatch.setattr(loop, "train", train)
     results = tmp_path / "res"
-    rc = main(["converge", "--precision", "bf16,fp8-tensorwise,mxfp8", "--tokens", "384", "--eval-every", "3",
-               "--results", str(results), "--plot", str(tmp_path / "p.png")] + SMALL)
+    rc = main(
+        [
+            "converge",
+            "--precision",
+            "bf16,fp8-tensorwise,mxfp8",
+            "--tokens",
+            "384",
+            "--eval-every",
+            "3",
+            "--results",
+            str(results),
+            "--plot",
+            str(tmp_path / "p.png"),
+        ]
+        + SMALL
+    )
     out = capsys.readouterr().out
     assert rc == 1
     assert re.search(r"│ fp8-tensorwise .*diverged @ step 3", out)
@@ -155,16 +211,19 @@ def test_a_diverging_recipe_stops_and_the_others_run(tmp_path, capsys, monkeypat
     assert runs[1]["metrics"]["diverged_step"] == 3 and len(ResultsStore(results).steps(runs[2]["id"])) == 6
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--ablate", "magic"], "unknown ablation 'magic'"),
-    (["--tokens", "10"], "less than one step"),
-    (["--noise-seeds", "-1"], "--noise-seeds must be >= 0, got -1"),
-    (["--tolerance", "fp8"], "NAME=PERCENT"),
-    (["--data", "mock", "--tokenizer", "byte"], "--tokenizer applies to real data"),
-    (["--data", "/no/such/corpus.jsonl"], "--data /no/such/corpus.jsonl"),
-    (["--precision", "bf16,mxfp8", "--no-emulate", "--device", "cpu"], "mxfp8 cannot run natively on cpu"),
-    (["--model", "tiny", "--seq-len", "4096"], "exceeds tiny's limit"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--ablate", "magic"], "unknown ablation 'magic'"),
+        (["--tokens", "10"], "less than one step"),
+        (["--noise-seeds", "-1"], "--noise-seeds must be >= 0, got -1"),
+        (["--tolerance", "fp8"], "NAME=PERCENT"),
+        (["--data", "mock", "--tokenizer", "byte"], "--tokenizer applies to real data"),
+        (["--data", "/no/such/corpus.jsonl"], "--data /no/such/corpus.jsonl"),
+        (["--precision", "bf16,mxfp8", "--no-emulate", "--device", "cpu"], "mxfp8 cannot run natively on cpu"),
+        (["--model", "tiny", "--seq-len", "4096"], "exceeds tiny's limit"),
+    ],
+)
 def test_converge_rejects_bad_input_in_one_line(argv, message, tmp_path, capsys):
     assert main(["converge", "--results", str(tmp_path)] + argv) == 2
     err = capsys.readouterr().err
@@ -173,12 +232,34 @@ def test_converge_rejects_bad_input_in_one_line(argv, message, tmp_path, capsys)
 
 def test_noise_seeds_run_the_reference_again_and_give_the_noise_floor(tmp_path, capsys):
     results = tmp_path / "res"
-    rc = main(["converge", "--data", "mock", "--model", "tiny", "--precision", "bf16,fp8-tensorwise",
-               "--tokens", "256", "--eval-every", "2", "--noise-seeds", "2", "--results", str(results)] + SMALL)
+    rc = main(
+        [
+            "converge",
+            "--data",
+            "mock",
+            "--model",
+            "tiny",
+            "--precision",
+            "bf16,fp8-tensorwise",
+            "--tokens",
+            "256",
+            "--eval-every",
+            "2",
+            "--noise-seeds",
+            "2",
+            "--results",
+            str(results),
+        ]
+        + SMALL
+    )
     out = capsys.readouterr().out
     runs = ResultsStore(results).runs("workload = 'converge'")
     assert [(r["precision"], r["config"]["seed"]) for r in runs] == [
-        ("bf16", 1234), ("fp8-tensorwise", 1234), ("bf16", 1235), ("bf16", 1236)]
+        ("bf16", 1234),
+        ("fp8-tensorwise", 1234),
+        ("bf16", 1235),
+        ("bf16", 1236),
+    ]
     ref = runs[0]["metrics"]["val_losses"][-1][1]
     gaps = [(r["metrics"]["val_losses"][-1][1] - ref) / ref * 100 for r in runs[2:]]
     assert all(g != 0 for g in gaps)  # another seed: other weights and data order
@@ -192,11 +273,17 @@ def test_noise_seeds_run_the_reference_again_and_give_the_noise_floor(tmp_path, 
     # progress: each run's time, the command's elapsed time and ETA; then the next command
     done = [line for line in out.splitlines() if line.startswith("lpbench: run ")]
     assert [line.split(":")[1].strip() for line in done] == [
-        "run 1/4 bf16", "run 2/4 fp8-tensorwise", "run 3/4 bf16 @ seed 1235", "run 4/4 bf16 @ seed 1236"]
+        "run 1/4 bf16",
+        "run 2/4 fp8-tensorwise",
+        "run 3/4 bf16 @ seed 1235",
+        "run 4/4 bf16 @ seed 1236",
+    ]
     assert all("| elapsed 0:" in line for line in done) and "ETA 0:" in done[0] and "for 3 more run(s)" in done[0]
     assert done[-1].endswith("all runs done")
     group = runs[0]["group_id"]
-    assert out.rstrip().splitlines()[-1] == f"next: lpbench report --results {results} --group {group} --html report.html"
+    assert (
+        out.rstrip().splitlines()[-1] == f"next: lpbench report --results {results} --group {group} --html report.html"
+    )
 
 
 def _final_state(folder):
@@ -221,8 +308,21 @@ def _final_state(folder):
 def test_a_resumed_converge_continues_exactly(tmp_path, capsys):
     """6 steps straight == 3 steps, checkpoint, resume 3: same losses, LR, gradient norms, validation losses
     and final weights and optimizer state, bit for bit; nvfp4's stochastic rounding included (RNG restored)."""
-    argv = ["converge", "--data", "mock", "--model", "tiny", "--precision", "bf16,nvfp4", "--noise-seeds", "1",
-            "--tokens", "384", "--eval-every", "2"] + SMALL
+    argv = [
+        "converge",
+        "--data",
+        "mock",
+        "--model",
+        "tiny",
+        "--precision",
+        "bf16,nvfp4",
+        "--noise-seeds",
+        "1",
+        "--tokens",
+        "384",
+        "--eval-every",
+        "2",
+    ] + SMALL
     straight, partial = tmp_path / "straight", tmp_path / "partial"
     main(argv + ["--results", str(tmp_path / "r1"), "--save-every", "3", "--save-dir", str(straight)])
     names = ["bf16", "bf16-seed1235", "nvfp4"]
@@ -232,8 +332,10 @@ def test_a_resumed_converge_continues_exactly(tmp_path, capsys):
         assert sorted(p.name for p in (straight / name).iterdir()) == ["step-3", "step-6"]
         shutil.rmtree(partial / name / "step-6")
     capsys.readouterr()
-    main(argv + ["--results", str(tmp_path / "r2"), "--load", str(partial), "--save-every", "3",
-                 "--save-dir", str(partial)])
+    main(
+        argv
+        + ["--results", str(tmp_path / "r2"), "--load", str(partial), "--save-every", "3", "--save-dir", str(partial)]
+    )
     out = capsys.readouterr().out
     assert out.count("resumed from") == 3 and f"{partial / 'nvfp4' / 'step-3'} at step 3" in out.replace("\n", "")
     first, resumed = (ResultsStore(tmp_path / r).runs("workload = 'converge'") for r in ("r1", "r2"))
@@ -250,22 +352,45 @@ def test_a_resumed_converge_continues_exactly(tmp_path, capsys):
         assert all(torch.equal(want[k], got[k]) for k in want), name
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--load", "{tmp}/nowhere"], "--load {tmp}/nowhere: no checkpoint of bf16 (no folder {tmp}/nowhere/bf16)"),
-    (["--load", "{tmp}/saved", "--precision", "bf16,fp8-tensorwise"], "no checkpoint of fp8-tensorwise"),
-    (["--load", "{tmp}/saved", "--seq-len", "16"], "checkpoint does not match this run: seq_len 32 (this run: 16)"),
-    (["--load", "{tmp}/saved", "--seed", "7"], "does not match this run: seed 1234 (this run: 7)"),
-    (["--load", "{tmp}/broken"], "corrupt checkpoint (DCP's .metadata is missing)"),
-    (["--load", "{tmp}/saved", "--tokens", "192"], "checkpoint is at step 3, --steps 3 leaves nothing to train"),
-    (["--save-every", "2"], "--save-every K needs --save-dir DIR"),
-    (["--save-dir", "{tmp}/x"], "--save-dir needs --save-every K"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--load", "{tmp}/nowhere"], "--load {tmp}/nowhere: no checkpoint of bf16 (no folder {tmp}/nowhere/bf16)"),
+        (["--load", "{tmp}/saved", "--precision", "bf16,fp8-tensorwise"], "no checkpoint of fp8-tensorwise"),
+        (["--load", "{tmp}/saved", "--seq-len", "16"], "checkpoint does not match this run: seq_len 32 (this run: 16)"),
+        (["--load", "{tmp}/saved", "--seed", "7"], "does not match this run: seed 1234 (this run: 7)"),
+        (["--load", "{tmp}/broken"], "corrupt checkpoint (DCP's .metadata is missing)"),
+        (["--load", "{tmp}/saved", "--tokens", "192"], "checkpoint is at step 3, --steps 3 leaves nothing to train"),
+        (["--save-every", "2"], "--save-every K needs --save-dir DIR"),
+        (["--save-dir", "{tmp}/x"], "--save-dir needs --save-every K"),
+    ],
+)
 def test_converge_refuses_bad_checkpoints_in_one_line(argv, message, tmp_path, capsys):
-    base = ["converge", "--data", "mock", "--model", "tiny", "--precision", "bf16", "--tokens", "384",
-            "--eval-every", "0", "--results", str(tmp_path / "res")] + SMALL
+    base = [
+        "converge",
+        "--data",
+        "mock",
+        "--model",
+        "tiny",
+        "--precision",
+        "bf16",
+        "--tokens",
+        "384",
+        "--eval-every",
+        "0",
+        "--results",
+        str(tmp_path / "res"),
+    ] + SMALL
     if any("{tmp}/saved" in a or "{tmp}/broken" in a for a in argv):
-        assert main(base[:base.index("--tokens") + 1] + ["192"] + base[base.index("--tokens") + 2:]
-                    + ["--save-every", "3", "--save-dir", str(tmp_path / "saved")]) == 0
+        assert (
+            main(
+                base[: base.index("--tokens") + 1]
+                + ["192"]
+                + base[base.index("--tokens") + 2 :]
+                + ["--save-every", "3", "--save-dir", str(tmp_path / "saved")]
+            )
+            == 0
+        )
         shutil.copytree(tmp_path / "saved", tmp_path / "broken")
         (tmp_path / "broken" / "bf16" / "step-3" / ".metadata").unlink()
     capsys.readouterr()

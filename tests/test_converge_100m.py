@@ -7,8 +7,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAGS = ["--data", "mock", "--model", "tiny", "--tokens", "2048", "--seq-len", "64", "--mbs", "4", "--gbs", "4",
-         "--eval-every", "4", "--device", "cpu"]
+FLAGS = [
+    "--data",
+    "mock",
+    "--model",
+    "tiny",
+    "--tokens",
+    "2048",
+    "--seq-len",
+    "64",
+    "--mbs",
+    "4",
+    "--gbs",
+    "4",
+    "--eval-every",
+    "4",
+    "--device",
+    "cpu",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +47,9 @@ def test_export_writes_the_record_run_wrote(study, tmp_path, monkeypatch):
 
 
 def test_export_of_a_run_that_left_no_database_fails(study, tmp_path, capsys):
-    assert study.main(["export", "nvfp4", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
-                       *FLAGS]) == 2
+    assert (
+        study.main(["export", "nvfp4", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), *FLAGS]) == 2
+    )
     assert "nvfp4: no result" in capsys.readouterr().err
     assert not (tmp_path / "work" / "nvfp4").exists() and not (tmp_path / "out").exists()
 

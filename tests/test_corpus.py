@@ -8,10 +8,13 @@ from lpbench.cli import main
 from lpbench.corpus.build import assemble, python_documents, reflow
 from lpbench.corpus.roff import strip_roff
 
-SHARED = ("Every command of this suite reads its configuration from the same file and honours the same "
-          "environment variables, described in the overview page.")
+SHARED = (
+    "Every command of this suite reads its configuration from the same file and honours the same "
+    "environment variables, described in the overview page."
+)
 
-MAN_PAGE = textwrap.dedent(r"""
+MAN_PAGE = (
+    textwrap.dedent(r"""
     .\" Copyright notice: this comment must not reach the corpus.
     .de Vb
     .ft CW
@@ -37,7 +40,9 @@ MAN_PAGE = textwrap.dedent(r"""
     $ frob < widget.txt
       > gadget
     .fi
-    """) % SHARED
+    """)
+    % SHARED
+)
 
 
 def write_tree(root):
@@ -57,18 +62,26 @@ def write_tree(root):
         "This is frob.info, produced by makeinfo.\n\x1f\nFile: frob.info,  Node: Top,  Next: Usage\n\n"
         "frob\n****\n\n* Menu:\n\n* Usage::     How to use it.\n\n\x1f\nFile: frob.info,  Node: Usage\n\n"
         "1 Usage\n*******\n\nThe frob program is used in a pipeline and it turns every widget that it\n"
-        "reads into a gadget, which is then written to the standard output of the process.\n")
+        "reads into a gadget, which is then written to the standard output of the process.\n"
+    )
     doc = root / "doc" / "frob"
     doc.mkdir(parents=True)
-    (doc / "README.md").write_text("# frob\n\n<!-- badge -->The frob tool turns widgets into gadgets and is "
-                                   "the reference implementation of the widget format for the project.\n")
-    (doc / "changelog.Debian.gz").write_bytes(gzip.compress(b"frob (1.0) unstable; urgency=low\n\n"
-                                                            b"  * Initial release of the package to the archive "
-                                                            b"with all of the changes.\n"))
+    (doc / "README.md").write_text(
+        "# frob\n\n<!-- badge -->The frob tool turns widgets into gadgets and is "
+        "the reference implementation of the widget format for the project.\n"
+    )
+    (doc / "changelog.Debian.gz").write_bytes(
+        gzip.compress(
+            b"frob (1.0) unstable; urgency=low\n\n"
+            b"  * Initial release of the package to the archive "
+            b"with all of the changes.\n"
+        )
+    )
     (doc / "table.txt").write_text("U+0020 space 100% (1/1)\nU+0021 exclam 100% (1/1)\n" * 20)
     py = root / "py" / "frobpkg"
     py.mkdir(parents=True)
-    (py / "__init__.py").write_text(textwrap.dedent('''
+    (py / "__init__.py").write_text(
+        textwrap.dedent('''
         """Frobnication helpers: turn widgets into gadgets, one at a time, with care."""
 
         SECRET_CODE = "x = 1  # code must not reach the corpus"
@@ -81,7 +94,8 @@ def write_tree(root):
             def run(self, widget):
                 """Frob ``widget`` and return the gadget that it turns into."""
                 return widget
-        '''))
+        ''')
+    )
     return root
 
 
@@ -89,8 +103,12 @@ def write_tree(root):
 def corpus(tmp_path_factory):
     root = write_tree(tmp_path_factory.mktemp("machine"))
     out = root / "out"
-    roots = {"man": [str(root / "man")], "info": [str(root / "info")], "doc": [str(root / "doc")],
-             "python": [str(root / "py")]}
+    roots = {
+        "man": [str(root / "man")],
+        "info": [str(root / "info")],
+        "doc": [str(root / "doc")],
+        "python": [str(root / "py")],
+    }
     stats = assemble(out, ["man", "info", "doc", "python"], roots, min_words=8, log=lambda line: None)
     docs = [json.loads(line) for line in (out / "corpus.jsonl").read_text().splitlines()]
     return root, out, stats, docs, roots
@@ -99,8 +117,10 @@ def corpus(tmp_path_factory):
 def test_strip_roff_leaves_text_without_markup():
     text = strip_roff(MAN_PAGE)
     assert "frob - turn widgets into gadgets" in text
-    assert ("frob reads a widget from the standard input and writes the matching gadget to the standard "
-            "output\u2014 quickly and quietly.") in text  # fonts gone, lines joined, \(em resolved
+    assert (
+        "frob reads a widget from the standard input and writes the matching gadget to the standard "
+        "output\u2014 quickly and quietly."
+    ) in text  # fonts gone, lines joined, \(em resolved
     assert "frob --fast" in text and "--slow" not in text  # the nroff branch of .ie
     assert "-v, --verbose\n\nPrint what is being done" in text  # .TP tag, alternating fonts joined
     assert "$ frob < widget.txt\n  > gadget" in text  # no-fill block keeps its lines and indent
@@ -109,8 +129,10 @@ def test_strip_roff_leaves_text_without_markup():
 
 
 def test_strip_roff_reads_mdoc():
-    text = strip_roff(".Dd May 1 2024\n.Dt FROB 1\n.Sh NAME\n.Nm frob\n.Nd turn widgets into gadgets\n"
-                      ".Sh SYNOPSIS\n.Nm\n.Op Fl v\n.Ar file\n.Sh SEE ALSO\n.Xr grok 1 ,\n.Xr cat 1\n")
+    text = strip_roff(
+        ".Dd May 1 2024\n.Dt FROB 1\n.Sh NAME\n.Nm frob\n.Nd turn widgets into gadgets\n"
+        ".Sh SYNOPSIS\n.Nm\n.Op Fl v\n.Ar file\n.Sh SEE ALSO\n.Xr grok 1 ,\n.Xr cat 1\n"
+    )
     assert "frob \u2014 turn widgets into gadgets" in text
     assert "frob -v file" in text and "grok(1), cat(1)" in text
 
@@ -127,7 +149,8 @@ def test_python_docstrings_only(tmp_path):
     assert text.split("\n\n") == [
         "Frobnication helpers: turn widgets into gadgets, one at a time, with care.",
         "A frobber keeps the state of a frobnication between calls and can be reused for many widgets.",
-        "Frob ``widget`` and return the gadget that it turns into."]
+        "Frob ``widget`` and return the gadget that it turns into.",
+    ]
 
 
 def test_corpus_is_deduplicated_stripped_and_counted(corpus):
@@ -159,18 +182,36 @@ def test_corpus_is_reproducible(corpus, tmp_path):
 
 def test_corpus_cli(corpus, tmp_path, capsys):
     root = corpus[0]
-    assert main(["data", "corpus", "--out", str(tmp_path), "--sources", "man", "--root",
-                 f"man={root / 'man'}", "--min-words", "8"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "corpus",
+                "--out",
+                str(tmp_path),
+                "--sources",
+                "man",
+                "--root",
+                f"man={root / 'man'}",
+                "--min-words",
+                "8",
+            ]
+        )
+        == 0
+    )
     assert "2 documents" in capsys.readouterr().out
     assert len((tmp_path / "corpus.jsonl").read_text().splitlines()) == 2
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--sources", "man,novels"], "unknown corpus source 'novels'"),
-    (["--sources", "man", "--root", "info=/tmp"], "'info' is not among the sources"),
-    (["--sources", "man", "--root", "man=/no/such/dir"], "no such directory"),
-    (["--root", "man"], "expected SOURCE=DIR, got 'man'"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--sources", "man,novels"], "unknown corpus source 'novels'"),
+        (["--sources", "man", "--root", "info=/tmp"], "'info' is not among the sources"),
+        (["--sources", "man", "--root", "man=/no/such/dir"], "no such directory"),
+        (["--root", "man"], "expected SOURCE=DIR, got 'man'"),
+    ],
+)
 def test_corpus_cli_rejects_bad_input_in_one_line(argv, message, tmp_path, capsys):
     assert main(["data", "corpus", "--out", str(tmp_path)] + argv) == 2
     err = capsys.readouterr().err
@@ -181,8 +222,9 @@ def test_corpus_cli_rejects_bad_input_in_one_line(argv, message, tmp_path, capsy
 def test_max_words_is_a_bound(corpus, tmp_path, bound):
     _, _, full, _, roots = corpus
     assert full["words"] > bound  # the whole corpus would overshoot every bound here
-    stats = assemble(tmp_path, ["man", "info", "doc", "python"], roots, min_words=8, max_words=bound,
-                     log=lambda line: None)
+    stats = assemble(
+        tmp_path, ["man", "info", "doc", "python"], roots, min_words=8, max_words=bound, log=lambda line: None
+    )
     words = sum(len(json.loads(line)["text"].split()) for line in (tmp_path / "corpus.jsonl").read_text().splitlines())
     assert words == stats["words"] and bound - 8 < words <= bound
 

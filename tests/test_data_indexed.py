@@ -5,8 +5,7 @@ import struct
 import numpy as np
 import pytest
 
-from lpbench.data.indexed import (IndexedDataset, IndexedDatasetWriter, optimal_dtype,
-                                  write_indexed_dataset)
+from lpbench.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype, write_indexed_dataset
 from lpbench.errors import UsageError
 
 
@@ -14,8 +13,8 @@ def _parse_idx(path):
     """An independent parse of the .idx bytes, per Megatron's _IndexWriter."""
     raw = open(path, "rb").read()
     assert raw[:9] == b"MMIDIDX\x00\x00"
-    version, = struct.unpack_from("<Q", raw, 9)
-    code, = struct.unpack_from("<B", raw, 17)
+    (version,) = struct.unpack_from("<Q", raw, 9)
+    (code,) = struct.unpack_from("<B", raw, 17)
     n_seq, n_doc = struct.unpack_from("<QQ", raw, 18)
     off = 34
     lengths = struct.unpack_from(f"<{n_seq}i", raw, off)
@@ -24,12 +23,20 @@ def _parse_idx(path):
     off += 8 * n_seq
     docs = struct.unpack_from(f"<{n_doc}q", raw, off)
     off += 8 * n_doc
-    return dict(version=version, code=code, lengths=list(lengths), pointers=list(pointers),
-                docs=list(docs), size=len(raw), end=off)
+    return dict(
+        version=version,
+        code=code,
+        lengths=list(lengths),
+        pointers=list(pointers),
+        docs=list(docs),
+        size=len(raw),
+        end=off,
+    )
 
 
-@pytest.mark.parametrize("dtype,code,itemsize", [(np.uint16, 8, 2), (np.int32, 4, 4),
-                                                  (np.int64, 5, 8), (np.uint8, 1, 1)])
+@pytest.mark.parametrize(
+    "dtype,code,itemsize", [(np.uint16, 8, 2), (np.int32, 4, 4), (np.int64, 5, 8), (np.uint8, 1, 1)]
+)
 def test_layout_matches_megatron(tmp_path, dtype, code, itemsize):
     docs = [[5, 6, 7], [1], [9, 9, 2, 3, 0]]
     prefix = tmp_path / "ds"
@@ -38,8 +45,8 @@ def test_layout_matches_megatron(tmp_path, dtype, code, itemsize):
     assert idx["version"] == 1 and idx["code"] == code
     assert idx["lengths"] == [3, 1, 5]
     assert idx["pointers"] == [0, 3 * itemsize, 4 * itemsize]
-    assert idx["docs"] == [0, 1, 2, 3]          # leading 0, one sequence per document
-    assert idx["end"] == idx["size"]            # nothing after the document index
+    assert idx["docs"] == [0, 1, 2, 3]  # leading 0, one sequence per document
+    assert idx["end"] == idx["size"]  # nothing after the document index
     raw_bin = open(f"{prefix}.bin", "rb").read()
     assert raw_bin == np.asarray(sum(docs, []), dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
 
@@ -47,9 +54,10 @@ def test_layout_matches_megatron(tmp_path, dtype, code, itemsize):
 def test_multi_sequence_documents_and_read_back(tmp_path):
     prefix = tmp_path / "sent"
     with IndexedDatasetWriter(prefix, np.uint16) as w:
-        w.add_item([1, 2]); w.add_item([3]); w.end_document()      # doc 0: two sentences
-        w.add_item([4, 5, 6]); w.end_document()                    # doc 1
-        w.add_item([7]); w.add_item([8, 9]); w.add_item([10]); w.end_document()
+        for doc in ([[1, 2], [3]], [[4, 5, 6]], [[7], [8, 9], [10]]):  # documents of sentences
+            for sentence in doc:
+                w.add_item(sentence)
+            w.end_document()
     idx = _parse_idx(f"{prefix}.idx")
     assert idx["lengths"] == [2, 1, 3, 1, 2, 1]
     assert idx["pointers"] == [0, 4, 6, 12, 14, 18]
@@ -85,7 +93,7 @@ def test_errors(tmp_path):
         IndexedDataset(tmp_path / "missing")
     with pytest.raises(UsageError, match="do not fit"):
         write_indexed_dataset(tmp_path / "x", [[70000]], np.uint16)
-    assert not (tmp_path / "x.bin").exists()      # aborted write leaves nothing readable
+    assert not (tmp_path / "x.bin").exists()  # aborted write leaves nothing readable
     write_indexed_dataset(tmp_path / "ok", [[1, 2, 3]], np.uint16)
     raw = bytearray(open(tmp_path / "ok.idx", "rb").read())
     raw[0:1] = b"X"

@@ -13,8 +13,10 @@ from lpbench.data.prepare import add_parser, read_metadata
 from lpbench.data.tokenizer import load_tokenizer
 from lpbench.errors import UsageError
 
-TEXTS = [f"Document number {i}: " + " ".join(["lorem", "ipsum", "dolor", "sit"][: 1 + i % 4]) * (
-    1 + i % 5) for i in range(60)]
+TEXTS = [
+    f"Document number {i}: " + " ".join(["lorem", "ipsum", "dolor", "sit"][: 1 + i % 4]) * (1 + i % 5)
+    for i in range(60)
+]
 
 
 @pytest.fixture
@@ -38,8 +40,7 @@ def test_mock_dataset():
     x, y = next(a)
     assert x.shape == (2, 8) and int(x.max()) < 64
     vx, _ = next(d.valid_batches(2))
-    assert not torch.equal(vx, next(build_dataset("mock", seq_len=8, seed=3,
-                                                  vocab_size=64).train_loader(2))[0])
+    assert not torch.equal(vx, next(build_dataset("mock", seq_len=8, seed=3, vocab_size=64).train_loader(2))[0])
     assert "mock" in d.describe()
     with pytest.raises(UsageError, match="vocab_size"):
         build_dataset("mock", seq_len=8)
@@ -60,13 +61,13 @@ def test_validation_never_overlaps_training_and_shards_cover(tmp_path):
             x, y = next(loader)
             train_inputs += x.reshape(-1).tolist()
             train_labels += y.reshape(-1).tolist()
-    assert len(set(train_labels)) == len(train_labels)   # disjoint ranks, no repeats
+    assert len(set(train_labels)) == len(train_labels)  # disjoint ranks, no repeats
     assert len(train_labels) == per_epoch * mbs * world * 16
     valid_tokens = set()
     for x, y in d.valid_batches(4):
         valid_tokens |= set(x.reshape(-1).tolist()) | set(y.reshape(-1).tolist())
     assert valid_tokens.isdisjoint(train_labels) and valid_tokens.isdisjoint(train_inputs)
-    assert min(valid_tokens) in {int(doc[0]) for doc in docs}   # starts at a document
+    assert min(valid_tokens) in {int(doc[0]) for doc in docs}  # starts at a document
 
 
 def test_raw_text_byte_tokenizer(corpus):
@@ -113,12 +114,10 @@ def test_cli_prepare_and_tokenizer(corpus, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
     tok_path = tmp_path / "tok.json"
-    assert _cli(["data", "tokenizer", "--input", str(corpus), "--vocab-size", "320",
-                 "--output", str(tok_path)]) == 0
+    assert _cli(["data", "tokenizer", "--input", str(corpus), "--vocab-size", "320", "--output", str(tok_path)]) == 0
     tok = load_tokenizer(tok_path)
     p2 = tmp_path / "bpe"
-    _cli(["data", "prepare", "--input", str(corpus), "--output-prefix", str(p2),
-          "--tokenizer", str(tok_path)])
+    _cli(["data", "prepare", "--input", str(corpus), "--output-prefix", str(p2), "--tokenizer", str(tok_path)])
     ds2 = IndexedDataset(p2)
     assert ds2.document(7).tolist() == tok.encode(TEXTS[7]) + [tok.eos_id]
     d = build_dataset(str(p2), seq_len=16, seed=0)
@@ -136,6 +135,5 @@ def test_cli_errors(corpus, tmp_path):
     with pytest.raises(UsageError, match="choose a command"):
         _cli(["data"])
     with pytest.raises(UsageError, match="no 'body' field"):
-        _cli(["data", "prepare", "--input", str(corpus), "--output-prefix",
-              str(tmp_path / "b"), "--text-key", "body"])
+        _cli(["data", "prepare", "--input", str(corpus), "--output-prefix", str(tmp_path / "b"), "--text-key", "body"])
     assert not (tmp_path / "b.bin").exists()

@@ -18,9 +18,9 @@ def test_shards_disjoint_and_cover_each_epoch():
     for epoch in range(2):
         seen = [np.concatenate([next(s) for _ in range(bpe)]) for s in samplers]
         union = np.concatenate(seen)
-        assert len(set(union.tolist())) == len(union) == bpe * mbs * world   # disjoint, no repeat
+        assert len(set(union.tolist())) == len(union) == bpe * mbs * world  # disjoint, no repeat
         assert set(union.tolist()) <= set(range(n))
-        assert n - len(union) < mbs * world                                  # only the remainder
+        assert n - len(union) < mbs * world  # only the remainder
     # a different seed gives a different order, the same seed the same one
     a = MicroBatchSampler(n, mbs, seed=7).indices_at(0)
     assert np.array_equal(a, MicroBatchSampler(n, mbs, seed=7).indices_at(0))
@@ -36,10 +36,18 @@ def test_epochs_reshuffle():
 
 def test_loader_resumes_at_same_position():
     data = PackedSequences(np.arange(1000), 8)
-    make = lambda: MicroBatchLoader(data, MicroBatchSampler(len(data), 3, rank=1,  # noqa: E731
-                                                            world_size=2, seed=3))
+    make = lambda: MicroBatchLoader(
+        data,
+        MicroBatchSampler(
+            len(data),
+            3,
+            rank=1,  # noqa: E731
+            world_size=2,
+            seed=3,
+        ),
+    )
     ref = make()
-    batches = [next(ref) for _ in range(50)]         # crosses epoch boundaries (124 // 6 = 20)
+    batches = [next(ref) for _ in range(50)]  # crosses epoch boundaries (124 // 6 = 20)
     run = make()
     for _ in range(17):
         next(run)
@@ -50,7 +58,7 @@ def test_loader_resumes_at_same_position():
         x, y = next(resumed)
         assert torch.equal(x, want[0]) and torch.equal(y, want[1])
     assert x.dtype == torch.int64 and x.shape == (3, 8)
-    assert torch.equal(x[:, 1:], y[:, :-1])          # labels are inputs shifted by one
+    assert torch.equal(x[:, 1:], y[:, :-1])  # labels are inputs shifted by one
 
 
 def test_resume_refuses_other_data_or_batch():
@@ -72,7 +80,7 @@ def test_too_few_sequences():
 
 
 def test_eval_batches_cover_once_across_ranks():
-    data = PackedSequences(np.arange(200), 10)   # 19 sequences
+    data = PackedSequences(np.arange(200), 10)  # 19 sequences
     firsts = []
     for r in range(3):
         for x, _ in eval_batches(data, 2, rank=r, world_size=3):
@@ -91,7 +99,7 @@ def test_mock_deterministic_per_sample():
 
 def test_mock_loader_shards_and_resume():
     one = MockLoader(100, 8, micro_batch_size=4, seed=5)
-    full = [next(one) for _ in range(3)]                 # world 1: samples 0..11
+    full = [next(one) for _ in range(3)]  # world 1: samples 0..11
     r0 = MockLoader(100, 8, micro_batch_size=2, seed=5, rank=0, world_size=2)
     r1 = MockLoader(100, 8, micro_batch_size=2, seed=5, rank=1, world_size=2)
     for step in range(3):

@@ -21,9 +21,13 @@ def test_text_paragraphs_and_files(tmp_path):
 
 def test_jsonl(tmp_path):
     f = tmp_path / "d.jsonl"
-    f.write_text("\n".join(json.dumps(r) for r in
-                           [{"text": "one"}, {"text": ""}, {"text": "two", "id": 2},
-                            {"body": "x", "text": None}]) + "\n\n")
+    f.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [{"text": "one"}, {"text": ""}, {"text": "two", "id": 2}, {"body": "x", "text": None}]
+        )
+        + "\n\n"
+    )
     assert list(iter_documents(f)) == ["one", "two"]
     g = tmp_path / "e.jsonl"
     g.write_text(json.dumps({"body": "x"}) + "\n")

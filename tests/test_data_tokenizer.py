@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from lpbench.data.tokenizer import (ByteTokenizer, get_tokenizer, load_tokenizer,
-                                    train_tokenizer)
+from lpbench.data.tokenizer import ByteTokenizer, get_tokenizer, load_tokenizer, train_tokenizer
 from lpbench.errors import UsageError
 
 CORPUS = [
@@ -32,13 +31,13 @@ def test_train_save_load_round_trip(tmp_path):
     assert tok.decode([tok.eos_id]) == "<|endoftext|>"
     text = CORPUS[3] + "\n" + CORPUS[0]
     ids = tok.encode(text)
-    assert len(ids) < len(text.encode())                # merges were learned
-    assert tok.decode(ids) == text                      # lossless byte-level BPE
-    assert tok.eos_id not in ids                        # no special tokens added on encode
+    assert len(ids) < len(text.encode())  # merges were learned
+    assert tok.decode(ids) == text  # lossless byte-level BPE
+    assert tok.eos_id not in ids  # no special tokens added on encode
     loaded = load_tokenizer(path)
     assert loaded.encode(text) == ids and loaded.eos_id == tok.eos_id
     assert loaded.vocab_size == tok.vocab_size
-    assert load_tokenizer(path.parent).encode(text) == ids     # a directory works too
+    assert load_tokenizer(path.parent).encode(text) == ids  # a directory works too
     assert get_tokenizer(str(path)).encode(text) == ids
     assert str(path) in loaded.description and "trained" in tok.description
     assert tok.encode_batch([text, "fox"]) == [ids, tok.encode("fox")]

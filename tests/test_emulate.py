@@ -20,8 +20,15 @@ from lpbench.precision.capability import FORCED, emulation_reason
 from lpbench.precision.linear import QuantizedLinear
 from tests.test_policy import Toy
 
-NATIVE_ON = [((9, 0), "fp8-tensorwise"), ((9, 0), "fp8-delayed"), ((9, 0), "fp8-rowwise"),
-             ((9, 0), "fp8-rowwise-gw-hp"), ((9, 0), "fp8-blockwise"), ((10, 0), "mxfp8"), ((10, 0), "nvfp4")]
+NATIVE_ON = [
+    ((9, 0), "fp8-tensorwise"),
+    ((9, 0), "fp8-delayed"),
+    ((9, 0), "fp8-rowwise"),
+    ((9, 0), "fp8-rowwise-gw-hp"),
+    ((9, 0), "fp8-blockwise"),
+    ((10, 0), "mxfp8"),
+    ((10, 0), "nvfp4"),
+]
 
 
 @pytest.fixture
@@ -30,6 +37,7 @@ def capability(monkeypatch):
 
     def fake(cap):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+
     return fake
 
 
@@ -48,6 +56,7 @@ def _paths(model) -> set:
 
 # ---------------------------------------------------------------- the dispatch
 
+
 @pytest.mark.parametrize("cap,name", NATIVE_ON)
 def test_native_unless_forced(cap, name, capability):
     capability(cap)
@@ -61,15 +70,24 @@ def test_native_unless_forced(cap, name, capability):
     assert info["quantized"] and FORCED == "--emulate always (this device runs it natively)"
 
 
-@pytest.mark.parametrize("cap,name,reason", [
-    ((9, 0), "mxfp8", "it needs compute capability 10.0, this GPU has 9.0"),
-    ((9, 0), "nvfp4", "it needs compute capability 10.0, this GPU has 9.0"),
-    ((8, 0), "fp8-tensorwise", "it needs compute capability 8.9, this GPU has 8.0"),
-    ((10, 0), "fp8-blockwise", "its native GEMM (torch's F.scaled_mm, cuBLAS from CUDA 12.9) runs on Hopper (SM 9.x) only; this GPU has 10.0"),
-])
+@pytest.mark.parametrize(
+    "cap,name,reason",
+    [
+        ((9, 0), "mxfp8", "it needs compute capability 10.0, this GPU has 9.0"),
+        ((9, 0), "nvfp4", "it needs compute capability 10.0, this GPU has 9.0"),
+        ((8, 0), "fp8-tensorwise", "it needs compute capability 8.9, this GPU has 8.0"),
+        (
+            (10, 0),
+            "fp8-blockwise",
+            "its native GEMM (torch's F.scaled_mm, cuBLAS from CUDA 12.9) runs on Hopper (SM 9.x) only; this GPU has 10.0",
+        ),
+    ],
+)
 def test_a_device_without_the_format_gives_its_own_reason_when_forced(cap, name, reason, capability):
     capability(cap)
-    with pytest.raises(UsageError, match=rf"precision {name} cannot run natively on cuda: {re.escape(reason)}.*pass --emulate"):
+    with pytest.raises(
+        UsageError, match=rf"precision {name} cannot run natively on cuda: {re.escape(reason)}.*pass --emulate"
+    ):
         apply_recipe(_toy(), _recipe(name), device="cuda", emulate=False)
     for emulate in (True, "always"):
         model = _toy()
@@ -83,8 +101,17 @@ def test_cpu_and_bf16_under_always():
     assert info == {"path": "native", "quantized": [], "skipped": [], "why_emulated": None}
 
 
-@pytest.mark.parametrize("cap,name", [((9, 0), "fp8-tensorwise"), ((9, 0), "fp8-delayed"), ((9, 0), "fp8-rowwise"),
-                                      ((9, 0), "fp8-blockwise"), ((10, 0), "mxfp8"), ((10, 0), "nvfp4")])
+@pytest.mark.parametrize(
+    "cap,name",
+    [
+        ((9, 0), "fp8-tensorwise"),
+        ((9, 0), "fp8-delayed"),
+        ((9, 0), "fp8-rowwise"),
+        ((9, 0), "fp8-blockwise"),
+        ((10, 0), "mxfp8"),
+        ((10, 0), "nvfp4"),
+    ],
+)
 def test_forced_emulation_computes_what_the_emulated_path_computes(cap, name, capability):
     """A forced model on a faked GPU and an emulated one (CPU) from the same weights: the same loss, output and
     gradients, bit for bit, over two steps (delayed scaling's histories included; NVFP4's stochastic rounding
@@ -112,9 +139,17 @@ def test_forced_emulation_computes_what_the_emulated_path_computes(cap, name, ca
 
 # ---------------------------------------------------------------- torchao
 
-@pytest.mark.parametrize("cap,name,native", [((9, 0), "fp8-tensorwise", True), ((9, 0), "fp8-rowwise", True),
-                                             ((8, 0), "fp8-tensorwise", False), ((10, 0), "mxfp8", True),
-                                             ((9, 0), "mxfp8", False)])
+
+@pytest.mark.parametrize(
+    "cap,name,native",
+    [
+        ((9, 0), "fp8-tensorwise", True),
+        ((9, 0), "fp8-rowwise", True),
+        ((8, 0), "fp8-tensorwise", False),
+        ((10, 0), "mxfp8", True),
+        ((9, 0), "mxfp8", False),
+    ],
+)
 def test_torchao_path_forced_and_allowed(cap, name, native, capability):
     from lpbench.convert.torchao import path
 
@@ -139,27 +174,35 @@ def test_torchao_fp8_emulates_through_float8linearconfig(capability):
         assert info["path"] == path and linears and all(isinstance(m, Float8Linear) for m in linears)
         assert {m.config.emulate for m in linears} == {path == "emulated"}
     capability((8, 0))
-    with pytest.raises(UsageError, match=r"its native GEMMs need compute capability 8.9, this GPU has 8.0; "
-                                         "pass --emulate"):
+    with pytest.raises(
+        UsageError,
+        match=r"its native GEMMs need compute capability 8.9, this GPU has 8.0; "
+        "pass --emulate",
+    ):
         apply_recipe(_toy(), "fp8-tensorwise", device="cuda", emulate=False, backend="torchao")
 
 
 def test_torchao_refuses_to_emulate_nvfp4_in_one_line(capability):
     capability((10, 0))
-    with pytest.raises(UsageError, match=r"^--backend torchao cannot emulate nvfp4 \(--emulate always\): torchao "
-                                         r"0.18's NVFP4Linear has no emulated mode .*use --backend lpbench"):
+    with pytest.raises(
+        UsageError,
+        match=r"^--backend torchao cannot emulate nvfp4 \(--emulate always\): torchao "
+        r"0.18's NVFP4Linear has no emulated mode .*use --backend lpbench",
+    ):
         apply_recipe(_toy(), "nvfp4", device="cuda", emulate="always", backend="torchao")
 
 
 # ---------------------------------------------------------------- one setting, declared once
+
 
 def _run(*flags):
     return configs_from_args(build_parser().parse_args(["run", "--precision", "fp8-tensorwise", *flags]))[0]
 
 
 def test_run_flag_config_file_and_sweep_key(tmp_path):
-    assert [_run(*f).emulate for f in ([], ["--emulate"], ["--emulate", "always"], ["--emulate=always"],
-                                       ["--no-emulate"])] == [None, True, "always", "always", False]
+    assert [
+        _run(*f).emulate for f in ([], ["--emulate"], ["--emulate", "always"], ["--emulate=always"], ["--no-emulate"])
+    ] == [None, True, "always", "always", False]
     assert RunConfig(emulate=True).key() != RunConfig(emulate="always").key()
     spec = tmp_path / "run.yaml"
     spec.write_text("emulate: always\n")
@@ -167,15 +210,19 @@ def test_run_flag_config_file_and_sweep_key(tmp_path):
     assert _run("--config", str(spec), "--no-emulate").emulate is False  # the command line wins
     runs = expand({"name": "s", "model": "tiny", "precision": "fp8-tensorwise", "emulate": [True, "always"]}).runs
     assert [r.config.emulate for r in runs] == [True, "always"]
-    converge = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices
-                    and "converge" in a.choices).choices["converge"]
+    converge = next(
+        a for a in build_parser()._actions if hasattr(a, "choices") and a.choices and "converge" in a.choices
+    ).choices["converge"]
     assert converge.parse_args(["--emulate", "always"]).emulate == "always"
     assert converge.parse_args([]).emulate is True
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--emulate", "sometimes"], "argument --emulate: invalid choice: 'sometimes' (choose from 'always')"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--emulate", "sometimes"], "argument --emulate: invalid choice: 'sometimes' (choose from 'always')"),
+    ],
+)
 def test_bad_emulate_flag_exits_2(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["run", "--precision", "fp8-tensorwise", *argv, "--results", str(tmp_path)])
@@ -192,6 +239,7 @@ def test_bad_emulate_value_in_a_file_or_spec(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- on a Hopper GPU
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["lpbench", "torchao"])

@@ -133,9 +133,7 @@ def test_stochastic_rounding_unbiased_and_two_neighbours(fmt, n, special):
     vals = positive_values(fmt, n, special)
     lo, hi = vals[len(vals) // 2], vals[len(vals) // 2 + 1]
     x = torch.tensor([lo + 0.3 * (hi - lo), -(lo + 0.8 * (hi - lo))])
-    draws = round_to_format(
-        x.repeat(40000, 1), fmt, stochastic=True, generator=torch.Generator().manual_seed(0)
-    )
+    draws = round_to_format(x.repeat(40000, 1), fmt, stochastic=True, generator=torch.Generator().manual_seed(0))
     for j in range(2):
         assert set(draws[:, j].abs().unique().tolist()) == {lo.item(), hi.item()}
         assert abs(draws[:, j].mean().item() - x[j].item()) < 0.01 * (hi - lo).item()

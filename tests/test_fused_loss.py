@@ -118,8 +118,11 @@ def test_cuda_loss_and_gradients_equal_unfused():
     for fused in (True, False):
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = (linear_cross_entropy(xx, ww, labels, 1 / 3, chunk=CHUNK) if fused else
-                    F.cross_entropy(F.linear(xx, ww).float(), labels, ignore_index=-100))
+            loss = (
+                linear_cross_entropy(xx, ww, labels, 1 / 3, chunk=CHUNK)
+                if fused
+                else F.cross_entropy(F.linear(xx, ww).float(), labels, ignore_index=-100)
+            )
         (loss / 3).backward()
         out.append((loss.detach(), xx.grad, ww.grad))
     (loss, gx, gw), (ref_loss, ref_gx, ref_gw) = out

@@ -19,6 +19,7 @@ QUANTIZED = [n for n, r in RECIPES.items() if r.quantized]
 def use_route(monkeypatch):
     def set_route(name):
         monkeypatch.setattr(gemm, "_route", name)
+
     return set_route
 
 
@@ -49,7 +50,11 @@ def linear_run(route, use_route, x, w, b, autocast=True):
 @pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "bf16-tensors"])
 def test_linear_fp32_route_equals_bf16_route(use_route, autocast):
     dtype = torch.float32 if autocast else torch.bfloat16
-    x, w, b = randn(2, 48, 96, seed=1).to(dtype), randn(80, 96, seed=2, scale=0.1).to(dtype), randn(80, seed=3).to(dtype)
+    x, w, b = (
+        randn(2, 48, 96, seed=1).to(dtype),
+        randn(80, 96, seed=2, scale=0.1).to(dtype),
+        randn(80, seed=3).to(dtype),
+    )
     bf, fp = linear_run("bf16", use_route, x, w, b, autocast), linear_run("fp32", use_route, x, w, b, autocast)
     for a, c in zip(bf, fp):
         assert a.dtype == c.dtype and a.shape == c.shape

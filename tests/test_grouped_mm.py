@@ -30,7 +30,7 @@ def _assert_gemm_close(got: torch.Tensor, ref: torch.Tensor, ref_abs: torch.Tens
     products' magnitudes ``ref_abs`` were seen on an H200), so the bound is relative to ``ref_abs``; a wrong row,
     expert or scale misses by the size of the result itself (~sqrt(K) times more)."""
     err = (got.float() - ref).abs()
-    assert (err <= 2 ** -8 * ref.abs() + 2 ** -7 * ref_abs).all(), (err / ref_abs).max()
+    assert (err <= 2**-8 * ref.abs() + 2**-7 * ref_abs).all(), (err / ref_abs).max()
 
 
 def _codes(*shape, gen):
@@ -52,7 +52,7 @@ def test_forward_grouped_mm_is_the_reference(case):
     offs, spans, R = _layout(counts)
     a, b = _codes(R, K, gen=gen), _codes(E, N, K, gen=gen)
     for s, c in spans:  # the grouped buffer's padding rows are zeros
-        a[s + c:s + (-c % grouped.ALIGN) + c] = 0
+        a[s + c : s + (-c % grouped.ALIGN) + c] = 0
     sa, sb = (torch.rand(R, generator=gen) + 0.5).cuda(), (torch.rand(E, N, generator=gen) + 0.5).cuda()
     out = torch.full((R, N), 7.0, dtype=torch.bfloat16, device="cuda")
     gm.launch(lambda k: k, a, b, sa, sb.reshape(-1), offs, out, False)
@@ -63,7 +63,7 @@ def test_forward_grouped_mm_is_the_reference(case):
         ref[s:end] = (a[s:end].float() @ b[e].float().t()) * scale
         ref_abs[s:end] = (a[s:end].float().abs() @ b[e].float().abs().t()) * scale
     _assert_gemm_close(out, ref, ref_abs)
-    assert torch.equal(out[int(offs[-1]):].float(), ref[int(offs[-1]):])
+    assert torch.equal(out[int(offs[-1]) :].float(), ref[int(offs[-1]) :])
     done = int(offs[-1])
     assert torch.equal(gm.grouped_mm(a, b, sa, sb, offs)[:done], out[:done])  # the op
     # torch's precise grouped GEMM sums in the same order: the same bits
@@ -146,7 +146,7 @@ def test_weight_gradient_into_an_fp32_buffer_is_the_reference(case, operands):
         product, magnitude = (ae @ be.t()) * scale, (ae.abs() @ be.abs().t()) * scale
         # FP32 out: only the GEMM's own summation (FP8's 128-long slices; BF16 in FP32) and the final add round
         err = (out[e] - before[e] - product).abs()
-        assert (err <= 2 ** -20 * before[e].abs() + 2 ** -7 * magnitude + 1e-6).all(), (err / magnitude).max()
+        assert (err <= 2**-20 * before[e].abs() + 2**-7 * magnitude + 1e-6).all(), (err / magnitude).max()
         if end == start:
             assert torch.equal(out[e], before[e])
         start = end

@@ -21,8 +21,24 @@ from lpbench.cli import main
 from lpbench.train import loop
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--model", "tiny", "--precision", "bf16", "--device", "cpu", "--seq-len", "32", "--mbs", "2", "--gbs", "2",
-        "--steps", "2", "--warmup-steps", "1"]
+TINY = [
+    "--model",
+    "tiny",
+    "--precision",
+    "bf16",
+    "--device",
+    "cpu",
+    "--seq-len",
+    "32",
+    "--mbs",
+    "2",
+    "--gbs",
+    "2",
+    "--steps",
+    "2",
+    "--warmup-steps",
+    "1",
+]
 
 
 def _tree(root: Path) -> list[str]:
@@ -49,9 +65,18 @@ def no_training(monkeypatch):
 
 
 def _add(store, run_key="k1"):
-    store.add_run(RunRecord(config={"model": "tiny", "precision": "bf16", "seq_len": 32, "mbs": 2, "gbs": 2},
-                            status="ok", error=None, metrics={"tokens_per_sec_per_gpu": 10.0, "final_loss": 1.0},
-                            steps=[{"step": 1, "loss": 2.0}], env={"gpu": None}, run_key=run_key, group_id="g"))
+    store.add_run(
+        RunRecord(
+            config={"model": "tiny", "precision": "bf16", "seq_len": 32, "mbs": 2, "gbs": 2},
+            status="ok",
+            error=None,
+            metrics={"tokens_per_sec_per_gpu": 10.0, "final_loss": 1.0},
+            steps=[{"step": 1, "loss": 2.0}],
+            env={"gpu": None},
+            run_key=run_key,
+            group_id="g",
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- 2. pending-runs/ files
@@ -67,8 +92,11 @@ BAD_PENDING = {
 def test_a_bad_pending_file_is_set_aside_and_never_loses_a_run(tmp_path, capsys):
     store = ResultsStore(tmp_path)
     _add(store, "before")
-    good = {"schema": SCHEMA_VERSION, "row": dict(store.runs()[0], id=None, run_key="kept"),
-            "steps": [{"step": 1, "loss": 2.0}]}
+    good = {
+        "schema": SCHEMA_VERSION,
+        "row": dict(store.runs()[0], id=None, run_key="kept"),
+        "steps": [{"step": 1, "loss": 2.0}],
+    }
     store.close()
     folder = tmp_path / "pending-runs"
     folder.mkdir()
@@ -116,23 +144,38 @@ def places(tmp_path):
     return {"tmp": tmp_path}
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["run", *TINY, "--results", "/proc/lpbench-results"], "--results /proc/lpbench-results: nothing can be written"),
-    (["run", *TINY, "--results", "/sys/lpbench-results"], "--results /sys/lpbench-results: nothing can be written"),
-    (["run", *TINY, "--results", "{tmp}/loop"], "symlink that leads nowhere"),
-    (["run", *TINY, "--results", "{tmp}/loop/results"], "symlink that leads nowhere"),
-    (["run", *TINY, "--results", "{tmp}/dangling"], "symlink that leads nowhere"),
-    (["run", *TINY, "--results", ""], "argument --results: an empty value"),
-    (["run", *TINY, "--results", "{tmp}/r", "--tensorboard", "/proc/x"], "--tensorboard /proc/x: nothing can be"),
-    (["run", *TINY, "--results", "{tmp}/r", "--save-every", "1", "--save-dir", "/proc/ckpt"], "--save-dir /proc/ckpt"),
-    (["data", "prepare", "--input", "{tmp}/text.txt", "--output-prefix", "/proc/data"],
-     "--output-prefix /proc/data.bin: nothing can be written"),
-    (["data", "corpus", "--out", "/proc/corpus", "--sources", "man", "--root", "man={tmp}"],
-     "--out /proc/corpus: nothing can be written"),
-    (["data", "corpus", "--out", "{tmp}/file", "--sources", "man", "--root", "man={tmp}"],
-     "--out {tmp}/file: a file is there, not a folder"),
-    (["report", "--results", "{tmp}", "--html", "/sys/page.html"], "--html /sys/page.html: nothing can be written"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["run", *TINY, "--results", "/proc/lpbench-results"],
+            "--results /proc/lpbench-results: nothing can be written",
+        ),
+        (["run", *TINY, "--results", "/sys/lpbench-results"], "--results /sys/lpbench-results: nothing can be written"),
+        (["run", *TINY, "--results", "{tmp}/loop"], "symlink that leads nowhere"),
+        (["run", *TINY, "--results", "{tmp}/loop/results"], "symlink that leads nowhere"),
+        (["run", *TINY, "--results", "{tmp}/dangling"], "symlink that leads nowhere"),
+        (["run", *TINY, "--results", ""], "argument --results: an empty value"),
+        (["run", *TINY, "--results", "{tmp}/r", "--tensorboard", "/proc/x"], "--tensorboard /proc/x: nothing can be"),
+        (
+            ["run", *TINY, "--results", "{tmp}/r", "--save-every", "1", "--save-dir", "/proc/ckpt"],
+            "--save-dir /proc/ckpt",
+        ),
+        (
+            ["data", "prepare", "--input", "{tmp}/text.txt", "--output-prefix", "/proc/data"],
+            "--output-prefix /proc/data.bin: nothing can be written",
+        ),
+        (
+            ["data", "corpus", "--out", "/proc/corpus", "--sources", "man", "--root", "man={tmp}"],
+            "--out /proc/corpus: nothing can be written",
+        ),
+        (
+            ["data", "corpus", "--out", "{tmp}/file", "--sources", "man", "--root", "man={tmp}"],
+            "--out {tmp}/file: a file is there, not a folder",
+        ),
+        (["report", "--results", "{tmp}", "--html", "/sys/page.html"], "--html /sys/page.html: nothing can be written"),
+    ],
+)
 def test_every_output_path_is_probed_before_work(argv, message, places, no_training, capsys):
     tmp = places["tmp"]
     if argv[0] == "report":
@@ -155,17 +198,20 @@ DEEP_YAML = "a: " + "[" * 50_000 + "]" * 50_000 + "\n"
 DEEP_JSON = "[" * 50_000 + "]" * 50_000
 
 
-@pytest.mark.parametrize("kind,text,message", [
-    ("config", DEEP_YAML, "nested deeper than"),
-    ("config", "? [a, b]\n: 1\n", "a key is a list or a mapping"),
-    ("config", "? {a: 1}\n: 1\n", "a key is a list or a mapping"),
-    ("config-toml", "a = " + "[" * 50_000 + "]" * 50_000 + "\n", "nested deeper than"),
-    ("spec", "model: tiny\nx: " + "[" * 50_000 + "]" * 50_000 + "\n", "nested deeper than"),
-    ("spec", "model: tiny\n? [steps]\n: 3\n", "a key is a list or a mapping"),
-    ("jsonl", '{"text": ' + DEEP_JSON + "}\n", "nested deeper than"),
-    ("hf", DEEP_JSON, "nested deeper than"),
-    ("hf-index", '{"weight_map": ' + DEEP_JSON + "}", "nested deeper than"),
-])
+@pytest.mark.parametrize(
+    "kind,text,message",
+    [
+        ("config", DEEP_YAML, "nested deeper than"),
+        ("config", "? [a, b]\n: 1\n", "a key is a list or a mapping"),
+        ("config", "? {a: 1}\n: 1\n", "a key is a list or a mapping"),
+        ("config-toml", "a = " + "[" * 50_000 + "]" * 50_000 + "\n", "nested deeper than"),
+        ("spec", "model: tiny\nx: " + "[" * 50_000 + "]" * 50_000 + "\n", "nested deeper than"),
+        ("spec", "model: tiny\n? [steps]\n: 3\n", "a key is a list or a mapping"),
+        ("jsonl", '{"text": ' + DEEP_JSON + "}\n", "nested deeper than"),
+        ("hf", DEEP_JSON, "nested deeper than"),
+        ("hf-index", '{"weight_map": ' + DEEP_JSON + "}", "nested deeper than"),
+    ],
+)
 def test_parsers_are_bounded(kind, text, message, tmp_path, no_training, capsys):
     if kind.startswith("config"):
         path = tmp_path / ("run.toml" if kind == "config-toml" else "run.yaml")
@@ -221,13 +267,31 @@ def test_a_corrupt_gz_man_page_is_skipped_in_one_line(tmp_path, capsys):
     man = tmp_path / "man" / "man1"
     man.mkdir(parents=True)
     page = ".TH X 1\n.SH NAME\nx \\- the tool that is used for the work of the day and the night\n.SH DESCRIPTION\n"
-    (man / "good.1.gz").write_bytes(gzip.compress((page + "It is a tool that does what it says it will do for "
-                                                   "the user and for the machine.\n" * 5).encode()))
+    (man / "good.1.gz").write_bytes(
+        gzip.compress(
+            (page + "It is a tool that does what it says it will do for the user and for the machine.\n" * 5).encode()
+        )
+    )
     (man / "bad.1.gz").write_bytes(gzip.compress(page.encode())[:20])  # truncated
     (man / "junk.1.gz").write_bytes(b"\x1f\x8b not gzip at all")
     out = tmp_path / "out"
-    assert main(["data", "corpus", "--out", str(out), "--sources", "man", "--root", f"man={tmp_path / 'man'}",
-                 "--min-words", "5"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "corpus",
+                "--out",
+                str(out),
+                "--sources",
+                "man",
+                "--root",
+                f"man={tmp_path / 'man'}",
+                "--min-words",
+                "5",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "Traceback" not in err and len([ln for ln in err.splitlines() if "not readable" in ln]) == 2, err
     assert (out / "corpus.jsonl").read_text().count("\n") == 1
@@ -244,11 +308,14 @@ def _megatron(prefix: Path, ids, vocab: int | None = None) -> None:
         (prefix.parent / f"{prefix.name}.lpbench.json").write_text(json.dumps({"vocab_size": vocab}))
 
 
-@pytest.mark.parametrize("case,message", [
-    ("negative-length", "a negative sequence length or pointer"),
-    ("vocab-1e9", "vocab_size must be an integer from 1 to"),
-    ("vocab-below-ids", "the note does not belong to this data"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("negative-length", "a negative sequence length or pointer"),
+        ("vocab-1e9", "vocab_size must be an integer from 1 to"),
+        ("vocab-below-ids", "the note does not belong to this data"),
+    ],
+)
 def test_wrong_megatron_data_is_refused(case, message, tmp_path, capsys):
     prefix = tmp_path / "data"
     _megatron(prefix, list(range(1, 60)), vocab={"vocab-1e9": 10**9, "vocab-below-ids": 30}.get(case))
@@ -289,31 +356,48 @@ def test_hf_weights_that_are_not_floats_are_refused(dtype, tmp_path, capsys):
     assert f"tensor {key} holds {dtype}, not floating-point weights" in err
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"hidden_size": 10**9}, "hidden_size must be an integer from 1 to"),
-    ({"num_hidden_layers": 10**7}, "num_hidden_layers must be an integer from 1 to 1,024"),
-    ({"hidden_size": 1 << 17, "intermediate_size": 1 << 17, "num_hidden_layers": 1024, "num_attention_heads": 1024,
-      "num_key_value_heads": 1024, "head_dim": 128}, "parameters, more than lpbench builds"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"hidden_size": 10**9}, "hidden_size must be an integer from 1 to"),
+        ({"num_hidden_layers": 10**7}, "num_hidden_layers must be an integer from 1 to 1,024"),
+        (
+            {
+                "hidden_size": 1 << 17,
+                "intermediate_size": 1 << 17,
+                "num_hidden_layers": 1024,
+                "num_attention_heads": 1024,
+                "num_key_value_heads": 1024,
+                "head_dim": 128,
+            },
+            "parameters, more than lpbench builds",
+        ),
+    ],
+)
 def test_an_hf_config_with_absurd_dims_is_refused(config, message, tmp_path, no_training, capsys):
     folder = _hf_folder(tmp_path, **config)
-    assert message in _refused(["run", *TINY[2:], "--hf-checkpoint", str(folder), "--results", str(tmp_path / "r")],
-                               capsys)
+    assert message in _refused(
+        ["run", *TINY[2:], "--hf-checkpoint", str(folder), "--results", str(tmp_path / "r")], capsys
+    )
 
 
 def test_a_sweep_timeout_of_true_is_refused(tmp_path, capsys):
     (tmp_path / "s.yaml").write_text("model: tiny\ndevice: cpu\nsteps: 2\ntimeout: true\n")
     assert "spec key timeout: expected seconds > 0, got True" in _refused(
-        ["sweep", str(tmp_path / "s.yaml"), "--results", str(tmp_path / "r")], capsys)
+        ["sweep", str(tmp_path / "s.yaml"), "--results", str(tmp_path / "r")], capsys
+    )
 
 
 # ----------------------------------------------------------------------------- 6. process edges
-@pytest.mark.parametrize("env,name", [
-    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "abc"}, "LOCAL_RANK='abc'"),
-    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
-    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "abc"}, "SLURM_STEP_NUM_TASKS='abc'"),
-    ({"RANK": "5", "WORLD_SIZE": "2"}, "not a rank of the launch"),
-])
+@pytest.mark.parametrize(
+    "env,name",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "abc"}, "LOCAL_RANK='abc'"),
+        ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
+        ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "abc"}, "SLURM_STEP_NUM_TASKS='abc'"),
+        ({"RANK": "5", "WORLD_SIZE": "2"}, "not a rank of the launch"),
+    ],
+)
 def test_launch_variables_that_are_not_numbers_are_one_line(env, name, monkeypatch, tmp_path, no_training, capsys):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -327,7 +411,9 @@ def test_a_stale_rank_does_not_silence_errors(monkeypatch, capsys):
 
 def _lpbench(args: list[str], **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), **kw.pop("env", {})}
-    return subprocess.run([sys.executable, "-m", "lpbench", *args], capture_output=True, env=env, timeout=120, check=False, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "lpbench", *args], capture_output=True, env=env, timeout=120, check=False, **kw
+    )
 
 
 @pytest.mark.parametrize("how", ["broken-pipe", "dev-full", "closed"])
@@ -346,8 +432,14 @@ def test_a_stdout_that_cannot_be_written_is_one_line(how, tmp_path):
         err, code = done.stderr.decode(), done.returncode
         assert code == 1 and "No space left on device" in err
     else:
-        done = subprocess.run(f"{sys.executable} -m lpbench models --json >&-", shell=True, stderr=subprocess.PIPE,
-                              env=env, timeout=120, check=False)
+        done = subprocess.run(
+            f"{sys.executable} -m lpbench models --json >&-",
+            shell=True,
+            stderr=subprocess.PIPE,
+            env=env,
+            timeout=120,
+            check=False,
+        )
         err, code = done.stderr.decode(), done.returncode
         assert code == 0 and "stdout is closed" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
@@ -356,34 +448,50 @@ def test_a_stdout_that_cannot_be_written_is_one_line(how, tmp_path):
 def test_a_narrow_output_encoding_with_a_non_ascii_path_does_not_fail(tmp_path):
     """``PYTHONIOENCODING=ascii`` and a path with an accent: the path is printed escaped, the command works."""
     script = tmp_path / "résultats.sbatch"
-    done = _lpbench(["slurm", "--nodes", "1", "--gpus-per-node", "1", "--output", str(script), "--", "--model",
-                     "tiny"], env={"PYTHONIOENCODING": "ascii"})
+    done = _lpbench(
+        ["slurm", "--nodes", "1", "--gpus-per-node", "1", "--output", str(script), "--", "--model", "tiny"],
+        env={"PYTHONIOENCODING": "ascii"},
+    )
     assert done.returncode == 0 and done.stderr == b"", done.stderr.decode(errors="replace")
     assert b"r\\xe9sultats.sbatch" in done.stdout and script.exists()
 
 
 def test_a_vocab_size_beyond_64_bits_is_one_line(tmp_path, capsys):
     (tmp_path / "t.txt").write_text("words and more words\n" * 10)
-    assert "--vocab-size must be <=" in _refused(["data", "tokenizer", "--input", str(tmp_path / "t.txt"),
-                                                  "--vocab-size", str(2**64), "--output", str(tmp_path / "t.json")],
-                                                 capsys)
+    assert "--vocab-size must be <=" in _refused(
+        [
+            "data",
+            "tokenizer",
+            "--input",
+            str(tmp_path / "t.txt"),
+            "--vocab-size",
+            str(2**64),
+            "--output",
+            str(tmp_path / "t.json"),
+        ],
+        capsys,
+    )
     assert not (tmp_path / "t.json").exists()
 
 
 def test_quant_error_with_an_unallocatable_shape_is_one_line(capsys):
-    assert "--shape 100000000 100000000: more than" in _refused(["quant-error", "--shape", "100000000", "100000000"],
-                                                               capsys)
+    assert "--shape 100000000 100000000: more than" in _refused(
+        ["quant-error", "--shape", "100000000", "100000000"], capsys
+    )
 
 
 # ----------------------------------------------------------------------------- 7. outputs never overwrite results
-@pytest.mark.parametrize("argv", [
-    ["report", "--results", "{db}", "--html", "{db}/results.db"],
-    ["converge", "--model", "tiny", "--results", "{tmp}/c", "--plot", "{db}/results.db"],
-    ["slurm", "--nodes", "1", "--gpus-per-node", "1", "--output", "{db}/results.db", "--", "--model", "tiny"],
-    ["data", "tokenizer", "--input", "{tmp}/t.txt", "--vocab-size", "300", "--output", "{db}/results.db"],
-    ["report", "--results", "{db}", "--html", "{ckpt}/lpbench.json"],
-    ["slurm", "--nodes", "1", "--gpus-per-node", "1", "--output", "{ckpt}/__0_0.distcp", "--", "--model", "tiny"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["report", "--results", "{db}", "--html", "{db}/results.db"],
+        ["converge", "--model", "tiny", "--results", "{tmp}/c", "--plot", "{db}/results.db"],
+        ["slurm", "--nodes", "1", "--gpus-per-node", "1", "--output", "{db}/results.db", "--", "--model", "tiny"],
+        ["data", "tokenizer", "--input", "{tmp}/t.txt", "--vocab-size", "300", "--output", "{db}/results.db"],
+        ["report", "--results", "{db}", "--html", "{ckpt}/lpbench.json"],
+        ["slurm", "--nodes", "1", "--gpus-per-node", "1", "--output", "{ckpt}/__0_0.distcp", "--", "--model", "tiny"],
+    ],
+)
 def test_no_output_overwrites_a_results_database_or_a_checkpoint(argv, tmp_path, no_training, capsys):
     store = ResultsStore(tmp_path / "db")
     _add(store)
@@ -394,8 +502,10 @@ def test_no_output_overwrites_a_results_database_or_a_checkpoint(argv, tmp_path,
     (tmp_path / "t.txt").write_text("words and more words\n" * 10)
 
     def files():  # the database by its rows (opening it may fold its WAL in), the other files by their bytes
-        return ({p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "results.db" not in p.name},
-                [r["run_key"] for r in ResultsStore(tmp_path / "db", create=False).runs()])
+        return (
+            {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "results.db" not in p.name},
+            [r["run_key"] for r in ResultsStore(tmp_path / "db", create=False).runs()],
+        )
 
     before = files()
     err = _refused([a.format(tmp=tmp_path, db=tmp_path / "db", ckpt=tmp_path / "ckpt") for a in argv], capsys)

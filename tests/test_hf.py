@@ -18,10 +18,22 @@ from lpbench.models.hf import (  # noqa: E402
     load_hf_checkpoint,
 )
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 32}
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.1,
+)
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 
 def hf_model(kind: str, **kw):
@@ -30,8 +42,9 @@ def hf_model(kind: str, **kw):
         cfg = transformers.Qwen3Config(**{**TINY, "head_dim": 32, "tie_word_embeddings": True, **kw})
         model = transformers.Qwen3ForCausalLM(cfg)
     else:
-        cfg = transformers.LlamaConfig(**{**TINY, "rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING,
-                                          "max_position_embeddings": 256, **kw})
+        cfg = transformers.LlamaConfig(
+            **{**TINY, "rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING, "max_position_embeddings": 256, **kw}
+        )
         model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():  # norms and biases away from their 1 / 0 init, so a mix-up shows
         for name, p in model.named_parameters():
@@ -104,18 +117,46 @@ def test_export_stores_requested_dtype_and_roundtrips_into_lpbench(tmp_path):
 
 
 def test_config_from_hf_llama31_8b_matches_the_zoo():
-    hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-          "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-          "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-          "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-          "tie_word_embeddings": False, "hidden_act": "silu"}
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
     cfg = config_from_hf(hf, name="llama3-8b")
     assert cfg.__class__(**{**cfg.__dict__, "rope_scaling": None}) == MODELS["llama3-8b"]
-    qwen = config_from_hf({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 2560, "intermediate_size": 9728,
-                           "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-                           "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-                           "max_position_embeddings": 40960, "tie_word_embeddings": True}, name="qwen3-4b")
+    qwen = config_from_hf(
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "hidden_size": 2560,
+            "intermediate_size": 9728,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6,
+            "max_position_embeddings": 40960,
+            "tie_word_embeddings": True,
+        },
+        name="qwen3-4b",
+    )
     assert qwen == MODELS["qwen3-4b"]
 
 
@@ -147,17 +188,22 @@ def test_errors_name_the_problem(tmp_path):
 
     d = _bad(tmp_path / "arch")
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"],
-                                               "model_type": "mistral"}))
+    (d / "config.json").write_text(
+        json.dumps({**cfg, "architectures": ["MistralForCausalLM"], "model_type": "mistral"})
+    )
     with pytest.raises(UsageError, match="unsupported architecture MistralForCausalLM"):
         load_hf_checkpoint(d)
-    (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                                                                           "rope_theta": 1e4}}))
+    (d / "config.json").write_text(
+        json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}})
+    )
     with pytest.raises(UsageError, match="RoPE type 'yarn'"):
         load_hf_checkpoint(d)
     (d / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 4}))
-    with pytest.raises(UsageError, match=r"tensor model\.layers\.\d\.self_attn\.[kv]_proj\.weight has shape "
-                                         r"\(32, 64\), expected \(64, 64\)"):
+    with pytest.raises(
+        UsageError,
+        match=r"tensor model\.layers\.\d\.self_attn\.[kv]_proj\.weight has shape "
+        r"\(32, 64\), expected \(64, 64\)",
+    ):
         load_hf_checkpoint(d)
 
     d = _bad(tmp_path / "corrupt")
@@ -170,6 +216,7 @@ def test_errors_name_the_problem(tmp_path):
 
     d = _bad(tmp_path / "missing")
     from safetensors.torch import load_file, save_file
+
     tensors = load_file(d / "model.safetensors")
     del tensors["model.layers.1.self_attn.v_proj.weight"]
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
@@ -187,17 +234,32 @@ def test_errors_name_the_problem(tmp_path):
 
 def test_export_rejects_what_hf_llama_cannot_hold(tmp_path):
     with pytest.raises(UsageError, match="LayerNorm"):
-        export_hf_checkpoint(build_model(MODELS["nemotron4-15b"].__class__(
-            **{**MODELS["tiny"].__dict__, "norm": "layer", "activation": "sqrelu"}), device="cpu"), tmp_path)
+        export_hf_checkpoint(
+            build_model(
+                MODELS["nemotron4-15b"].__class__(
+                    **{**MODELS["tiny"].__dict__, "norm": "layer", "activation": "sqrelu"}
+                ),
+                device="cpu",
+            ),
+            tmp_path,
+        )
 
 
 @pytest.mark.parametrize("norm_topk", [True, False])
 def test_qwen3_moe_checkpoint_loads_with_identical_logits(norm_topk, tmp_path):
     """A tiny random Qwen3-MoE (8 experts, top-2) saved by transformers: lpbench's logits are HF's."""
     torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(**{**TINY, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
-                                         "num_experts_per_tok": 2, "norm_topk_prob": norm_topk,
-                                         "tie_word_embeddings": False})
+    cfg = transformers.Qwen3MoeConfig(
+        **{
+            **TINY,
+            "head_dim": 16,
+            "moe_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": norm_topk,
+            "tie_word_embeddings": False,
+        }
+    )
     ref = transformers.Qwen3MoeForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -215,11 +277,26 @@ def test_qwen3_moe_checkpoint_loads_with_identical_logits(norm_topk, tmp_path):
 
 
 def test_config_from_hf_qwen3_30b_a3b_matches_the_zoo():
-    hf = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
-          "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
-          "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
-          "rope_theta": 1e6, "max_position_embeddings": 40960, "tie_word_embeddings": False, "num_experts": 128,
-          "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    hf = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
     assert config_from_hf(hf, name="qwen3-30b-a3b") == MODELS["qwen3-30b-a3b"]
     with pytest.raises(UsageError, match="mlp_only_layers"):
         config_from_hf({**hf, "mlp_only_layers": [0]})

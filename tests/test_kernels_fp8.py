@@ -51,8 +51,12 @@ def test_cast_matches_reference_on_cpu(shape, dtype, fmt):
 @pytest.mark.parametrize("amax_case", ["zero", "tiny", "inf", "nan"])
 def test_edge_scales_match_reference(amax_case):
     x = torch.randn(64, 32)
-    x = {"zero": x * 0, "tiny": x * 1e-40, "inf": x.index_put_((torch.tensor(3), torch.tensor(4)), torch.tensor(float("inf"))),
-         "nan": x.index_put_((torch.tensor(3), torch.tensor(4)), torch.tensor(float("nan")))}[amax_case]
+    x = {
+        "zero": x * 0,
+        "tiny": x * 1e-40,
+        "inf": x.index_put_((torch.tensor(3), torch.tensor(4)), torch.tensor(float("inf"))),
+        "nan": x.index_put_((torch.tensor(3), torch.tensor(4)), torch.tensor(float("nan"))),
+    }[amax_case]
     q, qt, dec = _tensorwise(x, E4M3)
     ref = quantize_fp8(x, E4M3)
     if amax_case in ("inf", "nan"):
@@ -87,7 +91,9 @@ def _swiglu(x, w):
     return torch.nn.functional.silu(gate) * up
 
 
-@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
+@pytest.mark.skipif(
+    not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler"
+)
 @pytest.mark.parametrize("producer", [_norm, _swiglu], ids=["rmsnorm", "swiglu"])
 def test_cast_fused_into_its_producer_is_the_cast_of_the_materialised_operand(precise_casts, producer):
     """Inductor fuses ``producer_cast`` into the kernel that makes the operand; with emulate_precision_casts
@@ -107,8 +113,10 @@ def test_cast_fused_into_its_producer_is_the_cast_of_the_materialised_operand(pr
     assert torch.equal(rows, t.float().abs().amax(dim=-1))
 
 
-INTERPRETED = pytest.mark.skipif(capability.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="Triton kernels on CPU need Triton's interpreter (TRITON_INTERPRET=1)")
+INTERPRETED = pytest.mark.skipif(
+    capability.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels on CPU need Triton's interpreter (TRITON_INTERPRET=1)",
+)
 AMAXES = [0.0, 3.0, 10.0, 0.0, 5.0, float("inf"), 2.0, float("nan"), 7.5, 1e-39, 0.5, 6.0, 1e-38, 3e38]
 
 
@@ -117,8 +125,10 @@ def _device_or_interpreter(device):
 
 
 @pytest.mark.parametrize("device", [_device_or_interpreter("cuda"), _device_or_interpreter("cpu")])
-@pytest.mark.parametrize("length, margin, algo, fmt", [(1024, 0, "max", E4M3), (5, 2, "max", E5M2),
-                                                       (1, 0, "max", E4M3), (4, 1, "most_recent", E4M3)])
+@pytest.mark.parametrize(
+    "length, margin, algo, fmt",
+    [(1024, 0, "max", E4M3), (5, 2, "max", E5M2), (1, 0, "max", E4M3), (4, 1, "most_recent", E4M3)],
+)
 def test_record_kernel_is_the_reference_update(device, length, margin, algo, fmt):
     """The Triton update (decode scale of the cast, history, scale in one launch) against ``delayed_update``;
     the amax given whole, as 3 partial amaxes or as 5,000 (more than one loop trip of the reduction)."""
@@ -129,7 +139,11 @@ def test_record_kernel_is_the_reference_update(device, length, margin, algo, fmt
     smax = delayed_scaled_max(fmt, margin)
     for step, a in enumerate(AMAXES):
         amax = torch.tensor(a)
-        parts = [amax, torch.tensor([a * 0.5, a, 0.0]), torch.full((5000,), a * 0.5).index_fill(0, torch.tensor(4321), a)]
+        parts = [
+            amax,
+            torch.tensor([a * 0.5, a, 0.0]),
+            torch.full((5000,), a * 0.5).index_fill(0, torch.tensor(4321), a),
+        ]
         dec = fp8_cast.record_amax(history, scale, parts[step % 3].to(device), history, smax, algo)
         want = quantize_fp8(torch.tensor([[a]]), fmt, encode_scale=ref_scale).scale.reshape(())
         assert torch.equal(dec.cpu(), want) or (dec.isnan().item() and want.isnan().item()), step
@@ -160,7 +174,9 @@ def _fwd_bwd(mod, weight, bias, step, device):
     return out
 
 
-@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
+@pytest.mark.skipif(
+    not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler"
+)
 @pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
 def test_compiled_fast_linear_equals_eager_on_cpu(monkeypatch, precise_casts, recipe):
     """torch.compile of the fast path (CPU ``_scaled_mm``) computes the eager fast path's codes:
@@ -170,8 +186,7 @@ def test_compiled_fast_linear_equals_eager_on_cpu(monkeypatch, precise_casts, re
 
     monkeypatch.setattr(capability, "fused_fp8_linear", lambda x, w: True)
     torch._dynamo.reset()
-    mods = [QuantizedLinear.from_linear(torch.nn.Linear(256, 384), get_recipe(recipe), native=True)
-            for _ in range(2)]
+    mods = [QuantizedLinear.from_linear(torch.nn.Linear(256, 384), get_recipe(recipe), native=True) for _ in range(2)]
     mods[1].load_state_dict(mods[0].state_dict())
     compiled = torch.compile(mods[1])
     for step in range(2):
@@ -220,10 +235,15 @@ def test_fast_linear_matches_emulated_reference(precise_casts, recipe, compiled)
             assert torch.equal(fast.scale_buffer(role), ref.scale_buffer(role))
 
 
-@pytest.mark.parametrize("recipe, fprop_fast, grads_fast", [("fp8-tensorwise", True, False),
-                                                            ("fp8-delayed", True, False),
-                                                            ("fp8-tensorwise-no-fast-accum", False, False),
-                                                            ("fp8-tensorwise+fast-grads", True, True)])
+@pytest.mark.parametrize(
+    "recipe, fprop_fast, grads_fast",
+    [
+        ("fp8-tensorwise", True, False),
+        ("fp8-delayed", True, False),
+        ("fp8-tensorwise-no-fast-accum", False, False),
+        ("fp8-tensorwise+fast-grads", True, True),
+    ],
+)
 def test_the_recipe_decides_which_gemms_accumulate_fast(monkeypatch, recipe, fprop_fast, grads_fast):
     """As TE and torchao's linears: fast accumulation in fprop only, dgrad and wgrad in FP32; all three with
     ``fast_accum_grads`` (as torchao's MoE GEMMs)."""
@@ -285,12 +305,12 @@ def test_one_pass_amax_propagates_nan_and_inf():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("role, dtype", [("input", torch.bfloat16), ("grad", torch.bfloat16),
-                                         ("weight", torch.float32)])
+@pytest.mark.parametrize(
+    "role, dtype", [("input", torch.bfloat16), ("grad", torch.bfloat16), ("weight", torch.float32)]
+)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_tensorwise_one_pass_cast_matches_reference_on_cuda(shape, role, dtype, compiled):
     """CUDA operands take the Triton cast-transpose after the amax: the reference's codes and scale."""
-    from lpbench.precision.kernels import fp8_cast
     from lpbench.precision.kernels.fp8_linear import _quantize
     from lpbench.precision.linear import QuantizedLinear
     from lpbench.precision.recipes import get_recipe

@@ -51,13 +51,18 @@ def _both(x, rht, stochastic, signs=TE_RHT_SIGNS):
     from lpbench.precision.kernels import nvfp4
 
     seed = torch.tensor([20261122], device="cuda")
-    row, col = nvfp4.quantize(x.cuda(), row=True, col=True, rht=rht, stochastic=stochastic, signs=signs, seed=seed,
-                              with_codes=True)
+    row, col = nvfp4.quantize(
+        x.cuda(), row=True, col=True, rht=rht, stochastic=stochastic, signs=signs, seed=seed, with_codes=True
+    )
     t = _wgrad_input(x, rht, signs)
     noise_row = nvfp4.uniform(seed, *x.shape).cpu() if stochastic else None
     noise_col = nvfp4.uniform(seed + 1, *t.shape).cpu() if stochastic else None
-    return (row, quantize_nvfp4(x.float(), stochastic=stochastic, noise=noise_row),
-            col, quantize_nvfp4(t, stochastic=stochastic, noise=noise_col))
+    return (
+        row,
+        quantize_nvfp4(x.float(), stochastic=stochastic, noise=noise_row),
+        col,
+        quantize_nvfp4(t, stochastic=stochastic, noise=noise_col),
+    )
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -112,8 +117,12 @@ def test_stochastic_rounding_draws_from_the_seed():
     from lpbench.precision.kernels import nvfp4
 
     x = _general((256, 256)).cuda()
-    a, b, c = (nvfp4.quantize(x, row=True, col=False, rht=False, stochastic=True,
-                              seed=torch.tensor([s], device="cuda"))[0].values for s in (1, 1, 2))
+    a, b, c = (
+        nvfp4.quantize(x, row=True, col=False, rht=False, stochastic=True, seed=torch.tensor([s], device="cuda"))[
+            0
+        ].values
+        for s in (1, 1, 2)
+    )
     assert torch.equal(a, b) and not torch.equal(a, c)
     rounded = nvfp4.quantize(x, row=True, col=False, rht=False, stochastic=False)[0].values
     assert not torch.equal(a, rounded)

@@ -14,8 +14,17 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lpbench"
 # Bottom to top; a module belongs to the longest prefix that names it.
 LAYERS = [
-    ["lpbench", "lpbench.errors", "lpbench.console", "lpbench.configs", "lpbench.threads", "lpbench.paths",
-     "lpbench.gemm", "lpbench.passes", "lpbench.parsing"],
+    [
+        "lpbench",
+        "lpbench.errors",
+        "lpbench.console",
+        "lpbench.configs",
+        "lpbench.threads",
+        "lpbench.paths",
+        "lpbench.gemm",
+        "lpbench.passes",
+        "lpbench.parsing",
+    ],
     ["lpbench.models", "lpbench.data", "lpbench.corpus", "lpbench.precision", "lpbench.metrics"],
     ["lpbench.convert"],
     ["lpbench.config"],
@@ -51,7 +60,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
                 base = node.module or ""
                 if node.level:
                     here = name.split(".") if is_package else name.split(".")[:-1]
-                    here = here[:len(here) - node.level + 1]
+                    here = here[: len(here) - node.level + 1]
                     base = ".".join(here + ([base] if base else []))
                 for alias in node.names:
                     targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in names else base)
@@ -60,16 +69,22 @@ def import_graph(root: Path) -> dict[str, set[str]]:
 
 
 def layer_of(module: str, layers: list[list[str]]) -> int:
-    best = max(((len(p), i) for i, group in enumerate(layers) for p in group
-                if module == p or module.startswith(p + ".")), default=None)
+    best = max(
+        ((len(p), i) for i, group in enumerate(layers) for p in group if module == p or module.startswith(p + ".")),
+        default=None,
+    )
     if best is None:
         raise KeyError(f"{module} is in no layer: place it in LAYERS (and ARCHITECTURE.md)")
     return best[1]
 
 
 def upward_imports(graph: dict[str, set[str]], layers: list[list[str]]) -> list[str]:
-    return sorted(f"{m} (layer {layer_of(m, layers)}) imports {t} (layer {layer_of(t, layers)})"
-                  for m, targets in graph.items() for t in targets if layer_of(t, layers) > layer_of(m, layers))
+    return sorted(
+        f"{m} (layer {layer_of(m, layers)}) imports {t} (layer {layer_of(t, layers)})"
+        for m, targets in graph.items()
+        for t in targets
+        if layer_of(t, layers) > layer_of(m, layers)
+    )
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -123,11 +138,13 @@ def test_the_model_imports_nothing_from_precision():
 
 def imports_between(graph: dict[str, set[str]], source: str, target: str) -> list[str]:
     """``module imports module`` for every import from package ``source`` into package ``target``."""
+
     def inside(name, package):
         return name == package or name.startswith(package + ".")
 
-    return sorted(f"{m} imports {t}" for m, targets in graph.items() if inside(m, source)
-                  for t in targets if inside(t, target))
+    return sorted(
+        f"{m} imports {t}" for m, targets in graph.items() if inside(m, source) for t in targets if inside(t, target)
+    )
 
 
 def test_cli_is_imported_by_nothing_but_the_entry_point():
@@ -151,14 +168,17 @@ def test_the_check_finds_an_import_between_two_packages():
 
 def test_the_check_finds_a_cycle_and_an_upward_import(tmp_path):
     layers = [["pkg", "pkg.low"], ["pkg.high"]]
-    pkg = _write(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/low/__init__.py": "from pkg.low import a\n",
-        "pkg/low/a.py": "def f():\n    from . import b\n",  # lazy relative import: still an edge
-        "pkg/low/b.py": "from pkg.low.a import f\n",
-        "pkg/high/__init__.py": "",
-        "pkg/high/c.py": "import pkg.low.b\n",
-    })
+    pkg = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/low/__init__.py": "from pkg.low import a\n",
+            "pkg/low/a.py": "def f():\n    from . import b\n",  # lazy relative import: still an edge
+            "pkg/low/b.py": "from pkg.low.a import f\n",
+            "pkg/high/__init__.py": "",
+            "pkg/high/c.py": "import pkg.low.b\n",
+        },
+    )
     graph = import_graph(pkg)
     assert graph["pkg.low.a"] == {"pkg.low.b"} and graph["pkg.high.c"] == {"pkg.low.b"}
     assert cycles(graph) == [["pkg.low.a", "pkg.low.b"]]

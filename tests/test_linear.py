@@ -97,8 +97,9 @@ def test_dgrad_weight_copy_is_the_weight_quantized_along_its_columns(name):
     r = get_recipe(name)
     w = randn(128, 256, seed=2) * torch.logspace(-3, 0, 256) * torch.logspace(0, -2, 128)[:, None]
     _, wd = QuantizedLinear.from_linear(nn.Linear(256, 128), r)._weight_operands(w, True)
-    ref = quantize(w.t(), r.operand("weight", "dgrad"),
-                   encode_scale=torch.ones(()) if r.scaling is Scaling.DELAYED else None)  # delayed: the initial scale
+    ref = quantize(
+        w.t(), r.operand("weight", "dgrad"), encode_scale=torch.ones(()) if r.scaling is Scaling.DELAYED else None
+    )  # delayed: the initial scale
     assert wd.block == ref.block and wd.codes.is_contiguous()
     assert torch.equal(wd.codes.view(torch.uint8), ref.codes.view(torch.uint8))
     assert wd.scale.dtype == ref.scale.dtype and torch.equal(scale_to_float(wd.scale), scale_to_float(ref.scale))
@@ -148,10 +149,19 @@ def test_autocast_dtypes(name):
     assert QuantizedLinear.from_linear(lin, RECIPES[name])(x.bfloat16()).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("name, native, kernel", [
-    ("fp8-tensorwise", True, "FusedFp8"), ("fp8-delayed", True, "FusedFp8"), ("fp8-rowwise", True, "NativeScaledMM"),
-    ("fp8-blockwise", True, "NativeBlockwise"), ("mxfp8", True, "NativeBlockScaled"), ("nvfp4", True, "NativeBlockScaled"),
-    ("fp8-tensorwise", False, "Emulated"), ("nvfp4", False, "Emulated")])
+@pytest.mark.parametrize(
+    "name, native, kernel",
+    [
+        ("fp8-tensorwise", True, "FusedFp8"),
+        ("fp8-delayed", True, "FusedFp8"),
+        ("fp8-rowwise", True, "NativeScaledMM"),
+        ("fp8-blockwise", True, "NativeBlockwise"),
+        ("mxfp8", True, "NativeBlockScaled"),
+        ("nvfp4", True, "NativeBlockScaled"),
+        ("fp8-tensorwise", False, "Emulated"),
+        ("nvfp4", False, "Emulated"),
+    ],
+)
 def test_one_kernel_per_module_chosen_at_construction(name, native, kernel):
     """The recipe's scaling and the path pick the module's kernel once; its repr names it."""
     q = QuantizedLinear(64, 32, recipe=RECIPES[name], native=native)
@@ -218,7 +228,9 @@ def test_delayed_scaling_state_is_buffers_and_used_as_transformer_engine_does():
     assert q.amax_history_input[0] == x.abs().max() and q.amax_history_input[8] == 1000.0
     assert q.delayed_scale_input.item() == pytest.approx(0.448)
     q.to(torch.bfloat16)  # the state stays FP32 (a BF16 scale would change the codes)
-    assert q.weight.dtype == torch.bfloat16 and q.delayed_scale_input.dtype == q.amax_history_grad.dtype == torch.float32
+    assert (
+        q.weight.dtype == torch.bfloat16 and q.delayed_scale_input.dtype == q.amax_history_grad.dtype == torch.float32
+    )
     assert q.delayed_scale_input.item() == pytest.approx(0.448)
 
 
@@ -247,22 +259,33 @@ def test_qspec_dispatch_rejects_unknown_scaling():
 
 def test_native_qgemm_passes_fast_accumulation(monkeypatch):
     calls, scaled_mm = [], torch._scaled_mm
-    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, use_fast_accum=False, **k:
-                        calls.append(use_fast_accum) or scaled_mm(*a, use_fast_accum=use_fast_accum, **k))
+    monkeypatch.setattr(
+        torch,
+        "_scaled_mm",
+        lambda *a, use_fast_accum=False, **k: (
+            calls.append(use_fast_accum) or scaled_mm(*a, use_fast_accum=use_fast_accum, **k)
+        ),
+    )
     a, b = quantize_fp8(torch.randn(32, 64), E4M3), quantize_fp8(torch.randn(48, 64), E4M3)
     fast, plain = NativeScaledMM.gemm(a, b, fast_accum=True), NativeScaledMM.gemm(a, b)
     assert calls == [True, False]
     assert torch.allclose(fast, Emulated.gemm(a, b), rtol=1e-2, atol=1e-2) and torch.allclose(plain, fast)
 
 
-@pytest.mark.parametrize("name, fast", [("fp8-rowwise", [True, False, False]),
-                                        ("fp8-rowwise-fast-grads", [True, True, True])])
+@pytest.mark.parametrize(
+    "name, fast", [("fp8-rowwise", [True, False, False]), ("fp8-rowwise-fast-grads", [True, True, True])]
+)
 def test_fast_grads_recipe_asks_for_fast_gradient_gemms_and_emulates_as_rowwise(monkeypatch, name, fast):
     """``fast_accum_grads`` changes the mode the native dgrad and wgrad GEMMs are asked for, nothing else: the
     emulation (FP32 accumulation throughout) is fp8-rowwise's bit for bit, the native result within its tolerance."""
     calls, scaled_mm = [], torch._scaled_mm
-    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, use_fast_accum=False, **k:
-                        calls.append(use_fast_accum) or scaled_mm(*a, use_fast_accum=use_fast_accum, **k))
+    monkeypatch.setattr(
+        torch,
+        "_scaled_mm",
+        lambda *a, use_fast_accum=False, **k: (
+            calls.append(use_fast_accum) or scaled_mm(*a, use_fast_accum=use_fast_accum, **k)
+        ),
+    )
     lin, x, dy = nn.Linear(256, 384), randn(64, 256, seed=1), randn(64, 384, seed=2)
 
     def run(recipe, native):
@@ -291,16 +314,24 @@ def test_one_autograd_function_for_every_quantized_linear(monkeypatch):
     from lpbench.precision import capability
     from lpbench.precision.frozen import FrozenQuantizedLinear
 
-    not_linears = {"_Fp8GroupedFn": "MoE grouped GEMMs",
-                   "_GroupedIntoFn": "MoE grouped GEMMs in the compute dtype, weight gradients into FP32 buffers",
-                   "_AllToAll": "expert-parallel dispatch",
-                   "_AttachLoss": "MoE auxiliary loss", "_LinearCrossEntropy": "LM head fused with the loss",
-                   "_Enter": "MoE tensor parallelism's entry", "_Leave": "MoE tensor parallelism's exit",
-                   "_CastOnce": "a weight's BF16 copy, cast once per optimizer step",
-                   "_SwiGLU": "the MLP activation, with its hand-written backward"}
+    not_linears = {
+        "_Fp8GroupedFn": "MoE grouped GEMMs",
+        "_GroupedIntoFn": "MoE grouped GEMMs in the compute dtype, weight gradients into FP32 buffers",
+        "_AllToAll": "expert-parallel dispatch",
+        "_AttachLoss": "MoE auxiliary loss",
+        "_LinearCrossEntropy": "LM head fused with the loss",
+        "_Enter": "MoE tensor parallelism's entry",
+        "_Leave": "MoE tensor parallelism's exit",
+        "_CastOnce": "a weight's BF16 copy, cast once per optimizer step",
+        "_SwiGLU": "the MLP activation, with its hand-written backward",
+    }
     root = pathlib.Path(lpbench.__file__).parent
-    functions = {node.name for path in root.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
-                 if isinstance(node, ast.ClassDef) and any(ast.unparse(b).endswith("autograd.Function") for b in node.bases)}
+    functions = {
+        node.name
+        for path in root.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and any(ast.unparse(b).endswith("autograd.Function") for b in node.bases)
+    }
     assert functions == {"QuantizedLinearFn", *not_linears}
 
     def grad_fn(mod):

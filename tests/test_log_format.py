@@ -78,14 +78,23 @@ def test_nemo_grep_and_throughput_formula(run_log):
         assert tps_per_gpu == pytest.approx(rec["tokens_per_sec_per_gpu"], rel=2e-3)
 
 
-@pytest.mark.parametrize("value,text", [(1.704e-3, "0.001704"), (1831.2, "1831.2"), (0.5, "0.5000"),
-                                        (3e-4, "0.0003000"), (12.81, "12.81")])
+@pytest.mark.parametrize(
+    "value,text", [(1.704e-3, "0.001704"), (1831.2, "1831.2"), (0.5, "0.5000"), (3e-4, "0.0003000"), (12.81, "12.81")]
+)
 def test_plain_decimals(value, text):
     assert plain(value) == text
 
 
 def test_no_exponent_in_step_lines():
-    rec = {"step": 3, "loss": 7.25, "step_time_s": 0.0123, "tflops_per_gpu": 2.5e-5, "lr": 3e-5,
-           "grad_norm": 0.5, "tokens_per_sec_per_gpu": 1234.0, "peak_mem_gb": None}
+    rec = {
+        "step": 3,
+        "loss": 7.25,
+        "step_time_s": 0.0123,
+        "tflops_per_gpu": 2.5e-5,
+        "lr": 3e-5,
+        "grad_norm": 0.5,
+        "tokens_per_sec_per_gpu": 1234.0,
+        "peak_mem_gb": None,
+    }
     for line in format_log_lines(rec, 10, 4):
         assert not re.search(r"\d[eE][+-]?\d", line), line

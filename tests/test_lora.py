@@ -38,12 +38,14 @@ def test_apply_lora_wraps_targets_freezes_the_rest_and_starts_at_the_base_output
     with torch.no_grad():
         before = model(X)
     info = apply_lora(model, rank=4, alpha=8, targets="qkv,o,mlp")
-    assert info["adapted"] == [f"layers.{i}.{m}" for i in range(2)
-                               for m in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")]
+    assert info["adapted"] == [
+        f"layers.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
+    ]
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(n.rsplit(".", 1)[1] in ("lora_a", "lora_b") for n in trainable)
-    assert info["trainable"] == sum(4 * (m.in_features + m.out_features) for m in model.modules()
-                                    if isinstance(m, LoRALinear))
+    assert info["trainable"] == sum(
+        4 * (m.in_features + m.out_features) for m in model.modules() if isinstance(m, LoRALinear)
+    )
     qkv = model.layers[0].attn.qkv
     assert qkv.scaling == 2.0 and qkv.lora_b.abs().max() == 0 and qkv.lora_a.abs().max() > 0
     with torch.no_grad():
@@ -85,6 +87,7 @@ def test_merged_model_equals_the_adapted_model_and_exports(tmp_path):
 
     pytest.importorskip("safetensors")
     from lpbench.models.hf import export_hf_checkpoint, load_hf_checkpoint
+
     export_hf_checkpoint(model, tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(load_hf_checkpoint(tmp_path)(X), adapted, rtol=1e-5, atol=1e-5)
@@ -93,6 +96,7 @@ def test_merged_model_equals_the_adapted_model_and_exports(tmp_path):
 def test_export_of_unmerged_adapters_says_merge_first(tmp_path):
     pytest.importorskip("safetensors")
     from lpbench.models.hf import export_hf_checkpoint
+
     model = build_model(TINY, device="cpu", seed=0)
     apply_lora(model, rank=2)
     with pytest.raises(UsageError, match="merge_lora"):
@@ -107,8 +111,11 @@ def test_targets():
     assert apply_lora(model, rank=2, targets=["o"])["adapted"] == ["layers.0.attn.o", "layers.1.attn.o"]
     moe = build_model(dataclasses.replace(TINY, n_experts=2, top_k=1), device="cpu", seed=0)
     info = apply_lora(moe, rank=2, targets="mlp,o")
-    assert info["adapted"] == [f"layers.{i}.{m}" for i in range(2)  # stacked experts adapted, routers not
-                               for m in ("attn.o", "mlp.experts.gate_up", "mlp.experts.down")]
+    assert info["adapted"] == [
+        f"layers.{i}.{m}"
+        for i in range(2)  # stacked experts adapted, routers not
+        for m in ("attn.o", "mlp.experts.gate_up", "mlp.experts.down")
+    ]
     assert not moe.layers[0].mlp.router.weight.requires_grad and not moe.layers[0].mlp.experts.down.requires_grad
     assert moe.layers[0].mlp.experts.adapters["down"].lora_b.shape == (2, TINY.dim, 2)
     nogated = build_model(dataclasses.replace(TINY, activation="gelu"), device="cpu", seed=0)
@@ -194,6 +201,7 @@ def test_lora_over_a_quantized_base(order):
 
 
 # --------------------------------------------------------------------------- FLOPs
+
 
 def test_lora_flops_rule():
     cfg = MODELS["llama3-8b"]

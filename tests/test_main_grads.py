@@ -71,7 +71,7 @@ def test_buffers_hold_the_accumulated_gradient(name, device):
         if exact:
             assert torch.equal(got, want), n
         else:
-            bound = 2 ** -8 * (first[n].abs() + (want - first[n]).abs()) + 1e-30
+            bound = 2**-8 * (first[n].abs() + (want - first[n]).abs()) + 1e-30
             assert ((got - want).abs() <= bound).all(), ((got - want).abs() / bound).max()
             assert not torch.equal(got, torch.zeros_like(got))
     for a, b in zip(dx_fused, dx_plain):
@@ -115,8 +115,9 @@ def test_training_with_the_buffers_is_autograds_training(monkeypatch):
     from lpbench.models.registry import MODELS
 
     monkeypatch.setitem(MODELS, "moe-test", dataclasses.replace(CFG, n_layers=2, max_seq_len=64))
-    cfg = RunConfig(model="moe-test", precision="fp8-rowwise", seq_len=16, mbs=1, gbs=2, steps=3, warmup_steps=1,
-                    device="cpu")
+    cfg = RunConfig(
+        model="moe-test", precision="fp8-rowwise", seq_len=16, mbs=1, gbs=2, steps=3, warmup_steps=1, device="cpu"
+    )
     lines = []
     fused = loop.train(cfg, log=lines.append)
     assert any("4 expert weights' gradients accumulated in FP32" in line for line in lines)
@@ -138,10 +139,10 @@ def test_compiled_training_with_the_buffers_on_cuda(monkeypatch, name):
     from lpbench.models.registry import MODELS
     from lpbench.precision.kernels import grouped_mm
 
-    monkeypatch.setitem(MODELS, "moe-test", dataclasses.replace(CFG, dim=256, ffn_dim=512, n_experts=8, n_layers=2,
-                                                                max_seq_len=512))
-    cfg = RunConfig(model="moe-test", precision=name, seq_len=256, mbs=2, gbs=4, steps=4, warmup_steps=1,
-                    device="cuda")
+    monkeypatch.setitem(
+        MODELS, "moe-test", dataclasses.replace(CFG, dim=256, ffn_dim=512, n_experts=8, n_layers=2, max_seq_len=512)
+    )
+    cfg = RunConfig(model="moe-test", precision=name, seq_len=256, mbs=2, gbs=4, steps=4, warmup_steps=1, device="cuda")
     calls, real = [], grouped_mm.wgrad_into
     monkeypatch.setattr(grouped_mm, "wgrad_into", lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
     fused = loop.train(cfg, log=lambda line: None)

@@ -26,9 +26,14 @@ EAGER = 136 + 80 + 16 + (16 + 64 + 32)
 
 def test_parts_counted_by_hand():
     e = estimate(HAND, get_recipe("bf16"), seq_len=4, mbs=1, compiled=False, cuda=False)
-    assert e.parts == {"master weights (fp32)": 4 * PARAMS, "gradients (fp32)": 4 * PARAMS,
-                       "optimizer states (fp32 AdamW)": 8 * PARAMS, "weight copies held for backward": 2 * LINEARS,
-                       "activations (none)": 4 * EAGER, "logits and loss": 4 * 32 * 14}
+    assert e.parts == {
+        "master weights (fp32)": 4 * PARAMS,
+        "gradients (fp32)": 4 * PARAMS,
+        "optimizer states (fp32 AdamW)": 8 * PARAMS,
+        "weight copies held for backward": 2 * LINEARS,
+        "activations (none)": 4 * EAGER,
+        "logits and loss": 4 * 32 * 14,
+    }
     assert e.total == 16 * PARAMS + 2 * LINEARS + 4 * EAGER + 4 * 32 * 14
 
 
@@ -53,8 +58,17 @@ def test_fsdp_divides_the_states_and_quantized_linears_keep_code_bytes():
 
 
 def test_lora_base_stored_quantized_is_its_codes_and_adapters_keep_bf16_inputs():
-    e = estimate(HAND, get_recipe("fp8-tensorwise"), seq_len=4, mbs=1, workload="lora", lora_rank=2,
-                 lora_quantized_base=True, compiled=False, cuda=False)
+    e = estimate(
+        HAND,
+        get_recipe("fp8-tensorwise"),
+        seq_len=4,
+        mbs=1,
+        workload="lora",
+        lora_rank=2,
+        lora_quantized_base=True,
+        compiled=False,
+        cuda=False,
+    )
     # codes 1 byte per block-linear element, the block's norms in BF16, embeddings and head FP32 (frozen)
     assert e.parts["frozen base"] == LINEARS + 2 * (BLOCK - LINEARS) + 4 * (PARAMS - BLOCK)
     assert not e.parts["weight copies held for backward"]  # the stored codes are the operands
@@ -70,8 +84,14 @@ def kept_per_token(precision: str, compiled: bool) -> float:
     """What block 1 keeps for its backward per token, measured: the bytes of the distinct storages autograd
     saves (the block input counted as the FP32 residual stream it is), at two lengths, so weights cancel."""
     model = build_model(CAL, device="cpu")
-    prepare_model(model, RunConfig(model="tiny", precision=precision, device="cpu"), get_recipe(precision),
-                  device=torch.device("cpu"), emulate=True, use_compile=compiled)
+    prepare_model(
+        model,
+        RunConfig(model="tiny", precision=precision, device="cpu"),
+        get_recipe(precision),
+        device=torch.device("cpu"),
+        emulate=True,
+        use_compile=compiled,
+    )
     block = model.layers[1]
     if compiled:
         torch._inductor.config.emulate_precision_casts = True
@@ -82,9 +102,13 @@ def kept_per_token(precision: str, compiled: bool) -> float:
         storages = {}
         h = torch.randn(2, S, CAL.dim, requires_grad=True)
         rope = rope_tables(CAL, S, torch.device("cpu"))
-        with torch.autograd.graph.saved_tensors_hooks(
+        with (
+            torch.autograd.graph.saved_tensors_hooks(
                 lambda t: storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t,
-                lambda t: t), torch.autocast("cpu", torch.bfloat16):
+                lambda t: t,
+            ),
+            torch.autocast("cpu", torch.bfloat16),
+        ):
             out = block(h, rope)
         for t in (h, *rope):
             storages.pop(t.untyped_storage().data_ptr(), None)
@@ -107,8 +131,24 @@ def test_compiled_activation_formula_equals_what_autograd_keeps(monkeypatch):
 
 
 def test_memory_command_says_whether_it_fits_and_what_would(capsys):
-    argv = ["memory", "--model", "llama3-8b", "--seq-len", "8192", "--mbs", "1", "--gbs", "4", "--precision", "bf16",
-            "--gpu", "h100", "--num-gpus", "4", "--fsdp"]
+    argv = [
+        "memory",
+        "--model",
+        "llama3-8b",
+        "--seq-len",
+        "8192",
+        "--mbs",
+        "1",
+        "--gbs",
+        "4",
+        "--precision",
+        "bf16",
+        "--gpu",
+        "h100",
+        "--num-gpus",
+        "4",
+        "--fsdp",
+    ]
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "predicted peak:" in out and "does not fit h100" in out and "--recompute selective" in out

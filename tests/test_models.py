@@ -7,8 +7,10 @@ from lpbench.models import MODELS, build_model, count_active_parameters, count_p
 from lpbench.models.decoder import apply_rope, rope_tables
 
 
-@pytest.mark.parametrize("name,billions", [("llama3-8b", 8.03), ("llama3.2-1b", 1.24), ("llama3-70b", 70.6),
-                                           ("qwen3-4b", 4.02), ("mixtral-8x7b", 46.7)])
+@pytest.mark.parametrize(
+    "name,billions",
+    [("llama3-8b", 8.03), ("llama3.2-1b", 1.24), ("llama3-70b", 70.6), ("qwen3-4b", 4.02), ("mixtral-8x7b", 46.7)],
+)
 def test_parameter_counts_on_meta(name, billions):
     model = build_model(MODELS[name], device="meta")
     assert all(p.is_meta for p in model.parameters())
@@ -72,6 +74,6 @@ def test_partial_rope_rotates_only_its_share():
     assert cos.shape == (8, cfg.hd // 2)
     x = torch.randn(1, 8, 2, cfg.hd)
     y = apply_rope(x, cos, sin)
-    torch.testing.assert_close(y[..., cfg.hd // 2:], x[..., cfg.hd // 2:])
+    torch.testing.assert_close(y[..., cfg.hd // 2 :], x[..., cfg.hd // 2 :])
     torch.testing.assert_close(y[:, 0], x[:, 0])  # position 0 is not rotated
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))  # rotations keep norms

@@ -27,8 +27,9 @@ def loop_reference(moe: MoE, x: torch.Tensor, recipe=None) -> torch.Tensor:
     (a QuantizedLinear of the recipe, or F.linear in the autocast dtype), gated, summed in expert order."""
     x2 = x.reshape(-1, x.shape[-1])
     with torch.autocast(x.device.type, enabled=False):
-        weights, chosen, _ = route(F.linear(x2.float(), moe.router.weight.float()), moe.top_k, moe.router_kind,
-                                   moe.norm_topk)
+        weights, chosen, _ = route(
+            F.linear(x2.float(), moe.router.weight.float()), moe.top_k, moe.router_kind, moe.norm_topk
+        )
     exp = moe.experts
     out = torch.zeros_like(x2)
     for e in range(moe.n_experts):
@@ -126,6 +127,7 @@ def test_grouped_equals_loop(recipe, case):
 
 def _scaled_grouped_mm_on_cpu(calls):
     """``torch._scaled_grouped_mm`` (CUDA only) as FP32 products of the codes, recording ``use_fast_accum``."""
+
     def mm(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum=False):
         calls.append(use_fast_accum)
         ends = offs.tolist()
@@ -136,8 +138,16 @@ def _scaled_grouped_mm_on_cpu(calls):
                 out[s:t] = a[s:t].float() @ b[e].float() * scale_a[s:t, None] * scale_b[e][None, :]
             return out.to(out_dtype)
         n, k = a.shape[0], b.shape[1]  # [N, rows] x [rows, K]: each expert reduces over its rows
-        return torch.stack([a[:, s:t].float() @ b[s:t].float() * scale_a[e * n:(e + 1) * n, None]
-                            * scale_b[e * k:(e + 1) * k][None, :] for e, (s, t) in enumerate(bounds)]).to(out_dtype)
+        return torch.stack(
+            [
+                a[:, s:t].float()
+                @ b[s:t].float()
+                * scale_a[e * n : (e + 1) * n, None]
+                * scale_b[e * k : (e + 1) * k][None, :]
+                for e, (s, t) in enumerate(bounds)
+            ]
+        ).to(out_dtype)
+
     return mm
 
 
@@ -156,8 +166,10 @@ def test_grouped_fp8_asks_for_the_recipes_accumulation_mode(monkeypatch, name, g
         xi = x.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = moe(xi)
-        return [y.float(), *(g.float() for g in torch.autograd.grad(
-            y, [xi, moe.experts.gate_up, moe.experts.down], dy.to(y.dtype)))]
+        return [
+            y.float(),
+            *(g.float() for g in torch.autograd.grad(y, [xi, moe.experts.gate_up, moe.experts.down], dy.to(y.dtype))),
+        ]
 
     native = run(recipe, True)
     # forward: gate_up, down; backward: down's dgrad and wgrad, then gate_up's
@@ -170,6 +182,7 @@ def test_grouped_fp8_asks_for_the_recipes_accumulation_mode(monkeypatch, name, g
 def test_native_grouped_fp8_compiles_without_graph_breaks(monkeypatch):
     """Routing, the FP8 casts and the grouped GEMMs of a native MoE layer are one graph: a break inside the autograd
     Function (once a cached_property's lock on Python 3.11) would run its casts eagerly, op by op."""
+
     def traceable(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum=False):  # shapes only
         if b.dim() == 3:
             return (a.float() @ b[0].float() * scale_a[:, None]).to(out_dtype)
@@ -202,8 +215,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same_codes(got, want) -> bool:
-    return all(a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-               and torch.equal(_bits(a).cpu(), _bits(b).cpu()) for a, b in zip(got, want, strict=True))
+    return all(
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and torch.equal(_bits(a).cpu(), _bits(b).cpu())
+        for a, b in zip(got, want, strict=True)
+    )
 
 
 @pytest.mark.parametrize("name", ["fp8-rowwise", "fp8-tensorwise"])
@@ -214,7 +232,7 @@ def test_weight_codes_are_each_experts_dense_quantization(name, shape):
     r = get_recipe(name)
     fprop, dgrad = r.operand("weight", "fprop"), r.operand("weight", "dgrad")
     w = _stacked_weights(shape)
-    wq, sw, wtq, swt = got = grouped.weight_codes(w, r)
+    wq, sw, wtq, swt = grouped.weight_codes(w, r)
     for e in range(shape[0]):
         ref = quantize_fp8(w[e], fprop.fmt, fprop.block, pow2=fprop.pow2)
         ref_t = quantize_fp8(w[e].t(), dgrad.fmt, dgrad.block, pow2=dgrad.pow2)
@@ -240,17 +258,26 @@ def test_weight_codes_compile_once_per_weight_shape():
     assert counter.frame_count == 2
 
 
-_CXX = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
-                          reason="inductor's CPU backend needs a C++ compiler")
+_CXX = pytest.mark.skipif(
+    not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler"
+)
 
 
 _CPU_CASES = [(n, "cpu", s) for n in ("fp8-rowwise", "fp8-tensorwise") for s in ((4, 64, 32), (4, 32, 96))]
-_CUDA_CASES = [("fp8-rowwise", "cuda", (8, 768, 2048)), ("fp8-rowwise", "cuda", (8, 2048, 768)),
-               ("fp8-tensorwise", "cuda", (8, 768, 2048))]
+_CUDA_CASES = [
+    ("fp8-rowwise", "cuda", (8, 768, 2048)),
+    ("fp8-rowwise", "cuda", (8, 2048, 768)),
+    ("fp8-tensorwise", "cuda", (8, 768, 2048)),
+]
 
 
-@pytest.mark.parametrize("name, device, shape", [*(pytest.param(*c, marks=_CXX) for c in _CPU_CASES),
-                                                 *(pytest.param(*c, marks=pytest.mark.gpu) for c in _CUDA_CASES)])
+@pytest.mark.parametrize(
+    "name, device, shape",
+    [
+        *(pytest.param(*c, marks=_CXX) for c in _CPU_CASES),
+        *(pytest.param(*c, marks=pytest.mark.gpu) for c in _CUDA_CASES),
+    ],
+)
 def test_compiled_weight_codes_are_the_eager_ones(name, device, shape):
     """The graph that :func:`grouped.weight_codes` compiles on CUDA for the weight cache (inductor's Triton kernels
     there, its C++ here) gives the eager ops' codes and scales bit for bit, in the same layouts."""
@@ -279,8 +306,9 @@ def test_cached_weight_codes_give_the_uncached_numbers(monkeypatch, device):
     quantize_experts(moe.experts, r, native=device == "cuda")
     plain = copy.deepcopy(moe)
     made = []
-    monkeypatch.setattr(weight_cache, "weight_codes",
-                        lambda w, recipe, split: made.append(w) or quantize(w, recipe, split))
+    monkeypatch.setattr(
+        weight_cache, "weight_codes", lambda w, recipe, split: made.append(w) or quantize(w, recipe, split)
+    )
     quantize = grouped.weight_codes
     dy = torch.randn(*x.shape[:-1], x.shape[-1], generator=torch.Generator().manual_seed(1)).to(device)
 
@@ -345,12 +373,14 @@ def test_gradient_accumulation_trains_the_same_with_cached_weight_codes(monkeypa
     from lpbench.convert import weight_cache
 
     monkeypatch.setitem(MODELS, "moe-test", dataclasses.replace(CFG, n_layers=2, max_seq_len=64))
-    cfg = RunConfig(model="moe-test", precision="fp8-rowwise", seq_len=16, mbs=1, gbs=2, steps=3, warmup_steps=1,
-                    device="cpu")
+    cfg = RunConfig(
+        model="moe-test", precision="fp8-rowwise", seq_len=16, mbs=1, gbs=2, steps=3, warmup_steps=1, device="cpu"
+    )
     made = []
     quantize = grouped.weight_codes
-    monkeypatch.setattr(weight_cache, "weight_codes",
-                        lambda w, recipe, split: made.append(w) or quantize(w, recipe, split))
+    monkeypatch.setattr(
+        weight_cache, "weight_codes", lambda w, recipe, split: made.append(w) or quantize(w, recipe, split)
+    )
     cached = loop.train(cfg, log=lambda line: None)
     assert len(made) == 3 * 2 * 2  # steps x layers x weights: once per optimizer step
     monkeypatch.setattr(weight_cache, "install", lambda model, optimizer, bf16: None)
@@ -409,8 +439,18 @@ def test_training_logs_expert_load_and_counts_every_routed_token(monkeypatch):
     from lpbench.models.registry import MODELS
 
     monkeypatch.setitem(MODELS, "moe-test", dataclasses.replace(CFG, n_layers=2, max_seq_len=64))
-    cfg = RunConfig(model="moe-test", precision="fp32", seq_len=16, mbs=2, gbs=4, steps=2, warmup_steps=1,
-                    device="cpu", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    cfg = RunConfig(
+        model="moe-test",
+        precision="fp32",
+        seq_len=16,
+        mbs=2,
+        gbs=4,
+        steps=2,
+        warmup_steps=1,
+        device="cpu",
+        moe_aux_loss_coeff=0.01,
+        moe_z_loss_coeff=0.001,
+    )
     lines = []
     result = loop.train(cfg, log=lines.append)
     assert result.status == "ok"
@@ -428,8 +468,26 @@ def test_bad_moe_flags_exit_2(capsys):
     assert "--ep 3 must divide" in capsys.readouterr().err
     assert main(["run", "--model", "tiny", "--moe-aux-loss-coeff", "0.01"]) == 2
     assert "dense" in capsys.readouterr().err
-    assert main(["run", "--model", "mixtral-8x7b", "--tp", "2", "--ep", "2", "--nproc-per-node", "4", "--gbs", "16",
-                 "--precision", "fp8-rowwise"]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                "mixtral-8x7b",
+                "--tp",
+                "2",
+                "--ep",
+                "2",
+                "--nproc-per-node",
+                "4",
+                "--gbs",
+                "16",
+                "--precision",
+                "fp8-rowwise",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "--tp and --ep do not combine" in err and len(err.strip().splitlines()) == 1
 
@@ -469,8 +527,12 @@ def _amax_by_expert(t: torch.Tensor, groups) -> torch.Tensor:
     """[E, C]: the amax of |t| over each expert's rows (its tokens and the padding after them; NaN if a NaN is
     among them, 0 for an expert without rows), from the definition."""
     mag = t.float().abs()
-    return torch.stack([mag[groups.row_group == e].amax(0) if (groups.row_group == e).any() else mag.new_zeros(
-        mag.shape[1]) for e in range(groups.counts.numel())])
+    return torch.stack(
+        [
+            mag[groups.row_group == e].amax(0) if (groups.row_group == e).any() else mag.new_zeros(mag.shape[1])
+            for e in range(groups.counts.numel())
+        ]
+    )
 
 
 def _same_amax(got, want) -> bool:
@@ -480,8 +542,14 @@ def _same_amax(got, want) -> bool:
 
 @pytest.mark.skipif(not _INTERPRET, reason="needs Triton and TRITON_INTERPRET=1 (the kernel on the CPU)")
 @pytest.mark.parametrize("case", _GROUP_CASES)
-@pytest.mark.parametrize("cols, dtype, tile", [(300, torch.bfloat16, {}), (96, torch.float32, dict(rows=32, cols=64)),
-                                                (130, torch.bfloat16, dict(rows=64, cols=64))])
+@pytest.mark.parametrize(
+    "cols, dtype, tile",
+    [
+        (300, torch.bfloat16, {}),
+        (96, torch.float32, dict(rows=32, cols=64)),
+        (130, torch.bfloat16, dict(rows=64, cols=64)),
+    ],
+)
 def test_group_amax_kernel_is_the_reference_under_the_interpreter(case, cols, dtype, tile):
     """The one-pass group column amaxes equal the block maxima scattered by expert, bit for bit (NaN where a NaN is
     in the expert's column, inf where an inf is, 0 for experts without tokens), on shapes that are not tile
@@ -494,8 +562,9 @@ def test_group_amax_kernel_is_the_reference_under_the_interpreter(case, cols, dt
     E = groups.counts.numel()
     want = _amax_by_expert(t, groups)
     bits = torch.zeros(E, cols, dtype=torch.int32)
-    row_bits = torch.full((column_blocks(cols, **{k: v for k, v in tile.items() if k == "cols"}), groups.rows), -1,
-                          dtype=torch.int32)  # every entry written: none keeps this
+    row_bits = torch.full(
+        (column_blocks(cols, **{k: v for k, v in tile.items() if k == "cols"}), groups.rows), -1, dtype=torch.int32
+    )  # every entry written: none keeps this
     launch_group_amax(lambda k: k, t, groups.row_group, bits, row_bits, grouped.ALIGN, **tile)
     got = bits.view(torch.float32)
     assert _same_amax(got, want)
@@ -529,8 +598,18 @@ def test_fp8_weight_gradient_into_fp32_under_the_interpreter(counts):
     sa, sb = torch.rand(E, M, generator=g) + 0.5, torch.rand(E, N, generator=g) + 0.5
     before = torch.randn(E, M, N, generator=g)
     out = before.clone()
-    gm.launch(lambda k: k, a, b, sa.reshape(-1), sb.reshape(-1), groups.offs, out, False, accumulate=True,
-              config=(32, 32, gm.PROMOTE, 4, 1))
+    gm.launch(
+        lambda k: k,
+        a,
+        b,
+        sa.reshape(-1),
+        sb.reshape(-1),
+        groups.offs,
+        out,
+        False,
+        accumulate=True,
+        config=(32, 32, gm.PROMOTE, 4, 1),
+    )
     for e, (s, end) in enumerate(zip(groups.starts.tolist(), groups.offs.tolist())):
         product = (a[:, s:end].float() @ b[:, s:end].float().t()) * sa[e][:, None] * sb[e][None, :]
         magnitude = (a[:, s:end].float().abs() @ b[:, s:end].float().abs().t()) * sa[e][:, None] * sb[e][None, :]
@@ -543,8 +622,9 @@ def _grad_operands(t, groups, device):
     r = get_recipe("fp8-rowwise")
     E = groups.counts.numel()
     gid = groups.row_group.to(device)
-    dgrad, wgrad = grouped._grad_codes(t.to(device), r.operand("grad", "dgrad"), r.operand("grad", "wgrad"), gid, E,
-                                       None)
+    dgrad, wgrad = grouped._grad_codes(
+        t.to(device), r.operand("grad", "dgrad"), r.operand("grad", "wgrad"), gid, E, None
+    )
     spec_x = r.operand("input", "wgrad")
     return [*dgrad, *wgrad, *grouped._group_codes_t(t.to(device), spec_x, gid, E, None)]
 
@@ -558,8 +638,16 @@ def _interpreted_group_cast(x, row_enc, group, group_enc, fmt):
     m, n = x.shape
     q = torch.full((m, n) if row_enc is not None else (0,), 7.0)
     qt = torch.full((n, m), 7.0)
-    launch_group_cast(lambda k: k, x.contiguous(), None if row_enc is None else row_enc.reshape(-1).contiguous(),
-                      group, group_enc.contiguous(), q, qt, fmt.max)
+    launch_group_cast(
+        lambda k: k,
+        x.contiguous(),
+        None if row_enc is None else row_enc.reshape(-1).contiguous(),
+        group,
+        group_enc.contiguous(),
+        q,
+        qt,
+        fmt.max,
+    )
     return q.to(fmt.dtype), qt.to(fmt.dtype)
 
 
@@ -637,8 +725,7 @@ def test_grouped_fp8_with_the_group_amax_kernel_is_bit_identical(monkeypatch, pr
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).cuda()
 
     def run(kernel: bool):
-        monkeypatch.setattr(grouped.capability, "fp8_cast_kernel",
-                            fp8_cast_kernel if kernel else (lambda t: False))
+        monkeypatch.setattr(grouped.capability, "fp8_cast_kernel", fp8_cast_kernel if kernel else (lambda t: False))
         torch._dynamo.reset()
         counters.clear()
         fn = torch.compile(moe) if compiled else moe
@@ -674,15 +761,19 @@ def test_grouped_fp8_backward_with_the_kernels_under_the_interpreter(monkeypatch
     calls = []
 
     def run(kernel: bool):
-        monkeypatch.setattr(grouped.capability, "fp8_cast_kernel",
-                            (lambda t: t.dim() == 2 and t.dtype == torch.bfloat16) if kernel else (lambda t: False))
+        monkeypatch.setattr(
+            grouped.capability,
+            "fp8_cast_kernel",
+            (lambda t: t.dim() == 2 and t.dtype == torch.bfloat16) if kernel else (lambda t: False),
+        )
         xi = x.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = moe(xi)
         return [y, *torch.autograd.grad(y, [xi, moe.experts.gate_up, moe.experts.down], dy.to(y.dtype))]
 
-    monkeypatch.setattr(grouped, "group_amax",
-                        lambda *a, **k: calls.append(k.get("row_amax", False)) or fp8_group.group_amax(*a, **k))
+    monkeypatch.setattr(
+        grouped, "group_amax", lambda *a, **k: calls.append(k.get("row_amax", False)) or fp8_group.group_amax(*a, **k)
+    )
     monkeypatch.setattr(grouped, "group_cast", _interpreted_group_cast)
     with_kernel, without = run(True), run(False)
     assert sorted(calls) == [False, False, True, True]  # per weight (down, gate_up): dy's both, x's group amaxes

@@ -54,14 +54,17 @@ def test_bf16_tail_applies_to_the_last_blocks_of_the_cut_model():
     assert recipe.last_bf16_layers == 4 and blocks == [0, 1]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["run", "--model", "tiny", "--num-layers", "0"], "--num-layers must be between 1 and tiny's 8 blocks, got 0"),
-    (["run", "--model", "tiny", "--num-layers", "9"], "--num-layers must be between 1 and tiny's 8 blocks, got 9"),
-    (["run", "--model", "tiny", "--num-layers", "-2"], "got -2"),
-    (["run", "--model", "tiny", "--num-layers", "two"], "invalid int value"),
-    (["run", "--hf-checkpoint", "/nonexistent", "--num-layers", "2"], "--num-layers cuts a zoo model"),
-    (["flops", "--model", "tiny", "--seq-len", "32", "--num-layers", "40"], "between 1 and tiny's 8 blocks"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["run", "--model", "tiny", "--num-layers", "0"], "--num-layers must be between 1 and tiny's 8 blocks, got 0"),
+        (["run", "--model", "tiny", "--num-layers", "9"], "--num-layers must be between 1 and tiny's 8 blocks, got 9"),
+        (["run", "--model", "tiny", "--num-layers", "-2"], "got -2"),
+        (["run", "--model", "tiny", "--num-layers", "two"], "invalid int value"),
+        (["run", "--hf-checkpoint", "/nonexistent", "--num-layers", "2"], "--num-layers cuts a zoo model"),
+        (["flops", "--model", "tiny", "--seq-len", "32", "--num-layers", "40"], "between 1 and tiny's 8 blocks"),
+    ],
+)
 def test_bad_num_layers_exit_2_with_one_line(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         sys.exit(main([*argv, *(["--results", str(tmp_path)] if argv[0] == "run" else [])]))
@@ -84,8 +87,17 @@ def test_run_records_the_label_and_what_ran(tmp_path, capsys):
 
 
 def test_sweep_key_num_layers(tmp_path):
-    sweep = expand({"name": "cut", "model": "llama3-8b", "num_layers": [8, 16], "seq_len": 8192, "mbs": 1,
-                    "gbs": 1, "device": "cpu"})
+    sweep = expand(
+        {
+            "name": "cut",
+            "model": "llama3-8b",
+            "num_layers": [8, 16],
+            "seq_len": 8192,
+            "mbs": 1,
+            "gbs": 1,
+            "device": "cpu",
+        }
+    )
     assert [r.config.num_layers for r in sweep.runs] == [8, 16]
     assert [r.config.label for r in sweep.runs] == ["llama3-8b@8L", "llama3-8b@16L"]
     assert sweep.varying == ["num_layers"]

@@ -210,8 +210,9 @@ def test_padded_blocks_scale_by_their_own_elements():
     assert torch.equal(q.dequantize(), padded.dequantize()[:, :40])
     q2 = quantize_nvfp4(x, block=(16, 16))
     assert q2.codes.shape == (20, 40) and q2.scale.shape == (2, 3)
-    assert q2.dequantize().shape == (20, 40) and torch.equal(q2.t().dequantize(), quantize_nvfp4(
-        x.t(), block=(16, 16)).dequantize())
+    assert q2.dequantize().shape == (20, 40) and torch.equal(
+        q2.t().dequantize(), quantize_nvfp4(x.t(), block=(16, 16)).dequantize()
+    )
     noise = torch.rand(20, 40, generator=torch.Generator().manual_seed(0))
     sr = quantize_nvfp4(x, stochastic=True, noise=noise)
     assert sr.codes.shape == (20, 40) and not torch.equal(sr.codes, q.codes)

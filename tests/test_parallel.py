@@ -22,29 +22,54 @@ from lpbench.parallel.env import shutdown
 
 BASE = RunConfig(model="tiny", seq_len=32, mbs=8, gbs=8, steps=2, warmup_steps=1, precision="fp32", device="cpu")
 ARCHS = {  # tiny members of the other families: QK-norm + GQA, GPT (bias, learned positions, tied), MoE
-    m.name: m for m in (
+    m.name: m
+    for m in (
         ModelConfig("test-qwen", 2, 64, 128, 4, 2, 512, head_dim=32, qk_norm=True, max_seq_len=256),
-        ModelConfig("test-gpt", 2, 64, 256, 4, 4, 512, norm="layer", activation="gelu", positions="learned",
-                    tie_embeddings=True, bias=True, max_seq_len=256),
+        ModelConfig(
+            "test-gpt",
+            2,
+            64,
+            256,
+            4,
+            4,
+            512,
+            norm="layer",
+            activation="gelu",
+            positions="learned",
+            tie_embeddings=True,
+            bias=True,
+            max_seq_len=256,
+        ),
         ModelConfig("test-moe", 2, 64, 128, 4, 2, 512, n_experts=4, top_k=2, max_seq_len=256),
     )
 }
 SCENARIOS = {
-    2: {"ddp": dict(mbs=4), "ddp-ga": dict(mbs=2), "fsdp": dict(mbs=4, fsdp=True), "fsdp-ga": dict(mbs=2, fsdp=True),
-        "tp": dict(tp=2), "tp-no-sp": dict(tp=2, sequence_parallel=False, mbs=4),
+    2: {
+        "ddp": dict(mbs=4),
+        "ddp-ga": dict(mbs=2),
+        "fsdp": dict(mbs=4, fsdp=True),
+        "fsdp-ga": dict(mbs=2, fsdp=True),
+        "tp": dict(tp=2),
+        "tp-no-sp": dict(tp=2, sequence_parallel=False, mbs=4),
         **{f"tp-{name}": dict(tp=2, model=name) for name in ARCHS},
         "tp-no-sp-test-moe": dict(tp=2, model="test-moe", sequence_parallel=False, mbs=4),
-        "ddp-test-moe": dict(mbs=4, model="test-moe"), "ep2-test-moe": dict(mbs=4, model="test-moe", ep=2),
+        "ddp-test-moe": dict(mbs=4, model="test-moe"),
+        "ep2-test-moe": dict(mbs=4, model="test-moe", ep=2),
         # gradient accumulation: DDP reduces the experts' .grad; split experts accumulate in FP32 buffers
-        "ddp-ga-test-moe": dict(mbs=2, model="test-moe"), "ep2-ga-test-moe": dict(mbs=2, model="test-moe", ep=2),
+        "ddp-ga-test-moe": dict(mbs=2, model="test-moe"),
+        "ep2-ga-test-moe": dict(mbs=2, model="test-moe", ep=2),
         "ep2-fsdp-test-moe": dict(mbs=2, model="test-moe", ep=2, fsdp=True),
         "ep2-test-moe-aux": dict(mbs=4, model="test-moe", ep=2, moe_aux_loss_coeff=0.1),
-        "ddp-test-moe-aux": dict(mbs=4, model="test-moe", moe_aux_loss_coeff=0.1)},
-    4: {"fsdp-tp": dict(mbs=2, tp=2, fsdp=True), "ddp-tp": dict(mbs=4, tp=2),
-        "ep4-test-moe": dict(mbs=2, model="test-moe", ep=4), "ep2-fsdp-test-moe": dict(mbs=2, model="test-moe", ep=2,
-                                                                                       fsdp=True),
+        "ddp-test-moe-aux": dict(mbs=4, model="test-moe", moe_aux_loss_coeff=0.1),
+    },
+    4: {
+        "fsdp-tp": dict(mbs=2, tp=2, fsdp=True),
+        "ddp-tp": dict(mbs=4, tp=2),
+        "ep4-test-moe": dict(mbs=2, model="test-moe", ep=4),
+        "ep2-fsdp-test-moe": dict(mbs=2, model="test-moe", ep=2, fsdp=True),
         "ddp-tp-test-moe-aux": dict(mbs=4, tp=2, model="test-moe", moe_aux_loss_coeff=0.1),
-        "fsdp-tp-test-moe": dict(mbs=2, tp=2, model="test-moe", fsdp=True)},
+        "fsdp-tp-test-moe": dict(mbs=2, tp=2, model="test-moe", fsdp=True),
+    },
 }
 
 
@@ -53,17 +78,23 @@ def _reference_key(kw: dict) -> str:
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     MODELS.update(ARCHS)
     results = {}
     for name, kw in SCENARIOS[world].items():
         lines = []
         r = loop.train(BASE.with_(**kw).with_world(world), log=lines.append)
-        results[name] = {"loss": [s["loss"] for s in r.steps], "grad_norm": [s["grad_norm"] for s in r.steps],
-                         "aux": [s.get("moe_aux_loss") for s in r.steps],
-                         "metrics": r.metrics, "status": r.status, "log_lines": len(lines)}
+        results[name] = {
+            "loss": [s["loss"] for s in r.steps],
+            "grad_norm": [s["grad_norm"] for s in r.steps],
+            "aux": [s.get("moe_aux_loss") for s in r.steps],
+            "metrics": r.metrics,
+            "status": r.status,
+            "log_lines": len(lines),
+        }
     results["tp_group_size"] = _tp_group_size_of_a_sharded_linear(world)
     if world == 2:
         results["refused"] = _tp_refuses_linears_that_are_not_tp_aware()
@@ -78,8 +109,13 @@ def _tp_group_size_of_a_sharded_linear(world: int) -> int | None:
     from lpbench.parallel.plan import parallelize
 
     model = build_model(MODELS["tiny"], device="cpu")
-    parallelize(model, BASE.with_(fsdp=True, tp=world // 2).with_world(world), torch.device("cpu"), torch.float32,
-                use_compile=False)
+    parallelize(
+        model,
+        BASE.with_(fsdp=True, tp=world // 2).with_world(world),
+        torch.device("cpu"),
+        torch.float32,
+        use_compile=False,
+    )
     split = getattr(model.layers[0].attn.qkv, "tp_shard", None)
     return None if split is None else torch.distributed.get_world_size(split.group)
 

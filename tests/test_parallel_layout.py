@@ -36,16 +36,23 @@ def _moe_for(precision: str) -> str:
 
 
 SCENARIOS = {
-    2: {**{f"ep2-{dp}-{p}": dict(model=_moe_for(p), ep=2, mbs=4, precision=p, fsdp=dp == "fsdp")
-           for p in ["fp32", *EP_RECIPES] for dp in ("fsdp", "ddp")},
+    2: {
+        **{
+            f"ep2-{dp}-{p}": dict(model=_moe_for(p), ep=2, mbs=4, precision=p, fsdp=dp == "fsdp")
+            for p in ["fp32", *EP_RECIPES]
+            for dp in ("fsdp", "ddp")
+        },
         "ep2-fsdp-ga-fp32": dict(model=MOE.name, ep=2, mbs=2, fsdp=True),
         **{f"fsdp-ga-{s}": dict(mbs=1, fsdp=True, fsdp_shard=s) for s in ("zero3", "zero2", "zero1")},
         "fsdp-bf16-reduce": dict(mbs=4, fsdp=True, grad_reduce_dtype="bf16"),
-        "ddp-bf16-reduce": dict(mbs=4, grad_reduce_dtype="bf16")},
-    4: {"hsdp": dict(mbs=2, fsdp=True, dp_replicate=2),
+        "ddp-bf16-reduce": dict(mbs=4, grad_reduce_dtype="bf16"),
+    },
+    4: {
+        "hsdp": dict(mbs=2, fsdp=True, dp_replicate=2),
         "hsdp-ga-zero1": dict(mbs=1, fsdp=True, dp_replicate=2, fsdp_shard="zero1"),
         "hsdp-ep2": dict(model=MOE.name, mbs=2, fsdp=True, dp_replicate=2, ep=2),
-        "ddp-tp-bf16-reduce": dict(mbs=4, tp=2, grad_reduce_dtype="bf16")},  # FSDP2's replicate under TP
+        "ddp-tp-bf16-reduce": dict(mbs=4, tp=2, grad_reduce_dtype="bf16"),
+    },  # FSDP2's replicate under TP
 }
 
 
@@ -77,8 +84,9 @@ def _mesh_ranks(world: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     MODELS.update({MOE.name: MOE, MOE5.name: MOE5})
     loop.build_optimizer = _fused_adamw(loop.build_optimizer)
@@ -91,9 +99,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         except Exception as exc:  # noqa: BLE001 -- the test names the failure
             results[name] = {"status": "raised", "error": f"{type(exc).__name__}: {exc}"[:300]}
             continue
-        results[name] = {"loss": [s["loss"] for s in r.steps], "grad_norm": [s["grad_norm"] for s in r.steps],
-                         "metrics": {k: v for k, v in r.metrics.items() if isinstance(v, (int, float, str, list))},
-                         "status": r.status, "error": r.error, "collectives": dict(counts)}
+        results[name] = {
+            "loss": [s["loss"] for s in r.steps],
+            "grad_norm": [s["grad_norm"] for s in r.steps],
+            "metrics": {k: v for k, v in r.metrics.items() if isinstance(v, (int, float, str, list))},
+            "status": r.status,
+            "error": r.error,
+            "collectives": dict(counts),
+        }
     if world == 4:
         results["mesh"] = _mesh_ranks(world)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -149,8 +162,9 @@ def test_expert_parallel_trains_like_one_process_under_fused_adamw(world2, refer
     run, ref = world2[0][name], reference[f"moe-{precision}"]
     assert world2[1][name].get("loss") == run.get("loss")  # every rank reports the global loss
     if precision in ("fp32", "bf16"):  # the same arithmetic: summation order only
-        _same_training(run, ref, rel_loss=1e-5 if precision == "fp32" else 2e-3, rel_norm=1e-4 if precision == "fp32"
-                       else 2e-2)
+        _same_training(
+            run, ref, rel_loss=1e-5 if precision == "fp32" else 2e-3, rel_norm=1e-4 if precision == "fp32" else 2e-2
+        )
     else:  # each rank's grouped activations quantized over the rows it received (module doc)
         _same_training(run, ref, rel_loss=5e-3, rel_norm=5e-2)
     m = run["metrics"]
@@ -215,19 +229,26 @@ def test_hsdp_mesh_replicates_across_and_shards_within(world4):
     assert mesh["ep"] == [0, 1] and mesh["ep_replicate"] == [0, 2]  # EP inside one shard group
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--pp", "2", "--nproc-per-node", "2"], "pipeline parallelism (--pp) is not supported yet"),
-    (["--cp", "2", "--nproc-per-node", "2"], "context parallelism (--cp) is not supported yet"),
-    (["--dp-replicate", "2", "--nproc-per-node", "2"], "--dp-replicate 2 is HSDP's replica count: it needs --fsdp"),
-    (["--dp-replicate", "3", "--fsdp", "--nproc-per-node", "4"],
-     "--dp-replicate 3 does not divide the data-parallel size 4"),
-    (["--dp-replicate", "4", "--fsdp", "--nproc-per-node", "4"], "--dp-replicate 4 leaves no ranks to shard over"),
-    (["--model", "tiny-moe", "--ep", "4", "--fsdp", "--dp-replicate", "2", "--nproc-per-node", "4"],
-     "--ep 4 must divide the FSDP shard size 2"),
-    (["--model", "tiny-moe", "--ep", "4", "--nproc-per-node", "2"], "--ep 4 must divide the data-parallel size 2"),
-    (["--model", "tiny-moe", "--ep", "2", "--tp", "2", "--nproc-per-node", "4"], "--tp and --ep do not combine"),
-    (["--pp", "0"], "--pp must be positive"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--pp", "2", "--nproc-per-node", "2"], "pipeline parallelism (--pp) is not supported yet"),
+        (["--cp", "2", "--nproc-per-node", "2"], "context parallelism (--cp) is not supported yet"),
+        (["--dp-replicate", "2", "--nproc-per-node", "2"], "--dp-replicate 2 is HSDP's replica count: it needs --fsdp"),
+        (
+            ["--dp-replicate", "3", "--fsdp", "--nproc-per-node", "4"],
+            "--dp-replicate 3 does not divide the data-parallel size 4",
+        ),
+        (["--dp-replicate", "4", "--fsdp", "--nproc-per-node", "4"], "--dp-replicate 4 leaves no ranks to shard over"),
+        (
+            ["--model", "tiny-moe", "--ep", "4", "--fsdp", "--dp-replicate", "2", "--nproc-per-node", "4"],
+            "--ep 4 must divide the FSDP shard size 2",
+        ),
+        (["--model", "tiny-moe", "--ep", "4", "--nproc-per-node", "2"], "--ep 4 must divide the data-parallel size 2"),
+        (["--model", "tiny-moe", "--ep", "2", "--tp", "2", "--nproc-per-node", "4"], "--tp and --ep do not combine"),
+        (["--pp", "0"], "--pp must be positive"),
+    ],
+)
 def test_impossible_layouts_exit_2_with_one_line(argv, message, capsys, tmp_path):
     assert main(["run", "--mbs", "1", *argv, "--results", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -247,15 +268,45 @@ def test_layout_of_a_config():
 
 
 def test_tiny_moe_runs_expert_parallel_under_fsdp_from_the_command_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "lpbench", "run", "--model", "tiny-moe", "--ep", "2", "--fsdp",
-                          "--nproc-per-node", "2", "--device", "cpu", "--precision", "bf16", "--seq-len", "32",
-                          "--mbs", "2", "--gbs", "8", "--steps", "2", "--warmup-steps", "1",
-                          "--results", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lpbench",
+            "run",
+            "--model",
+            "tiny-moe",
+            "--ep",
+            "2",
+            "--fsdp",
+            "--nproc-per-node",
+            "2",
+            "--device",
+            "cpu",
+            "--precision",
+            "bf16",
+            "--seq-len",
+            "32",
+            "--mbs",
+            "2",
+            "--gbs",
+            "8",
+            "--steps",
+            "2",
+            "--warmup-steps",
+            "1",
+            "--results",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "2 ranks (torchrun) | dp 2 (fsdp) x tp 1 | experts over ep 2 ranks" in out.stdout
     assert out.stdout.count("tokens per ep rank:") == 2
     with sqlite3.connect(tmp_path / "results.db") as db:
-        (metrics,), = db.execute("SELECT metrics_json FROM runs").fetchall()
+        ((metrics,),) = db.execute("SELECT metrics_json FROM runs").fetchall()
     m = json.loads(metrics)
     assert (m["ep"], m["fsdp"]) == (2, 2)
     assert sum(m["ep_tokens_per_rank"]) == 2 * 8 * 32 * 2 * 4  # steps x GBS x seq x top-k x layers
@@ -286,8 +337,13 @@ print("stepped")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_fused_adamw_steps_fsdp_and_plain_parameters_together(device):
     """The optimizer CUDA runs build, over FSDP2's DTensors and plain parameters (EP's experts)."""
-    out = subprocess.run([sys.executable, "-c", _MIXED_STEP, device], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    out = subprocess.run(
+        [sys.executable, "-c", _MIXED_STEP, device],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert out.returncode == 0 and "stepped" in out.stdout, out.stderr[-1500:]
 
 
@@ -311,8 +367,13 @@ print(json.dumps(out))
 def test_named_meshes_of_eight_ranks():
     """The rank groups rank 5 of 8 gets (a fake process group: no communication), where HSDP's 2-D mesh is cut
     from dims that were flattened (shard x ep)."""
-    out = subprocess.run([sys.executable, "-c", _EIGHT_RANKS, "5"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    out = subprocess.run(
+        [sys.executable, "-c", _EIGHT_RANKS, "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert out.returncode == 0, out.stderr[-1500:]
     m = json.loads(out.stdout.strip().splitlines()[-1])
     assert m["hsdp-ep"]["fsdp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # shard within 4, replicate across

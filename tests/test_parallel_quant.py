@@ -33,8 +33,11 @@ ONE_BLOCK = ModelConfig("test-one-block", 1, 128, 256, 4, 2, 256, rope_theta=10_
 MOE = ModelConfig("test-moe-q", 6, 128, 128, 4, 2, 512, n_experts=4, top_k=2, max_seq_len=256)
 MOE_RECIPES = ["bf16", "fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-fp32-scales", "fp8-delayed", "mxfp8", "nvfp4"]
 MOE_TRAIN_RECIPES = ["fp8-tensorwise", "fp8-rowwise", "mxfp8", "nvfp4"]
-FSDP_RUNS = {f"{p}{'-fp8ag' if ag else ''}": dict(precision=p, fsdp=True, mbs=4, fsdp_fp8_all_gather=ag)
-             for p in ("fp8-tensorwise", "fp8-delayed") for ag in (False, True)}
+FSDP_RUNS = {
+    f"{p}{'-fp8ag' if ag else ''}": dict(precision=p, fsdp=True, mbs=4, fsdp_fp8_all_gather=ag)
+    for p in ("fp8-tensorwise", "fp8-delayed")
+    for ag in (False, True)
+}
 
 
 def _fp32_compute(name: str):
@@ -65,9 +68,15 @@ def _module_errors(name: str, patch: str | None = None) -> dict:
         if patch == "no-reduce":  # every rank scales its own shard
             mpatch.setattr(QuantizedLinear, "_tp_group", lambda self, role: None)
         if patch == "local-noise":  # stochastic rounding draws by local position, ignoring the fused layout
-            mpatch.setattr(tp_module.TPShard, "index", lambda self, device: torch.arange(
-                self.rank * sum(self.sections) // self.size, (self.rank + 1) * sum(self.sections) // self.size,
-                device=device))
+            mpatch.setattr(
+                tp_module.TPShard,
+                "index",
+                lambda self, device: torch.arange(
+                    self.rank * sum(self.sections) // self.size,
+                    (self.rank + 1) * sum(self.sections) // self.size,
+                    device=device,
+                ),
+            )
         parallelize(split, cfg, torch.device("cpu"), torch.float32, use_compile=False)
         errors = {}
         gen = torch.Generator().manual_seed(0)
@@ -112,7 +121,7 @@ def _expert_errors(name: str, no_reduce: bool = False) -> dict:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
         F = MOE.ffn_dim
         ref.gate_up[:, torch.arange(2 * F) % F < F // 2] *= 3
-        ref.down[:, :, :F // 2] *= 3
+        ref.down[:, :, : F // 2] *= 3
     split = Experts(MOE)
     split.load_state_dict(ref.state_dict())
     if name != "bf16":
@@ -192,21 +201,26 @@ def _meta_init_matches(world_cfg: RunConfig) -> bool:
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     from lpbench.errors import UsageError
     from lpbench.precision import fp8_allgather
 
-    results = {"exact": {name: _module_errors(name) for name in EXACT_RECIPES},
-               "no-reduce": {name: _module_errors(name, "no-reduce") for name in ("fp8-tensorwise", "nvfp4")},
-               "local-noise": _module_errors("nvfp4", "local-noise"),
-               "experts": {name: _expert_errors(name) for name in MOE_RECIPES},
-               "experts-no-reduce": {name: _expert_errors(name, no_reduce=True)
-                                     for name in ("fp8-tensorwise", "fp8-rowwise-fp32-scales", "nvfp4")},
-               "experts-blockwise": _experts_refused("fp8-blockwise"),
-               "meta-fsdp": _meta_init_matches(BASE.with_(fsdp=True, mbs=4).with_world(2)),
-               "meta-tp": _meta_init_matches(BASE.with_(tp=2).with_world(2))}
+    results = {
+        "exact": {name: _module_errors(name) for name in EXACT_RECIPES},
+        "no-reduce": {name: _module_errors(name, "no-reduce") for name in ("fp8-tensorwise", "nvfp4")},
+        "local-noise": _module_errors("nvfp4", "local-noise"),
+        "experts": {name: _expert_errors(name) for name in MOE_RECIPES},
+        "experts-no-reduce": {
+            name: _expert_errors(name, no_reduce=True)
+            for name in ("fp8-tensorwise", "fp8-rowwise-fp32-scales", "nvfp4")
+        },
+        "experts-blockwise": _experts_refused("fp8-blockwise"),
+        "meta-fsdp": _meta_init_matches(BASE.with_(fsdp=True, mbs=4).with_world(2)),
+        "meta-tp": _meta_init_matches(BASE.with_(tp=2).with_world(2)),
+    }
     for name in TP_RECIPES:
         r = loop.train(BASE.with_(precision=name, tp=2).with_world(2), log=lambda line: None)
         results[f"tp-{name}"] = {"loss": [s["loss"] for s in r.steps], "status": r.status}
@@ -226,8 +240,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     for name, kw in FSDP_RUNS.items():
         gathered.clear()
         r = loop.train(BASE.with_(**kw).with_world(2), log=lambda line: None)
-        results[name] = {"loss": [s["loss"] for s in r.steps], "grad_norm": [s["grad_norm"] for s in r.steps],
-                         "status": r.status, "gathered": gathered[:]}
+        results[name] = {
+            "loss": [s["loss"] for s in r.steps],
+            "grad_norm": [s["grad_norm"] for s in r.steps],
+            "status": r.status,
+            "gathered": gathered[:],
+        }
     try:
         loop.train(BASE.with_(precision="fp8-blockwise", tp=2).with_world(2), log=lambda line: None)
     except UsageError as exc:
@@ -315,12 +333,15 @@ def test_quantized_moe_trains_with_tp_like_one_process(world2, reference, name):
 def test_a_tp_split_that_cuts_experts_quantization_blocks_is_refused(world2):
     assert world2[0]["experts-blockwise"] == (
         "--tp 2 splits layers.0.mlp.experts into parts of 64 features, not whole 128-element quantization "
-        "blocks: use a smaller --tp or another precision")
+        "blocks: use a smaller --tp or another precision"
+    )
 
 
 def test_a_tp_split_that_cuts_quantization_blocks_is_refused(world2):
-    assert world2[0]["blockwise"] == ("--tp 2 splits layers.0.attn.qkv into parts of 64 features, not whole "
-                                      "128-element quantization blocks: use a smaller --tp or another precision")
+    assert world2[0]["blockwise"] == (
+        "--tp 2 splits layers.0.attn.qkv into parts of 64 features, not whole "
+        "128-element quantization blocks: use a smaller --tp or another precision"
+    )
 
 
 @pytest.mark.parametrize("name", ["fp8-tensorwise", "fp8-delayed"])
@@ -370,11 +391,16 @@ def test_quantized_backward_amplifies_last_bit_differences():
     assert ((grads[0] - grads[1]).norm() / grads[0].norm()) > 1e-3
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--precision", "fp8-tensorwise", "--fsdp-fp8-all-gather"], "--fsdp-fp8-all-gather needs --fsdp"),
-    (["--precision", "mxfp8", "--fsdp", "--nproc-per-node", "2", "--mbs", "4", "--fsdp-fp8-all-gather"],
-     "--fsdp-fp8-all-gather needs precision fp8-tensorwise or fp8-delayed on the lpbench backend, not mxfp8"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--precision", "fp8-tensorwise", "--fsdp-fp8-all-gather"], "--fsdp-fp8-all-gather needs --fsdp"),
+        (
+            ["--precision", "mxfp8", "--fsdp", "--nproc-per-node", "2", "--mbs", "4", "--fsdp-fp8-all-gather"],
+            "--fsdp-fp8-all-gather needs precision fp8-tensorwise or fp8-delayed on the lpbench backend, not mxfp8",
+        ),
+    ],
+)
 def test_fsdp_fp8_all_gather_needs_fsdp_and_a_per_tensor_fp8_recipe(argv, message, capsys, tmp_path):
     assert main(["run", "--model", "tiny", *argv, "--results", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -168,7 +168,10 @@ def test_recipe_operands():
     assert RECIPES["fp8-blockwise"].operand("weight", "fprop").block == (128, 128)
     assert RECIPES["fp8-blockwise"].operand("input", "wgrad").block == (1, 128)
     assert RECIPES["fp8-delayed"].operand("input", "fprop").scaling == "tensor"
-    assert dataclasses.replace(RECIPES["mxfp8"], mx_scale_rounding="floor").operand("input", "fprop").mx_rounding == "floor"
+    assert (
+        dataclasses.replace(RECIPES["mxfp8"], mx_scale_rounding="floor").operand("input", "fprop").mx_rounding
+        == "floor"
+    )
     assert RECIPES["bf16"].operand("input", "fprop") is None
     with pytest.raises(ValueError, match="role"):
         nv.operand("bias", "fprop")

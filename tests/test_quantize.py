@@ -217,8 +217,16 @@ class TEDelayedScaling:
 AMAXES = [0.0, 3.0, 10.0, 0.0, 5.0, math.inf, 2.0, math.nan, 7.5, 1e-38, 0.5, 6.0, 0.25, 3e38, 1.5]
 
 
-@pytest.mark.parametrize("length,margin,algo,fmt", [(1024, 0, "max", E4M3), (4, 0, "max", E4M3), (3, 2, "max", E5M2),
-                                                    (1, 0, "max", E4M3), (4, 1, "most_recent", E4M3)])
+@pytest.mark.parametrize(
+    "length,margin,algo,fmt",
+    [
+        (1024, 0, "max", E4M3),
+        (4, 0, "max", E4M3),
+        (3, 2, "max", E5M2),
+        (1, 0, "max", E4M3),
+        (4, 1, "most_recent", E4M3),
+    ],
+)
 def test_delayed_update_is_transformer_engines_rule(length, margin, algo, fmt):
     hist, scale = torch.zeros(length), torch.ones(())
     te = TEDelayedScaling(length, fmt.max, margin, algo)
@@ -318,7 +326,10 @@ def test_quant_error_table():
         r = by[(dist, "nvfp4", "weight")]
         assert r["sqnr_db"] == pytest.approx(-20 * math.log10(r["rel_error"]))
     # E5M2 grads have one mantissa bit fewer than E4M3 inputs
-    assert by[("gaussian", "fp8-tensorwise", "grad")]["rel_error"] > 1.5 * by[("gaussian", "fp8-tensorwise", "input")]["rel_error"]
+    assert (
+        by[("gaussian", "fp8-tensorwise", "grad")]["rel_error"]
+        > 1.5 * by[("gaussian", "fp8-tensorwise", "input")]["rel_error"]
+    )
     t = sample_tensor("student-t", (64, 64))
     assert t.abs().max() > 4 * sample_tensor("gaussian", (64, 64)).abs().max()
     with pytest.raises(ValueError):

@@ -31,8 +31,20 @@ def _batches(n: int, vocab: int, seq: int = 32):
     return [torch.randint(0, vocab, (2, seq), generator=g) for _ in range(n)]
 
 
-def train(mode: str, precision: str, *, model_cfg=DENSE, workload="pretrain", compiled=False, steps=3, every=1,
-          aux=0.0, device=CPU, seq=32, kept=None):
+def train(
+    mode: str,
+    precision: str,
+    *,
+    model_cfg=DENSE,
+    workload="pretrain",
+    compiled=False,
+    steps=3,
+    every=1,
+    aux=0.0,
+    device=CPU,
+    seq=32,
+    kept=None,
+):
     """Losses, per-step gradients and the delayed-scaling state after ``steps`` steps (``kept``: a list that
     gets the CUDA memory each step's forward leaves allocated for its backward)."""
     torch.manual_seed(0)
@@ -42,6 +54,7 @@ def train(mode: str, precision: str, *, model_cfg=DENSE, workload="pretrain", co
     prepare_model(model, cfg, recipe, device=device, emulate=True, use_compile=compiled)
     if aux:
         from lpbench.models.moe import configure_moe
+
         configure_moe(model, aux_coeff=aux)
     blocks = apply_recompute(model, mode, every)
     assert blocks == (0 if mode == "none" else len(range(0, model_cfg.n_layers, every)))
@@ -65,8 +78,11 @@ def train(mode: str, precision: str, *, model_cfg=DENSE, workload="pretrain", co
         grads.append([p.grad.clone() for p in params])
         opt.step()
         opt.zero_grad(set_to_none=True)
-    state = {n: b.clone() for n, b in model.named_buffers() if is_delayed_state(n) or n.endswith(
-        ("tokens_per_expert", "loss_sums"))}
+    state = {
+        n: b.clone()
+        for n, b in model.named_buffers()
+        if is_delayed_state(n) or n.endswith(("tokens_per_expert", "loss_sums"))
+    }
     return losses, grads, state
 
 
@@ -147,8 +163,9 @@ def test_bad_recompute_values_are_usage_errors():
     assert RunConfig().key() == RunConfig(recompute="none").key() != RunConfig(recompute="full").key()
 
 
-RUN = RunConfig(model="tiny", num_layers=2, seq_len=32, mbs=2, gbs=8, steps=3, warmup_steps=1, device="cpu",
-                precision="fp8-delayed")
+RUN = RunConfig(
+    model="tiny", num_layers=2, seq_len=32, mbs=2, gbs=8, steps=3, warmup_steps=1, device="cpu", precision="fp8-delayed"
+)
 # DDP with gradient accumulation (the weight cache); TP with sequence parallelism (amaxes all-reduced in the rerun)
 LAYOUTS = {"fsdp": dict(fsdp=True), "ddp-ga": dict(mbs=2, gbs=8), "tp": dict(tp=2, mbs=4, gbs=8)}
 
@@ -160,8 +177,9 @@ def _worker(rank: int, port: int, out: str) -> None:
     import lpbench.train.loop as loop
     from lpbench.parallel.env import shutdown
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     runs = {}
     for name, kw in LAYOUTS.items():
@@ -199,8 +217,9 @@ def train_cuda(mode: str, precision: str, compiled: bool):
     """``train`` on CUDA with the GPU's kernels (fused FP8 linear, fused NVFP4 quantizer), native where the GPU
     runs the recipe; and what the last step's forward kept for its backward."""
     kept = []
-    run = train(mode, precision, model_cfg=GPU_MODEL, compiled=compiled, device=torch.device("cuda"), seq=1024,
-                kept=kept)
+    run = train(
+        mode, precision, model_cfg=GPU_MODEL, compiled=compiled, device=torch.device("cuda"), seq=1024, kept=kept
+    )
     return run, kept[-1]
 
 
@@ -209,9 +228,9 @@ def train_cuda(mode: str, precision: str, compiled: bool):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gpu_recomputation_is_exact_and_saves_memory(precision, compiled):
     """On a GPU (fused FP8 linear, fused NVFP4 quantizer with stochastic rounding): eager, none, selective and
-    full train bit for bit alike; compiled, losses and delayed scaling's state do and gradients agree to
-    summation order. What the forward keeps for the backward: full < selective < none. (Not the peak: in a
-model this small the backward's transients, not the saved activations, set it.)"""
+        full train bit for bit alike; compiled, losses and delayed scaling's state do and gradients agree to
+        summation order. What the forward keeps for the backward: full < selective < none. (Not the peak: in a
+    model this small the backward's transients, not the saved activations, set it.)"""
     (ref, kept_none) = train_cuda("none", precision, compiled)
     kept = {}
     for mode in ("selective", "full"):

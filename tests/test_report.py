@@ -19,21 +19,66 @@ from lpbench.report.tables import NOT_GPU_SPEED, summary_rows, time_to_train_tab
 CHROMIUM = "/usr/bin/chromium"
 
 
-def _run(store, precision, tps, *, status="ok", error=None, group="g1", workload="pretrain", seq=8192, loss=2.0,
-         mem=60.0, gpu="NVIDIA H100 80GB HBM3", steps=5, path="native", sweep_id=None, extra_metrics=None):
-    config = {"model": "llama3-8b", "precision": precision, "seq_len": seq, "mbs": 1, "gbs": 128, "dp": 8, "tp": 1,
-              "steps": steps}
-    metrics = {"tokens_per_sec_per_gpu": tps, "tflops_per_gpu": tps * 5.8e-2 if tps else None, "path": path,
-               "final_loss": loss, "peak_mem_allocated_gb": mem, "mfu_bf16": tps / 17000 if tps else None,
-               "memory_kind": "cuda", **(extra_metrics or {})}
+def _run(
+    store,
+    precision,
+    tps,
+    *,
+    status="ok",
+    error=None,
+    group="g1",
+    workload="pretrain",
+    seq=8192,
+    loss=2.0,
+    mem=60.0,
+    gpu="NVIDIA H100 80GB HBM3",
+    steps=5,
+    path="native",
+    sweep_id=None,
+    extra_metrics=None,
+):
+    config = {
+        "model": "llama3-8b",
+        "precision": precision,
+        "seq_len": seq,
+        "mbs": 1,
+        "gbs": 128,
+        "dp": 8,
+        "tp": 1,
+        "steps": steps,
+    }
+    metrics = {
+        "tokens_per_sec_per_gpu": tps,
+        "tflops_per_gpu": tps * 5.8e-2 if tps else None,
+        "path": path,
+        "final_loss": loss,
+        "peak_mem_allocated_gb": mem,
+        "mfu_bf16": tps / 17000 if tps else None,
+        "memory_kind": "cuda",
+        **(extra_metrics or {}),
+    }
     end = 3.0 if loss is None else loss
-    curve = [{"step": s, "loss": 10.0 - s * (10.0 - end) / steps + (0.02 if precision != "bf16" else 0)}
-             for s in range(1, steps + 1)]
+    curve = [
+        {"step": s, "loss": 10.0 - s * (10.0 - end) / steps + (0.02 if precision != "bf16" else 0)}
+        for s in range(1, steps + 1)
+    ]
     if status == "diverged":
         curve[-1]["loss"] = float("nan")
-    return store.add_run(RunRecord(config=config, status=status, error=error, metrics=metrics, steps=curve,
-                         env={"gpu": gpu}, run_key=f"{group}-{precision}-{seq}-{workload}", group_id=group,
-                         workload=workload, num_gpus=8, sweep_id=sweep_id))
+    return store.add_run(
+        RunRecord(
+            config=config,
+            status=status,
+            error=error,
+            metrics=metrics,
+            steps=curve,
+            env={"gpu": gpu},
+            run_key=f"{group}-{precision}-{seq}-{workload}",
+            group_id=group,
+            workload=workload,
+            num_gpus=8,
+            sweep_id=sweep_id,
+        )
+    )
 
 
 @pytest.fixture
@@ -49,8 +94,17 @@ def store(tmp_path):
     _run(s, "fp8-tensorwise", 12600, seq=4096, loss=2.12)
     # group 2 (another invocation): no BF16 run, a diverged run; SFT workload
     _run(s, "fp8-delayed", 8000, group="g2", workload="sft", loss=1.5)
-    _run(s, "mxfp8", None, group="g2", workload="sft", status="diverged", error="loss became nan at step 5",
-         loss=None, extra_metrics={"diverged_step": 5})
+    _run(
+        s,
+        "mxfp8",
+        None,
+        group="g2",
+        workload="sft",
+        status="diverged",
+        error="loss became nan at step 5",
+        loss=None,
+        extra_metrics={"diverged_step": 5},
+    )
     return s
 
 
@@ -70,12 +124,21 @@ def test_speedup_and_loss_delta_are_against_bf16_of_the_group(store):
 def test_markdown_has_one_nemo_style_table_per_workload(store):
     md = report_markdown(summary_rows(store.runs()), wide=True)  # every column (the default names shared ones)
     assert md.index("## Pre-training") < md.index("## Fine-tuning (SFT)")
-    pre = md[md.index("## Pre-training"):md.index("## Fine-tuning (SFT)")]
+    pre = md[md.index("## Pre-training") : md.index("## Fine-tuning (SFT)")]
     lines = [ln for ln in pre.splitlines() if ln.startswith("| ")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     assert header[:6] == ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length"]
-    for col in ("Precision", "Backend", "Path", "Tokens / sec / GPU", "Model TFLOP / sec / GPU", "MFU",
-                "Speedup over BF16", "Peak mem (GB)", "Δ loss vs BF16"):
+    for col in (
+        "Precision",
+        "Backend",
+        "Path",
+        "Tokens / sec / GPU",
+        "Model TFLOP / sec / GPU",
+        "MFU",
+        "Speedup over BF16",
+        "Peak mem (GB)",
+        "Δ loss vs BF16",
+    ):
         assert col in header
     cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[1:]]
     col = header.index
@@ -89,7 +152,7 @@ def test_markdown_has_one_nemo_style_table_per_workload(store):
     nvfp4 = next(c for c in cells if c[col("Precision")] == "NVFP4")
     assert nvfp4[col("Tokens / sec / GPU")] == "OOM [1]" and nvfp4[col("Speedup over BF16")] == "–"
     assert "[1] llama3-8b NVFP4 (GBS 128, MBS 1, seq 8192): oom: CUDA out of memory" in pre
-    sft = md[md.index("## Fine-tuning (SFT)"):]
+    sft = md[md.index("## Fine-tuning (SFT)") :]
     assert "diverged (step 5) [1]" in sft and "1.00× (baseline)" in sft  # no BF16 here: says what it is against
 
 
@@ -103,6 +166,7 @@ def test_time_to_train_follows_the_nemotron4_formula(store):
     assert all(r[2] != "NVFP4" for r in pre.rows)  # failed runs have no rate
     # the recipe's own example: 389,371 tokens/s on 64 GPUs is 29.7 days
     from lpbench.report.tables import time_to_train
+
     assert time_to_train(389371 / 64, 64) == pytest.approx(29.7, abs=0.05)
 
 
@@ -183,20 +247,37 @@ def test_html_page_is_self_contained_with_embedded_plots(store, tmp_path, capsys
     assert len(images) == 4 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in images)
     assert not re.search(r'(src|href)="(https?:)?//', text)  # nothing fetched from the network
     assert "<h2>Pre-training</h2>" in text and "OOM [1]" in text and "13,812" in text
-    assert sorted(p.name for p in (tmp_path / "png").iterdir()) == ["loss_curves.png", "peak_memory.png",
-                                                                   "speedup.png", "throughput_vs_seq.png"]
+    assert sorted(p.name for p in (tmp_path / "png").iterdir()) == [
+        "loss_curves.png",
+        "peak_memory.png",
+        "speedup.png",
+        "throughput_vs_seq.png",
+    ]
     assert render_page([], {}).count("No runs recorded") == 1
 
 
-@pytest.mark.skipif(not shutil.which(CHROMIUM),
-                    reason=f"{CHROMIUM} missing (Debian: apt-get update && apt-get install -y chromium)")
+@pytest.mark.skipif(
+    not shutil.which(CHROMIUM), reason=f"{CHROMIUM} missing (Debian: apt-get update && apt-get install -y chromium)"
+)
 def test_html_report_renders_in_headless_chromium(store, tmp_path, capsys):
     page = _write_report(tmp_path, capsys)
     shot = tmp_path / "shot.png"
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'chromium-profile'}", "--hide-scrollbars", "--window-size=1400,2400",
-           f"--screenshot={shot}", page.as_uri()]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        "--hide-scrollbars",
+        "--window-size=1400,2400",
+        f"--screenshot={shot}",
+        page.as_uri(),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and shot.exists(), out.stderr[-2000:]
     pixels = _png_pixels(shot.read_bytes())
@@ -211,12 +292,32 @@ def test_html_report_renders_in_headless_chromium(store, tmp_path, capsys):
 def test_torchao_rows_are_compared_with_lpbench_bf16_of_the_same_sweep(tmp_path):
     s = ResultsStore(tmp_path)
     _run(s, "bf16", 10000)
-    config = {"model": "llama3-8b", "precision": "fp8-tensorwise", "seq_len": 8192, "mbs": 1, "gbs": 128, "dp": 8,
-              "tp": 1, "steps": 5, "backend": "torchao"}
-    s.add_run(RunRecord(config=config, status="ok", error=None,
-                        metrics={"tokens_per_sec_per_gpu": 11000.0, "final_loss": 2.0},
-                        steps=[], env={"gpu": "NVIDIA H100 80GB HBM3"}, run_key="g1-torchao", group_id="g1",
-                        workload="pretrain", num_gpus=8, backend="torchao"))
+    config = {
+        "model": "llama3-8b",
+        "precision": "fp8-tensorwise",
+        "seq_len": 8192,
+        "mbs": 1,
+        "gbs": 128,
+        "dp": 8,
+        "tp": 1,
+        "steps": 5,
+        "backend": "torchao",
+    }
+    s.add_run(
+        RunRecord(
+            config=config,
+            status="ok",
+            error=None,
+            metrics={"tokens_per_sec_per_gpu": 11000.0, "final_loss": 2.0},
+            steps=[],
+            env={"gpu": "NVIDIA H100 80GB HBM3"},
+            run_key="g1-torchao",
+            group_id="g1",
+            workload="pretrain",
+            num_gpus=8,
+            backend="torchao",
+        )
+    )
     torchao = next(r for r in summary_rows(s.runs()) if r["backend"] == "torchao")
     assert torchao["baseline"] == "bf16" and torchao["speedup"] == pytest.approx(1.1)
 
@@ -225,11 +326,31 @@ def test_runs_compiled_differently_get_their_own_bf16_baseline(tmp_path):
     s = ResultsStore(tmp_path)
     for scope, bf16, fp8 in (("block", 10000.0, 11000.0), ("model", 9000.0, 10800.0)):
         for precision, tps in (("bf16", bf16), ("fp8-tensorwise", fp8)):
-            config = {"model": "llama3-8b", "precision": precision, "seq_len": 8192, "mbs": 1, "gbs": 128, "dp": 8,
-                      "tp": 1, "steps": 5, "compile_scope": scope}
-            s.add_run(RunRecord(config=config, status="ok", error=None, metrics={"tokens_per_sec_per_gpu": tps},
-                      steps=[], env={"gpu": "NVIDIA H100 80GB HBM3"}, run_key=f"{scope}-{precision}", group_id="g1",
-                      workload="pretrain", num_gpus=8))
+            config = {
+                "model": "llama3-8b",
+                "precision": precision,
+                "seq_len": 8192,
+                "mbs": 1,
+                "gbs": 128,
+                "dp": 8,
+                "tp": 1,
+                "steps": 5,
+                "compile_scope": scope,
+            }
+            s.add_run(
+                RunRecord(
+                    config=config,
+                    status="ok",
+                    error=None,
+                    metrics={"tokens_per_sec_per_gpu": tps},
+                    steps=[],
+                    env={"gpu": "NVIDIA H100 80GB HBM3"},
+                    run_key=f"{scope}-{precision}",
+                    group_id="g1",
+                    workload="pretrain",
+                    num_gpus=8,
+                )
+            )
     speedups = {(r["compile_scope"], r["precision"]): r["speedup"] for r in summary_rows(s.runs())}
     assert speedups[("block", "fp8-tensorwise")] == pytest.approx(1.1)
     assert speedups[("model", "fp8-tensorwise")] == pytest.approx(1.2)
@@ -238,8 +359,15 @@ def test_runs_compiled_differently_get_their_own_bf16_baseline(tmp_path):
 
 def _timed(store, precision, step_s, q1, q3, *, gpu="NVIDIA H100 80GB HBM3", path="native", group="spread"):
     tps = 128 * 8192 / step_s / 8
-    return _run(store, precision, tps, gpu=gpu, path=path, group=group,
-                extra_metrics={"step_time_s": step_s, "step_time_p25_s": q1, "step_time_p75_s": q3})
+    return _run(
+        store,
+        precision,
+        tps,
+        gpu=gpu,
+        path=path,
+        group=group,
+        extra_metrics={"step_time_s": step_s, "step_time_p25_s": q1, "step_time_p75_s": q3},
+    )
 
 
 def _speedup_cells(store, group):
@@ -271,8 +399,12 @@ def test_cpu_and_emulated_speed_ratios_are_marked_as_no_gpu_prediction(tmp_path)
     _timed(s, "mxfp8", 0.9, 0.89, 0.91, path="emulated", group="gpu")
     rows = summary_rows(s.runs())
     marked = {(r["group_id"], r["precision"]): r["not_gpu_speed"] for r in rows}
-    assert marked == {("cpu", "bf16"): True, ("cpu", "fp8-tensorwise"): True, ("gpu", "bf16"): False,
-                      ("gpu", "mxfp8"): True}
+    assert marked == {
+        ("cpu", "bf16"): True,
+        ("cpu", "fp8-tensorwise"): True,
+        ("gpu", "bf16"): False,
+        ("gpu", "mxfp8"): True,
+    }
     flat = to_markdown(rows)
     assert "6.67× (6.56–6.78) †" in flat and flat.rstrip().endswith(NOT_GPU_SPEED)
     assert NOT_GPU_SPEED in report_markdown(rows)
@@ -310,8 +442,9 @@ document.body.dataset.tables = document.querySelectorAll("table").length;
 </script>"""
 
 
-@pytest.mark.skipif(not shutil.which(CHROMIUM),
-                    reason=f"{CHROMIUM} missing (Debian: apt-get update && apt-get install -y chromium)")
+@pytest.mark.skipif(
+    not shutil.which(CHROMIUM), reason=f"{CHROMIUM} missing (Debian: apt-get update && apt-get install -y chromium)"
+)
 @pytest.mark.parametrize("width", [1400, 1920])
 def test_html_tables_show_every_column_at_common_widths(tmp_path, capsys, width):
     s = ResultsStore(tmp_path)  # the widest tables: long precision labels, a resumed run, LoRA, FSDP, a failure
@@ -323,10 +456,21 @@ def test_html_tables_show_every_column_at_common_widths(tmp_path, capsys, width)
     page = _write_report(tmp_path, capsys)
     probe = page.with_name("probe.html")
     probe.write_text(page.read_text().replace("</body>", MEASURE + "</body>"))
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'chromium-profile'}", f"--window-size={width},1000", "--dump-dom",
-           probe.as_uri()]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        f"--window-size={width},1000",
+        "--dump-dom",
+        probe.as_uri(),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     tables = re.search(r'data-tables="(\d+)"', out.stdout)
@@ -346,7 +490,8 @@ def test_recipes_carry_their_presentation():
     assert precision_name("fp8-tensorwise") == "FP8 (per-tensor)" and precision_name("nvfp4-no-rht") == "nvfp4-no-rht"
     assert precision_name("a-recipe-since-removed") == "a-recipe-since-removed"
     order = ["bf16", "nvfp4", "nvfp4-no-rht"]
-    assert colour("nvfp4", order) == RECIPES["nvfp4"].colour and colour("nvfp4-no-rht", order) not in \
-        {r.colour for r in RECIPES.values()}
+    assert colour("nvfp4", order) == RECIPES["nvfp4"].colour and colour("nvfp4-no-rht", order) not in {
+        r.colour for r in RECIPES.values()
+    }
     assert tolerance_for("nvfp4-no-rht") == RECIPES["nvfp4"].tolerance == 1.5
     assert len({r.colour for r in RECIPES.values()}) == len(RECIPES)  # every recipe its own colour

@@ -9,10 +9,20 @@ from lpbench.cli import main
 def _add(store, precision, group, steps, loss, tps=1000.0):
     config = {"model": "tiny", "precision": precision, "seq_len": 32, "mbs": 2, "gbs": 4, "steps": steps}
     metrics = {"path": "native", "tokens_per_sec_per_gpu": tps, "final_loss": loss, "step_time_s": 0.1}
-    store.add_run(RunRecord(config=config, status="ok", error=None, metrics=metrics,
-                            steps=[{"step": s, "loss": loss + 0.01 * (steps - s)} for s in range(1, steps + 1)],
-                            env={"gpu": None}, run_key=f"{group}-{precision}", group_id=group,
-                            workload="pretrain", num_gpus=1))
+    store.add_run(
+        RunRecord(
+            config=config,
+            status="ok",
+            error=None,
+            metrics=metrics,
+            steps=[{"step": s, "loss": loss + 0.01 * (steps - s)} for s in range(1, steps + 1)],
+            env={"gpu": None},
+            run_key=f"{group}-{precision}",
+            group_id=group,
+            workload="pretrain",
+            num_gpus=1,
+        )
+    )
 
 
 def _two_databases(tmp_path):
@@ -26,11 +36,14 @@ def _two_databases(tmp_path):
 
 def test_report_merges_several_databases(tmp_path, capsys):
     _two_databases(tmp_path)
-    assert main(["report", "--results", str(tmp_path / "a"), "--results", str(tmp_path / "b"),
-                 "--format", "json"]) == 0
+    assert main(["report", "--results", str(tmp_path / "a"), "--results", str(tmp_path / "b"), "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert sorted((r["group_id"], r["precision"]) for r in rows) == [
-        ("aaaa", "bf16"), ("aaaa", "fp8-tensorwise"), ("bbbb", "bf16"), ("bbbb", "fp8-tensorwise")]
+        ("aaaa", "bf16"),
+        ("aaaa", "fp8-tensorwise"),
+        ("bbbb", "bf16"),
+        ("bbbb", "fp8-tensorwise"),
+    ]
     assert len({r["id"] for r in rows}) == 4  # ids of the two databases do not collide
     fp8 = {r["group_id"]: r for r in rows if r["precision"] == "fp8-tensorwise"}
     assert fp8["aaaa"]["speedup"] == 0.5 and fp8["bbbb"]["speedup"] == 0.4  # each against its own database's BF16
@@ -49,8 +62,12 @@ def test_report_tables_show_group_steps_and_when(tmp_path, capsys):
 
 def test_report_list_names_what_differs(tmp_path, capsys):
     _two_databases(tmp_path)
-    assert main(["report", "--list", "--format", "json", "--results", str(tmp_path / "a"),
-                 "--results", str(tmp_path / "b")]) == 0
+    assert (
+        main(
+            ["report", "--list", "--format", "json", "--results", str(tmp_path / "a"), "--results", str(tmp_path / "b")]
+        )
+        == 0
+    )
     groups = {g["group"]: g for g in json.loads(capsys.readouterr().out)}
     assert set(groups) == {"aaaa", "bbbb"}
     assert groups["aaaa"]["differs"] == {"steps": 10} and groups["bbbb"]["differs"] == {"steps": 20}

@@ -7,25 +7,43 @@ import numpy as np
 from lpbench.cli import main
 from lpbench.data.indexed import write_indexed_dataset
 
-RUN = ["run", "--model", "tiny", "--seq-len", "32", "--mbs", "2", "--gbs", "2", "--steps", "3", "--warmup-steps", "1",
-       "--precision", "bf16"]
+RUN = [
+    "run",
+    "--model",
+    "tiny",
+    "--seq-len",
+    "32",
+    "--mbs",
+    "2",
+    "--gbs",
+    "2",
+    "--steps",
+    "3",
+    "--warmup-steps",
+    "1",
+    "--precision",
+    "bf16",
+]
 
 
 def _prepared(tmp_path, vocab=4096):
     """A prepared dataset whose tokenizer is larger than tiny's 2048-token vocabulary."""
     prefix = tmp_path / "docs_text_document"
     rng = np.random.default_rng(0)
-    write_indexed_dataset(prefix, [rng.integers(0, vocab - 1, 200) for _ in range(20)] + [np.array([vocab - 1])],
-                          dtype=np.uint16)
-    (tmp_path / "docs_text_document.lpbench.json").write_text(json.dumps(
-        {"tokenizer": "test BPE", "vocab_size": vocab, "eos_id": vocab - 1}))
+    write_indexed_dataset(
+        prefix, [rng.integers(0, vocab - 1, 200) for _ in range(20)] + [np.array([vocab - 1])], dtype=np.uint16
+    )
+    (tmp_path / "docs_text_document.lpbench.json").write_text(
+        json.dumps({"tokenizer": "test BPE", "vocab_size": vocab, "eos_id": vocab - 1})
+    )
     return prefix
 
 
 def test_run_resizes_the_default_models_vocabulary_to_the_prepared_data(tmp_path, capsys):
     prefix = _prepared(tmp_path)
-    assert main([*RUN, "--data", str(prefix), "--results", str(tmp_path / "r"), "--json",
-                 str(tmp_path / "s.json")]) == 0
+    assert (
+        main([*RUN, "--data", str(prefix), "--results", str(tmp_path / "r"), "--json", str(tmp_path / "s.json")]) == 0
+    )
     err = capsys.readouterr().err
     assert "model tiny's vocabulary of 2048 resized to the data's 4096" in err
     (row,) = json.loads((tmp_path / "s.json").read_text())
@@ -40,8 +58,21 @@ def test_mock_data_keeps_the_models_vocabulary(tmp_path, capsys):
 def test_converge_on_too_little_text_says_how_much_it_needs(tmp_path, capsys):
     text = tmp_path / "small.txt"
     text.write_text("A short paragraph of documentation.\n\n" * 80)  # ~3 KB: a few sequences of 256 bytes
-    argv = ["converge", "--data", str(text), "--tokenizer", "byte", "--model", "tiny", "--precision", "bf16",
-            "--tokens", "4096", "--results", str(tmp_path / "r")]
+    argv = [
+        "converge",
+        "--data",
+        str(text),
+        "--tokenizer",
+        "byte",
+        "--model",
+        "tiny",
+        "--precision",
+        "bf16",
+        "--tokens",
+        "4096",
+        "--results",
+        str(tmp_path / "r"),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "tokens of data are needed" in err and "--eval-every 0" in err and len(err.strip().splitlines()) == 1

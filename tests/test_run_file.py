@@ -49,20 +49,23 @@ def test_toml_file_takes_the_sweep_specs_aliases(tmp_path):
     assert (cfg.seq_len, cfg.steps, cfg.warmup_steps, cfg.precision) == (32, 3, 1, "fp32")
 
 
-@pytest.mark.parametrize("text,suffix,message", [
-    ("seq_lenn: 64\n", ".yaml", "unknown key 'seq_lenn'; valid:"),
-    ("seq_len: [64, 128]\n", ".yaml", "seq_len: a list makes a grid of runs; that is `lpbench sweep"),
-    ("mbs: two\n", ".yaml", "--config {path}: mbs: expected int, got 'two'"),
-    ("compile: maybe\n", ".yaml", "--config {path}: compile: expected bool, got 'maybe'"),
-    ("workload: finetune\n", ".yaml", "unknown workload 'finetune'; valid: pretrain, sft, lora"),
-    ("steps = [\n", ".toml", "not valid TOML"),
-    ("a: [1\n", ".yaml", "not valid YAML"),
-    ("- 1\n- 2\n", ".yaml", "expected a mapping of flag names to values"),
-    ("steps: 3\n", ".json", "expected a .toml, .yaml or .yml file"),
-    ("seq_len: 64\nseq: 128\n", ".yaml", "--config {path}: sets seq_len twice (as 'seq_len' and 'seq')"),
-    ("steps: 3\nsteps: 4\n", ".yaml", "key 'steps' given twice"),
-    ("seq-len = 64\nseq_len = 128\n", ".toml", "sets seq_len twice"),
-])
+@pytest.mark.parametrize(
+    "text,suffix,message",
+    [
+        ("seq_lenn: 64\n", ".yaml", "unknown key 'seq_lenn'; valid:"),
+        ("seq_len: [64, 128]\n", ".yaml", "seq_len: a list makes a grid of runs; that is `lpbench sweep"),
+        ("mbs: two\n", ".yaml", "--config {path}: mbs: expected int, got 'two'"),
+        ("compile: maybe\n", ".yaml", "--config {path}: compile: expected bool, got 'maybe'"),
+        ("workload: finetune\n", ".yaml", "unknown workload 'finetune'; valid: pretrain, sft, lora"),
+        ("steps = [\n", ".toml", "not valid TOML"),
+        ("a: [1\n", ".yaml", "not valid YAML"),
+        ("- 1\n- 2\n", ".yaml", "expected a mapping of flag names to values"),
+        ("steps: 3\n", ".json", "expected a .toml, .yaml or .yml file"),
+        ("seq_len: 64\nseq: 128\n", ".yaml", "--config {path}: sets seq_len twice (as 'seq_len' and 'seq')"),
+        ("steps: 3\nsteps: 4\n", ".yaml", "key 'steps' given twice"),
+        ("seq-len = 64\nseq_len = 128\n", ".toml", "sets seq_len twice"),
+    ],
+)
 def test_bad_config_files_exit_2_with_one_line(text, suffix, message, tmp_path, capsys):
     path = tmp_path / f"run{suffix}"
     path.write_text(text)
@@ -135,9 +138,32 @@ def test_wandb_logs_each_step_offline(tmp_path, capsys, monkeypatch):
             self.finished = True
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: FakeRun(**kw)))
-    assert main(["run", "--model", "tiny", "--seq-len", "32", "--mbs", "2", "--gbs", "2", "--steps", "3",
-                 "--warmup-steps", "1", "--precision", "bf16,fp32", "--wandb", str(tmp_path / "wb"),
-                 "--results", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                "tiny",
+                "--seq-len",
+                "32",
+                "--mbs",
+                "2",
+                "--gbs",
+                "2",
+                "--steps",
+                "3",
+                "--warmup-steps",
+                "1",
+                "--precision",
+                "bf16,fp32",
+                "--wandb",
+                str(tmp_path / "wb"),
+                "--results",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert [r.init["config"]["precision"] for r in runs] == ["bf16", "fp32"]
     assert all(r.init["mode"] == "offline" and r.init["dir"] == str(tmp_path / "wb") and r.finished for r in runs)
     assert [step for step, _ in runs[0].logged] == [1, 2, 3]

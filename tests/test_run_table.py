@@ -20,15 +20,31 @@ def _runs(tmp_path, gpu=None, model="llama3.2-1b"):
     store = ResultsStore(tmp_path)
     for i, p in enumerate(PRECISIONS):
         losses = [8.0 - 0.01 * s + 0.001 * i + (0.02 if s % 2 else 0) for s in range(1, 13)]
-        metrics = {"path": "native" if p == "bf16" else "emulated", "step_time_s": 0.0661 * (i + 1),
-                   "step_time_p25_s": 0.0650 * (i + 1), "step_time_p75_s": 0.0670 * (i + 1),
-                   "tokens_per_sec_per_gpu": 1937.25 / (i + 1), "tflops_per_gpu": 0.0217 / (i + 1),
-                   "peak_mem_allocated_gb": 0.39 + i / 100, "final_loss": losses[-1],
-                   **tail_loss([{"loss": v} for v in losses])}
-        store.add_run(RunRecord(config={"model": model, "precision": p, "seq_len": 32, "mbs": 2, "gbs": 4,
-                                        "steps": 12}, status="ok", error=None, metrics=metrics,
-                                steps=[{"step": s + 1, "loss": v} for s, v in enumerate(losses)],
-                                env={"gpu": gpu}, run_key=p, group_id="g", workload="pretrain", num_gpus=1))
+        metrics = {
+            "path": "native" if p == "bf16" else "emulated",
+            "step_time_s": 0.0661 * (i + 1),
+            "step_time_p25_s": 0.0650 * (i + 1),
+            "step_time_p75_s": 0.0670 * (i + 1),
+            "tokens_per_sec_per_gpu": 1937.25 / (i + 1),
+            "tflops_per_gpu": 0.0217 / (i + 1),
+            "peak_mem_allocated_gb": 0.39 + i / 100,
+            "final_loss": losses[-1],
+            **tail_loss([{"loss": v} for v in losses]),
+        }
+        store.add_run(
+            RunRecord(
+                config={"model": model, "precision": p, "seq_len": 32, "mbs": 2, "gbs": 4, "steps": 12},
+                status="ok",
+                error=None,
+                metrics=metrics,
+                steps=[{"step": s + 1, "loss": v} for s, v in enumerate(losses)],
+                env={"gpu": gpu},
+                run_key=p,
+                group_id="g",
+                workload="pretrain",
+                num_gpus=1,
+            )
+        )
     return summary_rows(store.runs())
 
 
@@ -76,7 +92,7 @@ def test_wide_shows_every_column(tmp_path):
 def test_cpu_table_leads_with_loss_and_says_speed_is_not_predictive(tmp_path):
     rows = _runs(tmp_path)
     text = _render(rows, 200)
-    header = text[:text.index("bf16 ")]
+    header = text[: text.index("bf16 ")]
     assert _column(text, "Δ loss") < _column(text, "speed vs") and "predictive" in header
     assert "E2M1" in text and "nothing (BF16 GEMMs)" in text  # what each recipe quantizes
     assert "emulated" in _words(text)
@@ -97,7 +113,8 @@ def test_loss_delta_is_the_mean_of_the_last_steps(tmp_path):
 
 def test_tail_loss():
     assert tail_loss([{"loss": v} for v in (9, 8, 7, 6, 5, 4, 3, 2)]) == pytest.approx(
-        {"tail_loss": 2.5, "tail_loss_sem": 0.5, "tail_steps": 2})
+        {"tail_loss": 2.5, "tail_loss_sem": 0.5, "tail_steps": 2}
+    )
     assert tail_loss([{"loss": 3.0}]) == {"tail_loss": 3.0, "tail_loss_sem": 0.0, "tail_steps": 1}
     assert tail_loss([{"loss": 3.0}, {"loss": float("nan")}]) == {}
 
@@ -110,9 +127,32 @@ def test_quantizes():
 
 def test_run_json_file(tmp_path, capsys):
     out = tmp_path / "summary.json"
-    assert main(["run", "--model", "tiny", "--seq-len", "32", "--mbs", "2", "--gbs", "4", "--steps", "4",
-                 "--warmup-steps", "1", "--precision", "bf16,fp32", "--results", str(tmp_path),
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                "tiny",
+                "--seq-len",
+                "32",
+                "--mbs",
+                "2",
+                "--gbs",
+                "4",
+                "--steps",
+                "4",
+                "--warmup-steps",
+                "1",
+                "--precision",
+                "bf16,fp32",
+                "--results",
+                str(tmp_path),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())
     assert [r["precision"] for r in rows] == ["bf16", "fp32"]
     assert all(r["status"] == "ok" and r["tokens_per_sec_per_gpu"] > 0 and r["tail_loss"] > 0 for r in rows)
@@ -122,8 +162,16 @@ def test_run_json_file(tmp_path, capsys):
 def test_short_step_line_fits_100_columns():
     from lpbench.train.loop import format_log_lines
 
-    rec = {"step": 12345, "loss": 10.1234, "step_time_s": 123.456, "tflops_per_gpu": 1917.3456,
-           "tokens_per_sec_per_gpu": 1234567.8, "lr": 0.000123456, "grad_norm": 1234.5678, "peak_mem_gb": 79.5}
+    rec = {
+        "step": 12345,
+        "loss": 10.1234,
+        "step_time_s": 123.456,
+        "tflops_per_gpu": 1917.3456,
+        "tokens_per_sec_per_gpu": 1234567.8,
+        "lr": 0.000123456,
+        "grad_norm": 1234.5678,
+        "peak_mem_gb": 79.5,
+    }
     (line,) = format_log_lines(rec, 100000, 4096, short=True)
     assert len(line) <= 100, line
     assert "step 12345/100000" in line and "loss 10.1234" in line and "1,234,568 tok/s/GPU" in line

@@ -12,6 +12,7 @@ from lpbench.train import loop
 def _failing(exc):
     def train(cfg, **kwargs):
         raise exc
+
     return train
 
 

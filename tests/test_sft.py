@@ -49,13 +49,14 @@ def batch_of(samples, seq_len):
 
 # --------------------------------------------------------------------------- labels and loss
 
+
 def test_labels_cover_response_and_eos_only():
     samples = make_samples([(5, 3), (1, 4), (7, 2)])
     b, lengths = batch_of(samples, 40)
     assert lengths == [8, 5, 9]
     labels, inputs, docs = b["labels"][0], b["input_ids"][0], b["doc_ids"][0]
     expected_targets = []
-    for (tokens, n_prompt) in samples:
+    for tokens, n_prompt in samples:
         expected_targets += list(tokens[n_prompt:])  # response tokens and EOS
     assert labels[labels != IGNORE_INDEX].tolist() == [int(t) for t in expected_targets]
     # sample 0: positions 0..7 hold tokens[:-1]; labels are -100 while the next token is a prompt token
@@ -86,6 +87,7 @@ def test_loss_ignores_prompt_tokens():
 
 # --------------------------------------------------------------------------- document masking
 
+
 @pytest.fixture(params=["sdpa", "flex"])
 def backend(request, monkeypatch):
     monkeypatch.setattr(decoder_mod, "DOC_MASK_BACKEND", request.param)
@@ -111,16 +113,16 @@ def test_no_attention_crosses_a_sample_boundary(family, backend):
     with torch.no_grad():
         ref = model(b["input_ids"], doc_ids=b["doc_ids"])
         out = model(perturbed, doc_ids=b["doc_ids"])
-        alone = model(b["input_ids"][:, b_end:b_end + lengths[2]])
+        alone = model(b["input_ids"][:, b_end : b_end + lengths[2]])
     torch.testing.assert_close(out[:, :a_end], ref[:, :a_end], rtol=0, atol=0)  # before: causal anyway
     torch.testing.assert_close(out[:, b_end:], ref[:, b_end:], rtol=0, atol=1e-6)  # after: confined
     assert not torch.allclose(out[:, a_end:b_end], ref[:, a_end:b_end])
     # the last sample sees what it would see alone (positions restart at 0)
-    torch.testing.assert_close(ref[:, b_end:b_end + lengths[2]], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref[:, b_end : b_end + lengths[2]], alone, rtol=1e-5, atol=1e-5)
     # and without doc_ids it would have seen its neighbours
     with torch.no_grad():
         plain = model(b["input_ids"])
-    assert not torch.allclose(plain[:, b_end:b_end + lengths[2]], alone, atol=1e-3)
+    assert not torch.allclose(plain[:, b_end : b_end + lengths[2]], alone, atol=1e-3)
 
 
 def test_one_document_equals_plain_causal_and_backends_agree(monkeypatch):
@@ -151,10 +153,11 @@ def test_document_runs_and_gradients_stay_inside_samples():
     labels[:, : lengths[0]] = IGNORE_INDEX  # loss on the second sample only
     model(b["input_ids"], labels, doc_ids=b["doc_ids"]).backward()
     assert emb.grad[0, : lengths[0]].abs().max() == 0
-    assert emb.grad[0, lengths[0]: sum(lengths)].abs().max() > 0
+    assert emb.grad[0, lengths[0] : sum(lengths)].abs().max() > 0
 
 
 # --------------------------------------------------------------------------- packing and data sources
+
 
 def test_best_fit_packs_every_sample_once_within_seq_len():
     rng = np.random.default_rng(0)
@@ -177,9 +180,17 @@ def test_truncation_keeps_the_response():
 
 
 def test_jsonl_prompt_response_and_squad(tmp_path):
-    (tmp_path / "pr.jsonl").write_text("\n".join(json.dumps(r) for r in [
-        {"prompt": "Q: 2+2?", "response": " 4"}, {"prompt": "Hi", "response": ""},
-        {"prompt": "Say yes", "response": " yes"}]) + "\n")
+    (tmp_path / "pr.jsonl").write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": "Q: 2+2?", "response": " 4"},
+                {"prompt": "Hi", "response": ""},
+                {"prompt": "Say yes", "response": " yes"},
+            ]
+        )
+        + "\n"
+    )
     data = build_sft_dataset(str(tmp_path / "pr.jsonl"), seq_len=64, val_samples=0)
     tok = ByteTokenizer()
     texts = sorted(tok.decode(t[:p]) + "|" + tok.decode(t[p:]) for t, p in data.train.samples)
@@ -187,21 +198,29 @@ def test_jsonl_prompt_response_and_squad(tmp_path):
     assert all(t[-1] == tok.eos_id for t, _ in data.train.samples)
     assert "1 skipped" in data.describe()
 
-    squad = [{"context": "Paris is in France.", "question": "Where is Paris?",
-              "answers": {"text": ["France", "in France"], "answer_start": [12, 9]}},
-             {"context": "x", "question": "unanswerable?", "answers": {"text": [], "answer_start": []}},
-             {"context": "Sky.", "question": "Colour?", "answer": "blue"}]
+    squad = [
+        {
+            "context": "Paris is in France.",
+            "question": "Where is Paris?",
+            "answers": {"text": ["France", "in France"], "answer_start": [12, 9]},
+        },
+        {"context": "x", "question": "unanswerable?", "answers": {"text": [], "answer_start": []}},
+        {"context": "Sky.", "question": "Colour?", "answer": "blue"},
+    ]
     (tmp_path / "squad.jsonl").write_text("\n".join(json.dumps(r) for r in squad))
     data = build_sft_dataset(str(tmp_path / "squad.jsonl"), seq_len=128, val_samples=0)
     texts = sorted(tok.decode(t[:p]) + "|" + tok.decode(t[p:]) for t, p in data.train.samples)
-    assert texts == ["Context: Paris is in France. Question: Where is Paris? Answer:| France",
-                     "Context: Sky. Question: Colour? Answer:| blue"]
+    assert texts == [
+        "Context: Paris is in France. Question: Where is Paris? Answer:| France",
+        "Context: Sky. Question: Colour? Answer:| blue",
+    ]
 
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "no pair"}) + "\n")
     with pytest.raises(UsageError, match="cannot tell prompt from response"):
         build_sft_dataset(str(tmp_path / "bad.jsonl"), seq_len=64)
-    data = build_sft_dataset(str(tmp_path / "bad.jsonl"), seq_len=64, prompt_key="text", response_key="text",
-                             val_samples=0)
+    data = build_sft_dataset(
+        str(tmp_path / "bad.jsonl"), seq_len=64, prompt_key="text", response_key="text", val_samples=0
+    )
     assert len(data.train) == 1
 
 
@@ -214,12 +233,17 @@ def test_real_data_splits_and_loader(tmp_path):
     assert not train_set & {tuple(t) for t, _ in data.valid.samples}
     batch = next(data.train_loader(2))
     assert {k: tuple(v.shape) for k, v in batch.items() if k != "sample_lengths"} == {
-        "input_ids": (2, 128), "labels": (2, 128), "doc_ids": (2, 128), "position_ids": (2, 128)}
+        "input_ids": (2, 128),
+        "labels": (2, 128),
+        "doc_ids": (2, 128),
+        "position_ids": (2, 128),
+    }
     assert len(batch["sample_lengths"]) == 2
     for row, lens in zip(batch["doc_ids"], batch["sample_lengths"]):
         assert [int((row == k).sum()) for k in range(len(lens))] == lens
     assert sorted(n for seq in data.flops_sample_lengths() for n in seq) == sorted(
-        len(t) - 1 for t, _ in data.train.samples)
+        len(t) - 1 for t, _ in data.train.samples
+    )
     n_valid = sum(b["input_ids"].shape[0] for b in data.valid_batches(2))
     assert n_valid == len(data.valid) >= 1
 
@@ -253,6 +277,7 @@ def test_mock_sft_is_seeded_packed_and_learnable():
 
 
 # --------------------------------------------------------------------------- FLOPs
+
 
 def test_sft_flops_count_attention_per_sample():
     cfg = MODELS["llama3-8b"]

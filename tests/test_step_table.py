@@ -49,7 +49,8 @@ def test_host_waits_name_the_frame_that_launched_late_and_the_blocking_calls(ste
     late, blocking = step_table.host_waits(trace, 2, 5)
     assert dict(late) == {
         "lpbench/precision/weight_cache.py(90): refresh | torch/cuda/graphs.py(5): zeros": pytest.approx(0.175),
-        "(launched before the gap: the GPU waited on a dependency)": pytest.approx(0.01)}
+        "(launched before the gap: the GPU waited on a dependency)": pytest.approx(0.01),
+    }
     assert blocking == [("cudaStreamSynchronize", pytest.approx(0.2))]
 
 
@@ -76,14 +77,18 @@ def test_row_suffixes_set_the_rows_settings_in_a_spec_the_sweep_accepts(step_tab
 
     from lpbench.bench.sweep_spec import expand
 
-    args = argparse.Namespace(timeout=60.0, model="tiny", seq_len=32, mbs=2, gbs=4, steps=5, warmup_steps=1,
-                              profile=True, num_layers=None)
-    spec = step_table.spec_for(args, ["bf16", "fp8-tensorwise/model-scope",
-                                      "torchao:fp8-rowwise/fused-loss/model-scope"])
+    args = argparse.Namespace(
+        timeout=60.0, model="tiny", seq_len=32, mbs=2, gbs=4, steps=5, warmup_steps=1, profile=True, num_layers=None
+    )
+    spec = step_table.spec_for(
+        args, ["bf16", "fp8-tensorwise/model-scope", "torchao:fp8-rowwise/fused-loss/model-scope"]
+    )
     runs = [r.config for r in expand(spec).runs]
     assert [(c.precision, c.backend, c.compile_scope, c.fused_loss) for c in runs] == [
-        ("bf16", "lpbench", "block", False), ("fp8-tensorwise", "lpbench", "model", False),
-        ("fp8-rowwise", "torchao", "model", True)]
+        ("bf16", "lpbench", "block", False),
+        ("fp8-tensorwise", "lpbench", "model", False),
+        ("fp8-rowwise", "torchao", "model", True),
+    ]
     assert runs[0].profile_steps == "4:5"
     with pytest.raises(SystemExit, match="unknown row suffix /fused; valid: /fused-loss, /model-scope"):
         step_table.spec_for(args, ["bf16/fused"])

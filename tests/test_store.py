@@ -10,10 +10,16 @@ from lpbench.errors import UsageError
 
 
 def _add(store, **kw):
-    args = dict(config={"model": "tiny", "precision": "bf16", "seq_len": 64, "mbs": 2, "gbs": 4},
-                status="ok", error=None, metrics={"tokens_per_sec_per_gpu": 123.0, "final_loss": 1.5, "path": "native"},
-                steps=[{"step": 1, "loss": 2.0, "step_time_s": 0.5}, {"step": 2, "loss": 1.5, "step_time_s": 0.4}],
-                env={"gpu": None, "torch": "x"}, run_key="k1", group_id="g")
+    args = dict(
+        config={"model": "tiny", "precision": "bf16", "seq_len": 64, "mbs": 2, "gbs": 4},
+        status="ok",
+        error=None,
+        metrics={"tokens_per_sec_per_gpu": 123.0, "final_loss": 1.5, "path": "native"},
+        steps=[{"step": 1, "loss": 2.0, "step_time_s": 0.5}, {"step": 2, "loss": 1.5, "step_time_s": 0.4}],
+        env={"gpu": None, "torch": "x"},
+        run_key="k1",
+        group_id="g",
+    )
     args.update(kw)
     return store.add_run(RunRecord(**args))
 
@@ -62,8 +68,10 @@ def test_a_sweep_run_is_recorded_once(tmp_path):
     assert store.sweep_run("sw", "k1")["id"] == first and store.sweep_run("sw", "k2") is None
     # the constraint itself, for writers that bypass add_run
     with pytest.raises(sqlite3.IntegrityError):
-        store.conn.execute("INSERT INTO runs (run_key, sweep_id, created_at, status, config_json, env_json, "
-                           "metrics_json) VALUES ('k1', 'sw', 'now', 'ok', '{}', '{}', '{}')")
+        store.conn.execute(
+            "INSERT INTO runs (run_key, sweep_id, created_at, status, config_json, env_json, "
+            "metrics_json) VALUES ('k1', 'sw', 'now', 'ok', '{}', '{}', '{}')"
+        )
     # the same run key in another sweep, or outside sweeps, is a new row
     assert _add(store, sweep_id="other", run_key="k1") is not None
     assert _add(store, run_key="k1") is not None and _add(store, run_key="k1") is not None
@@ -162,8 +170,13 @@ def test_report_reads_a_read_only_database(tmp_path, monkeypatch, capsys):
 
 def test_a_diverged_run_stores_standard_json(tmp_path):
     store = ResultsStore(tmp_path)
-    _add(store, status="diverged", metrics={"final_loss": float("nan"), "losses": [1.0, float("inf")]},
-         config={"model": "tiny", "lr": float("nan")}, env={"x": float("-inf")})
+    _add(
+        store,
+        status="diverged",
+        metrics={"final_loss": float("nan"), "losses": [1.0, float("inf")]},
+        config={"model": "tiny", "lr": float("nan")},
+        env={"x": float("-inf")},
+    )
     row = store.conn.execute("SELECT config_json, env_json, metrics_json FROM runs").fetchone()
 
     def refuse(token):
@@ -189,8 +202,9 @@ def _key_before_schema_3(config: dict) -> str:
     """lpbench's run key up to schema 2 (a hash of every setting but the checkpoint and profiling ones)."""
     import hashlib
 
-    kept = {k: v for k, v in config.items() if k not in ("save_every", "save_dir", "load", "profile_steps",
-                                                         "tensorboard")}
+    kept = {
+        k: v for k, v in config.items() if k not in ("save_every", "save_dir", "load", "profile_steps", "tensorboard")
+    }
     if kept["num_layers"] is None:
         del kept["num_layers"]
     if not kept["fused_loss"]:

@@ -49,13 +49,19 @@ def _rows(results, sweep_id):
 # ----------------------------------------------------------------------------- the spec
 def test_grid_crosses_lists_zips_mappings_and_skips_invalid_combinations():
     no_batch = {k: v for k, v in TINY.items() if k not in ("mbs", "gbs", "seq_len")}
-    spec = {"name": "g", **no_batch, "precision": ["bf16", "fp8-tensorwise"], "seq-len": [32, 64],
-            "batch": [{"mbs": 2, "gbs": 4}, {"mbs": 4, "gbs": 4}, {"mbs": 3, "gbs": 4}]}
+    spec = {
+        "name": "g",
+        **no_batch,
+        "precision": ["bf16", "fp8-tensorwise"],
+        "seq-len": [32, 64],
+        "batch": [{"mbs": 2, "gbs": 4}, {"mbs": 4, "gbs": 4}, {"mbs": 3, "gbs": 4}],
+    }
     sweep = sw.expand(spec)
     assert len(sweep.runs) == 2 * 2 * 2  # mbs 3 does not divide gbs 4: skipped, with the reason
     assert len(sweep.skipped) == 4 and all("not divisible" in why for _, why in sweep.skipped)
     assert {(r.config.precision, r.config.seq_len, r.config.mbs, r.config.gbs) for r in sweep.runs} == {
-        (p, s, m, 4) for p in ("bf16", "fp8-tensorwise") for s in (32, 64) for m in (2, 4)}
+        (p, s, m, 4) for p in ("bf16", "fp8-tensorwise") for s in (32, 64) for m in (2, 4)
+    }
     assert set(sweep.varying) == {"seq_len", "precision", "mbs"} and sweep.fixed["gbs"] == 4
     assert len({r.key for r in sweep.runs}) == 8 and [r.index for r in sweep.runs] == list(range(1, 9))
     assert sweep.runs[0].key == sweep.runs[0].config.key()  # resume matches on RunConfig.key()
@@ -66,31 +72,36 @@ def test_scalar_spec_is_one_run_and_repeats_run_once():
     assert len(sweep.runs) == 1 and sweep.duplicates == 1 and sweep.runs[0].config.seed == 5
 
 
-@pytest.mark.parametrize("spec,message", [
-    ({"precision": ["bf16", "fp9"]}, "unknown precision 'fp9'"),
-    ({"model": "gpt5"}, "unknown model 'gpt5'"),
-    ({"colour": "red"}, "unknown spec key 'colour'"),
-    ({"seq_len": [32], "batch": [{"seq_len": 64, "mbs": 2}]}, "sets seq_len twice"),
-    ({"steps": "many"}, "spec key steps: expected int"),
-    ({"seq_len": []}, "empty list"),
-    ({"workload": ["sft", "finetune"]}, "unknown workload 'finetune'; valid: pretrain, sft, lora"),
-    ({"mbs": 4, "gbs": 6}, "no valid run"),
-    ({"timeout": -1}, "spec key timeout"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ({"precision": ["bf16", "fp9"]}, "unknown precision 'fp9'"),
+        ({"model": "gpt5"}, "unknown model 'gpt5'"),
+        ({"colour": "red"}, "unknown spec key 'colour'"),
+        ({"seq_len": [32], "batch": [{"seq_len": 64, "mbs": 2}]}, "sets seq_len twice"),
+        ({"steps": "many"}, "spec key steps: expected int"),
+        ({"seq_len": []}, "empty list"),
+        ({"workload": ["sft", "finetune"]}, "unknown workload 'finetune'; valid: pretrain, sft, lora"),
+        ({"mbs": 4, "gbs": 6}, "no valid run"),
+        ({"timeout": -1}, "spec key timeout"),
+    ],
+)
 def test_bad_specs_are_usage_errors(spec, message):
     with pytest.raises(UsageError, match=message):
         sw.expand({"name": "bad", **TINY, **spec})
 
 
 def test_gpu_setting_takes_the_recommended_config_and_num_gpus_sets_dp():
-    sweep = sw.expand({"name": "r", "model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "steps": 3,
-                       "warmup_steps": 1})
+    sweep = sw.expand(
+        {"name": "r", "model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "steps": 3, "warmup_steps": 1}
+    )
     (run,) = sweep.runs
     assert (run.config.seq_len, run.config.mbs, run.config.gbs, run.config.tp) == (4096, 2, 64, 2)
     assert run.num_gpus == 16 and run.config.dp == 8 and "nemotron4-recipe" in run.recommended
     assert sw.child_command(run, Path("r"), "r")[1:4] == ["-m", "torch.distributed.run", "--standalone"]
-    explicit = sw.expand({"name": "r", "model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "seq_len": 2048,
-                          "tp": 4})
+    explicit = sw.expand(
+        {"name": "r", "model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "seq_len": 2048, "tp": 4}
+    )
     assert (explicit.runs[0].config.seq_len, explicit.runs[0].config.tp, explicit.runs[0].config.dp) == (2048, 4, 4)
 
 
@@ -116,11 +127,13 @@ def test_dry_run_lists_runs_and_writes_nothing(tmp_path, capsys):
 # ----------------------------------------------------------------------------- parent-side helpers
 def test_classify_and_read_step_records(tmp_path):
     records = tmp_path / "001-k.steps.jsonl"
-    records.write_text('{"step": 1, "loss": 7.7, "step_time_s": 0.01, "tokens_per_sec_per_gpu": 6400, '
-                       '"peak_mem_gb": 0.4, "lr": 0.003, "grad_norm": 2.0}\n'
-                       '{"step": 2, "loss": NaN, "step_time_s": 0.01, "tokens_per_sec_per_gpu": 6400, '
-                       '"peak_mem_gb": null, "lr": 0.003, "grad_norm": NaN}\n'
-                       '{"step": 3, "loss": 7.')  # the line a killed child left half-written
+    records.write_text(
+        '{"step": 1, "loss": 7.7, "step_time_s": 0.01, "tokens_per_sec_per_gpu": 6400, '
+        '"peak_mem_gb": 0.4, "lr": 0.003, "grad_norm": 2.0}\n'
+        '{"step": 2, "loss": NaN, "step_time_s": 0.01, "tokens_per_sec_per_gpu": 6400, '
+        '"peak_mem_gb": null, "lr": 0.003, "grad_norm": NaN}\n'
+        '{"step": 3, "loss": 7.'
+    )  # the line a killed child left half-written
     steps = sw.read_steps(records)
     assert [s["step"] for s in steps] == [1, 2] and steps[0]["loss"] == 7.7 and steps[1]["peak_mem_gb"] is None
     assert sw.read_steps(tmp_path / "none.jsonl") == []
@@ -191,10 +204,18 @@ def _children_of(pid: int) -> list[int]:
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 def test_sweep_killed_with_sigkill_resumes_with_one_row_per_run(tmp_path):
     spec = _spec(tmp_path, "resume", seed=[1, 2, 3])
-    env = {**os.environ, FAULT_ENV: "seed=2:hang@1",  # run 2 hangs: killed mid-way
-           "PYTHONPATH": os.pathsep.join([str(FAULTS), str(REPO)])}
-    proc = subprocess.Popen([sys.executable, "-m", "lpbench", "sweep", str(spec), "--results", str(tmp_path)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    env = {
+        **os.environ,
+        FAULT_ENV: "seed=2:hang@1",  # run 2 hangs: killed mid-way
+        "PYTHONPATH": os.pathsep.join([str(FAULTS), str(REPO)]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lpbench", "sweep", str(spec), "--results", str(tmp_path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+    )
     db = tmp_path / "results.db"
     deadline = time.time() + 120
     first = []
@@ -242,8 +263,9 @@ def test_a_run_that_fails_before_training_is_recorded_with_the_machines_gpu(tmp_
     monkeypatch.setattr(loop, "train", fail)
     monkeypatch.setattr(sweep_child, "_gpu_name", lambda device: "NVIDIA H100 80GB HBM3")
     cfg = RunConfig(model="tiny", device="auto")
-    rc = sweep_child.child_main(["--config", json.dumps(cfg.to_dict()), "--results", str(tmp_path), "--sweep-id", "g",
-                        "--run-key", cfg.key()])
+    rc = sweep_child.child_main(
+        ["--config", json.dumps(cfg.to_dict()), "--results", str(tmp_path), "--sweep-id", "g", "--run-key", cfg.key()]
+    )
     _, (row,) = _rows(tmp_path, "g")
     assert rc == 1 and row["status"] == "error" and "torchao missing" in row["error"]
     assert row["gpu"] == "NVIDIA H100 80GB HBM3"

@@ -20,8 +20,10 @@ def test_the_csv_has_nemos_columns_and_every_row_is_a_sound_config():
     assert len(rows) > 80
     keys = [(r.task, r.name, r.system, d, r.num_gpus) for r in rows for d in r.dtypes]
     assert len(keys) == len(set(keys))  # one row per lookup key
-    configs = [(r.task, r.name, r.system, r.num_gpus, r.seq_len, r.tp, r.pp, r.cp, r.ep, r.vp, r.mbs, r.gbs, r.fsdp)
-               for r in rows]
+    configs = [
+        (r.task, r.name, r.system, r.num_gpus, r.seq_len, r.tp, r.pp, r.cp, r.ep, r.vp, r.mbs, r.gbs, r.fsdp)
+        for r in rows
+    ]
     assert len(configs) == len(set(configs))  # no duplicate rows: one config serving BF16 and FP8 is one row
     for r in rows:
         model = get_model_config(r.name)  # every row names a zoo model
@@ -33,25 +35,31 @@ def test_the_csv_has_nemos_columns_and_every_row_is_a_sound_config():
             with pytest.raises(UsageError, match="lpbench does not implement yet"):
                 rc.check_runnable(r)
             continue
-        RunConfig(model=r.name, seq_len=r.seq_len, mbs=r.mbs, gbs=r.gbs, tp=r.tp, ep=r.ep,
-                  dp=r.dp).validate()  # TP divides heads, EP the experts and DP
+        RunConfig(
+            model=r.name, seq_len=r.seq_len, mbs=r.mbs, gbs=r.gbs, tp=r.tp, ep=r.ep, dp=r.dp
+        ).validate()  # TP divides heads, EP the experts and DP
     # every zoo model (the CPU presets on "cpu") has pretraining rows on every GPU type
     for name in MODELS:
         systems = {r.system for r in rows if r.name == name and r.task == "pretrain"}
-        assert systems == ({"cpu"} if name in ("tiny", "tiny-moe", "small") else {"h100", "h200", "b200", "gb200"}), name
+        assert systems == ({"cpu"} if name in ("tiny", "tiny-moe", "small") else {"h100", "h200", "b200", "gb200"}), (
+            name
+        )
 
 
-@pytest.mark.parametrize("model,gpu,n,expect", [
-    # NeMo 25.04 performance summary (FP8): seq, TP, PP, CP, VP, EP, MBS, GBS and the table's GA
-    ("llama3-8b", "gb200", 8, (8192, 1, 1, 1, 1, 1, 2, 128, 8)),
-    ("llama3-8b", "h100", 8, (8192, 1, 1, 2, 1, 1, 1, 128, 32)),
-    ("llama3-70b", "b200", 64, (8192, 2, 4, 2, 5, 1, 1, 128, 32)),
-    ("llama3.1-405b", "h100", 1024, (8192, 8, 8, 2, 8, 1, 1, 512, 64)),
-    ("nemotron4-340b", "gb200", 128, (4096, 8, 4, 1, 12, 1, 1, 32, 8)),
-    ("mixtral-8x7b", "h100", 64, (4096, 1, 4, 1, 8, 8, 1, 256, 16)),
-    ("mixtral-8x22b", "gb200", 256, (65536, 2, 4, 8, 14, 8, 1, 64, 16)),
-    ("gpt3-175b", "b200", 512, (2048, 4, 4, 1, 6, 1, 2, 2048, 32)),
-])
+@pytest.mark.parametrize(
+    "model,gpu,n,expect",
+    [
+        # NeMo 25.04 performance summary (FP8): seq, TP, PP, CP, VP, EP, MBS, GBS and the table's GA
+        ("llama3-8b", "gb200", 8, (8192, 1, 1, 1, 1, 1, 2, 128, 8)),
+        ("llama3-8b", "h100", 8, (8192, 1, 1, 2, 1, 1, 1, 128, 32)),
+        ("llama3-70b", "b200", 64, (8192, 2, 4, 2, 5, 1, 1, 128, 32)),
+        ("llama3.1-405b", "h100", 1024, (8192, 8, 8, 2, 8, 1, 1, 512, 64)),
+        ("nemotron4-340b", "gb200", 128, (4096, 8, 4, 1, 12, 1, 1, 32, 8)),
+        ("mixtral-8x7b", "h100", 64, (4096, 1, 4, 1, 8, 8, 1, 256, 16)),
+        ("mixtral-8x22b", "gb200", 256, (65536, 2, 4, 8, 14, 8, 1, 64, 16)),
+        ("gpt3-175b", "b200", 512, (2048, 4, 4, 1, 6, 1, 2, 2048, 32)),
+    ],
+)
 def test_rows_reproduce_the_published_configs(model, gpu, n, expect):
     r = rc.lookup(model, gpu, n, precision="fp8-tensorwise")
     assert (r.seq_len, r.tp, r.pp, r.cp, r.vp, r.ep, r.mbs, r.gbs, r.grad_accum) == expect
@@ -71,11 +79,14 @@ def test_dtype_rows_and_fallback():
     assert rc.lookup("llama3-8b", "H100").num_gpus == 8  # no count: the smallest listed; case-insensitive
 
 
-@pytest.mark.parametrize("args,message", [
-    (("llama3-8b", "h100", 16), "no recommended pretrain config for llama3-8b on 16x h100; GPU counts with one: 8"),
-    (("llama3-8b", "a100", 8), "no recommended configs for GPU 'a100'; known: b200, cpu, gb200, h100, h200"),
-    (("tiny", "h100", 8), "no recommended pretrain config for tiny on h100; models with one: gpt3-175b"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("llama3-8b", "h100", 16), "no recommended pretrain config for llama3-8b on 16x h100; GPU counts with one: 8"),
+        (("llama3-8b", "a100", 8), "no recommended configs for GPU 'a100'; known: b200, cpu, gb200, h100, h200"),
+        (("tiny", "h100", 8), "no recommended pretrain config for tiny on h100; models with one: gpt3-175b"),
+    ],
+)
 def test_missing_combinations_say_what_exists(args, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(")):
         rc.lookup(*args)
@@ -90,30 +101,51 @@ def test_run_takes_its_defaults_from_the_recommended_config(capsys):
     assert (cfg.seq_len, cfg.mbs, cfg.gbs, cfg.tp, cfg.dp, cfg.grad_accum) == (4096, 2, 64, 2, 8, 4)
     err = capsys.readouterr().err
     # the printed layout is the one that runs (the recipe's TP 2 x DP 8, GA 4)
-    assert ("recommended config: nemotron4-15b pretrain on 16x h100 (bf16/fp8 row, nemotron4-recipe); runs as "
-            "seq_len 4096, MBS 2, GBS 64, TP 2, DP 8, GA 4 on 16 process(es); TFLOP/s by the mha formula, as "
-            "nemotron4-recipe's table counts\n") in err
+    assert (
+        "recommended config: nemotron4-15b pretrain on 16x h100 (bf16/fp8 row, nemotron4-recipe); runs as "
+        "seq_len 4096, MBS 2, GBS 64, TP 2, DP 8, GA 4 on 16 process(es); TFLOP/s by the mha formula, as "
+        "nemotron4-recipe's table counts\n"
+    ) in err
     assert cfg.flops_formula == "mha"  # the row's table's formula
     # explicit flags win, and the printed layout says so
-    (cfg,) = _configs(["--model", "nemotron4-15b", "--gpu", "h100", "--num-gpus", "16", "--nproc-per-node", "16",
-                       "--seq-len", "2048", "--mbs", "1"])
+    (cfg,) = _configs(
+        [
+            "--model",
+            "nemotron4-15b",
+            "--gpu",
+            "h100",
+            "--num-gpus",
+            "16",
+            "--nproc-per-node",
+            "16",
+            "--seq-len",
+            "2048",
+            "--mbs",
+            "1",
+        ]
+    )
     assert (cfg.seq_len, cfg.mbs, cfg.gbs, cfg.grad_accum) == (2048, 1, 64, 8)
     assert "runs as seq_len 2048 (flag), MBS 1 (flag), GBS 64, TP 2, DP 8, GA 8 on 16" in capsys.readouterr().err
     # fewer processes than the row's GPUs: the layout of this launch, and the row's beside it
     (cfg,) = _configs(["--model", "llama3.2-1b", "--gpu", "h100", "--num-gpus", "8"])
     assert (cfg.dp, cfg.grad_accum) == (1, 128)
-    assert ("TP 1, DP 1, GA 128 on 1 process(es) (the row: 8 GPUs, DP 8, GA 16; start 8 with --nproc-per-node"
-            in capsys.readouterr().err)
+    assert (
+        "TP 1, DP 1, GA 128 on 1 process(es) (the row: 8 GPUs, DP 8, GA 16; start 8 with --nproc-per-node"
+        in capsys.readouterr().err
+    )
     a, b = _configs(["--model", "qwen3-14b", "--gpu", "gb200", "--precision", "bf16,mxfp8", "--nproc-per-node", "8"])
     assert a.tp == b.tp == 2 and a.dp == 4 and a.seq_len == b.seq_len == 4096  # one config for every precision
     (cfg,) = _configs(["--model", "qwen3-14b", "--gpu", "gb200", "--tp", "1"])  # one process: override TP
     assert (cfg.tp, cfg.seq_len) == (1, 4096)
     # a NeMo row's TFLOP/s are NeMo's (nemo-legacy) unless --flops-formula (or --formula) says otherwise
     (cfg,) = _configs(["--model", "llama3-8b", "--gpu", "gb200", "--num-gpus", "8", "--nproc-per-node", "8"])
-    assert cfg.flops_formula == "nemo-legacy" and "by the nemo-legacy formula, as nemo-25.04's table counts" in \
-        capsys.readouterr().err
-    (cfg,) = _configs(["--model", "llama3-8b", "--gpu", "gb200", "--num-gpus", "8", "--nproc-per-node", "8",
-                       "--formula", "megatron"])
+    assert (
+        cfg.flops_formula == "nemo-legacy"
+        and "by the nemo-legacy formula, as nemo-25.04's table counts" in capsys.readouterr().err
+    )
+    (cfg,) = _configs(
+        ["--model", "llama3-8b", "--gpu", "gb200", "--num-gpus", "8", "--nproc-per-node", "8", "--formula", "megatron"]
+    )
     assert cfg.flops_formula == "megatron" and "by the megatron formula (flag)" in capsys.readouterr().err
     # without --gpu: RunConfig's defaults, as before
     (cfg,) = _configs(["--model", "tiny"])
@@ -121,12 +153,15 @@ def test_run_takes_its_defaults_from_the_recommended_config(capsys):
     assert (cfg.seq_len, cfg.mbs, cfg.gbs) == (d.seq_len, d.mbs, d.gbs)
 
 
-@pytest.mark.parametrize("model,gpu,n,missing", [
-    ("llama3-8b", "h100", 8, "needs context parallelism (CP 2)"),  # not DP 8 with CP dropped
-    ("llama3-70b", "h100", 64, "needs pipeline parallelism (PP 8)"),  # not TP 4 x DP 16, which cannot fit
-    ("mixtral-8x7b", "h100", 64, "needs pipeline parallelism (PP 4)"),
-    ("llama3.1-405b", "b200", 128, "needs pipeline parallelism (PP 8) and context parallelism (CP 2)"),
-])
+@pytest.mark.parametrize(
+    "model,gpu,n,missing",
+    [
+        ("llama3-8b", "h100", 8, "needs context parallelism (CP 2)"),  # not DP 8 with CP dropped
+        ("llama3-70b", "h100", 64, "needs pipeline parallelism (PP 8)"),  # not TP 4 x DP 16, which cannot fit
+        ("mixtral-8x7b", "h100", 64, "needs pipeline parallelism (PP 4)"),
+        ("llama3.1-405b", "b200", 128, "needs pipeline parallelism (PP 8) and context parallelism (CP 2)"),
+    ],
+)
 def test_rows_needing_missing_parallel_dimensions_are_refused(model, gpu, n, missing, capsys, tmp_path):
     argv = ["run", "--model", model, "--gpu", gpu, "--num-gpus", str(n), "--results", str(tmp_path)]
     assert main(argv) == 2
@@ -139,15 +174,24 @@ def test_every_runnable_row_prints_the_layout_it_builds(capsys):
     for r in rc.load():
         if r.pp > 1 or r.cp > 1 or r.task != "pretrain":
             continue
-        (cfg,) = configs_from_args(build_parser().parse_args(
-            ["run", "--precision", "bf16", "--model", r.name, "--gpu", r.system, "--num-gpus", str(r.num_gpus)]),
-            world_size=r.num_gpus)
+        (cfg,) = configs_from_args(
+            build_parser().parse_args(
+                ["run", "--precision", "bf16", "--model", r.name, "--gpu", r.system, "--num-gpus", str(r.num_gpus)]
+            ),
+            world_size=r.num_gpus,
+        )
         err = capsys.readouterr().err
         ep = f", EP {cfg.ep}" if cfg.ep > 1 else ""
-        assert (f"TP {cfg.tp}, DP {cfg.dp}{' (FSDP)' if cfg.fsdp else ''}{ep}, GA {cfg.grad_accum} on {r.num_gpus} "
-                f"process(es); TFLOP/s by the {cfg.flops_formula} formula") in err, (r, err)
-        assert cfg.flops_formula == {"nemo": "nemo-legacy", "mb": "megatron", "nemotron4": "mha",
-                                     "lpbench": "megatron"}[r.source.split("-")[0]], r
+        assert (
+            f"TP {cfg.tp}, DP {cfg.dp}{' (FSDP)' if cfg.fsdp else ''}{ep}, GA {cfg.grad_accum} on {r.num_gpus} "
+            f"process(es); TFLOP/s by the {cfg.flops_formula} formula"
+        ) in err, (r, err)
+        assert (
+            cfg.flops_formula
+            == {"nemo": "nemo-legacy", "mb": "megatron", "nemotron4": "mha", "lpbench": "megatron"}[
+                r.source.split("-")[0]
+            ]
+        ), r
         assert (cfg.tp, cfg.dp, cfg.ep, cfg.grad_accum) == (r.tp, r.dp, r.ep, r.grad_accum)
 
 
@@ -157,29 +201,74 @@ def test_sweep_refuses_rows_needing_missing_dimensions():
     with pytest.raises(UsageError, match="no valid run .*needs context parallelism"):
         expand({"model": "llama3-8b", "gpu": "h100", "num_gpus": 8, "precision": "bf16"})
     sweep = expand({"model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "precision": "bf16"})
-    assert sweep.runs[0].recommended.endswith("runs as seq_len 4096, MBS 2, GBS 64, TP 2, DP 8, GA 4 on 16 process(es); "
-                                              "TFLOP/s by the mha formula, as nemotron4-recipe's table counts")
+    assert sweep.runs[0].recommended.endswith(
+        "runs as seq_len 4096, MBS 2, GBS 64, TP 2, DP 8, GA 4 on 16 process(es); "
+        "TFLOP/s by the mha formula, as nemotron4-recipe's table counts"
+    )
     assert sweep.runs[0].config.flops_formula == "mha"
 
 
 def test_slurm_checks_the_recommended_config_against_the_jobs_world(tmp_path, capsys):
     script = tmp_path / "job.sbatch"
     # qwen3-14b's H100 row is TP 4 on 8 GPUs: one node of 8 GPUs runs it, though the writer is one process
-    assert main(["slurm", "--nodes", "1", "--gpus-per-node", "8", "--output", str(script), "--",
-                 "--model", "qwen3-14b", "--gpu", "h100", "--num-gpus", "8", "--precision", "bf16"]) == 0
+    assert (
+        main(
+            [
+                "slurm",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "8",
+                "--output",
+                str(script),
+                "--",
+                "--model",
+                "qwen3-14b",
+                "--gpu",
+                "h100",
+                "--num-gpus",
+                "8",
+                "--precision",
+                "bf16",
+            ]
+        )
+        == 0
+    )
     assert "TP 4, DP 2, GA 64 on 8 process(es)" in capsys.readouterr().err and script.exists()
     script.unlink()
-    assert main(["slurm", "--nodes", "1", "--gpus-per-node", "6", "--output", str(script), "--",
-                 "--model", "qwen3-14b", "--gpu", "h100", "--num-gpus", "8"]) == 2
+    assert (
+        main(
+            [
+                "slurm",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "6",
+                "--output",
+                str(script),
+                "--",
+                "--model",
+                "qwen3-14b",
+                "--gpu",
+                "h100",
+                "--num-gpus",
+                "8",
+            ]
+        )
+        == 2
+    )
     assert "uses TP 4, but this launch has 6 process(es)" in capsys.readouterr().err and not script.exists()
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "16"], "GPU counts with one: 8"),
-    (["--model", "llama3-8b", "--num-gpus", "8"], "--num-gpus selects a recommended config and needs --gpu"),
-    (["--model", "llama3-8b", "--gpu", "tpu"], "no recommended configs for GPU 'tpu'"),
-    (["--model", "qwen3-14b", "--gpu", "h100"], "uses TP 4, but this launch has 1 process(es): start 8"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "16"], "GPU counts with one: 8"),
+        (["--model", "llama3-8b", "--num-gpus", "8"], "--num-gpus selects a recommended config and needs --gpu"),
+        (["--model", "llama3-8b", "--gpu", "tpu"], "no recommended configs for GPU 'tpu'"),
+        (["--model", "qwen3-14b", "--gpu", "h100"], "uses TP 4, but this launch has 1 process(es): start 8"),
+    ],
+)
 def test_run_rejects_missing_combinations_with_one_line(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         sys.exit(main(["run", *argv, "--results", str(tmp_path)]))

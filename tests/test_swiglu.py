@@ -25,8 +25,8 @@ def _eager(gate_up, grad):
 def _inputs(shape, dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     gate_up = (torch.randn(shape, generator=g) * 4).to(dtype)
-    gate_up.view(-1)[: 2 * len(SPECIALS): 2] = torch.tensor(SPECIALS, dtype=dtype)  # specials in gate and up
-    gate_up.view(-1)[1: 2 * len(SPECIALS): 2] = torch.tensor(SPECIALS[::-1], dtype=dtype)
+    gate_up.view(-1)[: 2 * len(SPECIALS) : 2] = torch.tensor(SPECIALS, dtype=dtype)  # specials in gate and up
+    gate_up.view(-1)[1 : 2 * len(SPECIALS) : 2] = torch.tensor(SPECIALS[::-1], dtype=dtype)
     grad = torch.randn(*shape[:-1], shape[-1] // 2, generator=g).to(dtype)
     return gate_up.to(device), grad.to(device)
 
@@ -69,8 +69,10 @@ def test_compiled_swiglu_uses_the_kernel_and_is_eager_autograd(precise_casts):
     _same(x.grad, _eager(gate_up, grad)[1])
 
 
-@pytest.mark.skipif(capability.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="Triton kernels on CPU need Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.skipif(
+    capability.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels on CPU need Triton's interpreter (TRITON_INTERPRET=1)",
+)
 def test_kernel_indexing_under_the_interpreter():
     """Partial blocks in both dims, both halves in the right place: the interpreter's exp is numpy's, not CUDA's,
     so close (a cancelling 1 + x(1 - s) magnifies exp's last bit) rather than bit for bit."""
@@ -89,8 +91,9 @@ def _epilogue_steps(recipe, device, fused, compiled=False, shape=(2, 40, 96), ff
     from lpbench.precision.recipes import get_recipe
 
     torch.manual_seed(0)
-    mod = QuantizedLinear.from_linear(torch.nn.Linear(shape[-1], 2 * ffn, bias=False, device=device),
-                                      get_recipe(recipe), native=True)
+    mod = QuantizedLinear.from_linear(
+        torch.nn.Linear(shape[-1], 2 * ffn, bias=False, device=device), get_recipe(recipe), native=True
+    )
     fn = (lambda x: sw.swiglu_of(mod, x)) if fused else (lambda x: sw.swiglu(mod(x)))
     if compiled:
         torch._dynamo.reset()
@@ -126,8 +129,9 @@ def test_epilogue_kernel_casts_the_gradient_as_the_linear_would(precise_casts, r
     """On CUDA the fused linear quantizes gate_up's gradient inside SwiGLU's backward kernel (codes and amax for
     delayed, the amax for tensorwise): outputs, gradients and histories equal SwiGLU after the linear, bit for
     bit, eager and compiled; tokens (80) and ffn (200) leave partial tiles."""
-    for a, b in zip(_epilogue_steps(recipe, "cuda", True, compiled), _epilogue_steps(recipe, "cuda", False, compiled),
-                    strict=True):
+    for a, b in zip(
+        _epilogue_steps(recipe, "cuda", True, compiled), _epilogue_steps(recipe, "cuda", False, compiled), strict=True
+    ):
         _same(a, b)
 
 
@@ -157,14 +161,22 @@ def _check_epilogues(launch_backward, gate_up, grad, fmt, launch=None, exact_fp8
     _same(bits.view(torch.float32).amax(), plain.float().abs().amax())
 
 
-@pytest.mark.skipif(capability.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="Triton kernels on CPU need Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.skipif(
+    capability.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels on CPU need Triton's interpreter (TRITON_INTERPRET=1)",
+)
 def test_kernel_epilogues_under_the_interpreter():
     from lpbench.precision.formats import E5M2
 
     gate_up, grad = _inputs((37, 2 * 200), torch.bfloat16, "cpu")
-    _check_epilogues(sw.launch_backward, gate_up.nan_to_num(0.0, 0.0, 0.0).clamp(-20, 20), grad, E5M2,
-                     launch=(16, 64, 4), exact_fp8=False)
+    _check_epilogues(
+        sw.launch_backward,
+        gate_up.nan_to_num(0.0, 0.0, 0.0).clamp(-20, 20),
+        grad,
+        E5M2,
+        launch=(16, 64, 4),
+        exact_fp8=False,
+    )
 
 
 @pytest.mark.gpu

@@ -9,7 +9,6 @@ import torch
 
 from lpbench.errors import UsageError
 from lpbench.convert.quantize import apply_recipe
-from lpbench.precision import get_recipe
 from lpbench.precision.linear import QuantizedLinear
 from lpbench.precision.quantize import quantize_mx
 from tests.test_policy import Toy
@@ -19,22 +18,29 @@ from tests.test_policy import Toy
 def capability(monkeypatch):
     def fake(cap):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+
     return fake
 
 
 def test_torchao_refuses_in_one_line_where_it_cannot_run(capability):
     with pytest.raises(UsageError, match="fp8-blockwise is lpbench-only"):
         apply_recipe(Toy(), "fp8-blockwise", device="cpu", emulate=True, backend="torchao")
-    with pytest.raises(UsageError, match=r"runs fp8-tensorwise on a CUDA GPU \(torchao's Float8Linear: native from "
-                                         r"compute capability 8.9, emulated below\); cpu has none: use --backend lpbench"):
+    with pytest.raises(
+        UsageError,
+        match=r"runs fp8-tensorwise on a CUDA GPU \(torchao's Float8Linear: native from "
+        r"compute capability 8.9, emulated below\); cpu has none: use --backend lpbench",
+    ):
         apply_recipe(Toy(), "fp8-tensorwise", device="cpu", emulate=True, backend="torchao")
     with pytest.raises(UsageError, match="unknown backend 'te'"):
         apply_recipe(Toy(), "fp8-tensorwise", device="cpu", emulate=True, backend="te")
     capability((9, 0))
-    with pytest.raises(UsageError, match=r"runs nvfp4 only on compute capability 10.x: torchao 0.18's NVFP4Linear has "
-                                         r"no emulated mode \(KernelPreference.TRITON only: Triton casts that use SM "
-                                         r"10.x FP4 conversions, cuBLAS NVFP4 GEMMs\); cuda has compute capability 9.0: "
-                                         "use --backend lpbench, which emulates it"):
+    with pytest.raises(
+        UsageError,
+        match=r"runs nvfp4 only on compute capability 10.x: torchao 0.18's NVFP4Linear has "
+        r"no emulated mode \(KernelPreference.TRITON only: Triton casts that use SM "
+        r"10.x FP4 conversions, cuBLAS NVFP4 GEMMs\); cuda has compute capability 9.0: "
+        "use --backend lpbench, which emulates it",
+    ):
         apply_recipe(Toy(), "nvfp4", device="cuda", emulate=True, backend="torchao")
     with pytest.raises(UsageError, match="emulates MXFP8 .* on compute capability 9.0; pass --emulate"):
         apply_recipe(Toy(), "mxfp8", device="cuda", emulate=False, backend="torchao")
@@ -44,19 +50,44 @@ def test_cli_refuses_torchao_nvfp4_on_cpu_with_exit_2(capsys, tmp_path):
     pytest.importorskip("torchao")  # without it, the run is refused for that first (the test below)
     from lpbench.cli import main
 
-    assert main(["run", "--model", "tiny", "--precision", "nvfp4", "--backend", "torchao", "--steps", "2",
-                 "--warmup-steps", "1",
-                 "--results", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                "tiny",
+                "--precision",
+                "nvfp4",
+                "--backend",
+                "torchao",
+                "--steps",
+                "2",
+                "--warmup-steps",
+                "1",
+                "--results",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "runs nvfp4 only on compute capability 10.x: torchao 0.18's NVFP4Linear has no " \
-                             "emulated mode" in err[0] and "cpu is not a CUDA GPU: use --backend lpbench" in err[0]
+    assert (
+        len(err) == 1
+        and "runs nvfp4 only on compute capability 10.x: torchao 0.18's NVFP4Linear has no emulated mode" in err[0]
+        and "cpu is not a CUDA GPU: use --backend lpbench" in err[0]
+    )
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--precision", "nvfp4", "--seq-len", "96", "--mbs", "1", "--gbs", "1"],
-     "--backend torchao nvfp4 needs MBS x seq len a multiple of 128 (its wgrad blocks run along the tokens), got 96"),
-    (["--precision", "mxfp8", "--seq-len", "48", "--mbs", "1", "--gbs", "1"], "a multiple of 32"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--precision", "nvfp4", "--seq-len", "96", "--mbs", "1", "--gbs", "1"],
+            "--backend torchao nvfp4 needs MBS x seq len a multiple of 128 (its wgrad blocks run along the tokens), got 96",
+        ),
+        (["--precision", "mxfp8", "--seq-len", "48", "--mbs", "1", "--gbs", "1"], "a multiple of 32"),
+    ],
+)
 def test_cli_refuses_torchao_mx_runs_it_cannot_shape(argv, message, capsys, tmp_path):
     from lpbench.cli import main
 
@@ -77,8 +108,27 @@ def test_torchao_missing_is_refused_before_any_work(monkeypatch, capsys, tmp_pat
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find(name, *a))
     monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("training started"))
-    assert main(["run", "--model", "tiny", "--precision", "mxfp8", "--emulate", "--backend", "torchao", "--steps",
-                 "2", "--warmup-steps", "1", "--results", str(tmp_path / "r")]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                "tiny",
+                "--precision",
+                "mxfp8",
+                "--emulate",
+                "--backend",
+                "torchao",
+                "--steps",
+                "2",
+                "--warmup-steps",
+                "1",
+                "--results",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["lpbench run: error: --backend torchao needs torchao: pip install 'lpbench[torchao]'"]
     assert not (tmp_path / "r").exists()
@@ -89,7 +139,9 @@ def test_an_older_torchao_is_named(monkeypatch):
     import importlib.util
 
     find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if "moe_training" in name else find(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if "moe_training" in name else find(name, *a)
+    )
     with pytest.raises(UsageError, match=r"mxfp8 needs torchao 0.18 or later \(torchao.prototype.moe_training"):
         apply_recipe(Toy(), "mxfp8", device="cpu", emulate=True, backend="torchao")
 
@@ -112,8 +164,10 @@ def test_torchaos_mxfp8_cast_equals_lpbenchs_reference_bit_for_bit():
     from torchao.prototype.mx_formats.mx_tensor import to_mx
 
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(64, 256, generator=g) * 2.0 ** torch.randint(-20, 20, (64, 8), generator=g).float()
-         .repeat_interleave(32, 1)).bfloat16()
+    x = (
+        torch.randn(64, 256, generator=g)
+        * 2.0 ** torch.randint(-20, 20, (64, 8), generator=g).float().repeat_interleave(32, 1)
+    ).bfloat16()
     x[3, :32] = 0  # an all-zero block
     scale, codes = to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
     ref = quantize_mx(x)

@@ -19,14 +19,24 @@ def test_tiny_run_lowers_its_loss():
     assert m["timed_steps"] == 38 and m["tokens_per_sec_per_gpu"] > 0
     assert m["tokens_per_sec_per_gpu"] == pytest.approx(8 * 256 / m["step_time_s"])
     assert m["mfu_bf16"] is None  # no peak on a CPU
-    assert m["step_time_min_s"] <= m["step_time_p25_s"] <= m["step_time_s"] <= m["step_time_p75_s"] <= m["step_time_max_s"]
+    assert (
+        m["step_time_min_s"] <= m["step_time_p25_s"] <= m["step_time_s"] <= m["step_time_p75_s"] <= m["step_time_max_s"]
+    )
 
 
 def test_step_time_spread_is_quartiles_min_and_max():
     assert loop.step_time_dist([4.0, 1.0, 100.0, 2.0, 3.0]) == {
-        "step_time_p25_s": 2.0, "step_time_p75_s": 4.0, "step_time_min_s": 1.0, "step_time_max_s": 100.0}
-    assert loop.step_time_dist([0.5]) == {"step_time_p25_s": 0.5, "step_time_p75_s": 0.5, "step_time_min_s": 0.5,
-                                          "step_time_max_s": 0.5}
+        "step_time_p25_s": 2.0,
+        "step_time_p75_s": 4.0,
+        "step_time_min_s": 1.0,
+        "step_time_max_s": 100.0,
+    }
+    assert loop.step_time_dist([0.5]) == {
+        "step_time_p25_s": 0.5,
+        "step_time_p75_s": 0.5,
+        "step_time_min_s": 0.5,
+        "step_time_max_s": 0.5,
+    }
 
 
 def test_gradient_accumulation_matches_one_big_micro_batch():

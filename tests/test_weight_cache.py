@@ -17,8 +17,11 @@ from lpbench.precision.recipes import get_recipe
 def _model(recipe: str, device="cpu") -> nn.Sequential:
     torch.manual_seed(0)
     r = get_recipe(recipe)
-    return nn.Sequential(QuantizedLinear(64, 96, recipe=r, native=True, device=device), nn.GELU(),
-                         QuantizedLinear(96, 32, recipe=r, native=True, device=device)).to(device)
+    return nn.Sequential(
+        QuantizedLinear(64, 96, recipe=r, native=True, device=device),
+        nn.GELU(),
+        QuantizedLinear(96, 32, recipe=r, native=True, device=device),
+    ).to(device)
 
 
 def _train(model, cached: bool, steps=3, accum=2, device="cpu"):
@@ -97,8 +100,10 @@ def test_delayed_weight_keeps_one_scale_through_the_step(fused_on_cpu):
         fp8_linear.Fused.operands = staticmethod(operands)
     assert len(seen) == 6
     for step in (seen[:3], seen[3:]):
-        assert all(torch.equal(c.view(torch.uint8), step[0][0].view(torch.uint8)) and torch.equal(s, step[0][1])
-                   for c, s in step)
+        assert all(
+            torch.equal(c.view(torch.uint8), step[0][0].view(torch.uint8)) and torch.equal(s, step[0][1])
+            for c, s in step
+        )
     assert not torch.equal(seen[0][0].view(torch.uint8), seen[3][0].view(torch.uint8))  # the step changed it
     assert int((model[0].amax_history_weight > 0).sum()) == 2
 
@@ -149,8 +154,9 @@ def test_the_optimizer_step_alone_makes_linears_and_experts_stale(fused_on_cpu, 
 
     made = []
     quantize = grouped.weight_codes
-    monkeypatch.setattr(weight_cache, "weight_codes",
-                        lambda w, recipe, split: made.append(w) or quantize(w, recipe, split))
+    monkeypatch.setattr(
+        weight_cache, "weight_codes", lambda w, recipe, split: made.append(w) or quantize(w, recipe, split)
+    )
     plain, cached = model(), model()
     want, opt_plain = _train(plain, cached=False)
     got, opt_cached = _train(cached, cached=True)
@@ -159,8 +165,7 @@ def test_the_optimizer_step_alone_makes_linears_and_experts_stale(fused_on_cpu, 
     assert not cached[1].experts.weight_codes  # the last step dropped them: stale codes are not held
 
 
-def test_training_loop_refills_after_the_optimizer_step_without_changing_training(fused_on_cpu, monkeypatch,
-                                                                                   tmp_path):
+def test_training_loop_refills_after_the_optimizer_step_without_changing_training(fused_on_cpu, monkeypatch, tmp_path):
     """The loop casts the next step's weights right after the optimizer step (not after the last step, nor before
     an evaluation or a checkpoint save); fp8-delayed trains bit-identically with and without that, with
     evaluations (evaluate restores the amaxes its refill recorded, so the cache is cast again) and resumed from a
@@ -169,8 +174,17 @@ def test_training_loop_refills_after_the_optimizer_step_without_changing_trainin
     from lpbench.train import loop
 
     monkeypatch.setattr(capability, "why_emulated", lambda recipe, device: None)  # native: the fused linears
-    cfg = RunConfig(model="tiny", precision="fp8-delayed", seq_len=32, mbs=2, gbs=4, steps=6, warmup_steps=1,
-                    device="cpu", log_interval=100)
+    cfg = RunConfig(
+        model="tiny",
+        precision="fp8-delayed",
+        seq_len=32,
+        mbs=2,
+        gbs=4,
+        steps=6,
+        warmup_steps=1,
+        device="cpu",
+        log_interval=100,
+    )
     by_loop = []
     refresh = weight_cache.WeightCache.refresh
 

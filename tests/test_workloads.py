@@ -27,8 +27,22 @@ from lpbench.models.hf import hf_model_config
 
 TINY2 = dataclasses.replace(MODELS["tiny"], n_layers=2, vocab_size=256)
 RUN = RunConfig(model="tiny", seq_len=128, mbs=2, gbs=2, steps=2, warmup_steps=1, device="cpu")
-ARGS = ["--model", "tiny", "--seq-len", "64", "--mbs", "2", "--gbs", "2", "--steps", "2", "--warmup-steps", "1",
-        "--device", "cpu"]
+ARGS = [
+    "--model",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--mbs",
+    "2",
+    "--gbs",
+    "2",
+    "--steps",
+    "2",
+    "--warmup-steps",
+    "1",
+    "--device",
+    "cpu",
+]
 
 
 def train_capturing(monkeypatch, cfg):
@@ -45,8 +59,9 @@ def train_capturing(monkeypatch, cfg):
     return loop.train(cfg, log=lambda line: None), seen["model"], seen["start"]
 
 
-@pytest.mark.parametrize("workload,precision", [("sft", "bf16"), ("sft", "fp8-tensorwise"), ("lora", "bf16"),
-                                                ("lora", "mxfp8")])
+@pytest.mark.parametrize(
+    "workload,precision", [("sft", "bf16"), ("sft", "fp8-tensorwise"), ("lora", "bf16"), ("lora", "mxfp8")]
+)
 def test_sft_and_lora_train_with_their_flop_rule(workload, precision, monkeypatch):
     cfg = RUN.with_(workload=workload, precision=precision)
     result, model, start = train_capturing(monkeypatch, cfg)
@@ -55,8 +70,11 @@ def test_sft_and_lora_train_with_their_flop_rule(workload, precision, monkeypatc
     assert m["workload"] == workload and m["weight_bytes"] > 0
     tiny = MODELS["tiny"]
     lengths = build_sft_dataset("mock", seq_len=128, seed=cfg.seed, vocab_size=tiny.vocab_size).flops_sample_lengths()
-    rule = packed_flops_per_token if workload == "sft" else \
-        lambda c, s, ls, f: lora_flops_per_token(c, s, f, sample_lengths=ls)
+    rule = (
+        packed_flops_per_token
+        if workload == "sft"
+        else lambda c, s, ls, f: lora_flops_per_token(c, s, f, sample_lengths=ls)
+    )
     assert m["flops_per_token"] == rule(tiny, 128, lengths, "megatron")
     assert m["flops_per_token"] < flops_per_token(tiny, 128)  # attention per sample, not over the sequence
     end = model.state_dict()
@@ -81,7 +99,8 @@ def test_quantized_base_storage_saves_bytes_and_trains_identically(monkeypatch):
     assert [s["loss"] for s in stored.steps] == [s["loss"] for s in plain.steps]
     frozen = [m for m in model.modules() if isinstance(m, FrozenQuantizedLinear)]
     assert len(frozen) == stored.metrics["lora_stored_quantized"] == 32 and not any(
-        isinstance(m, QuantizedLinear) for m in model.modules())
+        isinstance(m, QuantizedLinear) for m in model.modules()
+    )
     # each base: BF16 weight (2 bytes per element) -> E4M3 codes (1 byte) + one FP32 scale
     saved = sum(m.in_features * m.out_features - 4 for m in frozen)
     assert plain.metrics["weight_bytes"] - stored.metrics["weight_bytes"] == saved > 0
@@ -145,14 +164,22 @@ def test_merging_adapters_into_a_stored_base_requantizes():
 
 # --------------------------------------------------------------------------- --hf-checkpoint
 
+
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=True)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
     path = tmp_path_factory.mktemp("hf") / "tiny-llama"
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -166,8 +193,9 @@ def test_hf_checkpoint_is_the_runs_model(hf_folder, tmp_path):
     from lpbench.data.loader import build_dataset
 
     argv = [a for a in ARGS if a not in ("--model", "tiny")]  # no --model: the run is labelled hf:<folder>
-    assert main(["run", *argv, "--hf-checkpoint", str(hf_folder), "--precision", "fp32", "--results",
-                 str(tmp_path)]) == 0
+    assert (
+        main(["run", *argv, "--hf-checkpoint", str(hf_folder), "--precision", "fp32", "--results", str(tmp_path)]) == 0
+    )
     (run,) = ResultsStore(tmp_path).runs()
     assert run["model"] == "hf:tiny-llama" and run["status"] == "ok" and run["workload"] == "pretrain"
     ref = transformers.LlamaForCausalLM.from_pretrained(hf_folder).eval()
@@ -180,8 +208,14 @@ def test_hf_checkpoint_is_the_runs_model(hf_folder, tmp_path):
 
 
 def test_lora_on_an_hf_checkpoint_trains_only_adapters(hf_folder, monkeypatch):
-    cfg = RUN.with_(model="hf:tiny-llama", hf_checkpoint=str(hf_folder), workload="lora", lora_rank=4,
-                    lora_targets="qkv,mlp", seq_len=64)
+    cfg = RUN.with_(
+        model="hf:tiny-llama",
+        hf_checkpoint=str(hf_folder),
+        workload="lora",
+        lora_rank=4,
+        lora_targets="qkv,mlp",
+        seq_len=64,
+    )
     result, model, start = train_capturing(monkeypatch, cfg)
     assert result.status == "ok" and result.metrics["lora_adapted_linears"] == 2 * 3
     end = model.state_dict()
@@ -190,8 +224,11 @@ def test_lora_on_an_hf_checkpoint_trains_only_adapters(hf_folder, monkeypatch):
 
 def test_model_and_hf_checkpoint_must_agree(hf_folder, monkeypatch):
     assert hf_model_config("hf:mine", str(hf_folder)).name == "hf:mine"
-    with pytest.raises(UsageError, match=r"--model tiny does not match --hf-checkpoint .*n_layers 8 vs 2.*"
-                                         r"leave out --model to label the run hf:tiny-llama"):
+    with pytest.raises(
+        UsageError,
+        match=r"--model tiny does not match --hf-checkpoint .*n_layers 8 vs 2.*"
+        r"leave out --model to label the run hf:tiny-llama",
+    ):
         hf_model_config("tiny", str(hf_folder))
     # a zoo model of the checkpoint's shape labels it; RoPE and eps come from the checkpoint
     monkeypatch.setitem(MODELS, "tiny-64", dataclasses.replace(TINY2, name="tiny-64", dim=64, ffn_dim=128))
@@ -201,18 +238,22 @@ def test_model_and_hf_checkpoint_must_agree(hf_folder, monkeypatch):
 
 # --------------------------------------------------------------------------- CLI, report, sweep
 
-@pytest.mark.parametrize("argv,message", [
-    (["--workload", "sft", "--lora-rank", "8"], "--lora-rank applies to --workload lora only (this run is sft)"),
-    (["--lora-base-storage", "quantized"], "--lora-base-storage applies to --workload lora only"),
-    (["--workload", "lora", "--lora-rank", "0"], "--lora-rank must be positive, got 0"),
-    (["--workload", "lora", "--lora-alpha", "-1"], "--lora-alpha must be positive"),
-    (["--workload", "lora", "--lora-targets", "qkv,v"], "unknown LoRA target 'v'"),
-    (["--workload", "lora", "--fsdp"], "--tp and --fsdp are not supported for LoRA yet"),
-    (["--workload", "lora", "--lora-base-storage", "quantized", "--backend", "torchao"], "needs --backend lpbench"),
-    (["--workload", "finetune"], "invalid choice: 'finetune'"),
-    (["--hf-checkpoint", "/nonexistent/ckpt"], "/nonexistent/ckpt: no such file"),
-    (["--workload", "sft", "--data", "mock-uniform"], "--data mock-uniform: not 'mock' or an existing"),
-])
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--workload", "sft", "--lora-rank", "8"], "--lora-rank applies to --workload lora only (this run is sft)"),
+        (["--lora-base-storage", "quantized"], "--lora-base-storage applies to --workload lora only"),
+        (["--workload", "lora", "--lora-rank", "0"], "--lora-rank must be positive, got 0"),
+        (["--workload", "lora", "--lora-alpha", "-1"], "--lora-alpha must be positive"),
+        (["--workload", "lora", "--lora-targets", "qkv,v"], "unknown LoRA target 'v'"),
+        (["--workload", "lora", "--fsdp"], "--tp and --fsdp are not supported for LoRA yet"),
+        (["--workload", "lora", "--lora-base-storage", "quantized", "--backend", "torchao"], "needs --backend lpbench"),
+        (["--workload", "finetune"], "invalid choice: 'finetune'"),
+        (["--hf-checkpoint", "/nonexistent/ckpt"], "/nonexistent/ckpt: no such file"),
+        (["--workload", "sft", "--data", "mock-uniform"], "--data mock-uniform: not 'mock' or an existing"),
+    ],
+)
 def test_bad_workload_input_exits_2_with_one_line(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         sys.exit(main(["run", *ARGS, "--precision", "bf16", *argv, "--results", str(tmp_path)]))
@@ -222,8 +263,25 @@ def test_bad_workload_input_exits_2_with_one_line(argv, message, capsys, tmp_pat
 
 
 def test_cli_lora_with_stored_base_then_report(tmp_path, capsys):
-    assert main(["run", *ARGS, "--workload", "lora", "--precision", "bf16,fp8-tensorwise", "--lora-rank", "8",
-                 "--lora-base-storage", "quantized", "--results", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                *ARGS,
+                "--workload",
+                "lora",
+                "--precision",
+                "bf16,fp8-tensorwise",
+                "--lora-rank",
+                "8",
+                "--lora-base-storage",
+                "quantized",
+                "--results",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "lpbench: lora tiny" in out and "frozen base stored quantized (32 linears quantized once)" in out
     assert "frozen base stored bf16 (bf16 quantizes no linear)" in out  # bf16: nothing to quantize
@@ -233,23 +291,42 @@ def test_cli_lora_with_stored_base_then_report(tmp_path, capsys):
     assert "| BF16 |" in md and "FP8 (per-tensor), base stored quantized" in md  # BF16 stored nothing quantized
     assert main(["report", "--results", str(tmp_path), "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["workload"], r["precision"], r["status"]) for r in rows] == [("lora", "bf16", "ok"),
-                                                                           ("lora", "fp8-tensorwise", "ok")]
+    assert [(r["workload"], r["precision"], r["status"]) for r in rows] == [
+        ("lora", "bf16", "ok"),
+        ("lora", "fp8-tensorwise", "ok"),
+    ]
 
 
 def test_sweep_takes_workload_and_lora_settings_as_grid_keys():
-    tiny = {"name": "ft", "model": "tiny", "device": "cpu", "seq_len": 32, "mbs": 2, "gbs": 2, "steps": 2,
-            "warmup_steps": 1}
+    tiny = {
+        "name": "ft",
+        "model": "tiny",
+        "device": "cpu",
+        "seq_len": 32,
+        "mbs": 2,
+        "gbs": 2,
+        "steps": 2,
+        "warmup_steps": 1,
+    }
     sweep = sw.expand({**tiny, "workload": ["pretrain", "sft", "lora"], "precision": ["bf16", "mxfp8"]})
     assert [(r.workload, r.config.workload, r.config.precision) for r in sweep.runs] == [
-        (w, w, p) for w in ("pretrain", "sft", "lora") for p in ("bf16", "mxfp8")]
-    assert "--workload" in (cmd := sw.child_command(sweep.runs[-1], sw.Path("r"), "ft")) and \
-        cmd[cmd.index("--workload") + 1] == "lora"
-    sweep = sw.expand({**tiny, "finetune": [{"workload": "sft"}, {"workload": "lora", "lora_rank": 8,
-                                                                   "lora_base_storage": "quantized"}],
-                       "precision": "fp8-tensorwise"})
+        (w, w, p) for w in ("pretrain", "sft", "lora") for p in ("bf16", "mxfp8")
+    ]
+    assert (
+        "--workload" in (cmd := sw.child_command(sweep.runs[-1], sw.Path("r"), "ft"))
+        and cmd[cmd.index("--workload") + 1] == "lora"
+    )
+    sweep = sw.expand(
+        {
+            **tiny,
+            "finetune": [{"workload": "sft"}, {"workload": "lora", "lora_rank": 8, "lora_base_storage": "quantized"}],
+            "precision": "fp8-tensorwise",
+        }
+    )
     assert [(r.config.workload, r.config.lora_rank, r.config.lora_base_storage) for r in sweep.runs] == [
-        ("sft", 32, "bf16"), ("lora", 8, "quantized")]
+        ("sft", 32, "bf16"),
+        ("lora", 8, "quantized"),
+    ]
     sweep = sw.expand({**tiny, "workload": ["sft", "lora"], "lora_rank": 8})
     assert [r.workload for r in sweep.runs] == ["lora"]
     assert "--lora-rank applies to --workload lora only" in sweep.skipped[0][1]

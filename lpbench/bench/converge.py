@@ -101,8 +101,17 @@ def judge(outcomes: list[Outcome], tolerances: dict[str, float]) -> str:
             o.verdict = "no reference" if i else "reference failed"
         else:
             o.gap_pct = (loss - ref_loss) / ref_loss * 100
-            o.verdict = "reference" if i == 0 else "seed noise" if o.seed is not None else \
-                "no tolerance" if o.tolerance is None else "pass" if o.gap_pct <= o.tolerance else "fail"
+            o.verdict = (
+                "reference"
+                if i == 0
+                else "seed noise"
+                if o.seed is not None
+                else "no tolerance"
+                if o.tolerance is None
+                else "pass"
+                if o.gap_pct <= o.tolerance
+                else "fail"
+            )
     return metric
 
 
@@ -119,10 +128,15 @@ def outcome_of(result) -> Outcome:
     window = losses[-TRAIN_WINDOW:]
     vals = [s["val_loss"] for s in steps if "val_loss" in s]
     return Outcome(
-        precision=result.config.precision, status=result.status, path=result.metrics.get("path"),
-        error=result.error, diverged_step=steps[-1]["step"] if result.status == "diverged" else None,
+        precision=result.config.precision,
+        status=result.status,
+        path=result.metrics.get("path"),
+        error=result.error,
+        diverged_step=steps[-1]["step"] if result.status == "diverged" else None,
         train_loss=sum(window) / len(window) if window and result.status == "ok" else None,
-        val_loss=vals[-1] if vals and result.status == "ok" else None, steps=steps)
+        val_loss=vals[-1] if vals and result.status == "ok" else None,
+        steps=steps,
+    )
 
 
 def run_name(cfg: RunConfig, reference_seed: int) -> str:
@@ -142,8 +156,10 @@ def with_checkpoints(configs: list[RunConfig], args) -> list[RunConfig]:
         if args.load:
             folder = Path(args.load) / name
             if not folder.is_dir():
-                raise UsageError(f"--load {args.load}: no checkpoint of {name} (no folder {folder}); --load resumes "
-                                 "every run given, so name only the runs saved there")
+                raise UsageError(
+                    f"--load {args.load}: no checkpoint of {name} (no folder {folder}); --load resumes "
+                    "every run given, so name only the runs saved there"
+                )
             cfg = cfg.with_(load=str(folder))
         out.append(validated(cfg))
     return out
@@ -175,13 +191,21 @@ def resolve_data(args, model_vocab: int):
     raw = Path(args.data).exists() and not args.data.endswith((".bin", ".idx"))
     trained = raw and args.tokenizer is None
     vocab = args.vocab_size or model_vocab
-    splits = build_dataset(args.data, args.tokenizer, seq_len=args.seq_len, seed=args.seed,
-                           train_vocab_size=vocab if trained else None,
-                           cache_dir=Path(args.results) / "converge-data" if raw else None)
+    splits = build_dataset(
+        args.data,
+        args.tokenizer,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        train_vocab_size=vocab if trained else None,
+        cache_dir=Path(args.results) / "converge-data" if raw else None,
+    )
     lines = splits.describe().splitlines()
     if trained:
-        lines.insert(1, f"tokenizer: none given, so a byte-level BPE (vocab {vocab} requested) was trained on "
-                        f"{args.data} itself (pass --tokenizer tokenizer.json or --tokenizer byte to choose)")
+        lines.insert(
+            1,
+            f"tokenizer: none given, so a byte-level BPE (vocab {vocab} requested) was trained on "
+            f"{args.data} itself (pass --tokenizer tokenizer.json or --tokenizer byte to choose)",
+        )
     return splits.prefix, splits, lines
 
 
@@ -217,8 +241,10 @@ def build_configs(args) -> tuple[list[RunConfig], list[str]]:
     base = base.with_(data=data)
     if eval_every:
         n = eval_batch_count(base, splits.valid)
-        lines.append(f"validation: {n * args.mbs} held-out sequences of {args.seq_len} tokens "
-                     f"(of {len(splits.valid)} in the split) every {eval_every} steps and at step {steps}")
+        lines.append(
+            f"validation: {n * args.mbs} held-out sequences of {args.seq_len} tokens "
+            f"(of {len(splits.valid)} in the split) every {eval_every} steps and at step {steps}"
+        )
     configs = [base.with_(precision=p).validate() for p in names]
     configs += [configs[0].with_(seed=base.seed + i) for i in range(1, args.noise_seeds + 1)]
     return with_checkpoints(configs, args), lines
@@ -245,17 +271,21 @@ def cmd_converge(args) -> int:
     configs, data_lines = build_configs(args)
     first = configs[0]
     tokens = first.steps * first.gbs * first.seq_len
-    console.print(f"lpbench converge: {escape(first.label)}, {len(configs)} runs x {first.steps} steps x "
-                  f"{first.gbs * first.seq_len:,} tokens = {tokens:,} tokens each (asked {args.tokens:,.0f}); "
-                  f"same seed ({first.seed}), same data order", highlight=False)
+    console.print(
+        f"lpbench converge: {escape(first.label)}, {len(configs)} runs x {first.steps} steps x "
+        f"{first.gbs * first.seq_len:,} tokens = {tokens:,} tokens each (asked {args.tokens:,.0f}); "
+        f"same seed ({first.seed}), same data order",
+        highlight=False,
+    )
     for line in data_lines:
         console.print(f"  {escape(line)}", highlight=False)
     store = open_store(args.results)
     group = uuid.uuid4().hex[:12]
     outcomes = []
     labels = [cfg.precision if cfg.seed == first.seed else f"{cfg.precision} @ seed {cfg.seed}" for cfg in configs]
-    with RunsProgress(console, [(label, cfg.steps) for label, cfg in zip(labels, configs)],
-                      step_costs(configs)) as progress:
+    with RunsProgress(
+        console, [(label, cfg.steps) for label, cfg in zip(labels, configs)], step_costs(configs)
+    ) as progress:
         for i, cfg in enumerate(configs):
             progress.start(i)
             result = execute(cfg, results_dir=args.results, on_step=progress.step)
@@ -263,38 +293,66 @@ def cmd_converge(args) -> int:
             outcome = outcome_of(result)
             outcome.seed = cfg.seed if cfg.seed != first.seed else None
             outcomes.append(outcome)
-            metrics = dict(result.metrics, diverged_step=outcome.diverged_step, train_loss=outcome.train_loss,
-                           train_loss_steps=TRAIN_WINDOW,
-                           val_losses=[[s["step"], s["val_loss"]] for s in outcome.steps if "val_loss" in s])
+            metrics = dict(
+                result.metrics,
+                diverged_step=outcome.diverged_step,
+                train_loss=outcome.train_loss,
+                train_loss_steps=TRAIN_WINDOW,
+                val_losses=[[s["step"], s["val_loss"]] for s in outcome.steps if "val_loss" in s],
+            )
             record(store, replace(result, steps=outcome.steps), group_id=group, workload="converge", metrics=metrics)
-            console.print(f"lpbench converge: {escape(outcome.label)}: {escape(outcome.status_text)}, train loss "
-                          f"{_fmt(outcome.train_loss)}, validation loss {_fmt(outcome.val_loss)}", highlight=False)
+            console.print(
+                f"lpbench converge: {escape(outcome.label)}: {escape(outcome.status_text)}, train loss "
+                f"{_fmt(outcome.train_loss)}, validation loss {_fmt(outcome.val_loss)}",
+                highlight=False,
+            )
     metric = judge(outcomes, tolerances)
     ref = precision_name(outcomes[0].precision)
     table = Table(title=Text(f"lpbench converge {group}: {first.label}, {tokens:,} tokens per recipe"))
     window = min(TRAIN_WINDOW, first.steps)
-    for col in ("recipe", "path", "status", f"train loss (last {window})", "val loss",
-                f"gap vs {ref}", "tolerance", "verdict"):
+    for col in (
+        "recipe",
+        "path",
+        "status",
+        f"train loss (last {window})",
+        "val loss",
+        f"gap vs {ref}",
+        "tolerance",
+        "verdict",
+    ):
         table.add_column(col, justify="right" if "loss" in col or col in ("gap vs " + ref, "tolerance") else "left")
     for o in outcomes:
         colour = {"pass": "green", "fail": "red"}.get(o.verdict, "red" if o.status != "ok" else "")
-        table.add_row(Text(o.label), o.path or "-", Text(o.status_text), _fmt(o.train_loss), _fmt(o.val_loss),
-                      "-" if o.gap_pct is None else f"{o.gap_pct:+.2f}%",
-                      "-" if o.tolerance is None else f"{o.tolerance:g}%",
-                      f"[{colour}]{o.verdict}[/{colour}]" if colour else o.verdict)
+        table.add_row(
+            Text(o.label),
+            o.path or "-",
+            Text(o.status_text),
+            _fmt(o.train_loss),
+            _fmt(o.val_loss),
+            "-" if o.gap_pct is None else f"{o.gap_pct:+.2f}%",
+            "-" if o.tolerance is None else f"{o.tolerance:g}%",
+            f"[{colour}]{o.verdict}[/{colour}]" if colour else o.verdict,
+        )
     console.print(table)
-    console.print(f"gap = ({'validation' if metric == 'val_loss' else 'train'} loss - {ref}'s) / {ref}'s"
-                  + ("" if metric == "val_loss" else " (no validation: --eval-every 0)")
-                  + f"; pass when gap <= tolerance. Train loss: mean of the last {window} steps.",
-                  highlight=False)
+    console.print(
+        f"gap = ({'validation' if metric == 'val_loss' else 'train'} loss - {ref}'s) / {ref}'s"
+        + ("" if metric == "val_loss" else " (no validation: --eval-every 0)")
+        + f"; pass when gap <= tolerance. Train loss: mean of the last {window} steps.",
+        highlight=False,
+    )
     noise = noise_floor(outcomes)
     if noise is not None:
-        console.print(f"seed noise: {ref} with other seeds lands up to {noise:.2f}% from seed {first.seed}; "
-                      f"gaps within ±{noise:.2f}% are not resolved by this budget", highlight=False)
+        console.print(
+            f"seed noise: {ref} with other seeds lands up to {noise:.2f}% from seed {first.seed}; "
+            f"gaps within ±{noise:.2f}% are not resolved by this budget",
+            highlight=False,
+        )
     plot = Path(args.plot or Path(args.results) / f"converge-{group}.png")
-    png = convergence_curves([_plot_run(o, first) for o in outcomes],
-                             title=f"{first.label} · {tokens:,} tokens per recipe · "
-                                   f"GBS {first.gbs} × seq {first.seq_len} · seed {first.seed}")
+    png = convergence_curves(
+        [_plot_run(o, first) for o in outcomes],
+        title=f"{first.label} · {tokens:,} tokens per recipe · "
+        f"GBS {first.gbs} × seq {first.seq_len} · seed {first.seed}",
+    )
     write_file(plot, png)
     console.print(escape(f"plot: {plot}\nresults: {store.path} (group {group})"), highlight=False)
     console.print(escape(next_command(args.results, group)), highlight=False, soft_wrap=True)
@@ -307,45 +365,85 @@ def _fmt(v: float | None) -> str:
 
 def _plot_run(o: Outcome, cfg: RunConfig) -> dict:
     per_step = cfg.gbs * cfg.seq_len
-    return {"precision": o.label, "status": o.status_text, "ok": o.status == "ok", "verdict": o.verdict,
-            "tolerance": o.tolerance,
-            "train": [(s["step"] * per_step, s["loss"]) for s in o.steps],
-            "val": [(s["step"] * per_step, s["val_loss"]) for s in o.steps if "val_loss" in s]}
+    return {
+        "precision": o.label,
+        "status": o.status_text,
+        "ok": o.status == "ok",
+        "verdict": o.verdict,
+        "tolerance": o.tolerance,
+        "train": [(s["step"] * per_step, s["loss"]) for s in o.steps],
+        "val": [(s["step"] * per_step, s["val_loss"]) for s in o.steps if "val_loss" in s],
+    }
 
 
 def add_parser(sub) -> None:
     """``lpbench converge`` on the CLI's sub-command parsers."""
-    p = sub.add_parser("converge", help="train several precisions on the same real data and compare their "
-                                        "validation loss with the first (pass/fail per tolerance)",
-                       description="Train several precisions from the same seed on the same data for the same "
-                                   "number of tokens; compare each one's validation loss with the first's.")
-    p.add_argument("--ablate", type=csv_list, default=None, metavar="A,B",
-                   help="add one nvfp4 run per ingredient switched off: rht, sr, 2d, bf16-tail")
-    p.add_argument("--tokens", type=float, default=100_000,
-                   help="training tokens per recipe; steps = tokens / (GBS x seq_len) (default 1e5)")
-    add_config_args(p, settings("converge"), defaults={"precision": list(DEFAULT_PRECISIONS), "emulate": True,
-                                                       "log_interval": 10, "eval_every": None},
-                    default_texts={"eval_every": "steps / 10; 0: none, judge by train loss"})
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer.json for raw text, or 'byte' (default: train a byte-level BPE on the data)")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary of the BPE trained on raw text (default: the model's)")
-    p.add_argument("--tolerance", default=None, metavar="NAME=PCT,...",
-                   help="tolerated gap in %% by recipe or family prefix, over each recipe's own (`lpbench "
-                        "recipes --json`: FP8 recipes and MXFP8 0.5, FP4 recipes 1.5)")
-    p.add_argument("--noise-seeds", type=int, default=0, metavar="K",
-                   help="also run the reference with seeds SEED+1..SEED+K: its seed-to-seed gap is the noise "
-                        "floor to read the other gaps against (default 0)")
-    p.add_argument("--save-every", type=int, default=0, metavar="K",
-                   help="checkpoint every run every K steps into --save-dir/<run>/step-K (<run>: the recipe, or "
-                        "bf16-seed1235 for a --noise-seeds run) (default 0: never)")
+    p = sub.add_parser(
+        "converge",
+        help="train several precisions on the same real data and compare their "
+        "validation loss with the first (pass/fail per tolerance)",
+        description="Train several precisions from the same seed on the same data for the same "
+        "number of tokens; compare each one's validation loss with the first's.",
+    )
+    p.add_argument(
+        "--ablate",
+        type=csv_list,
+        default=None,
+        metavar="A,B",
+        help="add one nvfp4 run per ingredient switched off: rht, sr, 2d, bf16-tail",
+    )
+    p.add_argument(
+        "--tokens",
+        type=float,
+        default=100_000,
+        help="training tokens per recipe; steps = tokens / (GBS x seq_len) (default 1e5)",
+    )
+    add_config_args(
+        p,
+        settings("converge"),
+        defaults={"precision": list(DEFAULT_PRECISIONS), "emulate": True, "log_interval": 10, "eval_every": None},
+        default_texts={"eval_every": "steps / 10; 0: none, judge by train loss"},
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json for raw text, or 'byte' (default: train a byte-level BPE on the data)",
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=None, help="vocabulary of the BPE trained on raw text (default: the model's)"
+    )
+    p.add_argument(
+        "--tolerance",
+        default=None,
+        metavar="NAME=PCT,...",
+        help="tolerated gap in %% by recipe or family prefix, over each recipe's own (`lpbench "
+        "recipes --json`: FP8 recipes and MXFP8 0.5, FP4 recipes 1.5)",
+    )
+    p.add_argument(
+        "--noise-seeds",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also run the reference with seeds SEED+1..SEED+K: its seed-to-seed gap is the noise "
+        "floor to read the other gaps against (default 0)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="checkpoint every run every K steps into --save-dir/<run>/step-K (<run>: the recipe, or "
+        "bf16-seed1235 for a --noise-seeds run) (default 0: never)",
+    )
     p.add_argument("--save-dir", default=None, metavar="DIR", help="folder of --save-every's checkpoints")
-    p.add_argument("--load", default=None, metavar="DIR",
-                   help="resume every run from its latest checkpoint in DIR/<run>/ (a --save-dir of an earlier "
-                        "converge with the same flags) and continue it exactly: weights, optimizer, LR schedule, "
-                        "data position, RNG and the curve so far")
+    p.add_argument(
+        "--load",
+        default=None,
+        metavar="DIR",
+        help="resume every run from its latest checkpoint in DIR/<run>/ (a --save-dir of an earlier "
+        "converge with the same flags) and continue it exactly: weights, optimizer, LR schedule, "
+        "data position, RNG and the curve so far",
+    )
     p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
-    p.add_argument("--plot", default=None, metavar="FILE",
-                   help="loss-curve PNG (default RESULTS/converge-<group>.png)")
+    p.add_argument("--plot", default=None, metavar="FILE", help="loss-curve PNG (default RESULTS/converge-<group>.png)")
     p.set_defaults(func=cmd_converge)
-

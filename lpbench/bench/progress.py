@@ -50,9 +50,14 @@ def step_costs(configs) -> list[float]:
     from lpbench.precision.recipes import get_recipe
 
     gpu = torch.cuda.is_available()
-    return [step_cost(cfg.precision, emulation_reason(get_recipe(cfg.precision),
-                                                      "cuda" if gpu and cfg.device != "cpu" else "cpu",
-                                                      cfg.emulate) is not None) for cfg in configs]
+    return [
+        step_cost(
+            cfg.precision,
+            emulation_reason(get_recipe(cfg.precision), "cuda" if gpu and cfg.device != "cpu" else "cpu", cfg.emulate)
+            is not None,
+        )
+        for cfg in configs
+    ]
 
 
 class RunsProgress:
@@ -63,8 +68,9 @@ class RunsProgress:
     (``step_cost``); a run's measured rate replaces the estimate once it has run two steps.
     """
 
-    def __init__(self, console: Console, runs: list[tuple[str, int]], costs: list[float] | None = None,
-                 enabled: bool = True):
+    def __init__(
+        self, console: Console, runs: list[tuple[str, int]], costs: list[float] | None = None, enabled: bool = True
+    ):
         self.console, self.runs, self.enabled = console, runs, enabled
         self.costs = costs or [1.0] * len(runs)
         self.total_steps = sum(steps for _, steps in runs)
@@ -75,10 +81,17 @@ class RunsProgress:
         self.steps_here = 0  # steps the current run has done in this process
         self.first_step_at = None  # the current run's first step (its compile and warm-up before it)
         self.unit: list[float] = []  # seconds per step per unit of cost, of each finished run
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                 MofNCompleteColumn(), TextColumn("steps  elapsed"), TimeElapsedColumn(),
-                                 TextColumn("ETA {task.fields[eta]}"), console=console,
-                                 refresh_per_second=2)  # redraws share the CPU with the timed steps
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps  elapsed"),
+            TimeElapsedColumn(),
+            TextColumn("ETA {task.fields[eta]}"),
+            console=console,
+            refresh_per_second=2,
+        )  # redraws share the CPU with the timed steps
         self.overall = self.current = None
 
     def __enter__(self) -> "RunsProgress":
@@ -97,8 +110,9 @@ class RunsProgress:
         self.index, self.steps_here, self.first_step_at = index, 0, None
         label, steps = self.runs[index]
         if self.enabled:
-            self.current = self.progress.add_task(f"run {index + 1}/{len(self.runs)}: {escape(label)}", total=steps,
-                                                  eta="-")
+            self.current = self.progress.add_task(
+                f"run {index + 1}/{len(self.runs)}: {escape(label)}", total=steps, eta="-"
+            )
 
     def _rate(self) -> float | None:
         """Seconds per step of the current run: measured after its first step, else estimated."""
@@ -115,8 +129,9 @@ class RunsProgress:
         if rate is None:
             return None, None
         unit = self._unit() or rate / self.costs[self.index]
-        later = sum(steps * cost * unit for (_, steps), cost in zip(self.runs[self.index + 1:],
-                                                                     self.costs[self.index + 1:]))
+        later = sum(
+            steps * cost * unit for (_, steps), cost in zip(self.runs[self.index + 1 :], self.costs[self.index + 1 :])
+        )
         return current_left * rate, current_left * rate + later
 
     def step(self, rec: dict) -> None:
@@ -128,8 +143,9 @@ class RunsProgress:
             steps = self.runs[self.index][1]
             here, total = self.eta(steps - rec["step"])
             self.progress.update(self.current, completed=rec["step"], eta="-" if here is None else clock(here))
-            self.progress.update(self.overall, completed=self.done_steps + rec["step"],
-                                 eta="-" if total is None else clock(total))
+            self.progress.update(
+                self.overall, completed=self.done_steps + rec["step"], eta="-" if total is None else clock(total)
+            )
 
     def finish(self, index: int, status: str) -> str:
         """Run ``index`` ended with ``status``: print and return its line (its time, the command's, the ETA)."""
@@ -143,15 +159,26 @@ class RunsProgress:
         eta = None if left else 0.0
         if left:
             unit = self._unit()
-            eta = sum(s * c * unit for (_, s), c in zip(self.runs[index + 1:], self.costs[index + 1:])) if unit else None
+            eta = (
+                sum(s * c * unit for (_, s), c in zip(self.runs[index + 1 :], self.costs[index + 1 :]))
+                if unit
+                else None
+            )
         if self.enabled:
             self.progress.remove_task(self.current)  # a run that stopped early leaves no bar behind
             self.current = None
             self.progress.update(self.overall, completed=self.done_steps, eta="-" if eta is None else clock(eta))
         elapsed = now - self.t0
-        line = (f"lpbench: run {index + 1}/{len(self.runs)} {label}: {status} in {clock(now - self.run_t0)} | "
-                f"elapsed {clock(elapsed)} | "
-                + ("all runs done" if not left else
-                   f"ETA {clock(eta)} for {len(self.runs) - index - 1} more run(s)" if eta is not None else f"{len(self.runs) - index - 1} more run(s), ETA unknown"))
+        line = (
+            f"lpbench: run {index + 1}/{len(self.runs)} {label}: {status} in {clock(now - self.run_t0)} | "
+            f"elapsed {clock(elapsed)} | "
+            + (
+                "all runs done"
+                if not left
+                else f"ETA {clock(eta)} for {len(self.runs) - index - 1} more run(s)"
+                if eta is not None
+                else f"{len(self.runs) - index - 1} more run(s), ETA unknown"
+            )
+        )
         self.console.print(escape(line), highlight=False, soft_wrap=True)
         return line

@@ -41,10 +41,14 @@ class Source:
 
 SOURCES = {
     "nemo-25.04": Source("NeMo 25.04 performance summary (FP8 current scaling)", "nemo-legacy"),
-    "nemo-25.04-fixed": Source("NeMo 25.04 performance summary; the published row has its GBS/MBS cells shifted, "
-                               "GBS recomputed as GA x DP x MBS", "nemo-legacy"),
-    "nemo-25.07-nvfp4-bench": Source("NeMo 25.07 recommended config, as used for every precision by the 8xB200 "
-                                     "NVFP4 benchmark", "nemo-legacy"),
+    "nemo-25.04-fixed": Source(
+        "NeMo 25.04 performance summary; the published row has its GBS/MBS cells shifted, "
+        "GBS recomputed as GA x DP x MBS",
+        "nemo-legacy",
+    ),
+    "nemo-25.07-nvfp4-bench": Source(
+        "NeMo 25.07 recommended config, as used for every precision by the 8xB200 NVFP4 benchmark", "nemo-legacy"
+    ),
     "mb-25.09": Source("Megatron-Bridge 25.09 performance summary (FP8)", "megatron"),
     "nemotron4-recipe": Source("Nemotron4 benchmark recipe (BF16/FP8, 16-2048 H100)", "mha"),
     "lpbench-h100-reused": Source("lpbench's choice: the H100 config reused on H200 (no published H200 config)"),
@@ -107,19 +111,30 @@ class Recommended:
         marked so.
         """
         world = world or self.num_gpus
-        v = {"seq_len": self.seq_len, "mbs": self.mbs, "gbs": self.gbs, "tp": self.tp, "ep": self.ep,
-             "fsdp": bool(self.fsdp), "flops_formula": self.formula}
+        v = {
+            "seq_len": self.seq_len,
+            "mbs": self.mbs,
+            "gbs": self.gbs,
+            "tp": self.tp,
+            "ep": self.ep,
+            "fsdp": bool(self.fsdp),
+            "flops_formula": self.formula,
+        }
         changed = {k for k, x in ran.items() if x is not None and x != v.get(k)}
         v.update({k: ran[k] for k in changed})
         dp = max(1, world // v["tp"])
         mark = lambda k: " (flag)" if k in changed else ""  # noqa: E731
         ep = f", EP {v['ep']}{mark('ep')}" if v["ep"] > 1 else ""
-        text = (f"{self.title()}; runs as seq_len {v['seq_len']}{mark('seq_len')}, MBS {v['mbs']}{mark('mbs')}, "
-                f"GBS {v['gbs']}{mark('gbs')}, TP {v['tp']}{mark('tp')}, DP {dp}{' (FSDP)' if v['fsdp'] else ''}"
-                f"{ep}, GA {max(1, v['gbs'] // (v['mbs'] * dp))} on {world} process(es)")
+        text = (
+            f"{self.title()}; runs as seq_len {v['seq_len']}{mark('seq_len')}, MBS {v['mbs']}{mark('mbs')}, "
+            f"GBS {v['gbs']}{mark('gbs')}, TP {v['tp']}{mark('tp')}, DP {dp}{' (FSDP)' if v['fsdp'] else ''}"
+            f"{ep}, GA {max(1, v['gbs'] // (v['mbs'] * dp))} on {world} process(es)"
+        )
         if world != self.num_gpus:
-            text += (f" (the row: {self.num_gpus} GPUs, DP {self.dp}, GA {self.grad_accum}; start "
-                     f"{self.num_gpus} with --nproc-per-node, torchrun or srun to run it as listed)")
+            text += (
+                f" (the row: {self.num_gpus} GPUs, DP {self.dp}, GA {self.grad_accum}; start "
+                f"{self.num_gpus} with --nproc-per-node, torchrun or srun to run it as listed)"
+            )
         published = SOURCES[self.sources[0]].formula and f", as {self.sources[0]}'s table counts"
         return text + f"; TFLOP/s by the {v['flops_formula']} formula{mark('flops_formula') or published or ''}"
 
@@ -130,11 +145,16 @@ def check_runnable(rec: Recommended) -> None:
     from lpbench.parallel.dims import NOT_YET
 
     implemented = {f.name for f in fields(RunConfig)} - set(NOT_YET)  # fields that only refuse > 1 so far
-    missing = [f"{name} parallelism ({col.upper()} {getattr(rec, col)})" for col, name in PARALLEL_DIMS
-               if getattr(rec, col) > 1 and col not in implemented]
+    missing = [
+        f"{name} parallelism ({col.upper()} {getattr(rec, col)})"
+        for col, name in PARALLEL_DIMS
+        if getattr(rec, col) > 1 and col not in implemented
+    ]
     if missing:
-        raise UsageError(f"the recommended config for {rec.title()} needs {' and '.join(missing)}, which lpbench "
-                         f"does not implement yet; set --seq-len/--mbs/--gbs/--tp yourself instead of --gpu")
+        raise UsageError(
+            f"the recommended config for {rec.title()} needs {' and '.join(missing)}, which lpbench "
+            f"does not implement yet; set --seq-len/--mbs/--gbs/--tp yourself instead of --gpu"
+        )
 
 
 @lru_cache(maxsize=1)
@@ -157,8 +177,9 @@ def dtype_class(precision: str | None) -> str:
     return "fp4" if precision.endswith("fp4") else "fp8"
 
 
-def lookup(model: str, gpu: str, num_gpus: int | None = None, task: str = "pretrain",
-           precision: str | None = None) -> Recommended:
+def lookup(
+    model: str, gpu: str, num_gpus: int | None = None, task: str = "pretrain", precision: str | None = None
+) -> Recommended:
     """The recommended row for ``model`` on ``num_gpus`` GPUs of type ``gpu``.
 
     The dtype column is matched to ``precision`` (bf16 / fp8 / fp4 class), falling back to the
@@ -180,8 +201,10 @@ def lookup(model: str, gpu: str, num_gpus: int | None = None, task: str = "pretr
         num_gpus = counts[0]
     matches = [r for r in mine if r.num_gpus == num_gpus]
     if not matches:
-        raise UsageError(f"no recommended {task} config for {model} on {num_gpus}x {system}; "
-                         f"GPU counts with one: {', '.join(map(str, counts))}")
+        raise UsageError(
+            f"no recommended {task} config for {model} on {num_gpus}x {system}; "
+            f"GPU counts with one: {', '.join(map(str, counts))}"
+        )
     wanted = dtype_class(precision)
     for dtype in dict.fromkeys((wanted, "fp8", "bf16")):
         for r in matches:
@@ -195,13 +218,26 @@ def run_defaults(rec: Recommended) -> dict:
     its table was published with."""
     from lpbench.config import RunConfig
 
-    return {**{f.name: bool(getattr(rec, f.name)) if isinstance(f.default, bool) else getattr(rec, f.name)
-               for f in fields(RunConfig) if f.name in RUN_FIELDS},  # e.g. fsdp: 0/1 -> flag
-            "flops_formula": rec.formula}
+    return {
+        **{
+            f.name: bool(getattr(rec, f.name)) if isinstance(f.default, bool) else getattr(rec, f.name)
+            for f in fields(RunConfig)
+            if f.name in RUN_FIELDS
+        },  # e.g. fsdp: 0/1 -> flag
+        "flops_formula": rec.formula,
+    }
 
 
-def recommended_defaults(gpu: str | None, num_gpus: int | None, *, model: str, workload: str,
-                         precision: str | None, explicit: dict, world: int) -> dict:
+def recommended_defaults(
+    gpu: str | None,
+    num_gpus: int | None,
+    *,
+    model: str,
+    workload: str,
+    precision: str | None,
+    explicit: dict,
+    world: int,
+) -> dict:
     """``lpbench run --gpu G [--num-gpus N]``: the recommended row's RunConfig keyword arguments for the
     fields not in ``explicit`` ({} without ``--gpu``), for a launch of ``world`` processes.
 
@@ -217,9 +253,11 @@ def recommended_defaults(gpu: str | None, num_gpus: int | None, *, model: str, w
     check_runnable(rec)
     filled = {k: v for k, v in run_defaults(rec).items() if k not in explicit}
     if "tp" in filled and world % rec.tp:
-        raise UsageError(f"the recommended config for {rec.name} on {rec.num_gpus}x {rec.system} uses TP {rec.tp}, "
-                         f"but this launch has {world} process(es): start {rec.num_gpus} "
-                         f"(--nproc-per-node {rec.num_gpus}, torchrun or srun) or pass --tp")
+        raise UsageError(
+            f"the recommended config for {rec.name} on {rec.num_gpus}x {rec.system} uses TP {rec.tp}, "
+            f"but this launch has {world} process(es): start {rec.num_gpus} "
+            f"(--nproc-per-node {rec.num_gpus}, torchrun or srun) or pass --tp"
+        )
     ran = {k: explicit[k] for k in ("seq_len", "mbs", "gbs", "tp", "ep", "fsdp", "flops_formula") if k in explicit}
     print(f"lpbench: recommended config: {rec.describe(world, **ran)}", file=sys.stderr)
     return filled

@@ -69,8 +69,9 @@ def apply_config_file(args: argparse.Namespace) -> None:
         if key in IGNORED:
             continue
         if key not in valid:
-            raise UsageError(f"--config {path}: unknown key {raw_key!r}; valid: "
-                             f"{', '.join(k.replace('_', '-') for k in valid)}")
+            raise UsageError(
+                f"--config {path}: unknown key {raw_key!r}; valid: {', '.join(k.replace('_', '-') for k in valid)}"
+            )
         if getattr(args, key) is not None:  # the command line wins
             continue
         if key in run_fields and fact(run_fields[key], "many"):  # precision: one run per item

@@ -43,20 +43,26 @@ def check_resume(cfg) -> None:
     ckpt = find_checkpoint(cfg.load)
     meta = read_metadata(ckpt)
     saved, defaults = meta["config"], {f.name: f.default for f in fields(cfg)}
-    diff = [f"{k} {saved.get(k, defaults[k])!r} (this run: {getattr(cfg, k)!r})" for k in settings("resume")
-            if saved.get(k, defaults[k]) != getattr(cfg, k)]
+    diff = [
+        f"{k} {saved.get(k, defaults[k])!r} (this run: {getattr(cfg, k)!r})"
+        for k in settings("resume")
+        if saved.get(k, defaults[k]) != getattr(cfg, k)
+    ]
     if diff:
         raise UsageError(f"--load {ckpt}: checkpoint does not match this run: {'; '.join(diff)}")
     if meta["step"] >= cfg.steps:
-        raise UsageError(f"--load {ckpt}: checkpoint is at step {meta['step']}, --steps {cfg.steps} leaves "
-                         "nothing to train")
+        raise UsageError(
+            f"--load {ckpt}: checkpoint is at step {meta['step']}, --steps {cfg.steps} leaves nothing to train"
+        )
     if cfg.profile_range and cfg.profile_range[1] <= meta["step"]:
-        raise UsageError(f"--profile-steps {cfg.profile_steps}: the run resumed from {ckpt} starts at step "
-                         f"{meta['step'] + 1}")
+        raise UsageError(
+            f"--profile-steps {cfg.profile_steps}: the run resumed from {ckpt} starts at step {meta['step'] + 1}"
+        )
 
 
-def execute(cfg, *, results_dir: str, on_step: Callable[[dict], None] | None = None,
-            record_usage_errors: bool = False) -> RunResult:
+def execute(
+    cfg, *, results_dir: str, on_step: Callable[[dict], None] | None = None, record_usage_errors: bool = False
+) -> RunResult:
     """Train ``cfg``, its log lines on stdout. An exception becomes an ``error`` result, so one failing
     recipe does not take the others down: named on the console, or, for a sweep child (whose row must
     say why even for bad input: ``record_usage_errors``), with its traceback on stderr."""
@@ -78,12 +84,31 @@ def execute(cfg, *, results_dir: str, on_step: Callable[[dict], None] | None = N
         return result
 
 
-def record(store, result: RunResult, *, group_id: str | None, sweep_id: str | None = None,
-           workload: str | None = None, metrics: dict | None = None, env: dict | None = None) -> int | None:
+def record(
+    store,
+    result: RunResult,
+    *,
+    group_id: str | None,
+    sweep_id: str | None = None,
+    workload: str | None = None,
+    metrics: dict | None = None,
+    env: dict | None = None,
+) -> int | None:
     """``result``'s row and steps in ``store`` (``metrics``, ``env``, ``workload`` replace the result's)."""
     cfg = result.config
-    return store.add_run(RunRecord(
-        config=cfg.to_dict(), status=result.status, error=result.error,
-        metrics=result.metrics if metrics is None else metrics, steps=result.steps,
-        env=result.env if env is None else env, run_key=cfg.key(), group_id=group_id, sweep_id=sweep_id,
-        workload=workload or cfg.workload, backend=cfg.backend, num_gpus=cfg.world_size))
+    return store.add_run(
+        RunRecord(
+            config=cfg.to_dict(),
+            status=result.status,
+            error=result.error,
+            metrics=result.metrics if metrics is None else metrics,
+            steps=result.steps,
+            env=result.env if env is None else env,
+            run_key=cfg.key(),
+            group_id=group_id,
+            sweep_id=sweep_id,
+            workload=workload or cfg.workload,
+            backend=cfg.backend,
+            num_gpus=cfg.world_size,
+        )
+    )

@@ -51,9 +51,19 @@ LOCK_WAIT_S = 60.0  # a database locked by another process when opened is waited
 SQLITE_MAX_PATH = 512  # SQLite opens no database whose absolute path is longer (SQLITE_MAX_PATHNAME)
 
 # Summary columns copied from a run's metrics (or config) for querying.
-METRIC_COLUMNS = ("path", "step_time_s", "last_step_time_s", "tokens_per_sec_per_gpu", "tflops_per_gpu",
-                  "mfu_bf16", "mfu_precision", "peak_mem_allocated_gb", "peak_mem_reserved_gb",
-                  "device_mem_used_gb", "final_loss")
+METRIC_COLUMNS = (
+    "path",
+    "step_time_s",
+    "last_step_time_s",
+    "tokens_per_sec_per_gpu",
+    "tflops_per_gpu",
+    "mfu_bf16",
+    "mfu_precision",
+    "peak_mem_allocated_gb",
+    "peak_mem_reserved_gb",
+    "device_mem_used_gb",
+    "final_loss",
+)
 CONFIG_COLUMNS = ("model", "precision", "seq_len", "mbs", "gbs")
 
 _SCHEMA = f"""
@@ -140,10 +150,23 @@ def run_row(run: RunRecord) -> dict:
     cols = {c: run.config.get(c) for c in CONFIG_COLUMNS}
     cols["model"] = model_label(run.config.get("model"), run.config.get("num_layers"))  # llama3-8b@16L
     cols.update({c: _finite_or_none(run.metrics.get(c)) for c in METRIC_COLUMNS})
-    return dict(id=None, run_key=run.run_key, group_id=run.group_id, sweep_id=run.sweep_id,
-                created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), status=run.status, error=run.error,
-                workload=run.workload, backend=run.backend, num_gpus=run.num_gpus, gpu=run.env.get("gpu"), **cols,
-                config=_json_safe(run.config), env=_json_safe(run.env), metrics=_json_safe(run.metrics))
+    return dict(
+        id=None,
+        run_key=run.run_key,
+        group_id=run.group_id,
+        sweep_id=run.sweep_id,
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        status=run.status,
+        error=run.error,
+        workload=run.workload,
+        backend=run.backend,
+        num_gpus=run.num_gpus,
+        gpu=run.env.get("gpu"),
+        **cols,
+        config=_json_safe(run.config),
+        env=_json_safe(run.env),
+        metrics=_json_safe(run.metrics),
+    )
 
 
 _TRANSIENT = ("locked", "busy", "disk is full", "disk i/o error")
@@ -163,8 +186,24 @@ def kept_run_of(data) -> tuple[dict, list[dict]]:
     if not isinstance(data, dict) or not isinstance(data.get("row"), dict) or not isinstance(data.get("steps"), list):
         raise TypeError("not an object with a row object and a steps list")
     row, steps = data["row"], data["steps"]
-    known = {"id", "run_key", "group_id", "sweep_id", "created_at", "status", "error", "workload", "backend",
-             "num_gpus", "gpu", *CONFIG_COLUMNS, *METRIC_COLUMNS, "config", "env", "metrics"}
+    known = {
+        "id",
+        "run_key",
+        "group_id",
+        "sweep_id",
+        "created_at",
+        "status",
+        "error",
+        "workload",
+        "backend",
+        "num_gpus",
+        "gpu",
+        *CONFIG_COLUMNS,
+        *METRIC_COLUMNS,
+        "config",
+        "env",
+        "metrics",
+    }
     if set(row) - known:
         raise ValueError(f"unknown row field(s) {sorted(set(row) - known)[:3]}")
     for key in ("run_key", "created_at", "status"):
@@ -180,8 +219,12 @@ def kept_run_of(data) -> tuple[dict, list[dict]]:
         if key != "path" and not isinstance(row.get(key), (int, float, type(None))):
             raise TypeError(f"row field {key} is not a number")
     for s in steps:
-        if not isinstance(s, dict) or not isinstance(s.get("step"), int) or isinstance(s.get("step"), bool) or any(
-                not isinstance(s.get(c), (int, float, type(None))) for c in STEP_COLUMNS):
+        if (
+            not isinstance(s, dict)
+            or not isinstance(s.get("step"), int)
+            or isinstance(s.get("step"), bool)
+            or any(not isinstance(s.get(c), (int, float, type(None))) for c in STEP_COLUMNS)
+        ):
             raise TypeError("a step is not an object of numbers with an integer step")
     return _rekeyed(data), steps
 
@@ -209,8 +252,9 @@ class ResultsStore:
         self.read_only = False
         try:
             if len(os.fsencode(self.path.absolute())) > SQLITE_MAX_PATH:
-                raise sqlite3.OperationalError(f"unable to open database file: its path is longer than SQLite's "
-                                               f"{SQLITE_MAX_PATH} bytes")
+                raise sqlite3.OperationalError(
+                    f"unable to open database file: its path is longer than SQLite's {SQLITE_MAX_PATH} bytes"
+                )
             if create:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             self.conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
@@ -258,8 +302,11 @@ class ResultsStore:
         except sqlite3.OperationalError as exc:
             if not _locked(exc):
                 raise
-        print(f"lpbench: {self.path} is locked by another process; waiting for it (at most {LOCK_WAIT_S:g} s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"lpbench: {self.path} is locked by another process; waiting for it (at most {LOCK_WAIT_S:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         self.conn.execute(f"PRAGMA busy_timeout = {int(LOCK_WAIT_S * 1000)}")
         try:
             return action()
@@ -326,8 +373,12 @@ class ResultsStore:
         except sqlite3.OperationalError as exc:
             self.kept.append(row)
             path = keep_run(self.path.parent, row, run.steps)
-            print(f"lpbench: could not write {self.path} ({exc}); the run is kept in {path} and imported by "
-                  "the next lpbench command on this results folder", file=sys.stderr, flush=True)
+            print(
+                f"lpbench: could not write {self.path} ({exc}); the run is kept in {path} and imported by "
+                "the next lpbench command on this results folder",
+                file=sys.stderr,
+                flush=True,
+            )
             return None
 
     def _insert(self, row: dict, steps: list[dict], kept: bool = False) -> int | None:
@@ -335,19 +386,30 @@ class ResultsStore:
         values = {k: v for k, v in row.items() if k not in ("id", "config", "env", "metrics")}
         values.update({f"{k}_json": strict_json(row[k], sort_keys=True) for k in ("config", "env", "metrics")})
         with self.transaction():
-            if row["sweep_id"] is not None and self.conn.execute(
-                    "SELECT 1 FROM runs WHERE sweep_id=? AND run_key=?", (row["sweep_id"], row["run_key"])).fetchone():
+            if (
+                row["sweep_id"] is not None
+                and self.conn.execute(
+                    "SELECT 1 FROM runs WHERE sweep_id=? AND run_key=?", (row["sweep_id"], row["run_key"])
+                ).fetchone()
+            ):
                 return None  # BEGIN IMMEDIATE holds the write lock: nobody can insert between check and insert
-            if kept and self.conn.execute(  # imported before (its file outlived the import)
+            if (
+                kept
+                and self.conn.execute(  # imported before (its file outlived the import)
                     "SELECT 1 FROM runs WHERE run_key=? AND group_id IS ? AND created_at=? AND metrics_json=?",
-                    (row["run_key"], row["group_id"], row["created_at"], values["metrics_json"])).fetchone():
+                    (row["run_key"], row["group_id"], row["created_at"], values["metrics_json"]),
+                ).fetchone()
+            ):
                 return None
-            cur = self.conn.execute(f"INSERT INTO runs ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
-                                    tuple(values.values()))
+            cur = self.conn.execute(
+                f"INSERT INTO runs ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
+                tuple(values.values()),
+            )
             run_id = cur.lastrowid
             self.conn.executemany(
                 f"INSERT INTO steps (run_id, {', '.join(STEP_COLUMNS)}) VALUES (?{', ?' * len(STEP_COLUMNS)})",
-                [(run_id, *(_finite_or_none(s.get(c)) for c in STEP_COLUMNS)) for s in steps])
+                [(run_id, *(_finite_or_none(s.get(c)) for c in STEP_COLUMNS)) for s in steps],
+            )
         return run_id
 
     def import_kept(self) -> int:
@@ -367,8 +429,11 @@ class ResultsStore:
                 break  # still not writable: the files stay for the next command
             imported += 1
         if imported:
-            print(f"lpbench: imported {imported} run(s) kept in {folder} when {self.path} could not be written",
-                  file=sys.stderr, flush=True)
+            print(
+                f"lpbench: imported {imported} run(s) kept in {folder} when {self.path} could not be written",
+                file=sys.stderr,
+                flush=True,
+            )
         return imported
 
     def kept_run(self, sweep_id: str, run_key: str) -> dict | None:
@@ -394,8 +459,11 @@ class ResultsStore:
                     d[key] = parse_json(d.pop(f"{key}_json"), f"its {key}_json")
                     if not isinstance(d[key], dict):
                         raise UsageError(f"its {key}_json is not an object")
-                bad = [c for c in ("num_gpus", *CONFIG_COLUMNS, *METRIC_COLUMNS) if c not in ("model", "precision", "path")
-                       and not isinstance(d.get(c), (int, float, type(None)))]
+                bad = [
+                    c
+                    for c in ("num_gpus", *CONFIG_COLUMNS, *METRIC_COLUMNS)
+                    if c not in ("model", "precision", "path") and not isinstance(d.get(c), (int, float, type(None)))
+                ]
                 bad += [c for c in ("run_key", "status", "created_at") if not isinstance(d.get(c), str)]
                 if bad:
                     raise UsageError(f"its {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} of the wrong type")
@@ -416,8 +484,9 @@ class ResultsStore:
         return {r[0] for r in rows}
 
     def steps(self, run_id: int) -> list[dict]:
-        rows = self.conn.execute(f"SELECT {', '.join(STEP_COLUMNS)} FROM steps WHERE run_id=? ORDER BY step",
-                                 (run_id,)).fetchall()
+        rows = self.conn.execute(
+            f"SELECT {', '.join(STEP_COLUMNS)} FROM steps WHERE run_id=? ORDER BY step", (run_id,)
+        ).fetchall()
         return [dict(r) for r in rows]
 
     def close(self) -> None:
@@ -512,8 +581,12 @@ class AsideStore:
         row = run_row(run)
         path = keep_run(self.directory, row, run.steps)
         self.kept.append(row)
-        print(f"lpbench: {self.reason}; the run is kept in {path} and imported by the next lpbench command on "
-              "this results folder", file=sys.stderr, flush=True)
+        print(
+            f"lpbench: {self.reason}; the run is kept in {path} and imported by the next lpbench command on "
+            "this results folder",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def runs(self, where: str = "1", params: tuple = ()) -> list[dict]:
         return []

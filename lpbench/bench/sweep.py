@@ -30,19 +30,49 @@ from lpbench.errors import UsageError, raise_terminated
 from lpbench.paths import check_dir
 
 # Launcher variables the child must not inherit: each run's world is the one the sweep launches.
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_PROCID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_LOCALID",
+)
 
 
 def child_command(run: SweepRun, results: Path, sweep_id: str, steps_file: Path | None = None) -> list[str]:
-    args = ["-m", "lpbench.bench.sweep_child", "--results", str(results), "--sweep-id", sweep_id,
-            "--run-key", run.key, "--workload", run.workload, "--backend", run.backend,
-            "--config", json.dumps(run.config.to_dict(), sort_keys=True)]
+    args = [
+        "-m",
+        "lpbench.bench.sweep_child",
+        "--results",
+        str(results),
+        "--sweep-id",
+        sweep_id,
+        "--run-key",
+        run.key,
+        "--workload",
+        run.workload,
+        "--backend",
+        run.backend,
+        "--config",
+        json.dumps(run.config.to_dict(), sort_keys=True),
+    ]
     if steps_file is not None:
         args += ["--steps-file", str(steps_file)]
     if run.num_gpus > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={run.num_gpus}", *args]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={run.num_gpus}",
+            *args,
+        ]
     return [sys.executable, *args]
 
 
@@ -90,8 +120,9 @@ def read_steps(path: Path) -> list[dict]:
     return [steps[k] for k in sorted(steps)]
 
 
-def classify(returncode: int | None, timed_out: bool, timeout: float, stderr: str,
-             steps: list[dict]) -> tuple[str, str]:
+def classify(
+    returncode: int | None, timed_out: bool, timeout: float, stderr: str, steps: list[dict]
+) -> tuple[str, str]:
     """Status and message of a child that left no row."""
     last = f"; last logged step {steps[-1]['step']}" if steps else "; no step logged"
     if timed_out:
@@ -115,27 +146,52 @@ def classify(returncode: int | None, timed_out: bool, timeout: float, stderr: st
 def _parent_env(run: SweepRun) -> dict:
     import lpbench
 
-    return {"lpbench": lpbench.__version__, "python": platform.python_version(), "host": platform.node(),
-            "gpu": _gpu_name(run.config.device), "recorded_by": "sweep parent (the run left no row)"}
+    return {
+        "lpbench": lpbench.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "gpu": _gpu_name(run.config.device),
+        "recorded_by": "sweep parent (the run left no row)",
+    }
 
 
-def _record_failure(store, run: SweepRun, sweep_id: str, rc, timed_out: bool, timeout: float,
-                    out_path: Path, err_path: Path, steps_path: Path) -> None:
+def _record_failure(
+    store,
+    run: SweepRun,
+    sweep_id: str,
+    rc,
+    timed_out: bool,
+    timeout: float,
+    out_path: Path,
+    err_path: Path,
+    steps_path: Path,
+) -> None:
     from lpbench.bench.runner import record
     from lpbench.train.loop import RunResult
 
     err = err_path.read_text(errors="replace") if err_path.exists() else ""
     steps = read_steps(steps_path)
     status, message = classify(rc, timed_out, timeout, err, steps)
-    metrics = {"recorded_by": "sweep", "logged_steps": len(steps), "num_gpus": run.num_gpus,
-               "exit_code": rc, "log": str(out_path)}
+    metrics = {
+        "recorded_by": "sweep",
+        "logged_steps": len(steps),
+        "num_gpus": run.num_gpus,
+        "exit_code": rc,
+        "log": str(out_path),
+    }
     if steps:
         metrics["final_loss"] = steps[-1].get("loss")
         if status == "diverged":
-            metrics["diverged_step"] = next(s["step"] for s in steps if s.get("loss") is None
-                                            or not math.isfinite(s["loss"]))
-    record(store, RunResult(config=run.config, status=status, error=message, metrics=metrics, steps=steps,
-                            env=_parent_env(run)), group_id=sweep_id, sweep_id=sweep_id, workload=run.workload)
+            metrics["diverged_step"] = next(
+                s["step"] for s in steps if s.get("loss") is None or not math.isfinite(s["loss"])
+            )
+    record(
+        store,
+        RunResult(config=run.config, status=status, error=message, metrics=metrics, steps=steps, env=_parent_env(run)),
+        group_id=sweep_id,
+        sweep_id=sweep_id,
+        workload=run.workload,
+    )
 
 
 def execute(run: SweepRun, store, results: Path, sweep_id: str, timeout: float, log_dir: Path) -> dict:
@@ -153,8 +209,14 @@ def execute(run: SweepRun, store, results: Path, sweep_id: str, timeout: float, 
     rc, timed_out = None, False
     steps_path.write_bytes(b"")  # this attempt's steps only: a killed earlier attempt's are not this run's
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen(child_command(run, results, sweep_id, steps_path), stdout=out, stderr=err,
-                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            child_command(run, results, sweep_id, steps_path),
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -185,13 +247,26 @@ def _status_text(row: dict) -> str:
     return text
 
 
-def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = False,
-              timeout: float | None = None, resume: bool = True, name: str | None = None,
-              console=None) -> int:
+def run_sweep(
+    spec_path: str,
+    results: str = "lpbench-results",
+    dry_run: bool = False,
+    timeout: float | None = None,
+    resume: bool = True,
+    name: str | None = None,
+    console=None,
+) -> int:
     from rich.console import Console
     from rich.markup import escape
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from rich.table import Table
     from rich.text import Text
 
@@ -218,9 +293,10 @@ def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = 
     pending = [r for r in sweep.runs if r.key not in done]
 
     fixed = ", ".join(f"{k}={v}" for k, v in sweep.fixed.items())
-    console.print(f"sweep [bold]{sweep_id}[/]: {len(sweep.runs)} runs ({len(sweep.runs) - len(pending)} done, "
-                  f"{len(pending)} to run), timeout {sweep.timeout:g} s per run"
-                  + (f"; fixed: {escape(fixed)}" if fixed else ""))
+    console.print(
+        f"sweep [bold]{sweep_id}[/]: {len(sweep.runs)} runs ({len(sweep.runs) - len(pending)} done, "
+        f"{len(pending)} to run), timeout {sweep.timeout:g} s per run" + (f"; fixed: {escape(fixed)}" if fixed else "")
+    )
     for settings, why in sweep.skipped:
         shown = " ".join(f"{k}={settings[k]}" for k in sweep.varying if k in settings) or escape(str(settings))
         console.print(f"[yellow]skipped (invalid combination): {escape(shown)}: {escape(why)}[/]")
@@ -234,8 +310,13 @@ def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = 
             table.add_column(c)
         for r in sweep.runs:
             state = "done" if r.key in done else "to run"
-            table.add_row(str(r.index), *(Text(str(r.settings.get(c, getattr(r.config, c, "")))) for c in cols),
-                          str(r.num_gpus), r.key, state)
+            table.add_row(
+                str(r.index),
+                *(Text(str(r.settings.get(c, getattr(r.config, c, "")))) for c in cols),
+                str(r.num_gpus),
+                r.key,
+                state,
+            )
         console.print(table)
         recs = sorted({r.recommended for r in sweep.runs if r.recommended})
         for text in recs:
@@ -246,29 +327,43 @@ def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = 
         here = _gpu_name("auto") if any(r.config.device != "cpu" for r in sweep.runs) else None
         there = {r.get("gpu") for r in store.runs("sweep_id = ?", (sweep_id,))}
         if there != {here}:
-            console.print(f"[yellow]resuming sweep {sweep_id}: its finished runs were measured on "
-                          f"{escape(', '.join(sorted(str(g or 'cpu') for g in there)))}, this machine has "
-                          f"{escape(here or 'cpu')}; "
-                          "use --no-resume (or --name) to measure them here too[/]")
+            console.print(
+                f"[yellow]resuming sweep {sweep_id}: its finished runs were measured on "
+                f"{escape(', '.join(sorted(str(g or 'cpu') for g in there)))}, this machine has "
+                f"{escape(here or 'cpu')}; "
+                "use --no-resume (or --name) to measure them here too[/]"
+            )
 
     log_dir = results_dir / "sweeps" / sweep_id
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None  # e.g. scancel
     if not pending:
-        console.print(f"nothing to run: all {len(sweep.runs)} runs of {sweep_id} are recorded (--no-resume measures "
-                      "them again)")
+        console.print(
+            f"nothing to run: all {len(sweep.runs)} runs of {sweep_id} are recorded (--no-resume measures them again)"
+        )
     try:
-        with Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[sweep]}"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                      TextColumn("{task.description}"), console=console, disable=not pending) as progress:
+        with Progress(
+            SpinnerColumn(),
+            TextColumn("[bold]{task.fields[sweep]}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("elapsed"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            TextColumn("{task.description}"),
+            console=console,
+            disable=not pending,
+        ) as progress:
             task = progress.add_task("", total=len(pending), sweep=sweep_id)
             for i, run in enumerate(pending, start=1):
                 label = sweep.label(run)
                 progress.update(task, description=f"run {run.index}/{len(sweep.runs)}: {escape(label)}")
                 t0 = time.time()
                 row = execute(run, store, results_dir, sweep_id, sweep.timeout, log_dir)
-                progress.console.print(f"\\[{run.index}/{len(sweep.runs)}] {escape(label)}: {_status_text(row)} "
-                                       f"({time.time() - t0:.1f} s)")
+                progress.console.print(
+                    f"\\[{run.index}/{len(sweep.runs)}] {escape(label)}: {_status_text(row)} ({time.time() - t0:.1f} s)"
+                )
                 progress.advance(task)
     finally:
         if previous is not None:
@@ -286,21 +381,32 @@ def run_sweep(spec_path: str, results: str = "lpbench-results", dry_run: bool = 
 
 def add_parser(sub) -> None:
     """``lpbench sweep`` on the CLI's subparsers."""
-    p = sub.add_parser("sweep", help="run a grid of configs from a YAML spec, one subprocess per run, resumable",
-                       description="Run the grid a YAML spec describes (models x precisions x seq lens x batch "
-                                   "sizes x parallel sizes x GPU counts): each run in its own subprocess with a "
-                                   "timeout, each recorded with its status (ok, oom, diverged, timeout, error). "
-                                   "A re-run of the same spec resumes: finished runs are skipped. Exit code 0 "
-                                   "when every run is ok, 1 otherwise.")
+    p = sub.add_parser(
+        "sweep",
+        help="run a grid of configs from a YAML spec, one subprocess per run, resumable",
+        description="Run the grid a YAML spec describes (models x precisions x seq lens x batch "
+        "sizes x parallel sizes x GPU counts): each run in its own subprocess with a "
+        "timeout, each recorded with its status (ok, oom, diverged, timeout, error). "
+        "A re-run of the same spec resumes: finished runs are skipped. Exit code 0 "
+        "when every run is ok, 1 otherwise.",
+    )
     p.add_argument("spec", help="sweep spec (YAML); see README, Sweeps, and examples/sweep-cpu.yaml")
     p.add_argument("--results", default="lpbench-results", help="results folder (default ./lpbench-results)")
     p.add_argument("--dry-run", action="store_true", help="list the runs (and which are done) without running")
-    p.add_argument("--timeout", type=float, default=None,
-                   help=f"seconds per run before it is killed and recorded as timeout "
-                        f"(default: the spec's timeout, else {DEFAULT_TIMEOUT_S:g})")
-    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
-                   help="skip runs this sweep already recorded (default); --no-resume starts a new sweep id "
-                        "(name-YYYYmmdd-HHMMSS) that measures everything again")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help=f"seconds per run before it is killed and recorded as timeout "
+        f"(default: the spec's timeout, else {DEFAULT_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="skip runs this sweep already recorded (default); --no-resume starts a new sweep id "
+        "(name-YYYYmmdd-HHMMSS) that measures everything again",
+    )
     p.add_argument("--name", default=None, help="sweep id (default: the spec's name, else its file name)")
     p.set_defaults(func=cmd_sweep)
 
@@ -308,5 +414,12 @@ def add_parser(sub) -> None:
 def cmd_sweep(args) -> int:
     from lpbench.console import console
 
-    return run_sweep(args.spec, results=args.results, dry_run=args.dry_run, timeout=args.timeout,
-                     resume=args.resume, name=args.name, console=console)
+    return run_sweep(
+        args.spec,
+        results=args.results,
+        dry_run=args.dry_run,
+        timeout=args.timeout,
+        resume=args.resume,
+        name=args.name,
+        console=console,
+    )

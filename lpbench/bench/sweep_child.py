@@ -57,8 +57,9 @@ def _gpu_name(device: str) -> str | None:
     if device == "cpu":
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        )
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
     except (OSError, subprocess.SubprocessError, IndexError):
         return None
@@ -66,8 +67,10 @@ def _gpu_name(device: str) -> str | None:
 
 def child_main(argv: list[str] | None = None) -> int:
     """One run of a sweep: train the config, write its row (rank 0). Internal entry point."""
-    ap = argparse.ArgumentParser(prog="python -m lpbench.bench.sweep_child",
-                                 description="internal: one run of `lpbench sweep` (use `lpbench sweep`)")
+    ap = argparse.ArgumentParser(
+        prog="python -m lpbench.bench.sweep_child",
+        description="internal: one run of `lpbench sweep` (use `lpbench sweep`)",
+    )
     ap.add_argument("--config", required=True, help="RunConfig as JSON")
     ap.add_argument("--results", required=True)
     ap.add_argument("--sweep-id", required=True)
@@ -86,8 +89,10 @@ def child_main(argv: list[str] | None = None) -> int:
 
     cfg = RunConfig(**json.loads(args.config))
     if cfg.key() != args.run_key:
-        print(f"lpbench sweep: run key mismatch ({cfg.key()} != {args.run_key}): different lpbench versions?",
-              file=sys.stderr)
+        print(
+            f"lpbench sweep: run key mismatch ({cfg.key()} != {args.run_key}): different lpbench versions?",
+            file=sys.stderr,
+        )
         return 2
     rank = detect_world().rank
     steps_file = open(args.steps_file, "a") if args.steps_file and rank == 0 else None
@@ -96,8 +101,9 @@ def child_main(argv: list[str] | None = None) -> int:
         steps_file.write(json.dumps(rec) + "\n")
         steps_file.flush()
 
-    result = runner.execute(cfg, results_dir=args.results, on_step=on_step if steps_file else None,
-                            record_usage_errors=True)
+    result = runner.execute(
+        cfg, results_dir=args.results, on_step=on_step if steps_file else None, record_usage_errors=True
+    )
     if result.status == "diverged" and result.steps:
         result.metrics["diverged_step"] = result.steps[-1]["step"]
     if rank == 0:
@@ -105,8 +111,11 @@ def child_main(argv: list[str] | None = None) -> int:
             store = open_store(args.results)  # retries, and keeps the run aside if a write still fails
         except UsageError as exc:  # not even a results database: the run is kept aside
             store = AsideStore(args.results, str(exc))
-        env = result.env or {"lpbench": __import__("lpbench").__version__, "host": platform.node(),
-                             "gpu": _gpu_name(cfg.device)}  # a failed run is reported with the machine's GPU
+        env = result.env or {
+            "lpbench": __import__("lpbench").__version__,
+            "host": platform.node(),
+            "gpu": _gpu_name(cfg.device),
+        }  # a failed run is reported with the machine's GPU
         runner.record(store, result, group_id=args.sweep_id, sweep_id=args.sweep_id, env=env)
         store.close()
     return 0 if result.status == "ok" else 1

@@ -30,8 +30,15 @@ from lpbench.parsing import parse_yaml
 DEFAULT_TIMEOUT_S = 3600.0
 RESERVED = ("name", "timeout", "description")
 EXTRA_KEYS = ("num_gpus", "gpu")  # sweep settings that are not RunConfig fields
-ALIASES = {"task": "workload", "models": "model", "precisions": "precision", "gpus": "num_gpus",
-           "seq": "seq_len", "seq_length": "seq_len", "sequence_length": "seq_len"}
+ALIASES = {
+    "task": "workload",
+    "models": "model",
+    "precisions": "precision",
+    "gpus": "num_gpus",
+    "seq": "seq_len",
+    "seq_length": "seq_len",
+    "sequence_length": "seq_len",
+}
 
 
 @dataclass
@@ -168,8 +175,10 @@ def expand(spec: dict) -> Sweep:
 
     def claim(setting: str, by: str) -> None:
         if setting in run_only:
-            raise UsageError(f"spec key {setting}: checkpoints belong to one run (lpbench run "
-                             f"--{setting.replace('_', '-')}), not to a sweep")
+            raise UsageError(
+                f"spec key {setting}: checkpoints belong to one run (lpbench run "
+                f"--{setting.replace('_', '-')}), not to a sweep"
+            )
         if setting not in valid:
             raise UsageError(f"unknown spec key {setting!r}; valid: {', '.join(RESERVED + tuple(valid))}")
         if setting in owner:
@@ -193,8 +202,10 @@ def expand(spec: dict) -> Sweep:
                 claim(key, key)
                 axes.append([{key: _coerce(key, v, run_fields)} for v in value])
         elif isinstance(value, dict):
-            raise UsageError(f"spec key {key}: a mapping must be inside a list (a list of mappings is "
-                             "an axis whose points set several settings together)")
+            raise UsageError(
+                f"spec key {key}: a mapping must be inside a list (a list of mappings is "
+                "an axis whose points set several settings together)"
+            )
         else:
             claim(key, key)
             fixed[key] = _coerce(key, value, run_fields)
@@ -248,8 +259,12 @@ def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
     if settings.get("gpu"):
         from lpbench.bench.recommended import check_runnable, lookup, run_defaults
 
-        rec = lookup(settings.get("model", RunConfig().model), settings["gpu"], settings.get("num_gpus"),
-                     task=settings.get("workload", "pretrain"))
+        rec = lookup(
+            settings.get("model", RunConfig().model),
+            settings["gpu"],
+            settings.get("num_gpus"),
+            task=settings.get("workload", "pretrain"),
+        )
         check_runnable(rec)
         ran = {k: kwargs.get(k) for k in ("seq_len", "mbs", "gbs", "tp", "ep", "fsdp", "flops_formula")}
         for k, v in run_defaults(rec).items():
@@ -264,5 +279,12 @@ def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
             raise UsageError(f"num_gpus must be positive, got {num_gpus}")
         cfg = cfg.with_world(num_gpus, dp=kwargs.get("dp"))
     cfg.validate()  # no --load: a sweep has no checkpoint settings
-    return SweepRun(index=0, config=cfg, settings=settings, workload=cfg.workload, backend=cfg.backend,
-                    num_gpus=cfg.world_size, recommended=rec_text)
+    return SweepRun(
+        index=0,
+        config=cfg,
+        settings=settings,
+        workload=cfg.workload,
+        backend=cfg.backend,
+        num_gpus=cfg.world_size,
+        recommended=rec_text,
+    )

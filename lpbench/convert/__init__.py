@@ -56,8 +56,9 @@ class LoRA(Converter):
 
     def convert(self, model):
         c = self.cfg
-        self.info = apply_lora(model, c.lora_rank, c.lora_alpha, c.lora_targets, base_dtype=self.recipe.compute_dtype,
-                               seed=c.seed)
+        self.info = apply_lora(
+            model, c.lora_rank, c.lora_alpha, c.lora_targets, base_dtype=self.recipe.compute_dtype, seed=c.seed
+        )
 
 
 class Quantize(Converter):
@@ -109,8 +110,14 @@ class MainGrads(Converter):
             self.grads.expose()
 
     def log_lines(self):
-        return [] if self.grads is None else [f"lpbench: {len(self.grads.weights)} expert weights' gradients "
-                                              "accumulated in FP32 by their GEMMs (gradient-accumulation fusion)"]
+        return (
+            []
+            if self.grads is None
+            else [
+                f"lpbench: {len(self.grads.weights)} expert weights' gradients "
+                "accumulated in FP32 by their GEMMs (gradient-accumulation fusion)"
+            ]
+        )
 
 
 class Converters(list):
@@ -120,11 +127,20 @@ class Converters(list):
         for c in self:
             getattr(c, hook)(*args)
 
-    def convert(self, model): self._each("convert", model)
-    def attach(self, model, optimizer, owned): self._each("attach", model, optimizer, owned)
-    def after_backward(self): self._each("after_backward")
-    def after_optimizer_step(self, prefetch): self._each("after_optimizer_step", prefetch)
-    def after_evaluate(self): self._each("after_evaluate")
+    def convert(self, model):
+        self._each("convert", model)
+
+    def attach(self, model, optimizer, owned):
+        self._each("attach", model, optimizer, owned)
+
+    def after_backward(self):
+        self._each("after_backward")
+
+    def after_optimizer_step(self, prefetch):
+        self._each("after_optimizer_step", prefetch)
+
+    def after_evaluate(self):
+        self._each("after_evaluate")
 
     def log_lines(self) -> list[str]:
         return [line for c in self for line in c.log_lines()]

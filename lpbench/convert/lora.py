@@ -39,11 +39,18 @@ from lpbench.models.moe import Experts
 from lpbench import gemm
 from lpbench.precision.grouped import grouped_linear
 
+
 class LoRALinear(nn.Module):
     """``base(x) + scaling · (x Aᵀ) Bᵀ`` with a frozen ``base`` (any module with in/out_features)."""
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float, adapter_dtype: torch.dtype = torch.float32,
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        base: nn.Module,
+        rank: int,
+        alpha: float,
+        adapter_dtype: torch.dtype = torch.float32,
+        generator: torch.Generator | None = None,
+    ):
         super().__init__()
         if rank < 1:
             raise UsageError(f"LoRA rank must be >= 1, got {rank}")
@@ -80,15 +87,23 @@ class ExpertLoRA(nn.Module):
     """One adapter per expert of a stacked expert weight [E, out, in]: expert e adds ``scaling · (x Aₑᵀ) Bₑᵀ``
     to its tokens' projection (registered in ``Experts.adapters`` under the weight's name)."""
 
-    def __init__(self, weight: torch.Tensor, rank: int, alpha: float, adapter_dtype: torch.dtype = torch.float32,
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        rank: int,
+        alpha: float,
+        adapter_dtype: torch.dtype = torch.float32,
+        generator: torch.Generator | None = None,
+    ):
         super().__init__()
         n_experts, self.out_features, self.in_features = weight.shape
         self.rank, self.alpha, self.scaling = int(rank), float(alpha), float(alpha) / rank
-        self.lora_a = nn.Parameter(torch.empty(n_experts, rank, self.in_features, device=weight.device,
-                                               dtype=adapter_dtype))
-        self.lora_b = nn.Parameter(torch.zeros(n_experts, self.out_features, rank, device=weight.device,
-                                               dtype=adapter_dtype))
+        self.lora_a = nn.Parameter(
+            torch.empty(n_experts, rank, self.in_features, device=weight.device, dtype=adapter_dtype)
+        )
+        self.lora_b = nn.Parameter(
+            torch.zeros(n_experts, self.out_features, rank, device=weight.device, dtype=adapter_dtype)
+        )
         if weight.device.type != "meta":
             with torch.no_grad():  # each expert's A as LoRALinear draws it
                 for a in self.lora_a:
@@ -114,9 +129,16 @@ def _is_linear(mod: nn.Module) -> bool:
     return isinstance(mod, nn.Linear) or (hasattr(mod, "in_features") and isinstance(w, torch.Tensor) and w.ndim == 2)
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=("qkv", "o", "mlp"), *,
-               adapter_dtype: torch.dtype = torch.float32, base_dtype: torch.dtype | None = None,
-               seed: int = 0) -> dict:
+def apply_lora(
+    model: nn.Module,
+    rank: int,
+    alpha: float | None = None,
+    targets=("qkv", "o", "mlp"),
+    *,
+    adapter_dtype: torch.dtype = torch.float32,
+    base_dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> dict:
     """Wrap ``targets`` of every block in ``model.layers`` with LoRA adapters; freeze the rest.
 
     ``alpha`` defaults to ``rank`` (scaling 1). ``base_dtype`` (e.g. ``torch.bfloat16``) casts the
@@ -170,9 +192,14 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
     for p in trainable:
         p.requires_grad_(True)
     n_train = sum(p.numel() for p in trainable)
-    return {"adapted": adapted, "trainable": n_train,
-            "frozen": sum(p.numel() for p in model.parameters()) - n_train,
-            "rank": rank, "alpha": alpha, "targets": sorted(names)}
+    return {
+        "adapted": adapted,
+        "trainable": n_train,
+        "frozen": sum(p.numel() for p in model.parameters()) - n_train,
+        "rank": rank,
+        "alpha": alpha,
+        "targets": sorted(names),
+    }
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear | ExpertLoRA]]:

@@ -46,8 +46,9 @@ def _candidate_linears(model: nn.Module, recipe: Recipe):
                 yield f"layers.{i}.{name}", mod, not (dim % m or ffn % m)
 
 
-def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device | str, emulate: bool | str,
-                 backend: str = "lpbench") -> dict:
+def apply_recipe(
+    model: nn.Module, recipe: Recipe | str, *, device: torch.device | str, emulate: bool | str, backend: str = "lpbench"
+) -> dict:
     """Swap every ``nn.Linear`` inside ``model.layers[i]`` (routers excepted) for a QuantizedLinear.
 
     ``emulate=True`` allows exact emulation where the device cannot run the recipe natively;
@@ -87,8 +88,14 @@ def apply_recipe(model: nn.Module, recipe: Recipe | str, *, device: torch.device
             parent, _, child = full.rpartition(".")
             setattr(model.get_submodule(parent), child, QuantizedLinear.from_linear(mod, recipe, native=native))
         result["quantized"].append(full)
-    result["kernels"] = sorted({m.gemm.name if isinstance(m, Experts) else m.kernel.name
-                                for m in model.modules() if isinstance(m, (Experts, QuantizedLinear))} - {"GroupedBf16"})
+    result["kernels"] = sorted(
+        {
+            m.gemm.name if isinstance(m, Experts) else m.kernel.name
+            for m in model.modules()
+            if isinstance(m, (Experts, QuantizedLinear))
+        }
+        - {"GroupedBf16"}
+    )
     m, n = recipe.dim_multiple, len(model.layers)
     if result["skipped"]:
         warnings.warn(
@@ -131,8 +138,14 @@ def apply_fp8_all_gather(model: nn.Module) -> int:
         if isinstance(mod, QuantizedLinear) and mod.recipe.scaling.per_tensor:
             w = mod.weight
             if isinstance(w, DTensor):  # tensor parallel: wrap the local shard
-                new = DTensor.from_local(fp8_allgather.Fp8AllGatherWeight(w.to_local()), w.device_mesh,
-                                         w.placements, run_check=False, shape=w.shape, stride=w.stride())
+                new = DTensor.from_local(
+                    fp8_allgather.Fp8AllGatherWeight(w.to_local()),
+                    w.device_mesh,
+                    w.placements,
+                    run_check=False,
+                    shape=w.shape,
+                    stride=w.stride(),
+                )
             else:
                 new = fp8_allgather.Fp8AllGatherWeight(w.detach())
             mod.weight = nn.Parameter(new, requires_grad=w.requires_grad)

@@ -32,16 +32,20 @@ from lpbench.precision.recipes import Recipe
 
 FLOAT8_RECIPES = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
 RECIPES = (*FLOAT8_RECIPES, "mxfp8", "nvfp4")
-MODULES = {"mxfp8": "torchao.prototype.moe_training.mxfp8_linear",
-           "nvfp4": "torchao.prototype.moe_training.nvfp4_training.nvfp4_training"}
+MODULES = {
+    "mxfp8": "torchao.prototype.moe_training.mxfp8_linear",
+    "nvfp4": "torchao.prototype.moe_training.nvfp4_training.nvfp4_training",
+}
 NVFP4_MULTIPLE = 128  # torchao's NVFP4Linear: M, K and N multiples of 128
 BLACKWELL = (10, 0)
 # Why torchao cannot emulate nvfp4 (torchao 0.18): nvfp4_linear raises unless KernelPreference.TRITON, whose
 # casts (hadamard_*_triton.py, quantize_2d_triton.py) raise NotImplementedError below SM 100 (PTX cvt to e2m1)
 # and whose three GEMMs are F.scaled_mm on float4_e2m1fn_x2; its NVFP4 emulation (nvfp4_grouped_mm.py) is
 # grouped GEMMs without an autograd function, and QAT's NVFP4FakeQuantizedLinear needs SM 10.x too.
-NO_NVFP4_EMULATION = ("torchao 0.18's NVFP4Linear has no emulated mode (KernelPreference.TRITON only: Triton casts "
-                      "that use SM 10.x FP4 conversions, cuBLAS NVFP4 GEMMs)")
+NO_NVFP4_EMULATION = (
+    "torchao 0.18's NVFP4Linear has no emulated mode (KernelPreference.TRITON only: Triton casts "
+    "that use SM 10.x FP4 conversions, cuBLAS NVFP4 GEMMs)"
+)
 
 
 def run_problem(precision: str, tokens: int, tp: int) -> str | None:
@@ -53,8 +57,10 @@ def run_problem(precision: str, tokens: int, tp: int) -> str | None:
             return f"--backend torchao runs {precision} without tensor parallelism (--tp 1)"
         multiple = NVFP4_MULTIPLE if precision == "nvfp4" else 32
         if tokens % multiple:
-            return (f"--backend torchao {precision} needs MBS x seq len a multiple of {multiple} (its wgrad blocks "
-                    f"run along the tokens), got {tokens}")
+            return (
+                f"--backend torchao {precision} needs MBS x seq len a multiple of {multiple} (its wgrad blocks "
+                f"run along the tokens), got {tokens}"
+            )
     if importlib.util.find_spec("torchao") is None:
         return "--backend torchao needs torchao: pip install 'lpbench[torchao]'"
     return None
@@ -76,22 +82,31 @@ def path(recipe: Recipe, device: torch.device, emulate: bool | str = False) -> t
     if recipe.name in FLOAT8_RECIPES:
         need = recipe.native_capability
         if cap is None:
-            raise UsageError(f"--backend torchao runs {recipe.name} on a CUDA GPU (torchao's Float8Linear: native "
-                             f"from compute capability {need[0]}.{need[1]}, emulated below); {device} has none: "
-                             "use --backend lpbench")
+            raise UsageError(
+                f"--backend torchao runs {recipe.name} on a CUDA GPU (torchao's Float8Linear: native "
+                f"from compute capability {need[0]}.{need[1]}, emulated below); {device} has none: "
+                "use --backend lpbench"
+            )
         if cap >= need and not forced:
             return "native", None
-        why = FORCED if cap >= need else (f"its native GEMMs need compute capability {need[0]}.{need[1]}, "
-                                        f"this GPU has {cap[0]}.{cap[1]}")
+        why = (
+            FORCED
+            if cap >= need
+            else (f"its native GEMMs need compute capability {need[0]}.{need[1]}, this GPU has {cap[0]}.{cap[1]}")
+        )
         return "emulated", f"torchao's Float8Linear emulates {recipe.name} (Float8LinearConfig.emulate): {why}"
     if recipe.name == "nvfp4":
         if cap is None or cap < BLACKWELL:
-            raise UsageError(f"--backend torchao runs nvfp4 only on compute capability 10.x: {NO_NVFP4_EMULATION}; "
-                             f"{f'{device} has {where}' if cap else f'{device} is not a CUDA GPU'}: use --backend "
-                             "lpbench, which emulates it")
+            raise UsageError(
+                f"--backend torchao runs nvfp4 only on compute capability 10.x: {NO_NVFP4_EMULATION}; "
+                f"{f'{device} has {where}' if cap else f'{device} is not a CUDA GPU'}: use --backend "
+                "lpbench, which emulates it"
+            )
         if forced:
-            raise UsageError(f"--backend torchao cannot emulate nvfp4 (--emulate always): {NO_NVFP4_EMULATION}; "
-                             "use --backend lpbench, which emulates it")
+            raise UsageError(
+                f"--backend torchao cannot emulate nvfp4 (--emulate always): {NO_NVFP4_EMULATION}; "
+                "use --backend lpbench, which emulates it"
+            )
         return "native", None
     emulated = "torchao's MXFP8Linear emulates MXFP8 (KernelPreference.EMULATED)"
     if cap is not None and cap >= BLACKWELL:
@@ -111,8 +126,9 @@ class TorchaoGrouped(GroupedMM):
         self.mm = _to_fp8_rowwise_then_scaled_grouped_mm
 
     def __call__(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups) -> torch.Tensor:
-        return groups.clear_tail(self.mm(x, w.transpose(1, 2), groups.offs, x.dtype,
-                                         pad_token_groups_for_grouped_mm=False))
+        return groups.clear_tail(
+            self.mm(x, w.transpose(1, 2), groups.offs, x.dtype, pad_token_groups_for_grouped_mm=False)
+        )
 
 
 @functools.cache
@@ -128,8 +144,13 @@ def _mxfp8_linear_class() -> type:
                 return super().forward(x)
             dtype = torch.get_autocast_dtype(x.device.type)
             with torch.autocast(x.device.type, enabled=False):
-                y = _to_mxfp8_then_scaled_mm(x.to(dtype), self.weight.to(dtype), self.kernel_preference,
-                                             self.scale_calculation_mode, self.wgrad_with_hp)
+                y = _to_mxfp8_then_scaled_mm(
+                    x.to(dtype),
+                    self.weight.to(dtype),
+                    self.kernel_preference,
+                    self.scale_calculation_mode,
+                    self.wgrad_with_hp,
+                )
                 return y if self.bias is None else y + self.bias.to(dtype)
 
     return AutocastMXFP8Linear
@@ -140,9 +161,14 @@ def _mxfp8_linear(linear: nn.Linear, native: bool) -> nn.Module:
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
-    mod = _mxfp8_linear_class()(linear.in_features, linear.out_features, linear.bias is not None, device="meta",
-                                kernel_preference=KernelPreference.AUTO if native else KernelPreference.EMULATED,
-                                scale_calculation_mode=ScaleCalculationMode.RCEIL)
+    mod = _mxfp8_linear_class()(
+        linear.in_features,
+        linear.out_features,
+        linear.bias is not None,
+        device="meta",
+        kernel_preference=KernelPreference.AUTO if native else KernelPreference.EMULATED,
+        scale_calculation_mode=ScaleCalculationMode.RCEIL,
+    )
     mod.weight, mod.bias = linear.weight, linear.bias
     return mod
 
@@ -158,23 +184,36 @@ def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: li
         raise UsageError("--backend torchao needs torchao: pip install 'lpbench[torchao]'") from None
     module = MODULES.get(recipe.name)
     if module is not None and importlib.util.find_spec(module) is None:
-        raise UsageError(f"--backend torchao {recipe.name} needs torchao 0.18 or later ({module}); "
-                         f"torchao {torchao.__version__} is installed")
+        raise UsageError(
+            f"--backend torchao {recipe.name} needs torchao 0.18 or later ({module}); "
+            f"torchao {torchao.__version__} is installed"
+        )
     experts = [(name, mod) for name, mod, ok in candidates if isinstance(mod, Experts)]
     if experts and recipe.name != "fp8-rowwise":
-        raise UsageError(f"--backend torchao runs MoE experts through torchao.prototype.moe_training's FP8 "
-                         f"row-wise grouped GEMMs: precision fp8-rowwise, not {recipe.name}")
+        raise UsageError(
+            f"--backend torchao runs MoE experts through torchao.prototype.moe_training's FP8 "
+            f"row-wise grouped GEMMs: precision fp8-rowwise, not {recipe.name}"
+        )
     if experts and kind == "emulated":
-        raise UsageError(f"--backend torchao runs MoE experts natively only (its FP8 grouped GEMMs have no emulation); "
-                         f"this run would emulate: {reason}")
+        raise UsageError(
+            f"--backend torchao runs MoE experts natively only (its FP8 grouped GEMMs have no emulation); "
+            f"this run would emulate: {reason}"
+        )
     if any(not ok for _, mod, ok in candidates if isinstance(mod, Experts)):
         raise UsageError("--backend torchao: the experts' widths must be multiples of 16")
     candidates = [c for c in candidates if not isinstance(c[1], Experts)]
     multiple = NVFP4_MULTIPLE if recipe.name == "nvfp4" else recipe.dim_multiple
-    chosen = [(name, mod) for name, mod, _ in candidates if not (mod.in_features % multiple or mod.out_features % multiple)]
+    chosen = [
+        (name, mod) for name, mod, _ in candidates if not (mod.in_features % multiple or mod.out_features % multiple)
+    ]
     skipped = [name for name, mod, _ in candidates if name not in dict(chosen)]
-    result = {"path": kind, "quantized": [name for name, _ in chosen], "skipped": skipped, "why_emulated": reason,
-              "kernels": []}
+    result = {
+        "path": kind,
+        "quantized": [name for name, _ in chosen],
+        "skipped": skipped,
+        "why_emulated": reason,
+        "kernels": [],
+    }
     if recipe.name in FLOAT8_RECIPES:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

@@ -41,8 +41,14 @@ def eligible(mod: nn.Module) -> bool:
     if not isinstance(mod, QuantizedLinear) or not mod.native or mod.tp_shard is not None:
         return False
     w = mod.weight
-    return (mod.recipe.scaling in (Scaling.TENSOR, Scaling.DELAYED) and type(w) is nn.Parameter and w.is_cuda
-            and w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)
+    return (
+        mod.recipe.scaling in (Scaling.TENSOR, Scaling.DELAYED)
+        and type(w) is nn.Parameter
+        and w.is_cuda
+        and w.dim() == 2
+        and w.shape[0] % 16 == 0
+        and w.shape[1] % 16 == 0
+    )
 
 
 def bf16_eligible(mod: nn.Module) -> bool:
@@ -63,8 +69,11 @@ def _plain_fp32_on_cuda(w: torch.Tensor) -> bool:
 
 def grouped_eligible(mod: nn.Module) -> bool:
     """Whether ``mod`` is an MoE layer's experts whose plain weights the FP8 grouped GEMMs quantize."""
-    return (isinstance(mod, Experts) and isinstance(mod.gemm, GroupedFp8)
-            and all(type(getattr(mod, name)) is nn.Parameter for name in (mod.in_name, "down")))
+    return (
+        isinstance(mod, Experts)
+        and isinstance(mod.gemm, GroupedFp8)
+        and all(type(getattr(mod, name)) is nn.Parameter for name in (mod.in_name, "down"))
+    )
 
 
 class WeightCache:
@@ -74,7 +83,9 @@ class WeightCache:
         self.linears = [m for m in model.modules() if eligible(m)]
         halves = [m for m in model.modules() if bf16_eligible(m)] if bf16 else []
         self.bf16_linears = [m for m in halves if not isinstance(m, Experts)]
-        self.experts = [m for m in model.modules() if grouped_eligible(m)] + [m for m in halves if isinstance(m, Experts)]
+        self.experts = [m for m in model.modules() if grouped_eligible(m)] + [
+            m for m in halves if isinstance(m, Experts)
+        ]
         for m in self.experts:
             if type(m.gemm) is GroupedMM:  # the kernel that takes the BF16 copy
                 m.gemm = GroupedBf16()
@@ -84,14 +95,16 @@ class WeightCache:
             w = m.weight
             fmt = m.recipe.element_format("weight").dtype
             m.register_buffer("fp8_weight", torch.empty(w.shape, dtype=fmt, device=w.device), persistent=False)
-            m.register_buffer("fp8_weight_t", torch.empty(w.shape[::-1], dtype=fmt, device=w.device),
-                              persistent=False)
+            m.register_buffer("fp8_weight_t", torch.empty(w.shape[::-1], dtype=fmt, device=w.device), persistent=False)
             m.register_buffer("fp8_weight_scale", torch.ones((), device=w.device), persistent=False)
         self.weights = [(m, "weight") for m in self.linears + self.bf16_linears] + [
-            (m, name) for m in self.experts for name in (m.in_name, "down")]
+            (m, name) for m in self.experts for name in (m.in_name, "down")
+        ]
         self.versions: list[int | None] = [None] * len(self.weights)
-        self.handles = [model.register_forward_pre_hook(self.refresh),
-                        optimizer.register_step_post_hook(self.invalidate)]
+        self.handles = [
+            model.register_forward_pre_hook(self.refresh),
+            optimizer.register_step_post_hook(self.invalidate),
+        ]
 
     def invalidate(self, *_) -> None:
         """Mark every weight stale (the optimizer's step post-hook)."""

@@ -49,8 +49,9 @@ from lpbench.paths import check_dir, check_file, write_file
 DEDUP_MIN_WORDS = 6
 MAX_NON_ASCII = 0.10
 MIN_STOPWORDS = 0.05  # share of common English function words below which a text is not prose
-STOPWORDS = frozenset("the of and to a in is that for it as with be on by this are or not an if from at which can "
-                      "you when will".split())
+STOPWORDS = frozenset(
+    "the of and to a in is that for it as with be on by this are or not an if from at which can you when will".split()
+)
 MAX_FILE_BYTES = 4_000_000
 
 
@@ -78,8 +79,9 @@ def _read(path: Path) -> str:
         if path.suffix == ".gz":
             data = gzip.decompress(data)
     except (OSError, EOFError, zlib.error) as exc:
-        print(f"lpbench data corpus: {path}: not readable ({' '.join(str(exc).split())[:120]}); skipped",
-              file=sys.stderr)
+        print(
+            f"lpbench data corpus: {path}: not readable ({' '.join(str(exc).split())[:120]}); skipped", file=sys.stderr
+        )
         return ""
     return data.decode("utf-8", errors="replace")
 
@@ -156,19 +158,26 @@ def _docstrings(tree: ast.Module) -> Iterator[str]:
     todo: list[ast.AST] = [tree]
     while todo:
         node = todo.pop(0)
-        doc = ast.get_docstring(node, clean=True) if isinstance(
-            node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        doc = (
+            ast.get_docstring(node, clean=True)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            else None
+        )
         if doc:
             yield doc
-        todo[:0] = [n for n in ast.iter_child_nodes(node)
-                    if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        todo[:0] = [
+            n
+            for n in ast.iter_child_nodes(node)
+            if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
 
 
 def python_documents(root: Path) -> Iterator[tuple[Path, str]]:
     """Per ``.py`` module its docstrings (3+ words each); per ``*.dist-info/METADATA`` its README."""
     own = Path(__file__).resolve().parents[1]
-    for path in _files(root, lambda p: p.suffix == ".py" or (p.name == "METADATA" and
-                                                              p.parent.name.endswith(".dist-info"))):
+    for path in _files(
+        root, lambda p: p.suffix == ".py" or (p.name == "METADATA" and p.parent.name.endswith(".dist-info"))
+    ):
         if own in path.resolve().parents:
             continue
         if path.name == "METADATA":
@@ -199,21 +208,47 @@ class CorpusSource:
     documents: Callable[[Path], Iterator[tuple[Path, str]]]
 
 
-SOURCES: dict[str, CorpusSource] = {s.name: s for s in (
-    CorpusSource("man", "manual pages (English sections man1-man9, roff stripped)",
-                 "each page under its package's licence (/usr/share/doc/PKG/copyright)",
-                 ("/usr/share/man",), man_documents),
-    CorpusSource("info", "GNU info manuals, one document per node",
-                 "GNU Free Documentation License or the package's licence", ("/usr/share/info",), info_documents),
-    CorpusSource("doc", "README/NEWS/text/markdown files of installed packages",
-                 "each file under its package's licence (/usr/share/doc/PKG/copyright)",
-                 ("/usr/share/doc",), doc_documents),
-    CorpusSource("licenses", "licence texts", "the licence texts themselves (verbatim copying permitted)",
-                 ("/usr/share/common-licenses",), license_documents),
-    CorpusSource("python", "docstrings of the Python standard library and installed packages, and their READMEs",
-                 "each module under its distribution's licence (PSF for the standard library; "
-                 "*.dist-info/LICENSE* or METADATA License fields)", _python_roots(), python_documents),
-)}
+SOURCES: dict[str, CorpusSource] = {
+    s.name: s
+    for s in (
+        CorpusSource(
+            "man",
+            "manual pages (English sections man1-man9, roff stripped)",
+            "each page under its package's licence (/usr/share/doc/PKG/copyright)",
+            ("/usr/share/man",),
+            man_documents,
+        ),
+        CorpusSource(
+            "info",
+            "GNU info manuals, one document per node",
+            "GNU Free Documentation License or the package's licence",
+            ("/usr/share/info",),
+            info_documents,
+        ),
+        CorpusSource(
+            "doc",
+            "README/NEWS/text/markdown files of installed packages",
+            "each file under its package's licence (/usr/share/doc/PKG/copyright)",
+            ("/usr/share/doc",),
+            doc_documents,
+        ),
+        CorpusSource(
+            "licenses",
+            "licence texts",
+            "the licence texts themselves (verbatim copying permitted)",
+            ("/usr/share/common-licenses",),
+            license_documents,
+        ),
+        CorpusSource(
+            "python",
+            "docstrings of the Python standard library and installed packages, and their READMEs",
+            "each module under its distribution's licence (PSF for the standard library; "
+            "*.dist-info/LICENSE* or METADATA License fields)",
+            _python_roots(),
+            python_documents,
+        ),
+    )
+}
 DEFAULT_SOURCES = ("man", "info", "doc", "licenses", "python")
 
 
@@ -259,9 +294,16 @@ def first_words(text: str, n: int) -> str:
     return "\n\n".join(kept)
 
 
-def assemble(out_dir: str | os.PathLike, sources: list[str] | None = None,
-             roots: dict[str, list[str]] | None = None, *, min_words: int = 20,
-             max_words: int | None = None, seed: int = 0, log: Callable[[str], None] = print) -> dict:
+def assemble(
+    out_dir: str | os.PathLike,
+    sources: list[str] | None = None,
+    roots: dict[str, list[str]] | None = None,
+    *,
+    min_words: int = 20,
+    max_words: int | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Write ``out_dir/corpus.jsonl`` and ``out_dir/corpus.stats.json``; return the stats.
 
     ``roots`` re-points sources (``{"man": ["/tmp/man"]}``); ``max_words`` bounds the words kept
@@ -289,8 +331,17 @@ def assemble(out_dir: str | os.PathLike, sources: list[str] | None = None,
     for name in names:
         src = SOURCES[name]
         dirs = (roots or {}).get(name) or list(src.roots)
-        s = {"description": src.description, "licence": src.licence, "roots": dirs, "files": 0,
-             "documents": 0, "words": 0, "bytes": 0, "dropped_short_or_duplicate": 0, "dropped_not_english_prose": 0}
+        s = {
+            "description": src.description,
+            "licence": src.licence,
+            "roots": dirs,
+            "files": 0,
+            "documents": 0,
+            "words": 0,
+            "bytes": 0,
+            "dropped_short_or_duplicate": 0,
+            "dropped_not_english_prose": 0,
+        }
         for d in dirs:
             root = Path(d)
             if not root.is_dir():
@@ -322,8 +373,10 @@ def assemble(out_dir: str | os.PathLike, sources: list[str] | None = None,
             if max_words and total_words + min_words > max_words:  # no further document would fit
                 break
         stats["sources"][name] = s
-        log(f"lpbench data corpus: {name}: {s['documents']:,} documents, {s['words']:,} words, "
-            f"{s['bytes'] / 1e6:.1f} MB from {s['files']:,} files")
+        log(
+            f"lpbench data corpus: {name}: {s['documents']:,} documents, {s['words']:,} words, "
+            f"{s['bytes'] / 1e6:.1f} MB from {s['files']:,} files"
+        )
         if max_words and total_words + min_words > max_words:
             break
     if not records:
@@ -332,8 +385,13 @@ def assemble(out_dir: str | os.PathLike, sources: list[str] | None = None,
     out = Path(out_dir)
     path = out / "corpus.jsonl"
     write_file(path, "".join(r + "\n" for r in records))
-    stats.update(documents=len(records), words=total_words, bytes=sum(s["bytes"] for s in stats["sources"].values()),
-                 paragraphs_dropped_as_duplicates=dedup.dropped, output=str(path))
+    stats.update(
+        documents=len(records),
+        words=total_words,
+        bytes=sum(s["bytes"] for s in stats["sources"].values()),
+        paragraphs_dropped_as_duplicates=dedup.dropped,
+        output=str(path),
+    )
     write_file(out / "corpus.stats.json", json.dumps(stats, indent=1))
     return stats
 
@@ -348,18 +406,41 @@ def _root(text: str) -> tuple[str, str]:
 
 def add_corpus_parser(sub) -> None:
     """``lpbench data corpus`` on the ``data`` sub-command parsers."""
-    p = sub.add_parser("corpus", help="assemble an English corpus (JSONL) from documentation installed here",
-                       description="Assemble man pages, info manuals, package docs and Python docstrings "
-                                   "installed on this machine into one deduplicated, shuffled JSONL corpus.")
+    p = sub.add_parser(
+        "corpus",
+        help="assemble an English corpus (JSONL) from documentation installed here",
+        description="Assemble man pages, info manuals, package docs and Python docstrings "
+        "installed on this machine into one deduplicated, shuffled JSONL corpus.",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="write DIR/corpus.jsonl and DIR/corpus.stats.json")
-    p.add_argument("--sources", default=",".join(DEFAULT_SOURCES), metavar="A,B",
-                   help=f"comma-separated, from {', '.join(SOURCES)} (default: all)")
-    p.add_argument("--root", action="append", type=_root, default=[], metavar="SOURCE=DIR",
-                   help="read SOURCE from DIR instead of its default folders (repeatable)")
-    p.add_argument("--min-words", type=int, default=20, metavar="N",
-                   help="drop documents with fewer words after deduplication (default 20)")
-    p.add_argument("--max-words", type=int, default=None, metavar="N",
-                   help="keep at most N words: the document that reaches N is cut to it (default: everything)")
+    p.add_argument(
+        "--sources",
+        default=",".join(DEFAULT_SOURCES),
+        metavar="A,B",
+        help=f"comma-separated, from {', '.join(SOURCES)} (default: all)",
+    )
+    p.add_argument(
+        "--root",
+        action="append",
+        type=_root,
+        default=[],
+        metavar="SOURCE=DIR",
+        help="read SOURCE from DIR instead of its default folders (repeatable)",
+    )
+    p.add_argument(
+        "--min-words",
+        type=int,
+        default=20,
+        metavar="N",
+        help="drop documents with fewer words after deduplication (default 20)",
+    )
+    p.add_argument(
+        "--max-words",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep at most N words: the document that reaches N is cut to it (default: everything)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the document shuffle (default 0)")
     p.set_defaults(func=_cmd_corpus)
 
@@ -369,9 +450,18 @@ def _cmd_corpus(args) -> int:
     for name, path in args.root:
         roots.setdefault(name, []).append(path)
     sources = [s.strip() for s in args.sources.split(",") if s.strip()]
-    stats = assemble(args.out, sources, roots, min_words=args.min_words, max_words=args.max_words,
-                     seed=args.seed, log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(f"wrote {stats['output']}: {stats['documents']:,} documents, {stats['words']:,} words, "
-          f"{stats['bytes'] / 1e6:.1f} MB ({stats['paragraphs_dropped_as_duplicates']:,} duplicate paragraphs "
-          f"dropped); stats in {Path(args.out) / 'corpus.stats.json'}")
+    stats = assemble(
+        args.out,
+        sources,
+        roots,
+        min_words=args.min_words,
+        max_words=args.max_words,
+        seed=args.seed,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print(
+        f"wrote {stats['output']}: {stats['documents']:,} documents, {stats['words']:,} words, "
+        f"{stats['bytes'] / 1e6:.1f} MB ({stats['paragraphs_dropped_as_duplicates']:,} duplicate paragraphs "
+        f"dropped); stats in {Path(args.out) / 'corpus.stats.json'}"
+    )
     return 0

@@ -10,15 +10,58 @@ import re
 import textwrap
 
 _ROFF_CHARS = {
-    "em": "\u2014", "en": "\u2013", "hy": "-", "bu": "\u2022", "aq": "'", "dq": '"', "lq": "\u201c",
-    "rq": "\u201d", "oq": "\u2018", "cq": "\u2019", "co": "\u00a9", "rg": "\u00ae", "tm": "\u2122",
-    "mu": "\u00d7", "di": "\u00f7", ">=": "\u2265", "<=": "\u2264", "!=": "\u2260", "->": "\u2192",
-    "<-": "\u2190", "pl": "+", "mi": "-", "eq": "=", "ti": "~", "ha": "^", "rs": "\\", "sl": "/",
-    "ga": "`", "aa": "\u00b4", "de": "\u00b0", "+-": "\u00b1", "*W": "-", "*p": "pi", "ba": "|",
+    "em": "\u2014",
+    "en": "\u2013",
+    "hy": "-",
+    "bu": "\u2022",
+    "aq": "'",
+    "dq": '"',
+    "lq": "\u201c",
+    "rq": "\u201d",
+    "oq": "\u2018",
+    "cq": "\u2019",
+    "co": "\u00a9",
+    "rg": "\u00ae",
+    "tm": "\u2122",
+    "mu": "\u00d7",
+    "di": "\u00f7",
+    ">=": "\u2265",
+    "<=": "\u2264",
+    "!=": "\u2260",
+    "->": "\u2192",
+    "<-": "\u2190",
+    "pl": "+",
+    "mi": "-",
+    "eq": "=",
+    "ti": "~",
+    "ha": "^",
+    "rs": "\\",
+    "sl": "/",
+    "ga": "`",
+    "aa": "\u00b4",
+    "de": "\u00b0",
+    "+-": "\u00b1",
+    "*W": "-",
+    "*p": "pi",
+    "ba": "|",
 }
-_ROFF_STRINGS = {"--": "\u2014", "-": "\u2014", 'L"': '"', 'R"': '"', "C`": '"', "C'": '"', "Aq": "'",
-                 "PI": "pi", "C+": "C++", "Tm": "(TM)", "lq": "\u201c", "rq": "\u201d", "R": "\u00ae"}
-_ESCAPE = re.compile(r"""\\(?:
+_ROFF_STRINGS = {
+    "--": "\u2014",
+    "-": "\u2014",
+    'L"': '"',
+    'R"': '"',
+    "C`": '"',
+    "C'": '"',
+    "Aq": "'",
+    "PI": "pi",
+    "C+": "C++",
+    "Tm": "(TM)",
+    "lq": "\u201c",
+    "rq": "\u201d",
+    "R": "\u00ae",
+}
+_ESCAPE = re.compile(
+    r"""\\(?:
     f(?:\[[^\]]*\]|\(..|.)            # font
   | s[+-]?(?:\(\d\d|\[\d+\]|'\d+'|\d) # size
   | [nmgFY](?:\[[^\]]*\]|\(..|.)      # register, colour, font family
@@ -28,17 +71,111 @@ _ESCAPE = re.compile(r"""\\(?:
   | [hvwoxlLbDXNkzZSRH]'[^']*'        # motions, widths, drawing, \X'...'
   | [kz].                             # mark, zero-width
   | ([-e\\ 0~`'.&|^%c:!{}?acdprtu])   # one-character escapes
-)""", re.X)
+)""",
+    re.X,
+)
 _ONE_CHAR = {"-": "-", "e": "\\", "\\": "\\", " ": " ", "0": " ", "~": " ", "`": "`", "'": "'", ".": "."}
 _ALTERNATING = {"BR", "RB", "BI", "IB", "IR", "RI", "SB"}
 _FONT_MACROS = {"B", "I", "SM", "R", "CW"}
-_BREAKS = {"PP", "LP", "P", "sp", "br", "HP", "RS", "RE", "in", "ti", "Sp", "Pp", "Lp", "Bl", "El", "Bd",
-           "Ed", "ne", "bp", "TQ", "PD"}
-_MDOC_CALLABLE = {"Ac", "Ad", "An", "Ao", "Ap", "Aq", "Ar", "At", "Bc", "Bo", "Bq", "Brc", "Bro", "Brq", "Bsx",
-                  "Bx", "Cd", "Cm", "Dc", "Do", "Dq", "Dv", "Dx", "Ec", "Em", "En", "Eo", "Er", "Es", "Ev", "Fa",
-                  "Fc", "Fl", "Fn", "Fo", "Fr", "Ft", "Fx", "Ic", "Li", "Lk", "Ms", "Mt", "Nm", "No", "Ns", "Nx",
-                  "Oc", "Oo", "Op", "Ot", "Ox", "Pa", "Pc", "Pf", "Po", "Pq", "Qc", "Ql", "Qo", "Qq", "Sc", "So",
-                  "Sq", "Sx", "Sy", "Ta", "Tn", "Ux", "Va", "Vt", "Xc", "Xo", "Xr"}
+_BREAKS = {
+    "PP",
+    "LP",
+    "P",
+    "sp",
+    "br",
+    "HP",
+    "RS",
+    "RE",
+    "in",
+    "ti",
+    "Sp",
+    "Pp",
+    "Lp",
+    "Bl",
+    "El",
+    "Bd",
+    "Ed",
+    "ne",
+    "bp",
+    "TQ",
+    "PD",
+}
+_MDOC_CALLABLE = {
+    "Ac",
+    "Ad",
+    "An",
+    "Ao",
+    "Ap",
+    "Aq",
+    "Ar",
+    "At",
+    "Bc",
+    "Bo",
+    "Bq",
+    "Brc",
+    "Bro",
+    "Brq",
+    "Bsx",
+    "Bx",
+    "Cd",
+    "Cm",
+    "Dc",
+    "Do",
+    "Dq",
+    "Dv",
+    "Dx",
+    "Ec",
+    "Em",
+    "En",
+    "Eo",
+    "Er",
+    "Es",
+    "Ev",
+    "Fa",
+    "Fc",
+    "Fl",
+    "Fn",
+    "Fo",
+    "Fr",
+    "Ft",
+    "Fx",
+    "Ic",
+    "Li",
+    "Lk",
+    "Ms",
+    "Mt",
+    "Nm",
+    "No",
+    "Ns",
+    "Nx",
+    "Oc",
+    "Oo",
+    "Op",
+    "Ot",
+    "Ox",
+    "Pa",
+    "Pc",
+    "Pf",
+    "Po",
+    "Pq",
+    "Qc",
+    "Ql",
+    "Qo",
+    "Qq",
+    "Sc",
+    "So",
+    "Sq",
+    "Sx",
+    "Sy",
+    "Ta",
+    "Tn",
+    "Ux",
+    "Va",
+    "Vt",
+    "Xc",
+    "Xo",
+    "Xr",
+}
 _BLOCK_END = {"de": "..", "ig": "..", "am": "..", "TS": "TE", "EQ": "EN", "PS": "PE"}
 
 
@@ -68,7 +205,7 @@ def _args(rest: str) -> list[str]:
     while i < len(rest):
         c = rest[i]
         if c == '"':
-            if quoted and rest[i + 1:i + 2] == '"':
+            if quoted and rest[i + 1 : i + 2] == '"':
                 cur += '"'
                 i += 1
             else:
@@ -212,7 +349,7 @@ def strip_roff(source: str) -> str:
             end, stripped = st["end_block"], raw.strip()
             if stripped.startswith("..") if end == ".." else re.match(rf"[.']\s*{end}\b", stripped):
                 st["end_block"] = None
-        elif not raw.startswith((".\\\"", "'\\\"", "\\\"")):
+        elif not raw.startswith(('.\\"', "'\\\"", '\\"')):
             line(raw)
     flush()
     return "\n\n".join(paras)

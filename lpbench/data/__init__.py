@@ -11,8 +11,19 @@ from lpbench.data.sampler import MicroBatchLoader, MicroBatchSampler
 from lpbench.data.tokenizer import ByteTokenizer, get_tokenizer, load_tokenizer, train_tokenizer
 
 __all__ = [
-    "build_dataset", "DataSplits", "MockDataset", "MockLoader", "IndexedDataset",
-    "IndexedDatasetWriter", "optimal_dtype", "PackedSequences", "pack_documents",
-    "MicroBatchSampler", "MicroBatchLoader", "ByteTokenizer", "get_tokenizer",
-    "load_tokenizer", "train_tokenizer",
+    "build_dataset",
+    "DataSplits",
+    "MockDataset",
+    "MockLoader",
+    "IndexedDataset",
+    "IndexedDatasetWriter",
+    "optimal_dtype",
+    "PackedSequences",
+    "pack_documents",
+    "MicroBatchSampler",
+    "MicroBatchLoader",
+    "ByteTokenizer",
+    "get_tokenizer",
+    "load_tokenizer",
+    "train_tokenizer",
 ]

@@ -29,8 +29,16 @@ from lpbench.errors import UsageError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
-DTYPE_CODES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
-                                5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+DTYPE_CODES: dict[int, type] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 
 
@@ -151,8 +159,8 @@ class IndexedDataset:
             head = f.read(34)
         if len(head) < 34 or head[:9] != INDEX_HEADER:
             raise UsageError(f"{ipath}: not a Megatron index (bad header)")
-        version, = struct.unpack("<Q", head[9:17])
-        code, = struct.unpack("<B", head[17:18])
+        (version,) = struct.unpack("<Q", head[9:17])
+        (code,) = struct.unpack("<B", head[17:18])
         n_seq, n_doc = struct.unpack("<QQ", head[18:34])
         if version != INDEX_VERSION:
             raise UsageError(f"{ipath}: index version {version}, expected {INDEX_VERSION}")
@@ -175,12 +183,10 @@ class IndexedDataset:
         if n_doc > 1 and bool((np.diff(self.document_indices) < 0).any()):
             raise UsageError(f"{ipath}: document index is not in order: not a Megatron index")
         nbytes = os.path.getsize(bin_path(self.prefix))
-        end = (int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1])
-               * self.dtype.itemsize) if n_seq else 0
+        end = (int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize) if n_seq else 0
         if nbytes < end:
             raise UsageError(f"{bin_path(self.prefix)}: truncated ({nbytes} < {end} bytes)")
-        self._bin = (np.memmap(bin_path(self.prefix), mode="r", dtype=self.dtype)
-                     if nbytes else np.zeros(0, self.dtype))
+        self._bin = np.memmap(bin_path(self.prefix), mode="r", dtype=self.dtype) if nbytes else np.zeros(0, self.dtype)
 
     def __len__(self) -> int:
         """Number of sequences."""
@@ -198,7 +204,7 @@ class IndexedDataset:
         """Tokens of sequence ``i`` (a read-only view in the file's dtype)."""
         i = range(len(self))[i]  # bounds + negative indices
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize
-        return self._bin[start:start + int(self.sequence_lengths[i])]
+        return self._bin[start : start + int(self.sequence_lengths[i])]
 
     def document(self, d: int) -> np.ndarray:
         """Tokens of document ``d`` (its sequences concatenated)."""
@@ -218,7 +224,7 @@ class IndexedDataset:
         expected[1:] = np.cumsum(self.sequence_lengths[:-1], dtype=np.int64) * self.dtype.itemsize
         if not np.array_equal(expected, self.sequence_pointers):
             raise UsageError(f"{self.prefix}: sequences are not stored back to back")
-        return self._bin[:self.num_tokens]
+        return self._bin[: self.num_tokens]
 
     def document_starts(self) -> np.ndarray:
         """Token offset at which each document starts, for ``tokens()``."""
@@ -227,8 +233,10 @@ class IndexedDataset:
         return seq_starts[self.document_indices[:-1]]
 
     def describe(self) -> str:
-        return (f"Megatron indexed dataset {self.prefix} ({self.num_documents} documents, "
-                f"{len(self)} sequences, {self.num_tokens:,} tokens, {self.dtype})")
+        return (
+            f"Megatron indexed dataset {self.prefix} ({self.num_documents} documents, "
+            f"{len(self)} sequences, {self.num_tokens:,} tokens, {self.dtype})"
+        )
 
 
 def write_indexed_dataset(prefix: str | os.PathLike, documents, dtype: type = np.int32) -> None:

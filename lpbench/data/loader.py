@@ -26,11 +26,17 @@ from pathlib import Path
 from lpbench.data import indexed, sources
 from lpbench.data.mock import MockDataset
 from lpbench.data.packing import PackedSequences, concat_documents, split_train_valid
-from lpbench.data.prepare import (METADATA_SUFFIX, read_metadata, tokenize_documents,
-                                  write_documents)
+from lpbench.data.prepare import METADATA_SUFFIX, read_metadata, tokenize_documents, write_documents
 from lpbench.data.sampler import Splits
-from lpbench.data.tokenizer import (DEFAULT_EOS, ByteTokenizer, Tokenizer, fingerprint,
-                                    get_tokenizer, load_tokenizer, train_tokenizer)
+from lpbench.data.tokenizer import (
+    DEFAULT_EOS,
+    ByteTokenizer,
+    Tokenizer,
+    fingerprint,
+    get_tokenizer,
+    load_tokenizer,
+    train_tokenizer,
+)
 from lpbench.errors import UsageError
 
 MOCK_VALID_SEQUENCES = 16
@@ -53,21 +59,39 @@ class DataSplits(Splits):
     def describe(self) -> str:
         """Several lines: where the data comes from, tokenizer, corpus, split sizes, order, what was dropped."""
         docs = f" in {self.num_documents:,} documents" if self.num_documents else ""
-        corpus = () if self.num_tokens is None else (
-            f"corpus: {self.num_tokens:,} tokens{docs}, vocab {self.vocab_size}, EOS id {self.eos_id}",)
-        return super().describe(corpus, (f"order: sample index = position (seed {self.seed})" if self.is_mock else
-                                         f"order: seeded shuffle (seed {self.seed}), sharded over data-parallel ranks",))
+        corpus = (
+            ()
+            if self.num_tokens is None
+            else (f"corpus: {self.num_tokens:,} tokens{docs}, vocab {self.vocab_size}, EOS id {self.eos_id}",)
+        )
+        return super().describe(
+            corpus,
+            (
+                f"order: sample index = position (seed {self.seed})"
+                if self.is_mock
+                else f"order: seeded shuffle (seed {self.seed}), sharded over data-parallel ranks",
+            ),
+        )
 
 
 VAL_FRACTION = 0.01  # of a real dataset's sequences held out for validation, rounded up
 
 
-def build_dataset(spec: str, tokenizer: "Tokenizer | str | None" = None, *, seq_len: int,
-                  seed: int = 0, vocab_size: int | None = None, val_fraction: float = VAL_FRACTION,
-                  val_sequences: int | None = None, text_key: str = "text",
-                  text_unit: str = "paragraph", train_vocab_size: int | None = None,
-                  eos_token: str | None = None,
-                  cache_dir: str | os.PathLike | None = None) -> DataSplits:
+def build_dataset(
+    spec: str,
+    tokenizer: "Tokenizer | str | None" = None,
+    *,
+    seq_len: int,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    val_fraction: float = VAL_FRACTION,
+    val_sequences: int | None = None,
+    text_key: str = "text",
+    text_unit: str = "paragraph",
+    train_vocab_size: int | None = None,
+    eos_token: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> DataSplits:
     """Resolve ``spec`` (see module doc) into :class:`DataSplits`.
 
     ``tokenizer``: a tokenizer object, a tokenizer.json path or ``"byte"``. For raw text without
@@ -85,13 +109,26 @@ def build_dataset(spec: str, tokenizer: "Tokenizer | str | None" = None, *, seq_
         return _build_mock(tokenizer, seq_len, seed, vocab_size, val_sequences, eos_token, MOCK_KINDS[spec])
     prefix = spec[:-4] if spec.endswith((".bin", ".idx")) else spec
     if indexed.exists(prefix):
-        return _build_indexed(prefix, tokenizer, seq_len, seed, vocab_size, val_fraction,
-                              val_sequences, eos_token)
+        return _build_indexed(prefix, tokenizer, seq_len, seed, vocab_size, val_fraction, val_sequences, eos_token)
     if not os.path.exists(spec):
-        raise UsageError(f"--data {spec}: not 'mock', 'mock-uniform', an existing file or directory, "
-                         f"or a Megatron prefix with {spec}.bin and {spec}.idx")
-    return _build_raw(spec, tokenizer, seq_len, seed, vocab_size, val_fraction, val_sequences,
-                      text_key, text_unit, train_vocab_size, eos_token, cache_dir)
+        raise UsageError(
+            f"--data {spec}: not 'mock', 'mock-uniform', an existing file or directory, "
+            f"or a Megatron prefix with {spec}.bin and {spec}.idx"
+        )
+    return _build_raw(
+        spec,
+        tokenizer,
+        seq_len,
+        seed,
+        vocab_size,
+        val_fraction,
+        val_sequences,
+        text_key,
+        text_unit,
+        train_vocab_size,
+        eos_token,
+        cache_dir,
+    )
 
 
 MOCK_KINDS = {"mock": "walk", "mock-uniform": "uniform"}
@@ -112,8 +149,10 @@ def _note(prefix, tokens) -> dict | None:
     UsageError when its vocabulary does not hold them."""
     meta = read_metadata(prefix)
     if meta and len(tokens) and int(tokens.max()) >= int(meta["vocab_size"]):
-        raise UsageError(f"{prefix}{METADATA_SUFFIX}: vocabulary of {meta['vocab_size']}, but the data holds token "
-                         f"id {int(tokens.max())}: the note does not belong to this data")
+        raise UsageError(
+            f"{prefix}{METADATA_SUFFIX}: vocabulary of {meta['vocab_size']}, but the data holds token "
+            f"id {int(tokens.max())}: the note does not belong to this data"
+        )
     return meta
 
 
@@ -126,10 +165,14 @@ def _build_mock(tokenizer, seq_len, seed, vocab_size, val_sequences, eos_token, 
     return DataSplits(
         train=MockDataset(vocab, seq_len, seed, stream=0, kind=kind),
         valid=MockDataset(vocab, seq_len, seed, stream=1, num_samples=n_val, kind=kind),
-        seq_len=seq_len, vocab_size=vocab, eos_id=None, seed=seed,
+        seq_len=seq_len,
+        vocab_size=vocab,
+        eos_id=None,
+        seed=seed,
         source=f"mock ({'uniform random' if kind == 'uniform' else 'random-walk'} tokens of a "
-               f"{vocab}-token vocabulary, seed {seed})",
-        tokenizer=None)
+        f"{vocab}-token vocabulary, seed {seed})",
+        tokenizer=None,
+    )
 
 
 def _num_valid(n_tokens: int, seq_len: int, val_fraction: float, val_sequences: int | None) -> int:
@@ -139,24 +182,37 @@ def _num_valid(n_tokens: int, seq_len: int, val_fraction: float, val_sequences: 
     return math.ceil(val_fraction * total) if val_fraction > 0 else 0
 
 
-def _splits(tokens, doc_starts, seq_len, seed, vocab, eos_id, source, tok, n_docs,
-            val_fraction, val_sequences, notes) -> DataSplits:
+def _splits(
+    tokens, doc_starts, seq_len, seed, vocab, eos_id, source, tok, n_docs, val_fraction, val_sequences, notes
+) -> DataSplits:
     top = int(tokens.max()) if len(tokens) else -1
     if len(tokens) and tokens.dtype.kind == "i" and int(tokens.min()) < 0:
         raise UsageError(f"{source}: negative token id {int(tokens.min())}: not a token dataset")
     if top >= vocab:
         what = tok.description if tok is not None else f"vocab_size {vocab}"
-        raise UsageError(f"{source}: token id {top} >= vocab size {vocab}: the data was "
-                         f"tokenized with another tokenizer than {what}")
+        raise UsageError(
+            f"{source}: token id {top} >= vocab size {vocab}: the data was tokenized with another tokenizer than {what}"
+        )
     n_val = _num_valid(len(tokens), seq_len, val_fraction, val_sequences)
     train, valid = split_train_valid(tokens, seq_len, n_val, doc_starts)
-    return DataSplits(train=train, valid=valid, seq_len=seq_len, vocab_size=vocab,
-                      eos_id=eos_id, seed=seed, source=source, tokenizer=tok,
-                      num_documents=n_docs, num_tokens=len(tokens), notes=notes)
+    return DataSplits(
+        train=train,
+        valid=valid,
+        seq_len=seq_len,
+        vocab_size=vocab,
+        eos_id=eos_id,
+        seed=seed,
+        source=source,
+        tokenizer=tok,
+        num_documents=n_docs,
+        num_tokens=len(tokens),
+        notes=notes,
+    )
 
 
-def _build_indexed(prefix, tokenizer, seq_len, seed, vocab_size, val_fraction, val_sequences,
-                   eos_token, source=None, notes=None) -> DataSplits:
+def _build_indexed(
+    prefix, tokenizer, seq_len, seed, vocab_size, val_fraction, val_sequences, eos_token, source=None, notes=None
+) -> DataSplits:
     ds = indexed.IndexedDataset(prefix)
     tokens = ds.tokens()
     meta = _note(prefix, tokens) or {}
@@ -165,34 +221,66 @@ def _build_indexed(prefix, tokenizer, seq_len, seed, vocab_size, val_fraction, v
     if tok is not None:
         vocab, eos_id = tok.vocab_size, tok.eos_id
         if meta.get("tokenizer_fingerprint") not in (None, fingerprint(tok)):
-            notes.append(f"note: {prefix} was prepared with another tokenizer "
-                         f"({meta.get('tokenizer')})")
+            notes.append(f"note: {prefix} was prepared with another tokenizer ({meta.get('tokenizer')})")
     elif meta:
         vocab, eos_id = int(meta["vocab_size"]), meta.get("eos_id")
         notes.append(f"tokenizer (from {prefix}{METADATA_SUFFIX}): {meta.get('tokenizer')}")
     else:
         vocab = int(tokens.max()) + 1 if len(tokens) else 1
         eos_id = None
-        notes.append(f"note: no tokenizer given; vocab size {vocab} inferred from the largest "
-                     f"token id, EOS unknown (documents are used as stored)")
+        notes.append(
+            f"note: no tokenizer given; vocab size {vocab} inferred from the largest "
+            f"token id, EOS unknown (documents are used as stored)"
+        )
     vocab = vocab_size or vocab
-    splits = _splits(tokens, ds.document_starts(), seq_len, seed, vocab, eos_id,
-                     source or ds.describe(), tok, ds.num_documents, val_fraction,
-                     val_sequences, notes)
+    splits = _splits(
+        tokens,
+        ds.document_starts(),
+        seq_len,
+        seed,
+        vocab,
+        eos_id,
+        source or ds.describe(),
+        tok,
+        ds.num_documents,
+        val_fraction,
+        val_sequences,
+        notes,
+    )
     splits.prefix = os.fspath(prefix)
     return splits
 
 
-def _build_raw(path, tokenizer, seq_len, seed, vocab_size, val_fraction, val_sequences,
-               text_key, text_unit, train_vocab_size, eos_token, cache_dir) -> DataSplits:
+def _build_raw(
+    path,
+    tokenizer,
+    seq_len,
+    seed,
+    vocab_size,
+    val_fraction,
+    val_sequences,
+    text_key,
+    text_unit,
+    train_vocab_size,
+    eos_token,
+    cache_dir,
+) -> DataSplits:
     files = sources.list_files(path)
     source = sources.describe_source(path)
     key = None
     if cache_dir is not None:
-        h = hashlib.sha256(json.dumps({
-            "v": 1, "key": text_key, "unit": text_unit, "train": train_vocab_size,
-            "eos": eos_token, "files": [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns)
-                                        for f in files]}).encode())
+        h = hashlib.sha256(
+            json.dumps(
+                {
+                    "v": 1,
+                    "key": text_key,
+                    "unit": text_unit,
+                    "train": train_vocab_size,
+                    "eos": eos_token,
+                    "files": [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+                }
+            ).encode()
+        )
         key = Path(cache_dir) / f"{Path(path).stem or 'data'}-{h.hexdigest()[:16]}"
 
     def docs():
@@ -204,11 +292,12 @@ def _build_raw(path, tokenizer, seq_len, seed, vocab_size, val_fraction, val_seq
         saved = Path(f"{key}.tokenizer.json") if key is not None else None
         if saved is not None and saved.is_file():
             tok = load_tokenizer(saved, eos_token)
-            tok.description = (f"byte-level BPE trained on the corpus (vocab {tok.vocab_size}, "
-                               f"EOS {tok.eos_token!r} = {tok.eos_id}, cached at {saved})")
+            tok.description = (
+                f"byte-level BPE trained on the corpus (vocab {tok.vocab_size}, "
+                f"EOS {tok.eos_token!r} = {tok.eos_id}, cached at {saved})"
+            )
         else:
-            tok = train_tokenizer(docs(), train_vocab_size, output=saved,
-                                  eos_token=eos_token or DEFAULT_EOS)
+            tok = train_tokenizer(docs(), train_vocab_size, output=saved, eos_token=eos_token or DEFAULT_EOS)
     else:
         tok = ByteTokenizer()
     notes = []
@@ -217,11 +306,24 @@ def _build_raw(path, tokenizer, seq_len, seed, vocab_size, val_fraction, val_seq
         if not indexed.exists(prefix):
             write_documents(docs(), tok, prefix, source=source)
         notes.append(f"cache: tokenized corpus at {prefix}.bin/.idx")
-        return _build_indexed(prefix, tok, seq_len, seed, vocab_size, val_fraction,
-                              val_sequences, eos_token, source=source, notes=notes)
+        return _build_indexed(
+            prefix, tok, seq_len, seed, vocab_size, val_fraction, val_sequences, eos_token, source=source, notes=notes
+        )
     dtype = indexed.optimal_dtype(tok.vocab_size)
     stream, starts = concat_documents(tokenize_documents(docs(), tok), tok.eos_id, dtype)
     if len(starts) == 0:
         raise UsageError(f"{path}: no non-empty documents found")
-    return _splits(stream, starts, seq_len, seed, vocab_size or tok.vocab_size, tok.eos_id,
-                   source, tok, len(starts), val_fraction, val_sequences, notes)
+    return _splits(
+        stream,
+        starts,
+        seq_len,
+        seed,
+        vocab_size or tok.vocab_size,
+        tok.eos_id,
+        source,
+        tok,
+        len(starts),
+        val_fraction,
+        val_sequences,
+        notes,
+    )

@@ -30,8 +30,9 @@ class RandomWalk:
     def __init__(self, vocab_size: int, seed: int):
         self.vocab_size = int(vocab_size)
         rng = np.random.default_rng([seed, 2**31])
-        self.offsets = rng.choice(np.arange(1, self.vocab_size), size=min(self.OFFSETS, self.vocab_size - 1),
-                                  replace=False)
+        self.offsets = rng.choice(
+            np.arange(1, self.vocab_size), size=min(self.OFFSETS, self.vocab_size - 1), replace=False
+        )
         weights = 1.0 / np.arange(1, len(self.offsets) + 1)
         self.offset_probs = weights / weights.sum()
 
@@ -52,8 +53,15 @@ class MockDataset:
 
     KINDS = ("walk", "uniform")
 
-    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0, stream: int = 0,
-                 num_samples: int | None = None, kind: str = "walk"):
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        seed: int = 0,
+        stream: int = 0,
+        num_samples: int | None = None,
+        kind: str = "walk",
+    ):
         if vocab_size < 2:
             raise UsageError(f"mock data needs vocab_size >= 2, got {vocab_size}")
         if seq_len < 1:
@@ -87,8 +95,10 @@ class MockDataset:
     def describe(self) -> str:
         size = "endless" if self.num_samples is None else f"{self.num_samples} sequences"
         what = "uniform random tokens" if self.kind == "uniform" else "random-walk tokens (learnable)"
-        return (f"mock: {what}, vocab {self.vocab_size}, seq_len {self.seq_len}, "
-                f"seed {self.seed}, stream {self.stream} ({size})")
+        return (
+            f"mock: {what}, vocab {self.vocab_size}, seq_len {self.seq_len}, "
+            f"seed {self.seed}, stream {self.stream} ({size})"
+        )
 
 
 class MockLoader(MicroBatchLoader):
@@ -98,11 +108,19 @@ class MockLoader(MicroBatchLoader):
     (``G = mbs * world_size``); ``consumed_samples`` (global, a multiple of ``G``) resumes there.
     """
 
-    def __init__(self, vocab_size: int, seq_len: int, micro_batch_size: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, consumed_samples: int = 0, kind: str = "walk"):
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        micro_batch_size: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        consumed_samples: int = 0,
+        kind: str = "walk",
+    ):
         dataset = MockDataset(vocab_size, seq_len, seed, kind=kind)
-        sampler = MicroBatchSampler(None, micro_batch_size, rank=rank, world_size=world_size,
-                                    seed=seed, shuffle=False)
+        sampler = MicroBatchSampler(None, micro_batch_size, rank=rank, world_size=world_size, seed=seed, shuffle=False)
         super().__init__(dataset, sampler)
         if consumed_samples:
             sampler.seek(consumed_samples)

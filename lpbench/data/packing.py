@@ -19,8 +19,9 @@ import numpy as np
 from lpbench.errors import UsageError
 
 
-def concat_documents(docs: Iterable[Sequence[int]], eos_id: int | None,
-                     dtype: type = np.int64) -> tuple[np.ndarray, np.ndarray]:
+def concat_documents(
+    docs: Iterable[Sequence[int]], eos_id: int | None, dtype: type = np.int64
+) -> tuple[np.ndarray, np.ndarray]:
     """The stream ``doc0 EOS doc1 EOS ...`` (no EOS if ``eos_id`` is None), and doc starts."""
     parts, starts, pos = [], [], 0
     eos = None if eos_id is None else np.asarray([eos_id], dtype=dtype)
@@ -64,7 +65,7 @@ class PackedSequences:
         """The ``seq_len + 1`` tokens of sequence ``i``, int64."""
         i = range(self.num_samples)[i]
         lo = i * self.seq_len
-        return np.asarray(self.tokens[lo:lo + self.seq_len + 1], dtype=np.int64)
+        return np.asarray(self.tokens[lo : lo + self.seq_len + 1], dtype=np.int64)
 
     def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """``(input, label)`` of sequence ``i``."""
@@ -72,24 +73,25 @@ class PackedSequences:
         return w[:-1], w[1:]
 
     def describe(self) -> str:
-        return (f"{self.name}: {self.num_samples} sequences of {self.seq_len} "
-                f"({self.used_tokens:,} tokens used, {self.dropped_tokens} tail tokens dropped)")
+        return (
+            f"{self.name}: {self.num_samples} sequences of {self.seq_len} "
+            f"({self.used_tokens:,} tokens used, {self.dropped_tokens} tail tokens dropped)"
+        )
 
 
-def pack_documents(docs: Iterable[Sequence[int]], eos_id: int,
-                   seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+def pack_documents(docs: Iterable[Sequence[int]], eos_id: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """All ``(inputs, labels)`` as two int64 arrays ``[n, seq_len]`` (small data, tests)."""
     stream, _ = concat_documents(docs, eos_id)
     packed = PackedSequences(stream, seq_len)
     n, s = packed.num_samples, seq_len
-    inputs = stream[:n * s].reshape(n, s)
-    labels = stream[1:n * s + 1].reshape(n, s)
+    inputs = stream[: n * s].reshape(n, s)
+    labels = stream[1 : n * s + 1].reshape(n, s)
     return inputs, labels
 
 
-def split_train_valid(tokens: np.ndarray, seq_len: int, num_valid: int,
-                      doc_starts: np.ndarray | None = None
-                      ) -> tuple[PackedSequences, PackedSequences]:
+def split_train_valid(
+    tokens: np.ndarray, seq_len: int, num_valid: int, doc_starts: np.ndarray | None = None
+) -> tuple[PackedSequences, PackedSequences]:
     """Hold out the end of the stream as validation: no token is in both splits.
 
     The validation stream is the last ``num_valid * S + 1`` tokens, moved back to the start of
@@ -99,9 +101,11 @@ def split_train_valid(tokens: np.ndarray, seq_len: int, num_valid: int,
     """
     total = max(0, (len(tokens) - 1) // seq_len)
     if num_valid < 0 or (num_valid and num_valid >= total):
-        raise UsageError(f"cannot hold out {num_valid} of {total} sequences of {seq_len} tokens "
-                         f"({len(tokens):,} tokens): use a smaller seq_len or validation split, "
-                         f"or more data")
+        raise UsageError(
+            f"cannot hold out {num_valid} of {total} sequences of {seq_len} tokens "
+            f"({len(tokens):,} tokens): use a smaller seq_len or validation split, "
+            f"or more data"
+        )
     cut = len(tokens) - (num_valid * seq_len + 1) if num_valid else len(tokens)
     if num_valid and doc_starts is not None and len(doc_starts):
         k = int(np.searchsorted(doc_starts, cut, side="right")) - 1
@@ -112,6 +116,8 @@ def split_train_valid(tokens: np.ndarray, seq_len: int, num_valid: int,
     train = PackedSequences(tokens[:cut], seq_len, "train")
     valid = PackedSequences(tokens[cut:], seq_len, "validation")
     if len(train) == 0:
-        raise UsageError(f"{len(tokens):,} tokens leave no training sequence of {seq_len} tokens: give more text "
-                         "or a smaller --seq-len")
+        raise UsageError(
+            f"{len(tokens):,} tokens leave no training sequence of {seq_len} tokens: give more text "
+            "or a smaller --seq-len"
+        )
     return train, valid

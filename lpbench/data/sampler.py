@@ -24,8 +24,15 @@ from lpbench.errors import UsageError
 class MicroBatchSampler:
     """Yields each rank's index array for consecutive global micro-batches (see module doc)."""
 
-    def __init__(self, num_samples: int | None, micro_batch_size: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, shuffle: bool = True):
+    def __init__(
+        self,
+        num_samples: int | None,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+    ):
         if micro_batch_size < 1:
             raise UsageError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -37,7 +44,8 @@ class MicroBatchSampler:
         if self.num_samples is not None and self.num_samples < self.global_micro_batch:
             raise UsageError(
                 f"{self.num_samples} sequences cannot fill one global micro-batch of "
-                f"{self.global_micro_batch} (micro_batch_size x data-parallel ranks)")
+                f"{self.global_micro_batch} (micro_batch_size x data-parallel ranks)"
+            )
         self.step = 0  # global micro-batches consumed
         self._perm_epoch, self._perm = -1, None
 
@@ -72,7 +80,7 @@ class MicroBatchSampler:
             return np.arange(start, start + self.micro_batch_size)
         epoch, b = divmod(step, self.batches_per_epoch)
         start = b * self.global_micro_batch + lo
-        return self._order(epoch)[start:start + self.micro_batch_size].copy()
+        return self._order(epoch)[start : start + self.micro_batch_size].copy()
 
     def __iter__(self) -> Iterator[np.ndarray]:
         while True:
@@ -86,21 +94,30 @@ class MicroBatchSampler:
     def seek(self, consumed_samples: int) -> None:
         """Move to a global sample position (a multiple of the global micro-batch)."""
         if consumed_samples < 0 or consumed_samples % self.global_micro_batch:
-            raise UsageError(f"consumed_samples {consumed_samples} is not a non-negative multiple "
-                             f"of the global micro-batch {self.global_micro_batch}")
+            raise UsageError(
+                f"consumed_samples {consumed_samples} is not a non-negative multiple "
+                f"of the global micro-batch {self.global_micro_batch}"
+            )
         self.step = consumed_samples // self.global_micro_batch
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "epoch": self.epoch, "seed": self.seed,
-                "num_samples": self.num_samples, "global_micro_batch": self.global_micro_batch,
-                "shuffle": self.shuffle}
+        return {
+            "consumed_samples": self.consumed_samples,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "global_micro_batch": self.global_micro_batch,
+            "shuffle": self.shuffle,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume; the data, seed, shuffling and ``mbs * world_size`` must match the saved run."""
         for key in ("seed", "num_samples", "global_micro_batch", "shuffle"):
             if key in state and state[key] != getattr(self, key):
-                raise UsageError(f"cannot resume the data sampler: checkpoint has {key}="
-                                 f"{state[key]!r}, this run has {getattr(self, key)!r}")
+                raise UsageError(
+                    f"cannot resume the data sampler: checkpoint has {key}="
+                    f"{state[key]!r}, this run has {getattr(self, key)!r}"
+                )
         self.seek(int(state["consumed_samples"]))
 
 
@@ -158,8 +175,13 @@ def collate_windows(windows: list[np.ndarray]) -> Batch:
     return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
-def eval_batches(dataset, micro_batch_size: int, rank: int = 0, world_size: int = 1,
-                 collate: Callable[[list], Batch] = collate_windows) -> Iterator[Batch]:
+def eval_batches(
+    dataset,
+    micro_batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    collate: Callable[[list], Batch] = collate_windows,
+) -> Iterator[Batch]:
     """One in-order pass over a finite dataset, sharded like the training sampler.
 
     Nothing is dropped: the last global micro-batch may leave some ranks a short or no batch,
@@ -193,15 +215,26 @@ class Splits:
     def describe(self, corpus: tuple[str, ...] = (), order: tuple[str, ...] = ()) -> str:
         """Several lines: where the data comes from, its tokenizer, ``corpus``, the splits, ``order``, notes."""
         tokenizer = () if self.tokenizer is None else (f"tokenizer: {self.tokenizer.description}",)
-        return "\n".join([f"data: {self.source}", *tokenizer, *corpus, self.train.describe(), self.valid.describe(),
-                          *order, *self.notes])
+        return "\n".join(
+            [
+                f"data: {self.source}",
+                *tokenizer,
+                *corpus,
+                self.train.describe(),
+                self.valid.describe(),
+                *order,
+                *self.notes,
+            ]
+        )
 
-    def train_loader(self, micro_batch_size: int, rank: int = 0, world_size: int = 1,
-                     shuffle: bool = True) -> MicroBatchLoader:
+    def train_loader(
+        self, micro_batch_size: int, rank: int = 0, world_size: int = 1, shuffle: bool = True
+    ) -> MicroBatchLoader:
         """Endless micro-batches for this rank, with state_dict/load."""
         n = None if self.is_mock else len(self.train)
-        sampler = MicroBatchSampler(n, micro_batch_size, rank=rank, world_size=world_size,
-                                    seed=self.seed, shuffle=shuffle and not self.is_mock)
+        sampler = MicroBatchSampler(
+            n, micro_batch_size, rank=rank, world_size=world_size, seed=self.seed, shuffle=shuffle and not self.is_mock
+        )
         return MicroBatchLoader(self.train, sampler, self.collate)
 
     def valid_batches(self, micro_batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:

@@ -63,6 +63,7 @@ SFT_EXTENSIONS = sources.JSONL_EXTENSIONS + sources.PARQUET_EXTENSIONS
 
 # --------------------------------------------------------------------------- records → text pairs
 
+
 def _answer_text(ans) -> str | None:
     if isinstance(ans, str):
         return ans
@@ -92,8 +93,13 @@ def _records(path: Path) -> Iterator[tuple[str, dict]]:
         raise UsageError(f"{path}: SFT data must be JSONL or parquet, not {fmt}")
 
 
-def read_sft_pairs(paths, prompt_key: str | None = None, response_key: str | None = None,
-                   squad_prompt: str = SQUAD_PROMPT, stats: dict | None = None) -> Iterator[tuple[str, str]]:
+def read_sft_pairs(
+    paths,
+    prompt_key: str | None = None,
+    response_key: str | None = None,
+    squad_prompt: str = SQUAD_PROMPT,
+    stats: dict | None = None,
+) -> Iterator[tuple[str, str]]:
     """(prompt, response) strings of every record under ``paths`` (see the module doc).
 
     Records with an empty or missing response are skipped and counted in ``stats["skipped"]``.
@@ -134,21 +140,23 @@ def read_sft_pairs(paths, prompt_key: str | None = None, response_key: str | Non
 def _detect(rec: dict, prompt_key, response_key, where) -> tuple[str, str] | str:
     if prompt_key is not None:
         if prompt_key not in rec or response_key not in rec:
-            raise UsageError(f"{where}: no {prompt_key!r} and {response_key!r} fields "
-                             f"(fields: {', '.join(rec)})")
+            raise UsageError(f"{where}: no {prompt_key!r} and {response_key!r} fields (fields: {', '.join(rec)})")
         return prompt_key, response_key
     for pk, rk in KEY_PAIRS:
         if pk in rec and rk in rec:
             return pk, rk
     if "context" in rec and "question" in rec and ("answers" in rec or "answer" in rec):
         return "squad"
-    raise UsageError(f"{where}: cannot tell prompt from response in fields {', '.join(rec)}; expected "
-                     f"prompt/response, input/output or SQuAD context/question/answers "
-                     f"(or choose with --prompt-key/--response-key)")
+    raise UsageError(
+        f"{where}: cannot tell prompt from response in fields {', '.join(rec)}; expected "
+        f"prompt/response, input/output or SQuAD context/question/answers "
+        f"(or choose with --prompt-key/--response-key)"
+    )
 
 
-def tokenize_pairs(pairs: Iterable[tuple[str, str]], tokenizer: Tokenizer,
-                   batch_size: int = 1024) -> Iterator[tuple[list[int], list[int]]]:
+def tokenize_pairs(
+    pairs: Iterable[tuple[str, str]], tokenizer: Tokenizer, batch_size: int = 1024
+) -> Iterator[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) per pair, tokenized in batches."""
     for batch in sources.batched(pairs, batch_size):
         prompts = tokenizer.encode_batch([p for p, _ in batch])
@@ -158,8 +166,10 @@ def tokenize_pairs(pairs: Iterable[tuple[str, str]], tokenizer: Tokenizer,
 
 # --------------------------------------------------------------------------- samples and packing
 
-def sample_tokens(prompt: Sequence[int], response: Sequence[int], eos_id: int,
-                  seq_len: int) -> tuple[np.ndarray, int, bool]:
+
+def sample_tokens(
+    prompt: Sequence[int], response: Sequence[int], eos_id: int, seq_len: int
+) -> tuple[np.ndarray, int, bool]:
     """``(tokens, n_prompt, truncated)``: ``prompt + response + [EOS]`` cut to ``seq_len + 1`` tokens."""
     prompt = list(prompt) or [eos_id]
     response = list(response)
@@ -172,7 +182,7 @@ def sample_tokens(prompt: Sequence[int], response: Sequence[int], eos_id: int,
         prompt = prompt[-keep:]
     tokens = prompt + response + [eos_id]
     if len(tokens) > seq_len + 1:
-        tokens = tokens[:seq_len + 1]
+        tokens = tokens[: seq_len + 1]
     return np.asarray(tokens, dtype=np.int64), len(prompt), truncated
 
 
@@ -209,24 +219,30 @@ def build_sequence(samples: Sequence[tuple[np.ndarray, int]], seq_len: int, pad_
         n = len(tokens) - 1
         if pos + n > seq_len:
             raise ValueError(f"samples overflow a sequence of {seq_len}")
-        input_ids[pos:pos + n] = tokens[:-1]
+        input_ids[pos : pos + n] = tokens[:-1]
         target = tokens[1:].copy()
-        target[:max(0, n_prompt - 1)] = IGNORE_INDEX  # label j is token j+1: a prompt token for j+1 < n_prompt
-        labels[pos:pos + n] = target
-        doc_ids[pos:pos + n] = k
-        position_ids[pos:pos + n] = np.arange(n)
+        target[: max(0, n_prompt - 1)] = IGNORE_INDEX  # label j is token j+1: a prompt token for j+1 < n_prompt
+        labels[pos : pos + n] = target
+        doc_ids[pos : pos + n] = k
+        position_ids[pos : pos + n] = np.arange(n)
         lengths.append(n)
         pos += n
     position_ids[pos:] = np.arange(seq_len - pos)
-    return {"input_ids": input_ids, "labels": labels, "doc_ids": doc_ids,
-            "position_ids": position_ids, "sample_lengths": lengths}
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "doc_ids": doc_ids,
+        "position_ids": position_ids,
+        "sample_lengths": lengths,
+    }
 
 
 class PackedSFTDataset:
     """Tokenized samples packed into ``seq_len`` sequences; ``ds[i]`` is a dict (numpy arrays)."""
 
-    def __init__(self, samples: Sequence[tuple[np.ndarray, int]], seq_len: int, pad_id: int,
-                 seed: int = 0, name: str = "train"):
+    def __init__(
+        self, samples: Sequence[tuple[np.ndarray, int]], seq_len: int, pad_id: int, seed: int = 0, name: str = "train"
+    ):
         self.samples, self.seq_len, self.pad_id, self.name = list(samples), int(seq_len), pad_id, name
         self.bins = pack_best_fit([len(t) - 1 for t, _ in self.samples], self.seq_len, seed)
 
@@ -234,8 +250,7 @@ class PackedSFTDataset:
         return len(self.bins)
 
     def __getitem__(self, i: int) -> dict:
-        return build_sequence([self.samples[j] for j in self.bins[range(len(self.bins))[i]]],
-                              self.seq_len, self.pad_id)
+        return build_sequence([self.samples[j] for j in self.bins[range(len(self.bins))[i]]], self.seq_len, self.pad_id)
 
     @property
     def sample_lengths(self) -> list[list[int]]:
@@ -244,26 +259,38 @@ class PackedSFTDataset:
     def stats(self) -> dict:
         lens = [n for b in self.sample_lengths for n in b]
         positions = len(self.bins) * self.seq_len
-        return {"samples": len(lens), "sequences": len(self.bins),
-                "fill": sum(lens) / positions if positions else 0.0,
-                "attention_seq_len": sum(n * n for n in lens) / positions if positions else 0.0,
-                "loss_tokens": sum(len(t) - p for t, p in self.samples)}
+        return {
+            "samples": len(lens),
+            "sequences": len(self.bins),
+            "fill": sum(lens) / positions if positions else 0.0,
+            "attention_seq_len": sum(n * n for n in lens) / positions if positions else 0.0,
+            "loss_tokens": sum(len(t) - p for t, p in self.samples),
+        }
 
     def describe(self) -> str:
         s = self.stats()
         if not s["sequences"]:
             return f"{self.name}: empty"
-        return (f"{self.name}: {s['samples']:,} samples packed into {s['sequences']:,} sequences of "
-                f"{self.seq_len} ({s['samples'] / s['sequences']:.1f} per sequence, {s['fill']:.1%} filled, "
-                f"attention as if seq {s['attention_seq_len']:.0f}, {s['loss_tokens']:,} loss tokens)")
+        return (
+            f"{self.name}: {s['samples']:,} samples packed into {s['sequences']:,} sequences of "
+            f"{self.seq_len} ({s['samples'] / s['sequences']:.1f} per sequence, {s['fill']:.1%} filled, "
+            f"attention as if seq {s['attention_seq_len']:.0f}, {s['loss_tokens']:,} loss tokens)"
+        )
 
 
 class MockSFTDataset:
     """Endless (or ``num_samples``-long) seeded packed mock sequences (see the module doc)."""
 
-    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0, stream: int = 0,
-                 num_samples: int | None = None, prompt_len: tuple[int, int] = MOCK_PROMPT_LEN,
-                 response_len: tuple[int, int] = MOCK_RESPONSE_LEN):
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        seed: int = 0,
+        stream: int = 0,
+        num_samples: int | None = None,
+        prompt_len: tuple[int, int] = MOCK_PROMPT_LEN,
+        response_len: tuple[int, int] = MOCK_RESPONSE_LEN,
+    ):
         if vocab_size < 3:
             raise UsageError(f"mock SFT data needs vocab_size >= 3, got {vocab_size}")
         if seq_len < 2:
@@ -307,18 +334,25 @@ class MockSFTDataset:
 
     def describe(self) -> str:
         size = "endless" if self.num_samples is None else f"{self.num_samples} sequences"
-        return (f"mock SFT: random-walk prompt/response samples (prompt {self.prompt_len[0]}-{self.prompt_len[1]}, "
-                f"response {self.response_len[0]}-{self.response_len[1]} tokens), vocab {self.vocab_size} "
-                f"(EOS {self.eos_id}), seq_len {self.seq_len}, seed {self.seed}, stream {self.stream} ({size})")
+        return (
+            f"mock SFT: random-walk prompt/response samples (prompt {self.prompt_len[0]}-{self.prompt_len[1]}, "
+            f"response {self.response_len[0]}-{self.response_len[1]} tokens), vocab {self.vocab_size} "
+            f"(EOS {self.eos_id}), seq_len {self.seq_len}, seed {self.seed}, stream {self.stream} ({size})"
+        )
 
 
 # --------------------------------------------------------------------------- batches
 
+
 def collate_sft(items: list[dict]) -> Batch:
     """Stack packed sequences into ``[mbs, seq_len]`` int64 tensors (+ ``sample_lengths`` lists)."""
-    return Batch(**{k: torch.from_numpy(np.stack([it[k] for it in items]))
-                    for k in ("input_ids", "labels", "doc_ids", "position_ids")},
-                 sample_lengths=[list(it["sample_lengths"]) for it in items])
+    return Batch(
+        **{
+            k: torch.from_numpy(np.stack([it[k] for it in items]))
+            for k in ("input_ids", "labels", "doc_ids", "position_ids")
+        },
+        sample_lengths=[list(it["sample_lengths"]) for it in items],
+    )
 
 
 @dataclass
@@ -343,12 +377,22 @@ class SFTData(Splits):
         return self.train.sample_lengths
 
 
-def build_sft_dataset(spec: str, tokenizer: "Tokenizer | str | os.PathLike | None" = None, *, seq_len: int,
-                      seed: int = 0, vocab_size: int | None = None, prompt_key: str | None = None,
-                      response_key: str | None = None, squad_prompt: str = SQUAD_PROMPT,
-                      val_fraction: float = 0.01, val_samples: int | None = None, eos_token: str | None = None,
-                      prompt_len: tuple[int, int] = MOCK_PROMPT_LEN,
-                      response_len: tuple[int, int] = MOCK_RESPONSE_LEN) -> SFTData:
+def build_sft_dataset(
+    spec: str,
+    tokenizer: "Tokenizer | str | os.PathLike | None" = None,
+    *,
+    seq_len: int,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    prompt_key: str | None = None,
+    response_key: str | None = None,
+    squad_prompt: str = SQUAD_PROMPT,
+    val_fraction: float = 0.01,
+    val_samples: int | None = None,
+    eos_token: str | None = None,
+    prompt_len: tuple[int, int] = MOCK_PROMPT_LEN,
+    response_len: tuple[int, int] = MOCK_RESPONSE_LEN,
+) -> SFTData:
     """Packed SFT data from ``spec``: ``"mock"`` or a JSONL/parquet file or directory.
 
     ``tokenizer``: an object, a tokenizer.json path (or a checkpoint folder holding one) or
@@ -366,9 +410,15 @@ def build_sft_dataset(spec: str, tokenizer: "Tokenizer | str | os.PathLike | Non
         n_val = MOCK_VALID_SEQUENCES if val_samples is None else val_samples
         kw = dict(prompt_len=prompt_len, response_len=response_len)
         train = MockSFTDataset(vocab_size, seq_len, seed, stream=0, **kw)
-        return SFTData(train=train, valid=MockSFTDataset(vocab_size, seq_len, seed, stream=1, num_samples=n_val, **kw),
-                       seq_len=seq_len, vocab_size=vocab_size, eos_id=train.eos_id, seed=seed,
-                       source=f"mock SFT (random-walk prompt/response samples, vocab {vocab_size}, seed {seed})")
+        return SFTData(
+            train=train,
+            valid=MockSFTDataset(vocab_size, seq_len, seed, stream=1, num_samples=n_val, **kw),
+            seq_len=seq_len,
+            vocab_size=vocab_size,
+            eos_id=train.eos_id,
+            seed=seed,
+            source=f"mock SFT (random-walk prompt/response samples, vocab {vocab_size}, seed {seed})",
+        )
     if not os.path.exists(spec):
         raise UsageError(f"--data {spec}: not 'mock' or an existing JSONL/parquet file or directory")
     tok = get_tokenizer(tokenizer, eos_token) if tokenizer is not None else ByteTokenizer()
@@ -392,10 +442,18 @@ def build_sft_dataset(spec: str, tokenizer: "Tokenizer | str | os.PathLike | Non
     top = max(int(t.max()) for t, _ in samples)
     if top >= vocab:
         raise UsageError(f"{spec}: token id {top} >= vocab size {vocab}")
-    notes = [f"sft: {len(samples):,} samples ({truncated} truncated to {seq_len} positions, "
-             f"{stats.get('skipped', 0)} skipped without a response), prompt tokens masked from the loss"]
+    notes = [
+        f"sft: {len(samples):,} samples ({truncated} truncated to {seq_len} positions, "
+        f"{stats.get('skipped', 0)} skipped without a response), prompt tokens masked from the loss"
+    ]
     return SFTData(
         train=PackedSFTDataset([samples[i] for i in train_idx], seq_len, tok.eos_id, seed, "train"),
         valid=PackedSFTDataset([samples[i] for i in valid_idx], seq_len, tok.eos_id, seed, "validation"),
-        seq_len=seq_len, vocab_size=vocab, eos_id=tok.eos_id, seed=seed,
-        source=sources.describe_source(spec), tokenizer=tok, notes=notes)
+        seq_len=seq_len,
+        vocab_size=vocab,
+        eos_id=tok.eos_id,
+        seed=seed,
+        source=sources.describe_source(spec),
+        tokenizer=tok,
+        notes=notes,
+    )

@@ -34,8 +34,7 @@ PathLike = str | os.PathLike
 def detect_format(path: PathLike) -> str:
     """``"text"``, ``"jsonl"`` or ``"parquet"`` from the file's extension."""
     ext = Path(path).suffix.lower()
-    for fmt, exts in (("text", TEXT_EXTENSIONS), ("jsonl", JSONL_EXTENSIONS),
-                      ("parquet", PARQUET_EXTENSIONS)):
+    for fmt, exts in (("text", TEXT_EXTENSIONS), ("jsonl", JSONL_EXTENSIONS), ("parquet", PARQUET_EXTENSIONS)):
         if ext in exts:
             return fmt
     known = " ".join(TEXT_EXTENSIONS + JSONL_EXTENSIONS + PARQUET_EXTENSIONS)
@@ -49,9 +48,11 @@ def list_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file()
-                           and not any(part.startswith(".") for part in f.relative_to(p).parts)
-                           and _known(f))
+            found = sorted(
+                f
+                for f in p.rglob("*")
+                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts) and _known(f)
+            )
             if not found:
                 raise UsageError(f"{p}: directory holds no .txt/.jsonl/.parquet data files")
             files.extend(found)
@@ -71,8 +72,9 @@ def _known(path: Path) -> bool:
         return False
 
 
-def iter_documents(paths: PathLike | Sequence[PathLike], text_key: str = "text",
-                   text_unit: str = "paragraph") -> Iterator[str]:
+def iter_documents(
+    paths: PathLike | Sequence[PathLike], text_key: str = "text", text_unit: str = "paragraph"
+) -> Iterator[str]:
     """Every non-empty document of every file under ``paths``, in order."""
     if text_unit not in TEXT_UNITS:
         raise UsageError(f"text_unit must be one of {TEXT_UNITS}, got {text_unit!r}")
@@ -114,8 +116,9 @@ def jsonl_records(path: PathLike) -> Iterator[tuple[int, object]]:
             try:
                 value = parse_json(line, f"{path}:{lineno}")
             except UsageError as exc:
-                hint = " (a JSON array? use one object per line)" if lineno == 1 and \
-                    line.lstrip().startswith("[") else ""
+                hint = (
+                    " (a JSON array? use one object per line)" if lineno == 1 and line.lstrip().startswith("[") else ""
+                )
                 raise UsageError(f"{exc}{hint}") from None
             yield lineno, value
 
@@ -124,14 +127,12 @@ def read_jsonl(path: PathLike, text_key: str = "text") -> Iterator[str]:
     """The ``text_key`` string of each JSON object, one object per line."""
     for lineno, record in jsonl_records(path):
         if not isinstance(record, dict) or text_key not in record:
-            raise UsageError(f"{path}:{lineno}: no {text_key!r} field "
-                             f"(choose the field with --text-key)")
+            raise UsageError(f"{path}:{lineno}: no {text_key!r} field (choose the field with --text-key)")
         text = record[text_key]
         if text is None:
             continue
         if not isinstance(text, str):
-            raise UsageError(f"{path}:{lineno}: field {text_key!r} is "
-                             f"{type(text).__name__}, not a string")
+            raise UsageError(f"{path}:{lineno}: field {text_key!r} is {type(text).__name__}, not a string")
         if text:
             yield text
 
@@ -148,21 +149,18 @@ def open_parquet(path: PathLike):
         raise UsageError(f"{path}: not a readable parquet file: {exc}") from None
 
 
-def read_parquet(path: PathLike, text_key: str = "text",
-                 batch_size: int = 1024) -> Iterator[str]:
+def read_parquet(path: PathLike, text_key: str = "text", batch_size: int = 1024) -> Iterator[str]:
     """The non-null strings of column ``text_key``, read in record batches."""
     pf = open_parquet(path)
     names = pf.schema_arrow.names
     if text_key not in names:
-        raise UsageError(f"{path}: no column {text_key!r} (columns: {', '.join(names)}; "
-                         f"choose one with --text-key)")
+        raise UsageError(f"{path}: no column {text_key!r} (columns: {', '.join(names)}; choose one with --text-key)")
     for batch in pf.iter_batches(batch_size=batch_size, columns=[text_key]):
         for text in batch.column(0).to_pylist():
             if text is None:
                 continue
             if not isinstance(text, str):
-                raise UsageError(f"{path}: column {text_key!r} holds "
-                                 f"{type(text).__name__}, not strings")
+                raise UsageError(f"{path}: column {text_key!r} holds {type(text).__name__}, not strings")
             if text:
                 yield text
 

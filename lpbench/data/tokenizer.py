@@ -62,11 +62,13 @@ class HFTokenizer:
                 self.eos_token, self.eos_id = name, tid
                 break
         else:
-            raise UsageError(f"{source}: no EOS token ({', '.join(candidates)}) in the vocabulary;"
-                             " name it with --eos-token")
+            raise UsageError(
+                f"{source}: no EOS token ({', '.join(candidates)}) in the vocabulary; name it with --eos-token"
+            )
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self.description = (f"HF tokenizers from {source} (vocab {self.vocab_size}, "
-                            f"EOS {self.eos_token!r} = {self.eos_id})")
+        self.description = (
+            f"HF tokenizers from {source} (vocab {self.vocab_size}, EOS {self.eos_token!r} = {self.eos_id})"
+        )
 
     @property
     def fingerprint(self) -> str:
@@ -92,8 +94,9 @@ def _tokenizers():
     try:
         import tokenizers
     except ModuleNotFoundError:
-        raise UsageError("tokenizer.json files need HF tokenizers: pip install tokenizers "
-                         "(or use the byte-level tokenizer)") from None
+        raise UsageError(
+            "tokenizer.json files need HF tokenizers: pip install tokenizers (or use the byte-level tokenizer)"
+        ) from None
     return tokenizers
 
 
@@ -121,9 +124,13 @@ def check_vocab_size(vocab_size: int) -> None:
         raise UsageError(f"--vocab-size must be >= 258 (256 bytes + EOS + merges), got {vocab_size}")
 
 
-def train_tokenizer(docs: Iterable[str], vocab_size: int, eos_token: str = DEFAULT_EOS,
-                    min_frequency: int = 2, output: str | os.PathLike | None = None
-                    ) -> HFTokenizer:
+def train_tokenizer(
+    docs: Iterable[str],
+    vocab_size: int,
+    eos_token: str = DEFAULT_EOS,
+    min_frequency: int = 2,
+    output: str | os.PathLike | None = None,
+) -> HFTokenizer:
     """Train a byte-level BPE (GPT-2 style) on ``docs``; save it as ``output`` when given.
 
     The vocabulary holds the 256 byte symbols, ``eos_token`` and up to ``vocab_size - 257``
@@ -135,20 +142,25 @@ def train_tokenizer(docs: Iterable[str], vocab_size: int, eos_token: str = DEFAU
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eos_token],
-        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), show_progress=sys.stderr.isatty())
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[eos_token],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=sys.stderr.isatty(),
+    )
     tok.train_from_iterator(docs, trainer)
     out = HFTokenizer(tok, eos_token, source="corpus")
-    out.description = (f"byte-level BPE trained on the corpus (vocab {out.vocab_size}, "
-                       f"requested {vocab_size}, EOS {eos_token!r} = {out.eos_id})")
+    out.description = (
+        f"byte-level BPE trained on the corpus (vocab {out.vocab_size}, "
+        f"requested {vocab_size}, EOS {eos_token!r} = {out.eos_id})"
+    )
     if output is not None:
         out.save(output)
         out.description += f", saved to {output}"
     return out
 
 
-def get_tokenizer(spec: "Tokenizer | str | os.PathLike | None",
-                  eos_token: str | None = None) -> Tokenizer:
+def get_tokenizer(spec: "Tokenizer | str | os.PathLike | None", eos_token: str | None = None) -> Tokenizer:
     """A tokenizer object from ``None``/``"byte"`` (bytes), a tokenizer.json path, or as is."""
     if spec is None or (isinstance(spec, str) and spec == "byte"):
         return ByteTokenizer()
@@ -160,5 +172,4 @@ def get_tokenizer(spec: "Tokenizer | str | os.PathLike | None",
 def fingerprint(tokenizer: Tokenizer) -> str:
     """A stable identifier of a tokenizer's behaviour (for caches)."""
     fp = getattr(tokenizer, "fingerprint", None)
-    return fp if isinstance(fp, str) else hashlib.sha256(
-        tokenizer.description.encode()).hexdigest()[:16]
+    return fp if isinstance(fp, str) else hashlib.sha256(tokenizer.description.encode()).hexdigest()[:16]

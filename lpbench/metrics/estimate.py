@@ -51,8 +51,16 @@ def code_bytes(recipe: Recipe) -> float:
     return 1.0 + ((1 / recipe.block) if recipe.block else 0.0)
 
 
-def block_bytes_per_token(m: ModelConfig, recipe: Recipe, recompute: str, *, compiled: bool = False,
-                          residual_bytes: int = 4, bf16_copies: bool = False, lora: bool = False) -> float:
+def block_bytes_per_token(
+    m: ModelConfig,
+    recipe: Recipe,
+    recompute: str,
+    *,
+    compiled: bool = False,
+    residual_bytes: int = 4,
+    bf16_copies: bool = False,
+    lora: bool = False,
+) -> float:
     """Activation bytes one block keeps per token for its backward, counted tensor by tensor.
 
     ``none``, eager (autocast to the compute dtype, 2 bytes): each RMSNorm keeps its input in FP32 (the
@@ -98,11 +106,26 @@ def block_bytes_per_token(m: ModelConfig, recipe: Recipe, recompute: str, *, com
     return norms + attn + mlp
 
 
-def estimate(m: ModelConfig, recipe: Recipe, *, seq_len: int, mbs: int, dp: int = 1, tp: int = 1,
-             fsdp: bool = False, recompute: str = "none", recompute_every: int = 1, grad_accum: int = 1,
-             workload: str = "pretrain", lora_rank: int = 32, lora_quantized_base: bool = False,
-             fused_loss: bool = False, compiled: bool = True, cuda: bool = True,
-             nvfp4_bf16_copies: bool = False) -> Estimate:
+def estimate(
+    m: ModelConfig,
+    recipe: Recipe,
+    *,
+    seq_len: int,
+    mbs: int,
+    dp: int = 1,
+    tp: int = 1,
+    fsdp: bool = False,
+    recompute: str = "none",
+    recompute_every: int = 1,
+    grad_accum: int = 1,
+    workload: str = "pretrain",
+    lora_rank: int = 32,
+    lora_quantized_base: bool = False,
+    fused_loss: bool = False,
+    compiled: bool = True,
+    cuda: bool = True,
+    nvfp4_bf16_copies: bool = False,
+) -> Estimate:
     """The predicted peak of one rank (module doc); ``m``'s parameters counted on a meta-device model.
 
     ``compiled``: blocks (and, with one process or DDP, the head) compiled; ``cuda``: FSDP gathers the
@@ -113,20 +136,26 @@ def estimate(m: ModelConfig, recipe: Recipe, *, seq_len: int, mbs: int, dp: int 
 
     model = build_model(m, device="meta")
     block = sum(p.numel() for p in model.layers.parameters()) / m.n_layers
-    linear = (sum(mod.weight.numel() for mod in model.layers.modules() if hasattr(mod, "weight") and mod.weight.ndim == 2)
-              + sum(p.numel() for n, p in model.layers.named_parameters() if ".experts." in n)) / m.n_layers
+    linear = (
+        sum(mod.weight.numel() for mod in model.layers.modules() if hasattr(mod, "weight") and mod.weight.ndim == 2)
+        + sum(p.numel() for n, p in model.layers.named_parameters() if ".experts." in n)
+    ) / m.n_layers
     rest = sum(p.numel() for p in model.parameters()) - block * m.n_layers  # embeddings, final norm, LM head
     fsdp = fsdp and dp > 1
     shards = (dp if fsdp else 1) * tp
-    quantized_blocks = max(0, m.n_layers - recipe.first_bf16_layers - recipe.last_bf16_layers) if recipe.quantized \
-        else 0
+    quantized_blocks = (
+        max(0, m.n_layers - recipe.first_bf16_layers - recipe.last_bf16_layers) if recipe.quantized else 0
+    )
     parts: dict[str, float] = {}
     if workload == "lora":  # frozen base in the compute dtype or quantized; adapters trained in FP32
         q, kv, up = m.n_heads * m.hd, m.n_kv_heads * m.hd, (2 if m.gated else 1) * m.ffn_dim
         ins_outs = (m.dim + q + 2 * kv) + (q + m.dim) + (m.dim + up) + (m.ffn_dim + m.dim)  # qkv, o, mlp
         trainable = lora_rank * ins_outs * m.n_layers
-        stored = code_bytes(recipe) * quantized_blocks + 2.0 * (m.n_layers - quantized_blocks) \
-            if lora_quantized_base else 2.0 * m.n_layers
+        stored = (
+            code_bytes(recipe) * quantized_blocks + 2.0 * (m.n_layers - quantized_blocks)
+            if lora_quantized_base
+            else 2.0 * m.n_layers
+        )
         parts["frozen base"] = stored * linear + 2.0 * (block - linear) * m.n_layers + 4.0 * rest
     else:
         trainable = block * m.n_layers + rest
@@ -144,11 +173,16 @@ def estimate(m: ModelConfig, recipe: Recipe, *, seq_len: int, mbs: int, dp: int 
         parts["FSDP gathered weights"] = 2.0 * (2 * block + rest) / tp
     tokens = mbs * seq_len / tp  # tensor parallelism splits the features (sequence parallelism the rest)
     checkpointed = len(range(0, m.n_layers, recompute_every)) if recompute != "none" else 0
-    per = dict(compiled=compiled, residual_bytes=2 if fsdp and cuda else 4,
-               bf16_copies=nvfp4_bf16_copies and recipe.scaling is Scaling.NVFP4, lora=workload == "lora")
+    per = dict(
+        compiled=compiled,
+        residual_bytes=2 if fsdp and cuda else 4,
+        bf16_copies=nvfp4_bf16_copies and recipe.scaling is Scaling.NVFP4,
+        lora=workload == "lora",
+    )
     kept = block_bytes_per_token(m, recipe, "none", **per)
-    parts[f"activations ({recompute})"] = tokens * (block_bytes_per_token(m, recipe, recompute, **per) * checkpointed
-                                                    + kept * (m.n_layers - checkpointed))
+    parts[f"activations ({recompute})"] = tokens * (
+        block_bytes_per_token(m, recipe, recompute, **per) * checkpointed + kept * (m.n_layers - checkpointed)
+    )
     if checkpointed:
         parts["one block recomputed"] = tokens * kept
     # the head: eager, log-softmax's FP32 output, its gradient and the logits' (FP32, then BF16); compiled

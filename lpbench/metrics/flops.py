@@ -72,6 +72,7 @@ def days_to_train(tokens: float, tokens_per_sec_per_gpu: float, num_gpus: int) -
 
 # --------------------------------------------------------------------------- fine-tuning
 
+
 def attention_flops_per_token(cfg: ModelConfig, seq_len: float, formula: str = "megatron") -> float:
     """The core-attention part of :func:`flops_per_token` at ``seq_len`` (linear in it)."""
     per_position = flops_per_token(cfg, 1, formula) - flops_per_token(cfg, 0, formula)
@@ -99,7 +100,8 @@ def packed_attention_len(sample_lengths, seq_len: int) -> float:
 def packed_flops_per_token(cfg: ModelConfig, seq_len: int, sample_lengths, formula: str = "megatron") -> float:
     """Training FLOPs per position of packed SFT sequences (attention per sample, see module doc)."""
     return flops_per_token(cfg, 0, formula) + attention_flops_per_token(
-        cfg, packed_attention_len(sample_lengths, seq_len), formula)
+        cfg, packed_attention_len(sample_lengths, seq_len), formula
+    )
 
 
 def lora_adapter_flops_per_token(cfg: ModelConfig, rank: int, targets=("qkv", "o", "mlp")) -> float:
@@ -120,11 +122,21 @@ def lora_adapter_flops_per_token(cfg: ModelConfig, rank: int, targets=("qkv", "o
     return 6.0 * rank * per_layer * cfg.n_layers
 
 
-def lora_flops_per_token(cfg: ModelConfig, seq_len: int, formula: str = "megatron", *, sample_lengths=None,
-                         rank: int = 0, targets=("qkv", "o", "mlp")) -> float:
+def lora_flops_per_token(
+    cfg: ModelConfig,
+    seq_len: int,
+    formula: str = "megatron",
+    *,
+    sample_lengths=None,
+    rank: int = 0,
+    targets=("qkv", "o", "mlp"),
+) -> float:
     """LoRA training FLOPs per token: 2/3 of the frozen GEMMs + full attention (per sample when
     ``sample_lengths`` are given) + adapters when ``rank`` > 0 (see module doc)."""
     s = seq_len if sample_lengths is None else packed_attention_len(sample_lengths, seq_len)
     frozen = flops_per_token(cfg, 0, formula)
-    return (2.0 / 3.0) * frozen + attention_flops_per_token(cfg, s, formula) + \
-        lora_adapter_flops_per_token(cfg, rank, targets)
+    return (
+        (2.0 / 3.0) * frozen
+        + attention_flops_per_token(cfg, s, formula)
+        + lora_adapter_flops_per_token(cfg, rank, targets)
+    )

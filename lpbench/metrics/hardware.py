@@ -29,8 +29,15 @@ PEAKS: dict[str, GPUPeaks] = {
 }
 
 # Most specific patterns first: "GB200" contains "B200", "H100 PCIe" contains "H100".
-_PATTERNS = [("GB300", "GB300"), ("GB200", "GB200"), ("B200", "B200"), ("H200", "H200"),
-             ("H100 PCIE", "H100 PCIe"), ("H100", "H100 SXM"), ("A100", "A100")]
+_PATTERNS = [
+    ("GB300", "GB300"),
+    ("GB200", "GB200"),
+    ("B200", "B200"),
+    ("H200", "H200"),
+    ("H100 PCIE", "H100 PCIe"),
+    ("H100", "H100 SXM"),
+    ("A100", "A100"),
+]
 
 
 def detect_gpu(device_name: str | None) -> GPUPeaks | None:

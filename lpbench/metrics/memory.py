@@ -63,8 +63,15 @@ def device_used_gb(device: torch.device) -> float | None:
 
 def summary(device: torch.device) -> dict:
     if device.type == "cuda":
-        return {"peak_mem_allocated_gb": torch.cuda.max_memory_allocated(device) / GB,
-                "peak_mem_reserved_gb": torch.cuda.max_memory_reserved(device) / GB,
-                "device_mem_used_gb": device_used_gb(device), "memory_kind": "cuda"}
-    return {"peak_mem_allocated_gb": peak_gb(device), "peak_mem_reserved_gb": None,
-            "device_mem_used_gb": None, "memory_kind": "host-rss"}
+        return {
+            "peak_mem_allocated_gb": torch.cuda.max_memory_allocated(device) / GB,
+            "peak_mem_reserved_gb": torch.cuda.max_memory_reserved(device) / GB,
+            "device_mem_used_gb": device_used_gb(device),
+            "memory_kind": "cuda",
+        }
+    return {
+        "peak_mem_allocated_gb": peak_gb(device),
+        "peak_mem_reserved_gb": None,
+        "device_mem_used_gb": None,
+        "memory_kind": "host-rss",
+    }

@@ -30,12 +30,18 @@ CATEGORIES = ("gemm", "quantize", "attention", "comm", "other")
 RULES = (  # (category, pattern) in order; the first match wins
     ("comm", r"nccl|gloo|c10d|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all"),
     ("attention", r"flash|scaled_dot_product|sdpa|fmha|flex_attention|efficient_attention"),
-    ("gemm", r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|_grouped_mm|_scaled_grouped_mm)$"
-             r"|gemm|cutlass|nvjet|xmma|wgmma|cublas|s16816"),
+    (
+        "gemm",
+        r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|_grouped_mm|_scaled_grouped_mm)$"
+        r"|gemm|cutlass|nvjet|xmma|wgmma|cublas|s16816",
+    ),
     ("other", r"softmax|cross_entropy"),  # their fused kernels name amax, which is not quantization here
-    ("quantize", r"quantiz|absmax|amax|float8|fp8|fp4|mxfp|hadamard"
-                 r"|^_(cast|amax_scale|record|transpose)_kernel$"  # kernels/fp8_cast.py
-                 r"|^triton_\w*fused\w*_to_copy\w*clamp"),  # torch.compile's saturating casts (FP8 codes)
+    (
+        "quantize",
+        r"quantiz|absmax|amax|float8|fp8|fp4|mxfp|hadamard"
+        r"|^_(cast|amax_scale|record|transpose)_kernel$"  # kernels/fp8_cast.py
+        r"|^triton_\w*fused\w*_to_copy\w*clamp",
+    ),  # torch.compile's saturating casts (FP8 codes)
 )
 _RULES = [(cat, re.compile(pattern, re.IGNORECASE)) for cat, pattern in RULES]
 # CUPTI's synchronization records (kineto category cuda_sync): device rows that span the time a
@@ -111,8 +117,9 @@ def format_table(parts: dict[str, dict[str, float]], unit: str = "ms") -> list[s
 class StepProfiler:
     """Profiles steps ``first..last`` of the loop (``begin``/``end`` around each step, ``close`` after)."""
 
-    def __init__(self, steps: tuple[int, int] | None, out_dir: str | Path, device: torch.device,
-                 log: Callable[[str], None]):
+    def __init__(
+        self, steps: tuple[int, int] | None, out_dir: str | Path, device: torch.device, log: Callable[[str], None]
+    ):
         self.steps, self.out_dir, self.device, self.log = steps, Path(out_dir), device, log
         self.prof, self.first, self.last, self.metrics = None, None, None, {}
 
@@ -157,8 +164,12 @@ class StepProfiler:
         self.log(f"lpbench: profile of steps {self.first}-{last} ({basis}), trace {trace}")
         for line in format_table(parts):
             self.log(line)
-        self.metrics = {"steps": f"{self.first}:{last}", "trace": str(trace), "basis": basis,
-                        "total_ms": sum(p["time"] for p in parts.values()),
-                        **{f"{c}_ms": p["time"] for c, p in parts.items()},
-                        **{f"{c}_pct": p["share"] * 100 for c, p in parts.items()}}
+        self.metrics = {
+            "steps": f"{self.first}:{last}",
+            "trace": str(trace),
+            "basis": basis,
+            "total_ms": sum(p["time"] for p in parts.values()),
+            **{f"{c}_ms": p["time"] for c, p in parts.items()},
+            **{f"{c}_pct": p["share"] * 100 for c, p in parts.items()},
+        }
         return self.metrics

@@ -15,9 +15,16 @@ from pathlib import Path
 
 from lpbench.errors import UsageError
 
-SCALARS = {"loss": "train/loss", "val_loss": "validation/loss", "step_time_s": "perf/step_time_s",
-           "tokens_per_sec_per_gpu": "perf/tokens_per_sec_per_gpu", "tflops_per_gpu": "perf/model_tflops_per_gpu",
-           "peak_mem_gb": "memory/peak_gb", "lr": "optim/lr", "grad_norm": "optim/grad_norm"}
+SCALARS = {
+    "loss": "train/loss",
+    "val_loss": "validation/loss",
+    "step_time_s": "perf/step_time_s",
+    "tokens_per_sec_per_gpu": "perf/tokens_per_sec_per_gpu",
+    "tflops_per_gpu": "perf/model_tflops_per_gpu",
+    "peak_mem_gb": "memory/peak_gb",
+    "lr": "optim/lr",
+    "grad_norm": "optim/grad_norm",
+}
 
 
 def require_tensorboard() -> None:
@@ -37,8 +44,15 @@ def run_dir(root: str, model: str, precision: str, key: str) -> Path:
 class StepWriter:
     """``add(rec)`` per step, ``close()`` at the end; a no-op without a folder for either."""
 
-    def __init__(self, root: str | None, model: str, precision: str, key: str, wandb_dir: str | None = None,
-                 config: dict | None = None):
+    def __init__(
+        self,
+        root: str | None,
+        model: str,
+        precision: str,
+        key: str,
+        wandb_dir: str | None = None,
+        config: dict | None = None,
+    ):
         self.writer = self.wandb = None
         if root:
             require_tensorboard()
@@ -50,12 +64,20 @@ class StepWriter:
             import wandb
 
             Path(wandb_dir).mkdir(parents=True, exist_ok=True)
-            self.wandb = wandb.init(project="lpbench", name=run_dir("", model, precision, key).name,
-                                    dir=str(wandb_dir), mode="offline", config=config or {})
+            self.wandb = wandb.init(
+                project="lpbench",
+                name=run_dir("", model, precision, key).name,
+                dir=str(wandb_dir),
+                mode="offline",
+                config=config or {},
+            )
 
     def add(self, rec: dict) -> None:
-        values = {tag: rec[field] for field, tag in SCALARS.items()
-                  if isinstance(rec.get(field), (int, float)) and not isinstance(rec.get(field), bool)}
+        values = {
+            tag: rec[field]
+            for field, tag in SCALARS.items()
+            if isinstance(rec.get(field), (int, float)) and not isinstance(rec.get(field), bool)
+        }
         if self.writer is not None:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, rec["step"])

@@ -36,8 +36,12 @@ from lpbench.gemm import local_linear
 
 
 TARGETS: dict[str, tuple[str, ...]] = {
-    "qkv": ("qkv",), "o": ("o",), "mlp": ("gate_up", "up", "down"),
-    "gate_up": ("gate_up",), "up": ("up",), "down": ("down",),
+    "qkv": ("qkv",),
+    "o": ("o",),
+    "mlp": ("gate_up", "up", "down"),
+    "gate_up": ("gate_up",),
+    "up": ("up",),
+    "down": ("down",),
 }
 
 
@@ -61,8 +65,9 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=cfg.norm_eps)
 
 
-def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
-                           high_freq_factor: float, original_max_pos: int) -> torch.Tensor:
+def llama3_scaled_inv_freq(
+    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original_max_pos: int
+) -> torch.Tensor:
     """Llama 3.1 RoPE scaling (HF rope_type "llama3"): long wavelengths slowed by ``factor``,
     short ones kept, a smooth blend in between."""
     low_wavelen, high_wavelen = original_max_pos / low_freq_factor, original_max_pos / high_freq_factor
@@ -133,16 +138,24 @@ class Attention(nn.Module):
         gqa = self.n_kv != self.n_heads
         if mask is None:
             out = gemm.attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=True, enable_gqa=gqa,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                enable_gqa=gqa,
             )
         elif isinstance(mask, torch.Tensor):
             out = gemm.attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=gqa,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=mask,
+                enable_gqa=gqa,
             )
         else:
-            out = _flex_attention(q.transpose(1, 2), k.to(q.dtype).transpose(1, 2),
-                                  v.to(q.dtype).transpose(1, 2), mask, gqa)
+            out = _flex_attention(
+                q.transpose(1, 2), k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2), mask, gqa
+            )
         return self.o(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -209,14 +222,19 @@ class Decoder(nn.Module):
             if p.ndim == 1:
                 full.fill_(1.0 if name.endswith("weight") else 0.0)
             else:
-                full.normal_(0.0, out_std if name.endswith(("attn.o.weight", "down.weight", "experts.down")) else std, generator=gen)
+                full.normal_(
+                    0.0,
+                    out_std if name.endswith(("attn.o.weight", "down.weight", "experts.down")) else std,
+                    generator=gen,
+                )
             if write is None:
                 p.copy_(full)
             else:
                 write(name, p, full)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits [B, S, V], or the mean cross-entropy (FP32) when labels are given (-100 ignored).
 
         ``doc_ids`` [B, S] (packed sequences): attention stays inside each run of equal ids and

@@ -82,12 +82,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         grad_x, grad_w = ctx.saved_tensors
         factor = grad / ctx.grad_scale  # 1.0 when backward brings the scale the forward assumed
-        return (None if grad_x is None else grad_x * factor.to(grad_x.dtype),
-                None if grad_w is None else grad_w * factor.to(grad_w.dtype), None, None, None)
+        return (
+            None if grad_x is None else grad_x * factor.to(grad_x.dtype),
+            None if grad_w is None else grad_w * factor.to(grad_w.dtype),
+            None,
+            None,
+            None,
+        )
 
 
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         grad_scale: float = 1.0, chunk: int | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, grad_scale: float = 1.0, chunk: int | None = None
+) -> torch.Tensor:
     """Mean cross-entropy (FP32) of ``x @ weight.T`` against ``labels`` (-100 ignored), chunked over tokens.
 
     ``x`` [..., D] and ``weight`` [V, D] are cast to the compute dtype (autocast's, else x's) as a
@@ -99,6 +105,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     with torch.autocast(x.device.type, enabled=False):
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return _LinearCrossEntropy.apply(x, weight, labels, float(grad_scale), chunk)
-        total = sum(_chunk_loss(x[i:i + chunk], weight, labels[i:i + chunk])[3]
-                    for i in range(0, x.shape[0], chunk))
+        total = sum(
+            _chunk_loss(x[i : i + chunk], weight, labels[i : i + chunk])[3] for i in range(0, x.shape[0], chunk)
+        )
         return total / (labels != IGNORE_INDEX).sum()

@@ -56,6 +56,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints car
 
 # --------------------------------------------------------------------------- config
 
+
 def read_hf_config(path: PathLike) -> dict:
     """The JSON object of ``path/config.json`` (or of ``path`` itself when it is a file)."""
     p = Path(path)
@@ -74,9 +75,16 @@ def read_hf_config(path: PathLike) -> dict:
 _MISSING = object()
 # Bounds far above any published model's: a config beyond them is a mistake or an attack, not a model to build.
 MAX_DIM = 1 << 17  # hidden_size, intermediate_size, head_dim, moe_intermediate_size ...
-MAX_DIMS = {"num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
-            "vocab_size": 1 << 24, "num_experts": 4096, "num_local_experts": 4096, "num_experts_per_tok": 4096,
-            "max_position_embeddings": 1 << 24}
+MAX_DIMS = {
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "vocab_size": 1 << 24,
+    "num_experts": 4096,
+    "num_local_experts": 4096,
+    "num_experts_per_tok": 4096,
+    "max_position_embeddings": 1 << 24,
+}
 MAX_PARAMS = 10**13
 
 
@@ -88,13 +96,21 @@ def _field(hf: dict, key: str, kind: type, where: str, default=_MISSING):
         if default is _MISSING:
             raise UsageError(f"{where}: {key} is missing")
         return default
-    ok = {int: isinstance(value, int) and not isinstance(value, bool),
-          float: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-          bool: isinstance(value, bool), str: isinstance(value, str),
-          list: isinstance(value, list) and all(isinstance(v, str) for v in value)}[kind]
+    ok = {
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+        bool: isinstance(value, bool),
+        str: isinstance(value, str),
+        list: isinstance(value, list) and all(isinstance(v, str) for v in value),
+    }[kind]
     if not ok:
-        what = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string",
-                list: "a list of strings"}[kind]
+        what = {
+            int: "an integer",
+            float: "a finite number",
+            bool: "true or false",
+            str: "a string",
+            list: "a list of strings",
+        }[kind]
         raise UsageError(f"{where}: {key} must be {what}, got {value!r}")
     return float(value) if kind is float else value
 
@@ -130,9 +146,12 @@ def _rope(hf: dict, family: str, where: str) -> tuple[float, tuple | None]:
     if kind == "default":
         return theta, None
     if kind == "llama3":
-        scaling = (_field(merged, "factor", float, where), _field(merged, "low_freq_factor", float, where),
-                   _field(merged, "high_freq_factor", float, where),
-                   _field(merged, "original_max_position_embeddings", int, where))
+        scaling = (
+            _field(merged, "factor", float, where),
+            _field(merged, "low_freq_factor", float, where),
+            _field(merged, "high_freq_factor", float, where),
+            _field(merged, "original_max_position_embeddings", int, where),
+        )
         if scaling[1] == scaling[2]:
             raise UsageError(f"{where}: llama3 rope scaling needs low_freq_factor != high_freq_factor")
         return theta, scaling
@@ -169,8 +188,10 @@ def config_from_hf(path_or_config: PathLike | dict, name: str | None = None) -> 
     attn_bias = _field(hf, "attention_bias", bool, where, False)
     mlp_bias = _field(hf, "mlp_bias", bool, where, False) if family == "llama" else False
     if attn_bias != mlp_bias:
-        raise UsageError(f"{where}: attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported "
-                         f"(lpbench has one bias flag for every linear)")
+        raise UsageError(
+            f"{where}: attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported "
+            f"(lpbench has one bias flag for every linear)"
+        )
     moe = {}
     if family == "qwen3_moe":
         ffn = need("moe_intermediate_size")
@@ -179,9 +200,15 @@ def config_from_hf(path_or_config: PathLike | dict, name: str | None = None) -> 
             raise UsageError(f"{where}: num_experts must be a positive integer, got None")
         top_k = need("num_experts_per_tok")
         if hf.get("mlp_only_layers") or need("decoder_sparse_step", 1) != 1:
-            raise UsageError(f"{where}: dense layers between MoE layers (mlp_only_layers, decoder_sparse_step) "
-                             "are not supported")
-        moe = dict(n_experts=experts, top_k=top_k, router="qwen3", router_norm_topk=_field(hf, "norm_topk_prob", bool, where, False))
+            raise UsageError(
+                f"{where}: dense layers between MoE layers (mlp_only_layers, decoder_sparse_step) are not supported"
+            )
+        moe = dict(
+            n_experts=experts,
+            top_k=top_k,
+            router="qwen3",
+            router_norm_topk=_field(hf, "norm_topk_prob", bool, where, False),
+        )
     if family in ("qwen3", "qwen3_moe"):
         if _field(hf, "use_sliding_window", bool, where, False):
             raise UsageError(f"{where}: use_sliding_window=true is not supported")
@@ -191,12 +218,19 @@ def config_from_hf(path_or_config: PathLike | dict, name: str | None = None) -> 
     hd = head_dim or dim // heads
     params = 2 * vocab * dim + layers * (dim * hd * (2 * heads + 2 * kv) + 3 * dim * ffn * moe.get("n_experts", 1))
     if params > MAX_PARAMS:
-        raise UsageError(f"{where}: {params:.2e} parameters, more than lpbench builds ({MAX_PARAMS:.0e}): "
-                         "check hidden_size, intermediate_size, num_hidden_layers and vocab_size")
+        raise UsageError(
+            f"{where}: {params:.2e} parameters, more than lpbench builds ({MAX_PARAMS:.0e}): "
+            "check hidden_size, intermediate_size, num_hidden_layers and vocab_size"
+        )
     theta, scaling = _rope(hf, family, where)
     return ModelConfig(
         name or f"hf:{Path(str(path_or_config)).name if not isinstance(path_or_config, dict) else family}",
-        layers, dim, ffn, heads, kv, vocab,
+        layers,
+        dim,
+        ffn,
+        heads,
+        kv,
+        vocab,
         head_dim=head_dim,
         norm_eps=_field(hf, "rms_norm_eps", float, where, defaults["rms_norm_eps"]),
         rope_theta=theta,
@@ -226,23 +260,35 @@ def hf_model_config(model: str, path: str) -> ModelConfig:
     if model.startswith("hf:"):
         return cfg
     zoo = get_model_config(model)
-    diff = [f"{f.name} {getattr(zoo, f.name)} vs {getattr(cfg, f.name)}" for f in fields(ModelConfig)
-            if f.name not in _LABEL_FIELDS and getattr(zoo, f.name) != getattr(cfg, f.name)]
+    diff = [
+        f"{f.name} {getattr(zoo, f.name)} vs {getattr(cfg, f.name)}"
+        for f in fields(ModelConfig)
+        if f.name not in _LABEL_FIELDS and getattr(zoo, f.name) != getattr(cfg, f.name)
+    ]
     if zoo.hd != cfg.hd:
         diff.append(f"head_dim {zoo.hd} vs {cfg.hd}")
     if diff:
-        raise UsageError(f"--model {model} does not match --hf-checkpoint {path} ({', '.join(diff)}); "
-                         f"leave out --model to label the run {hf_label(path)}")
+        raise UsageError(
+            f"--model {model} does not match --hf-checkpoint {path} ({', '.join(diff)}); "
+            f"leave out --model to label the run {hf_label(path)}"
+        )
     return cfg
 
 
 def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
     """A ``config.json`` for ``cfg`` (Qwen3 when it has QK-norm, else Llama)."""
-    problems = [what for what, bad in (
-        ("LayerNorm", cfg.norm != "rms"), (f"{cfg.activation} MLP", cfg.activation != "swiglu"),
-        ("learned positions", cfg.positions != "rope"), ("partial RoPE", cfg.rope_fraction != 1.0),
-        ("MoE", bool(cfg.n_experts)), ("biases with QK-norm (Qwen3 MLPs have none)", cfg.qk_norm and cfg.bias),
-    ) if bad]
+    problems = [
+        what
+        for what, bad in (
+            ("LayerNorm", cfg.norm != "rms"),
+            (f"{cfg.activation} MLP", cfg.activation != "swiglu"),
+            ("learned positions", cfg.positions != "rope"),
+            ("partial RoPE", cfg.rope_fraction != 1.0),
+            ("MoE", bool(cfg.n_experts)),
+            ("biases with QK-norm (Qwen3 MLPs have none)", cfg.qk_norm and cfg.bias),
+        )
+        if bad
+    ]
     if problems:
         raise UsageError(f"{cfg.name}: cannot export as a Llama/Qwen3 checkpoint: {', '.join(problems)}")
     qwen = cfg.qk_norm
@@ -250,30 +296,50 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> dic
     legacy_scaling = None
     if cfg.rope_scaling is not None:
         f, lo, hi, orig = cfg.rope_scaling
-        legacy_scaling = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo, "high_freq_factor": hi,
-                          "original_max_position_embeddings": orig}
+        legacy_scaling = {
+            "rope_type": "llama3",
+            "factor": f,
+            "low_freq_factor": lo,
+            "high_freq_factor": hi,
+            "original_max_position_embeddings": orig,
+        }
         rope = {**legacy_scaling, "rope_theta": cfg.rope_theta}
     out = {
         "architectures": ["Qwen3ForCausalLM" if qwen else "LlamaForCausalLM"],
         "model_type": "qwen3" if qwen else "llama",
-        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.hd,
-        "vocab_size": cfg.vocab_size, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-        "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": cfg.bias, "attention_dropout": 0.0,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.hd,
+        "vocab_size": cfg.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.bias,
+        "attention_dropout": 0.0,
         "rope_parameters": rope,  # transformers >= 5
-        "rope_theta": cfg.rope_theta, "rope_scaling": legacy_scaling,  # transformers 4
-        "dtype": str(dtype).removeprefix("torch."), "torch_dtype": str(dtype).removeprefix("torch."),
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": legacy_scaling,  # transformers 4
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if qwen:
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
-                   layer_types=["full_attention"] * cfg.n_layers)
+        out.update(
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=cfg.n_layers,
+            layer_types=["full_attention"] * cfg.n_layers,
+        )
     else:
         out.update(mlp_bias=cfg.bias, pretraining_tp=1)
     return out
 
 
 # --------------------------------------------------------------------------- tensor names
+
 
 def hf_weight_map(cfg: ModelConfig) -> dict[str, tuple[str, int | None, int | None]]:
     """HF tensor name → (lpbench parameter name, first row, end row); rows None: the whole tensor."""
@@ -339,13 +405,15 @@ def safetensors_files(path: PathLike) -> list[Path]:
         return [d / SAFETENSORS_FILE]
     files = sorted(d.glob("*.safetensors"))
     if not files:
-        extra = " (PyTorch .bin checkpoints are not read: re-save with safe_serialization)" \
-            if any(d.glob("*.bin")) else ""
+        extra = (
+            " (PyTorch .bin checkpoints are not read: re-save with safe_serialization)" if any(d.glob("*.bin")) else ""
+        )
         raise UsageError(f"{d}: no *.safetensors weights{extra}")
     return files
 
 
 # --------------------------------------------------------------------------- load
+
 
 @torch.no_grad()
 def load_hf_weights(model: Decoder, path: PathLike) -> Decoder:
@@ -362,8 +430,10 @@ def load_hf_weights(model: Decoder, path: PathLike) -> Decoder:
     covered = {lp.partition("[")[0] for lp, _, _ in wmap.values()}
     expected_params = {n for n in params if not (cfg.tie_embeddings and n == "lm_head.weight")}
     if covered != expected_params:  # the model is not a plain Decoder (LoRA wrappers ...)
-        raise UsageError(f"{cfg.name}: cannot load HF weights into this model: parameters "
-                         f"{sorted(expected_params ^ covered)[:4]} do not match a Llama/Qwen3 layout")
+        raise UsageError(
+            f"{cfg.name}: cannot load HF weights into this model: parameters "
+            f"{sorted(expected_params ^ covered)[:4]} do not match a Llama/Qwen3 layout"
+        )
     loaded: set[str] = set()
     unexpected: list[str] = []
     for f in safetensors_files(path):
@@ -379,11 +449,15 @@ def load_hf_weights(model: Decoder, path: PathLike) -> Decoder:
                     dst = _param_view(params, lp) if lo is None else _param_view(params, lp)[lo:hi]
                     t = fh.get_tensor(key)
                     if not t.dtype.is_floating_point:
-                        raise UsageError(f"{f.name}: tensor {key} holds {str(t.dtype).replace('torch.', '')}, "
-                                         "not floating-point weights")
+                        raise UsageError(
+                            f"{f.name}: tensor {key} holds {str(t.dtype).replace('torch.', '')}, "
+                            "not floating-point weights"
+                        )
                     if tuple(t.shape) != tuple(dst.shape):
-                        raise UsageError(f"{f.name}: tensor {key} has shape {tuple(t.shape)}, expected "
-                                         f"{tuple(dst.shape)} from config.json")
+                        raise UsageError(
+                            f"{f.name}: tensor {key} has shape {tuple(t.shape)}, expected "
+                            f"{tuple(dst.shape)} from config.json"
+                        )
                     if key in loaded:
                         raise UsageError(f"{f.name}: tensor {key} appears in more than one file")
                     dst.copy_(t)
@@ -393,16 +467,19 @@ def load_hf_weights(model: Decoder, path: PathLike) -> Decoder:
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise UsageError(f"{f}: not a readable safetensors file: {exc}") from None
     if unexpected:
-        raise UsageError(f"{path}: unexpected tensor(s) {', '.join(unexpected[:4])}"
-                         f"{' ...' if len(unexpected) > 4 else ''} for a {cfg.family} model")
+        raise UsageError(
+            f"{path}: unexpected tensor(s) {', '.join(unexpected[:4])}"
+            f"{' ...' if len(unexpected) > 4 else ''} for a {cfg.family} model"
+        )
     missing = [k for k in wmap if k not in loaded]
     if missing:
         raise UsageError(f"{path}: missing tensor(s) {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     return model
 
 
-def load_hf_checkpoint(path: PathLike, device: torch.device | str = "cpu",
-                       dtype: torch.dtype = torch.float32) -> Decoder:
+def load_hf_checkpoint(
+    path: PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Decoder:
     """A :class:`Decoder` with the architecture and weights of HF checkpoint folder ``path``.
 
     Parameters are held in ``dtype`` (FP32 master weights by default, as for training) on
@@ -419,6 +496,7 @@ def load_hf_checkpoint(path: PathLike, device: torch.device | str = "cpu",
 
 # --------------------------------------------------------------------------- export
 
+
 def hf_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """HF-named CPU tensors of ``model`` (fused weights split), in ``dtype`` (None: as stored)."""
     model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
@@ -431,9 +509,12 @@ def hf_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> d
     expected = {lp for lp, _, _ in wmap.values()} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
     if set(params) != expected:
         extra = sorted(set(params) - expected)
-        hint = " (merge LoRA adapters first: lpbench.convert.lora.merge_lora)" if any("lora_" in n for n in extra) else ""
-        raise UsageError(f"{cfg.name}: parameters {extra[:4] or sorted(expected - set(params))[:4]} have no "
-                         f"Hugging Face name{hint}")
+        hint = (
+            " (merge LoRA adapters first: lpbench.convert.lora.merge_lora)" if any("lora_" in n for n in extra) else ""
+        )
+        raise UsageError(
+            f"{cfg.name}: parameters {extra[:4] or sorted(expected - set(params))[:4]} have no Hugging Face name{hint}"
+        )
     out = {}
     for key, (lp, lo, hi) in wmap.items():
         t = params[lp].detach()

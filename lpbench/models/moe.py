@@ -80,7 +80,8 @@ class Groups:
     def of(cls, group: torch.Tensor, n_groups: int) -> tuple["Groups", torch.Tensor]:
         """The layout of items whose group ids ``group`` [P] are sorted ascending, and each item's row."""
         counts = torch.zeros(n_groups, dtype=torch.long, device=group.device).scatter_add_(
-            0, group, torch.ones_like(group))
+            0, group, torch.ones_like(group)
+        )
         padded = (counts + ALIGN - 1) // ALIGN * ALIGN
         ends = padded.cumsum(0)
         starts = ends - padded
@@ -128,7 +129,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Te
 
 @torch.compiler.disable  # per-expert shapes: run eagerly, never specialised and recompiled on the counts
 def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
-    parts = [linear(x[s:s + c], w[e]) for e, (s, c) in enumerate(groups.host)]
+    parts = [linear(x[s : s + c], w[e]) for e, (s, c) in enumerate(groups.host)]
     return groups.pieces(parts, w.shape[1], x)
 
 
@@ -274,7 +275,8 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         token, expert = order // self.top_k, flat[order]
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+            0, flat, torch.ones_like(flat)
+        )
         aux = load_balancing_loss(probs, counts if self.count_group is None else _summed(counts, self.count_group))
         zl = z_loss(logits)
         if not rerunning():  # activation recomputation's rerun: the first pass counted these
@@ -319,5 +321,8 @@ def take_moe_stats(model: nn.Module) -> dict | None:
         m.tokens_per_expert.zero_()
         m.loss_sums.zero_()
     n = sums[:, 2].clamp(min=1)
-    return {"tokens_per_expert": counts.long().tolist(), "aux_loss": (sums[:, 0] / n).sum().item(),
-            "z_loss": (sums[:, 1] / n).sum().item()}
+    return {
+        "tokens_per_expert": counts.long().tolist(),
+        "aux_loss": (sums[:, 0] / n).sum().item(),
+        "z_loss": (sums[:, 1] / n).sum().item(),
+    }

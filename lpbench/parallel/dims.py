@@ -60,8 +60,10 @@ class ParallelDims:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
         fsdp = cfg.fsdp and cfg.dp > 1
         if cfg.dp_replicate > 1 and not fsdp:
-            raise UsageError(f"--dp-replicate {cfg.dp_replicate} is HSDP's replica count: it needs --fsdp and "
-                             "data-parallel ranks (DDP already replicates over all of them)")
+            raise UsageError(
+                f"--dp-replicate {cfg.dp_replicate} is HSDP's replica count: it needs --fsdp and "
+                "data-parallel ranks (DDP already replicates over all of them)"
+            )
         if cfg.dp % cfg.dp_replicate:
             raise UsageError(f"--dp-replicate {cfg.dp_replicate} does not divide the data-parallel size {cfg.dp}")
         replicate = cfg.dp_replicate if fsdp else cfg.dp
@@ -76,16 +78,22 @@ class ParallelDims:
             if getattr(self, name) > 1:
                 raise UsageError(f"{what} is not supported yet: use --{name} 1")
         if self.fsdp and self.dp_replicate > 1 and self.dp_shard == 1:
-            raise UsageError(f"--dp-replicate {self.dp_replicate} leaves no ranks to shard over (data-parallel size "
-                             f"{self.dp}): drop --fsdp for DDP, or use a smaller --dp-replicate")
+            raise UsageError(
+                f"--dp-replicate {self.dp_replicate} leaves no ranks to shard over (data-parallel size "
+                f"{self.dp}): drop --fsdp for DDP, or use a smaller --dp-replicate"
+            )
         if self.ep > 1 and self.tp > 1:
-            raise UsageError("--tp and --ep do not combine: split the experts' FFN width with --tp or "
-                             "spread the experts over ranks with --ep")
+            raise UsageError(
+                "--tp and --ep do not combine: split the experts' FFN width with --tp or "
+                "spread the experts over ranks with --ep"
+            )
         if self.ep > 1 and self.dp % self.ep:
             raise UsageError(f"--ep {self.ep} must divide the data-parallel size {self.dp}")
         if self.ep > 1 and self.fsdp and self.dp_shard % self.ep:
-            raise UsageError(f"--ep {self.ep} must divide the FSDP shard size {self.dp_shard} "
-                             f"(data-parallel {self.dp} / --dp-replicate {self.dp_replicate})")
+            raise UsageError(
+                f"--ep {self.ep} must divide the FSDP shard size {self.dp_shard} "
+                f"(data-parallel {self.dp} / --dp-replicate {self.dp_replicate})"
+            )
 
     @property
     def dp(self) -> int:
@@ -140,10 +148,19 @@ class ParallelDims:
         """Each named sub-mesh as the mesh dims it spans (see the module doc)."""
         dp = ("rep", "shard", "ep")
         shard = ("shard", "ep") if self.fsdp else ()
-        return {"dp": dp, "batch": dp, "dp_replicate": ("rep",) if self.fsdp else dp, "dp_shard": shard,
-                "dp_shard_cp": (*shard, "cp"), "ep": ("ep",), "ep_replicate": ("rep", "shard") if self.ep > 1 else (),
-                "loss": (*dp, "cp"),
-                "cp": ("cp",), "tp": ("tp",), "pp": ("pp",)}
+        return {
+            "dp": dp,
+            "batch": dp,
+            "dp_replicate": ("rep",) if self.fsdp else dp,
+            "dp_shard": shard,
+            "dp_shard_cp": (*shard, "cp"),
+            "ep": ("ep",),
+            "ep_replicate": ("rep", "shard") if self.ep > 1 else (),
+            "loss": (*dp, "cp"),
+            "cp": ("cp",),
+            "tp": ("tp",),
+            "pp": ("pp",),
+        }
 
     def mesh(self, device_type: str) -> "Meshes":
         """The world mesh and its named sub-meshes (built once per layout and device type; a collective call)."""

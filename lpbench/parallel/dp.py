@@ -30,8 +30,13 @@ def reduce_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None,
-               grad_dtype: torch.dtype = torch.float32, shard: str = "zero3") -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype | None,
+    grad_dtype: torch.dtype = torch.float32,
+    shard: str = "zero3",
+) -> nn.Module:
     """FSDP2: one ``fully_shard`` group per transformer block and one for the root (embeddings, head).
 
     ``mesh``: 1-D (shard over it) or 2-D (HSDP: replicas over dim 0, shards over dim 1). Parameters
@@ -50,8 +55,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     return root
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device,
-              grad_dtype: torch.dtype = torch.float32) -> nn.Module:
+def apply_ddp(
+    model: nn.Module, mesh: DeviceMesh, device: torch.device, grad_dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """DDP over ``mesh``: full replicas, gradients all-reduced once per step in ``grad_dtype``.
 
     With tensor-parallel (DTensor) parameters torch's ``DistributedDataParallel`` does not apply;
@@ -66,9 +72,14 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device,
     ignored = {id(p) for p in expert_params(model)[0]}  # expert parallel: each rank's own experts
     if ignored:
         DDP._set_params_and_buffers_to_ignore_for_model(
-            model, [name for name, p in model.named_parameters() if id(p) in ignored])
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh.get_group(),
-              find_unused_parameters=model.cfg.n_experts > 0)  # an MoE expert may get no token on a rank
+            model, [name for name, p in model.named_parameters() if id(p) in ignored]
+        )
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=mesh.get_group(),
+        find_unused_parameters=model.cfg.n_experts > 0,
+    )  # an MoE expert may get no token on a rank
     if grad_dtype == torch.bfloat16:
         ddp.register_comm_hook(mesh.get_group(), _bf16_reduce)
     return ddp
@@ -99,9 +110,12 @@ def grad_sync(model: nn.Module, enabled: bool, keep_unsharded: bool = False):
             yield
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
-                    optimizer: torch.optim.Optimizer | None = None,
-                    spread: tuple[list, object] = ([], None)) -> torch.Tensor:
+def clip_grad_norm_(
+    params: list[nn.Parameter],
+    max_norm: float,
+    optimizer: torch.optim.Optimizer | None = None,
+    spread: tuple[list, object] = ([], None),
+) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for parameters on several device meshes (and none).
 
     Plain, DTensor-on-the-TP-mesh and FSDP-sharded gradients are normed per mesh (DTensor

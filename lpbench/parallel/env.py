@@ -46,14 +46,18 @@ def detect_world(env: dict | None = None) -> World:
         if rank in env and size in env:
             world = World(_count(env, rank), _count(env, local, 0), _count(env, size), launcher)
             if world.size < 1 or world.rank >= world.size:
-                raise UsageError(f"{rank}={env[rank]} with {size}={env[size]}: not a rank of the launch "
-                                 f"(set by {launcher}; unset them to run one process)")
+                raise UsageError(
+                    f"{rank}={env[rank]} with {size}={env[size]}: not a rank of the launch "
+                    f"(set by {launcher}; unset them to run one process)"
+                )
             return world
     return World()
 
 
-_LAUNCH_VARS = {"torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
-                "slurm": ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS")}
+_LAUNCH_VARS = {
+    "torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
+    "slurm": ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS"),
+}
 
 
 def _count(env, name: str, default: int | None = None) -> int:
@@ -62,8 +66,10 @@ def _count(env, name: str, default: int | None = None) -> int:
     if text is None and default is not None:
         return default
     if not (text or "").strip().isdigit() or len(text.strip()) > 9:
-        raise UsageError(f"{name}={text!r} in the environment: not a rank or process count (set by torchrun or "
-                         "srun; unset it to run one process)")
+        raise UsageError(
+            f"{name}={text!r} in the environment: not a rank or process count (set by torchrun or "
+            "srun; unset it to run one process)"
+        )
     return int(text)
 
 

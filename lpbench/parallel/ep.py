@@ -87,8 +87,11 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
 
 def _split_layers(model: nn.Module) -> list[tuple[MoE, object]]:
     """MoE layers whose experts differ across ranks, with the group holding the parts (expert or tensor parallel)."""
-    return [(m, m.ep.group if m.ep is not None else m.experts.tp.group) for m in model.modules()
-            if isinstance(m, MoE) and (m.ep is not None or m.experts.tp is not None)]
+    return [
+        (m, m.ep.group if m.ep is not None else m.experts.tp.group)
+        for m in model.modules()
+        if isinstance(m, MoE) and (m.ep is not None or m.experts.tp is not None)
+    ]
 
 
 def expert_params(model: nn.Module) -> tuple[list[nn.Parameter], object]:

@@ -57,8 +57,15 @@ def relaunch(nproc_per_node: int, argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several workers
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)  # each has its own level: silence them one by one
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
-                          rdzv_endpoint="localhost:0", rdzv_backend="c10d", max_restarts=0)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc_per_node,
+        run_id=str(uuid.uuid4()),
+        rdzv_endpoint="localhost:0",
+        rdzv_backend="c10d",
+        max_restarts=0,
+    )
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "lpbench", *argv)
     except ChildFailedError as exc:

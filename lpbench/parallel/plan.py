@@ -40,8 +40,9 @@ class Parallelized:
     dp_rank: int  # which data shard this rank reads (TP ranks of one DP group read the same)
 
 
-def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_dtype: torch.dtype,
-                use_compile: bool) -> Parallelized:
+def parallelize(
+    model: nn.Module, cfg: RunConfig, device: torch.device, compute_dtype: torch.dtype, use_compile: bool
+) -> Parallelized:
     """Apply ``cfg``'s TP / FSDP / DDP to ``model`` in place, and ``torch.compile``.
 
     ``--compile-scope block`` (default): each block is compiled before wrapping, as torchtitan
@@ -80,8 +81,13 @@ def parallelize(model: nn.Module, cfg: RunConfig, device: torch.device, compute_
     if dims.fsdp_enabled:
         if cfg.fsdp_fp8_all_gather:
             apply_fp8_all_gather(model)
-        module = apply_fsdp(model, meshes["fsdp"], compute_dtype if device.type == "cuda" else None,
-                            reduce_dtype(cfg.grad_reduce_dtype), cfg.fsdp_shard)
+        module = apply_fsdp(
+            model,
+            meshes["fsdp"],
+            compute_dtype if device.type == "cuda" else None,
+            reduce_dtype(cfg.grad_reduce_dtype),
+            cfg.fsdp_shard,
+        )
         materialize(model, device, cfg.seed)
     elif dims.ddp_enabled:
         module = apply_ddp(model, meshes["dp_replicate"], device, reduce_dtype(cfg.grad_reduce_dtype))
@@ -128,7 +134,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     def write(name: str, param: torch.Tensor, full: torch.Tensor) -> None:
         owner = experts.get(name.rpartition(".")[0])
         if owner is not None:  # expert parallelism: this rank's experts; tensor parallelism: their slices
-            full = full[owner.first:owner.first + owner.n_experts]
+            full = full[owner.first : owner.first + owner.n_experts]
             if owner.tp is not None:
                 full = owner.tp.local(name.rpartition(".")[2], full)
         split = splits.get(name.rpartition(".")[0])

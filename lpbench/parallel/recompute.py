@@ -37,7 +37,6 @@ from lpbench.config import RECOMPUTES
 from lpbench.models.moe import MoE
 
 
-
 @functools.cache
 def _ops(*names: str) -> frozenset:
     """The ``torch.ops`` overloads ``names`` ("namespace.op.overload") that this torch has. Resolved at the
@@ -56,11 +55,19 @@ def _ops(*names: str) -> frozenset:
 MUST_SAVE = ("lpbench.delayed_update.default", "lpbench.fp8_record_amax.default")
 # kept by selective recomputation: GEMMs, attention, collectives, the amax reductions of quantized casts
 SELECTIVE_SAVE = (
-    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._scaled_mm.default",
-    "aten._grouped_mm.default", "aten._scaled_grouped_mm.default", "lpbench.blockwise_mm.default",
-    "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_cudnn_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_to_all_single.default",
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten._scaled_mm.default",
+    "aten._grouped_mm.default",
+    "aten._scaled_grouped_mm.default",
+    "lpbench.blockwise_mm.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.all_to_all_single.default",
     "_c10d_functional.all_gather_into_tensor.default",
 )
 # compiled only: eager, a rerun skips delayed scaling's amaxes (``DelayedScaling.once``), and the eager policy

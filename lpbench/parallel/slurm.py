@@ -31,39 +31,76 @@ def _directive_value(flag: str, value) -> str:
     return text if _PLAIN.fullmatch(text) else f'"{text}"'
 
 
-def sbatch_script(run_args: list[str], *, nodes: int, gpus_per_node: int, launcher: str = "torchrun",
-                  container: str | None = None, container_mounts: str | None = None, job_name: str = "lpbench",
-                  time: str | None = None, partition: str | None = None, account: str | None = None) -> str:
+def sbatch_script(
+    run_args: list[str],
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    launcher: str = "torchrun",
+    container: str | None = None,
+    container_mounts: str | None = None,
+    job_name: str = "lpbench",
+    time: str | None = None,
+    partition: str | None = None,
+    account: str | None = None,
+) -> str:
     """The sbatch script's text (``run_args``: the ``lpbench run`` flags, passed through verbatim)."""
     if launcher not in LAUNCHERS:
         raise UsageError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
     if time is not None and not _TIME.fullmatch(time):
         raise UsageError(f"--time {time!r}: not a Slurm time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)")
-    for what, value in (("--container", container), ("--container-mounts", container_mounts),
-                        *(("the run flag", a) for a in run_args)):
+    for what, value in (
+        ("--container", container),
+        ("--container-mounts", container_mounts),
+        *(("the run flag", a) for a in run_args),
+    ):
         if value is not None and any(ord(c) < 32 for c in value):
             raise UsageError(f"{what} {value!r} holds a newline or a control character")
     tasks = 1 if launcher == "torchrun" else gpus_per_node
-    sbatch = {"job-name": job_name, "nodes": nodes, "ntasks-per-node": tasks, "gpus-per-node": gpus_per_node,
-              "exclusive": None, "output": f"{job_name}-%j.log", "time": time, "partition": partition,
-              "account": account}
+    sbatch = {
+        "job-name": job_name,
+        "nodes": nodes,
+        "ntasks-per-node": tasks,
+        "gpus-per-node": gpus_per_node,
+        "exclusive": None,
+        "output": f"{job_name}-%j.log",
+        "time": time,
+        "partition": partition,
+        "account": account,
+    }
     lines = ["#!/bin/bash"]
-    lines += [f"#SBATCH --{k}" if k == "exclusive" else f"#SBATCH --{k}={_directive_value(k, v)}"
-              for k, v in sbatch.items() if v is not None or k == "exclusive"]
-    lines += ["", "set -euo pipefail",
-              'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))"]
+    lines += [
+        f"#SBATCH --{k}" if k == "exclusive" else f"#SBATCH --{k}={_directive_value(k, v)}"
+        for k, v in sbatch.items()
+        if v is not None or k == "exclusive"
+    ]
+    lines += [
+        "",
+        "set -euo pipefail",
+        'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+    ]
     lines += [f"export {k}=${{{k}:-{v}}}" for k, v in NO_MULTICAST_ENV.items()]
     srun = ["srun", f"--ntasks-per-node={tasks}"]
     if container:
         mounts = shlex.quote(container_mounts) if container_mounts else '"$SLURM_SUBMIT_DIR:$SLURM_SUBMIT_DIR"'
-        srun += [f"--container-image={shlex.quote(container)}", f"--container-mounts={mounts}",
-                 '--container-workdir="$SLURM_SUBMIT_DIR"']
+        srun += [
+            f"--container-image={shlex.quote(container)}",
+            f"--container-mounts={mounts}",
+            '--container-workdir="$SLURM_SUBMIT_DIR"',
+        ]
     python = "python" if container else shlex.quote(sys.executable)
     if launcher == "torchrun":
-        cmd = [python, "-m", "torch.distributed.run", '--nnodes="$SLURM_NNODES"',
-               f"--nproc-per-node={gpus_per_node}", "--rdzv-backend=c10d",
-               '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv-id="$SLURM_JOB_ID"']
+        cmd = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            '--nnodes="$SLURM_NNODES"',
+            f"--nproc-per-node={gpus_per_node}",
+            "--rdzv-backend=c10d",
+            '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
+            '--rdzv-id="$SLURM_JOB_ID"',
+        ]
     else:
         cmd = [python]
     cmd += ["-m", "lpbench", "run", *map(shlex.quote, run_args)]

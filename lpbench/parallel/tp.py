@@ -30,9 +30,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
-                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from lpbench.errors import UsageError
 
@@ -54,9 +60,14 @@ class TPShard:
 
     def index(self, device: torch.device) -> torch.Tensor:
         """Unsharded positions (along ``dim``) of this rank's features, in local order."""
-        return torch.cat([torch.arange(start + self.rank * n // self.size, start + (self.rank + 1) * n // self.size,
-                                       device=device)
-                          for start, n in zip(accumulate((0, *self.sections)), self.sections)])
+        return torch.cat(
+            [
+                torch.arange(
+                    start + self.rank * n // self.size, start + (self.rank + 1) * n // self.size, device=device
+                )
+                for start, n in zip(accumulate((0, *self.sections)), self.sections)
+            ]
+        )
 
 
 class _Enter(torch.autograd.Function):
@@ -172,17 +183,33 @@ def block_plan(block: nn.Module, sp: bool) -> dict:
     seq = Shard(1) if sp else Replicate()
     plan = {"attn.qkv": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=seq)}
     if block.attn.q_norm is not None:  # per-head norms see this rank's heads: shard them on the head dim
-        plan.update({"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-                     "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
+        plan.update(
+            {
+                "attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            }
+        )
     if sp:
-        plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-                     "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),  # (x, rope, mask)
-                                                desired_input_layouts=(Replicate(), None, None))})
+        plan.update(
+            {
+                "attn_norm": SequenceParallel(),
+                "mlp_norm": SequenceParallel(),
+                "attn": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None),  # (x, rope, mask)
+                    desired_input_layouts=(Replicate(), None, None),
+                ),
+            }
+        )
     if hasattr(block.mlp, "experts"):  # the layer sees the whole sequence and gives the whole output
         if sp:
             plan["mlp"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+                use_local_output=True,
+            )
         return plan
     plan.update(_mlp_plan(block.mlp, "mlp", seq))
     if sp:
@@ -209,13 +236,17 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
     tp, sp = mesh.size(), sequence_parallel
     seq = Shard(1) if sp else Replicate()
     tied = model.lm_head.weight is model.tok_embeddings.weight
-    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    }
     if sp:
         plan["norm"] = SequenceParallel()
         if model.pos_embeddings is not None:
-            plan["pos_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(),  # [S, D] or [B, S, D]
-                                                         desired_output_layouts=Shard(-2))
+            plan["pos_embeddings"] = PrepareModuleOutput(
+                output_layouts=Replicate(),  # [S, D] or [B, S, D]
+                desired_output_layouts=Shard(-2),
+            )
     splits = {}
     for i, block in enumerate(model.layers):
         plan.update({f"layers.{i}.{k}": v for k, v in block_plan(block, sp).items()})
@@ -223,18 +254,23 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
     for name in plan:
         module = model.get_submodule(name)
         if type(module) is not nn.Linear and isinstance(module, nn.Linear) and not getattr(module, "tp_aware", False):
-            raise UsageError(f"{type(module).__name__} ({name}) does not support tensor parallelism yet: "
-                             "run this precision with --tp 1")
-    cuts = [(name, sections, getattr(model.get_submodule(name), "tp_multiple", 1))
-            for name, (_, sections) in splits.items()]
+            raise UsageError(
+                f"{type(module).__name__} ({name}) does not support tensor parallelism yet: "
+                "run this precision with --tp 1"
+            )
+    cuts = [
+        (name, sections, getattr(model.get_submodule(name), "tp_multiple", 1)) for name, (_, sections) in splits.items()
+    ]
     for i, block in enumerate(model.layers):  # experts: every rank's part of the FFN width, as a dense MLP's
         experts = getattr(block.mlp, "experts", None)
         if experts is not None and experts.gemm.recipe is not None:
             cuts.append((f"layers.{i}.mlp.experts", (experts.down.shape[2],), experts.gemm.recipe.block or 1))
     for name, sections, multiple in cuts:
         if bad := [n // tp for n in sections if n // tp % multiple]:
-            raise UsageError(f"--tp {tp} splits {name} into parts of {bad[0]} features, not whole {multiple}-element "
-                             "quantization blocks: use a smaller --tp or another precision")
+            raise UsageError(
+                f"--tp {tp} splits {name} into parts of {bad[0]} features, not whole {multiple}-element "
+                "quantization blocks: use a smaller --tp or another precision"
+            )
     for block in model.layers:
         localize_block(block, tp)
         if hasattr(block.mlp, "experts"):

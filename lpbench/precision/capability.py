@@ -54,8 +54,10 @@ def why_emulated(recipe, device: torch.device | str) -> str | None:
         return f"lpbench has no native kernel for {recipe.scaling} scaling yet"
     capability = torch.cuda.get_device_capability(device)
     if recipe.scaling is Scaling.BLOCK and not blockwise_gemm(capability):
-        return (f"its native GEMM (torch's F.scaled_mm, cuBLAS from CUDA 12.9) runs on Hopper (SM 9.x) only; "
-                f"this GPU has {capability[0]}.{capability[1]}, torch CUDA {torch.version.cuda}")
+        return (
+            f"its native GEMM (torch's F.scaled_mm, cuBLAS from CUDA 12.9) runs on Hopper (SM 9.x) only; "
+            f"this GPU has {capability[0]}.{capability[1]}, torch CUDA {torch.version.cuda}"
+        )
     if capability < recipe.native_capability:
         major, minor = recipe.native_capability
         return f"it needs compute capability {major}.{minor}, this GPU has {capability[0]}.{capability[1]}"
@@ -91,8 +93,10 @@ def block_scaled_unavailable() -> str | None:
     """Why this torch cannot call the MXFP8/NVFP4 block-scaled GEMMs (None when it can)."""
     kinds = getattr(getattr(F, "ScalingType", None), "BlockWise1x16", None)
     if not hasattr(F, "scaled_mm") or kinds is None or not hasattr(F, "SwizzleType"):
-        return (f"torch {torch.__version__} has no F.scaled_mm with 1x32/1x16 block scaling "
-                "(ScalingType.BlockWise1x32/1x16, SwizzleType.SWIZZLE_32_4_4)")
+        return (
+            f"torch {torch.__version__} has no F.scaled_mm with 1x32/1x16 block scaling "
+            "(ScalingType.BlockWise1x32/1x16, SwizzleType.SWIZZLE_32_4_4)"
+        )
     return None
 
 
@@ -115,8 +119,13 @@ def fused_fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def fp8_cast_kernel(t: torch.Tensor) -> bool:
     """Whether the one-pass FP8 cast kernel takes ``t``: a plain 2-D CUDA tensor (16-bit activations and
     gradients, FP32 master weights; a tensor-parallel DTensor is not one)."""
-    return (triton is not None and t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and t.dim() == 2 and not isinstance(t, DTensor))
+    return (
+        triton is not None
+        and t.is_cuda
+        and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and t.dim() == 2
+        and not isinstance(t, DTensor)
+    )
 
 
 def nvfp4_kernel(x: torch.Tensor) -> bool:

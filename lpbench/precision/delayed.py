@@ -117,8 +117,13 @@ class DelayedScaling:
         return self.once(lambda: self._update(role, amax))
 
     def _update(self, role: str, amax: torch.Tensor) -> torch.Tensor:
-        return delayed_update(self.amax_history(role), self.scale_buffer(role), amax.float().reshape(()),
-                              self.scaled_max(role), self.recipe.amax_compute_algo == "most_recent")
+        return delayed_update(
+            self.amax_history(role),
+            self.scale_buffer(role),
+            amax.float().reshape(()),
+            self.scaled_max(role),
+            self.recipe.amax_compute_algo == "most_recent",
+        )
 
     def _delayed_scale(self, role: str, t: torch.Tensor) -> torch.Tensor | None:
         """Delayed scaling: the encode scale to cast ``t`` as operand ``role`` with (the scale as it stands),

@@ -31,9 +31,19 @@ from lpbench.precision.quantize import Scaling, all_reduce_max, fp8_encode_scale
 
 aten = torch.ops.aten
 # Ops that FSDP (sharding, padding, to_empty) and DTensor apply to a parameter, kept in the subclass.
-_KEEP_SUBCLASS = {aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor, aten.split.Tensor,
-                  aten.copy_.default, aten.view.default, aten.as_strided.default, aten._to_copy.default,
-                  aten.clone.default, aten.detach.default, aten.alias.default}
+_KEEP_SUBCLASS = {
+    aten.empty_like.default,
+    aten.new_zeros.default,
+    aten.slice.Tensor,
+    aten.split.Tensor,
+    aten.copy_.default,
+    aten.view.default,
+    aten.as_strided.default,
+    aten._to_copy.default,
+    aten.clone.default,
+    aten.detach.default,
+    aten.alias.default,
+}
 _VIEWS = {aten.view.default, aten.as_strided.default, aten.detach.default, aten.alias.default}
 
 
@@ -42,9 +52,15 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(cls, tensor.size(), strides=tensor.stride(),
-                                                   storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
-                                                   device=tensor.device, requires_grad=tensor.requires_grad)
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
 
     def __init__(self, tensor: torch.Tensor):
         self._tensor = tensor
@@ -104,9 +120,14 @@ class Fp8Weight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, codes: torch.Tensor, dec: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
-        return torch.Tensor._make_wrapper_subclass(cls, codes.size(), strides=codes.stride(),
-                                                   storage_offset=codes.storage_offset(), dtype=dtype,
-                                                   device=codes.device)
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            codes.size(),
+            strides=codes.stride(),
+            storage_offset=codes.storage_offset(),
+            dtype=dtype,
+            device=codes.device,
+        )
 
     def __init__(self, codes: torch.Tensor, dec: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
         self._codes, self._dec, self._amax = codes, dec, amax

@@ -52,8 +52,12 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         enc = None
         if recipe.scaling is Scaling.DELAYED:  # the scale TE's rule gives once this weight's amax is recorded
             enc = torch.ones((), device=w.device)
-            delayed_update(torch.zeros(1, device=w.device), enc, w.abs().amax().float(),
-                           delayed_scaled_max(recipe.element_format("weight"), recipe.margin))
+            delayed_update(
+                torch.zeros(1, device=w.device),
+                enc,
+                w.abs().amax().float(),
+                delayed_scaled_max(recipe.element_format("weight"), recipe.margin),
+            )
         self._store("w", quantize(w, spec_f, encode_scale=enc))
         if not self.shared:
             self._store("wt", quantize(w.t(), spec_d, encode_scale=enc))
@@ -111,8 +115,9 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         """``lora.merge_lora``'s hook: a frozen QuantizedLinear with weight dequantize(W) + delta."""
         w = self.weight_operand("fprop").dequantize()
         w = w + delta.to(w.device).float()
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=w.device,
-                           dtype=self.weight_dtype)
+        linear = nn.Linear(
+            self.in_features, self.out_features, bias=self.bias is not None, device=w.device, dtype=self.weight_dtype
+        )
         linear.weight.copy_(w)
         if self.bias is not None:
             linear.bias.copy_(self.bias)
@@ -121,5 +126,7 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
 
     def extra_repr(self) -> str:
         copies = "one copy for fprop and dgrad" if self.shared else "fprop and dgrad copies"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"stored quantized ({copies}), {self.describe()}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"stored quantized ({copies}), {self.describe()}"
+        )

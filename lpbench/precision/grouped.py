@@ -44,7 +44,9 @@ class GroupedBf16(GroupedMM):
 
     def __call__(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
         main_grad, cached = experts.main_grads.get(name), experts.weight_codes.get(name)
-        return grouped_linear(x, w, groups, cached if main_grad is not None else gemm.cast_once(w, cached, x), main_grad)
+        return grouped_linear(
+            x, w, groups, cached if main_grad is not None else gemm.cast_once(w, cached, x), main_grad
+        )
 
 
 class GroupedFp8(GroupedMM):
@@ -57,8 +59,16 @@ class GroupedFp8(GroupedMM):
         self.recipe, self.native = recipe, native
 
     def __call__(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
-        return fp8_grouped(x, w, groups, self.recipe, self.native, experts.weight_codes.get(name), experts.split(name),
-                           experts.main_grads.get(name))
+        return fp8_grouped(
+            x,
+            w,
+            groups,
+            self.recipe,
+            self.native,
+            experts.weight_codes.get(name),
+            experts.split(name),
+            experts.main_grads.get(name),
+        )
 
 
 class Looped(torch.nn.ModuleDict):
@@ -71,8 +81,9 @@ class Looped(torch.nn.ModuleDict):
     def __init__(self, recipe, native: bool, names, n_experts: int, device):
         from lpbench.precision.linear import ExpertGemms
 
-        super().__init__({name: torch.nn.ModuleList(ExpertGemms(recipe, native, device) for _ in range(n_experts))
-                          for name in names})
+        super().__init__(
+            {name: torch.nn.ModuleList(ExpertGemms(recipe, native, device) for _ in range(n_experts)) for name in names}
+        )
         self.recipe, self.native = recipe, native
 
     def forward(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
@@ -87,7 +98,7 @@ class Looped(torch.nn.ModuleDict):
     def narrow(self, start: int, length: int) -> None:
         """Keep experts ``[start, start + length)`` (expert parallelism)."""
         for gemms in self.values():
-            del gemms[start + length:]
+            del gemms[start + length :]
             del gemms[:start]
 
 
@@ -100,8 +111,13 @@ def experts_kernel(recipe, native: bool, names, n_experts: int, device):
     return Looped(recipe, native, names, n_experts, device)
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups, cast: torch.Tensor | None = None,
-                   main_grad: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    groups: Groups,
+    cast: torch.Tensor | None = None,
+    main_grad: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x_e · w_eᵀ`` for every expert in ``x``'s dtype (w cast to it, or ``cast``: w already cast, as
     ``weight_cache.cast_once`` gives it, or the weight cache's copy itself with ``main_grad``): rows of ``x``
     [rows, K] by ``groups``. ``main_grad``: the FP32 buffer ``w``'s gradient is added into (:func:`add_wgrad`),
@@ -146,8 +162,16 @@ def _(out, grad):
     return None
 
 
-def add_wgrad(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, groups: Groups, sa=None, sb=None,
-              native: bool = True, fast: bool = False) -> None:
+def add_wgrad(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    groups: Groups,
+    sa=None,
+    sb=None,
+    native: bool = True,
+    fast: bool = False,
+) -> None:
     """``out[e] += a_e · b_eᵀ`` over each expert's rows (the weight gradient into its FP32 buffer ``out`` [E, M, N]):
     ``a`` [M, rows] and ``b`` [N, rows] in the compute dtype, or FP8 codes with decode scales ``sa`` [E, M] and ``sb``
     [E, N] (native: the device's FP8 GEMMs, else emulated). On Hopper lpbench's grouped GEMM adds its FP32 product
@@ -158,12 +182,20 @@ def add_wgrad(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, groups: Group
     elif sa is None:
         _accumulate(out, _hp_wgrad(a.t(), b.t(), groups))
     else:
-        _accumulate(out, _scaled_grouped(a, sa, b, sb, groups, native, fast,
-                                         torch.bfloat16 if native else torch.float32))
+        _accumulate(
+            out, _scaled_grouped(a, sa, b, sb, groups, native, fast, torch.bfloat16 if native else torch.float32)
+        )
 
 
-def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_rows: bool = False,
-               block: int = ALIGN, amax_group=None):
+def _group_fp8(
+    t: torch.Tensor,
+    spec,
+    group: torch.Tensor,
+    n_groups: int,
+    along_rows: bool = False,
+    block: int = ALIGN,
+    amax_group=None,
+):
     """FP8 codes of ``t`` [R, C] and FP32 decode scales, as the dense linear quantizes each group's rows.
 
     Along C (``along_rows`` False): a scale per row (row-wise) or per group (tensor-wise), returned
@@ -184,12 +216,15 @@ def _group_fp8(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, along_
         blocks = mag.view(R // block, block, C).amax(1)
         block_group = group[::block]
     if spec.scaling is Scaling.TENSOR:
-        amax_g = all_reduce_max(mag.new_zeros(n_groups).scatter_reduce(0, block_group, blocks.amax(1), "amax"),
-                                amax_group)
+        amax_g = all_reduce_max(
+            mag.new_zeros(n_groups).scatter_reduce(0, block_group, blocks.amax(1), "amax"), amax_group
+        )
         amax = amax_g[group][:, None] if not along_rows else amax_g[:, None].expand(n_groups, t.shape[1])
     elif along_rows:
-        amax = all_reduce_max(mag.new_zeros(n_groups, C).scatter_reduce(
-            0, block_group[:, None].expand_as(blocks), blocks, "amax"), amax_group)
+        amax = all_reduce_max(
+            mag.new_zeros(n_groups, C).scatter_reduce(0, block_group[:, None].expand_as(blocks), blocks, "amax"),
+            amax_group,
+        )
     else:
         amax = all_reduce_max(mag.amax(1, keepdim=True), amax_group)
     enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
@@ -206,16 +241,24 @@ def _grad_codes(dy: torch.Tensor, dgrad, wgrad, group: torch.Tensor, n_groups: i
     row and group amaxes, then both codes); else the torch ops."""
     ag_d = dgrad and _amax_group(split, "grad", "dgrad", dgrad)
     ag_w = wgrad and _amax_group(split, "grad", "wgrad", wgrad)
-    if (dgrad and wgrad and dgrad.scaling is Scaling.ROW and wgrad.scaling is Scaling.ROW and dgrad.fmt == wgrad.fmt
-            and capability.fp8_cast_kernel(dy)):
+    if (
+        dgrad
+        and wgrad
+        and dgrad.scaling is Scaling.ROW
+        and wgrad.scaling is Scaling.ROW
+        and dgrad.fmt == wgrad.fmt
+        and capability.fp8_cast_kernel(dy)
+    ):
         cols, rows = group_amax(dy, group, n_groups, ALIGN, row_amax=True)
         row_amax, col_amax = all_reduce_max(rows[:, None], ag_d), all_reduce_max(cols, ag_w)
         enc_r = fp8_encode_scale(row_amax, dgrad.fmt, pow2=dgrad.pow2)
         enc_c = fp8_encode_scale(col_amax, wgrad.fmt, pow2=wgrad.pow2)
         q, qt = group_cast(dy, enc_r, group, enc_c, dgrad.fmt)
         return (q, fp8_decode_scale(enc_r, row_amax)[:, 0]), (qt, fp8_decode_scale(enc_c, col_amax))
-    return (_group_fp8(dy, dgrad, group, n_groups, amax_group=ag_d) if dgrad else None,
-            _group_codes_t(dy, wgrad, group, n_groups, ag_w) if wgrad else None)
+    return (
+        _group_fp8(dy, dgrad, group, n_groups, amax_group=ag_d) if dgrad else None,
+        _group_codes_t(dy, wgrad, group, n_groups, ag_w) if wgrad else None,
+    )
 
 
 def _group_codes_t(t: torch.Tensor, spec, group: torch.Tensor, n_groups: int, amax_group):
@@ -255,11 +298,26 @@ def _scaled_grouped(a, sa, b, sb, groups: Groups, native: bool, fast_accum: bool
             y = grouped_mm.grouped_mm(a, b, sa, sb, groups.offs)
             return y if wgrad else groups.clear_tail(y)
         if wgrad:
-            return torch._scaled_grouped_mm(a, b.t(), sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(),
-                                            offs=groups.offs, out_dtype=out_dtype, use_fast_accum=fast_accum)
-        return groups.clear_tail(torch._scaled_grouped_mm(a, b.transpose(1, 2), sa.contiguous(), sb.contiguous(),
-                                                          offs=groups.offs, out_dtype=out_dtype,
-                                                          use_fast_accum=fast_accum))
+            return torch._scaled_grouped_mm(
+                a,
+                b.t(),
+                sa.reshape(-1).contiguous(),
+                sb.reshape(-1).contiguous(),
+                offs=groups.offs,
+                out_dtype=out_dtype,
+                use_fast_accum=fast_accum,
+            )
+        return groups.clear_tail(
+            torch._scaled_grouped_mm(
+                a,
+                b.transpose(1, 2),
+                sa.contiguous(),
+                sb.contiguous(),
+                offs=groups.offs,
+                out_dtype=out_dtype,
+                use_fast_accum=fast_accum,
+            )
+        )
     return _emulated_scaled_grouped(a, sa, b, sb, groups, out_dtype)
 
 
@@ -268,11 +326,15 @@ def _emulated_scaled_grouped(a, sa, b, sb, groups: Groups, out_dtype) -> torch.T
     wgrad = b.dim() == 2
     va, vb = decode(a, _fmt(a)), decode(b, _fmt(b))
     if wgrad:
-        out = [(mm_fp32(va[:, s:s + c].contiguous(), vb[:, s:s + c].contiguous()) * sa[e][:, None]) * sb[e][None, :]
-               for e, (s, c) in enumerate(groups.host)]
+        out = [
+            (mm_fp32(va[:, s : s + c].contiguous(), vb[:, s : s + c].contiguous()) * sa[e][:, None]) * sb[e][None, :]
+            for e, (s, c) in enumerate(groups.host)
+        ]
         return torch.stack(out).to(out_dtype)
-    parts = [((mm_fp32(va[s:s + c], vb[e]) * sa[s:s + c, None]) * sb[e][None, :]).to(out_dtype)
-             for e, (s, c) in enumerate(groups.host)]
+    parts = [
+        ((mm_fp32(va[s : s + c], vb[e]) * sa[s : s + c, None]) * sb[e][None, :]).to(out_dtype)
+        for e, (s, c) in enumerate(groups.host)
+    ]
     return groups.pieces(parts, vb.shape[1], parts[0] if parts else va.to(out_dtype))
 
 
@@ -296,15 +358,27 @@ def _weight_dgrad(w: torch.Tensor, recipe, split=None) -> tuple[torch.Tensor, to
 
 def _fprop_codes(w: torch.Tensor, spec, amax_group=None) -> tuple[torch.Tensor, torch.Tensor]:
     E, N, K = w.shape
-    wq, sw = _group_fp8(w.reshape(E * N, K), spec, torch.arange(E, device=w.device).repeat_interleave(N), E,
-                        block=N, amax_group=amax_group)
+    wq, sw = _group_fp8(
+        w.reshape(E * N, K),
+        spec,
+        torch.arange(E, device=w.device).repeat_interleave(N),
+        E,
+        block=N,
+        amax_group=amax_group,
+    )
     return wq.view(E, N, K), sw.view(E, N)
 
 
 def _dgrad_codes(w: torch.Tensor, spec, amax_group=None) -> tuple[torch.Tensor, torch.Tensor]:
     E, N, K = w.shape
-    wtq, swt = _group_fp8(w.transpose(1, 2).reshape(E * K, N), spec,
-                          torch.arange(E, device=w.device).repeat_interleave(K), E, block=K, amax_group=amax_group)
+    wtq, swt = _group_fp8(
+        w.transpose(1, 2).reshape(E * K, N),
+        spec,
+        torch.arange(E, device=w.device).repeat_interleave(K),
+        E,
+        block=K,
+        amax_group=amax_group,
+    )
     return wtq.view(E, K, N), swt.view(E, K)
 
 
@@ -381,19 +455,28 @@ def _fp8_wgrad(ctx, dy, x, w, wgrad_op, wgrad_spec):
         return None
     # FP32 when emulated; natively BF16 (the only output the grouped FP8 GEMM has, as the dense native GEMM's BF16
     # output)
-    dw = _scaled_grouped(*wgrad_op, xqt, sx, groups, native, recipe.fast_accum_grads,
-                         torch.bfloat16 if native else torch.float32)
+    dw = _scaled_grouped(
+        *wgrad_op, xqt, sx, groups, native, recipe.fast_accum_grads, torch.bfloat16 if native else torch.float32
+    )
     return dw.to(w.dtype)
 
 
 @torch.compiler.disable
 def _hp_wgrad(dy: torch.Tensor, x: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Every expert's ``dy_eᵀ · x_e`` in the compute dtype with FP32 accumulation, as the dense linear."""
-    return torch.stack([hp_mm(dy[s:s + c].t(), x[s:s + c].t(), x.dtype) for s, c in groups.host])
+    return torch.stack([hp_mm(dy[s : s + c].t(), x[s : s + c].t(), x.dtype) for s, c in groups.host])
 
 
-def fp8_grouped(x: torch.Tensor, w: torch.Tensor, groups: Groups, recipe, native: bool,
-                codes: tuple | None = None, split=None, main_grad: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_grouped(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    groups: Groups,
+    recipe,
+    native: bool,
+    codes: tuple | None = None,
+    split=None,
+    main_grad: torch.Tensor | None = None,
+) -> torch.Tensor:
     """FP8 row-wise / tensor-wise grouped ``x_e · w_eᵀ`` (x in the compute dtype, w the master weight);
     ``codes``: :func:`weight_codes` of ``w`` (else ``w`` is quantized in this call); ``split``: ``w``'s
     :class:`lpbench.parallel.tp.TPShard` when it is a tensor-parallel slice (each operand's slice then
@@ -405,5 +488,5 @@ def fp8_grouped(x: torch.Tensor, w: torch.Tensor, groups: Groups, recipe, native
 @torch.compiler.disable
 def looped(x: torch.Tensor, w: torch.Tensor, groups: Groups, gemms) -> torch.Tensor:
     """Each expert's rows through its dense quantized GEMMs (``gemms[e]``, an ExpertGemms)."""
-    parts = [gemms[e]._linear(x[s:s + c], w[e], None) for e, (s, c) in enumerate(groups.host)]
+    parts = [gemms[e]._linear(x[s : s + c], w[e], None) for e, (s, c) in enumerate(groups.host)]
     return groups.pieces(parts, w.shape[1], x)

@@ -66,6 +66,7 @@ from lpbench.precision.quantize import (
 )
 from lpbench.precision.recipes import Recipe
 
+
 def _operand(q) -> tuple[torch.Tensor, torch.Tensor]:
     """BF16-exact GEMM operand and the factor its GEMM output rows get ([rows, 1] or scalar), of a
     QTensor or of a copy that the fused NVFP4 quantizer (``kernels/nvfp4.py``) made."""
@@ -89,8 +90,17 @@ def _blockwise_mm_op(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, sc
         sb, kind_b = scale_b.t().contiguous().t(), ScalingType.BlockWise1x128
     else:
         sb, kind_b = scale_b.t(), ScalingType.BlockWise128x128
-    return scaled_mm(a, b.t(), scale_a.t().contiguous().t(), ScalingType.BlockWise1x128, sb, kind_b,
-                     swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE, output_dtype=torch.bfloat16)
+    return scaled_mm(
+        a,
+        b.t(),
+        scale_a.t().contiguous().t(),
+        ScalingType.BlockWise1x128,
+        sb,
+        kind_b,
+        swizzle_a=SwizzleType.NO_SWIZZLE,
+        swizzle_b=SwizzleType.NO_SWIZZLE,
+        output_dtype=torch.bfloat16,
+    )
 
 
 @_blockwise_mm_op.register_fake
@@ -105,8 +115,9 @@ def _scaled_mm(a: QTensor, b: QTensor, fast_accum: bool) -> torch.Tensor:
         sa, sb = sa.reshape(()), sb.reshape(())
     else:
         sb = sb.t().contiguous()
-    return torch._scaled_mm(a.codes, b.codes.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
-                            use_fast_accum=fast_accum)
+    return torch._scaled_mm(
+        a.codes, b.codes.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
+    )
 
 
 class Emulated:
@@ -240,7 +251,9 @@ class QuantizedLinearFn(torch.autograd.Function):
             ctx.w_dtype = None if weight is None else weight.dtype
             x_wgrad, ctx.x_wgrad_of = _split(ctx.x_wgrad)  # saved as tensors: activation recomputation frees them
             ctx.x_wgrad = None
-            ctx.save_for_backward(x2 if need_dw and not ctx.quantized_wgrad else None, y if epilogue else None, *x_wgrad)
+            ctx.save_for_backward(
+                x2 if need_dw and not ctx.quantized_wgrad else None, y if epilogue else None, *x_wgrad
+            )
             if epilogue is not None:
                 y = epilogue.forward(y)
         return y.reshape(*x.shape[:-1], -1)
@@ -341,15 +354,26 @@ class QuantizedGemms(DelayedScaling):
             from lpbench.precision.kernels import nvfp4
 
             if recipe.block == nvfp4.BLOCK and capability.nvfp4_kernel(t):
-                copies = nvfp4.quantize(t, row=row, col=col, rht=recipe.rht_wgrad, signs=recipe.rht_signs,
-                                        stochastic=recipe.operand(role, gemm).stochastic, with_codes=self.native)
+                copies = nvfp4.quantize(
+                    t,
+                    row=row,
+                    col=col,
+                    rht=recipe.rht_wgrad,
+                    signs=recipe.rht_signs,
+                    stochastic=recipe.operand(role, gemm).stochastic,
+                    with_codes=self.native,
+                )
                 if not self.native:
                     return copies
-                return tuple(None if c is None else QTensor(c.codes, c.scale, (1, nvfp4.BLOCK), E2M1, c.global_scale)
-                             for c in copies)
+                return tuple(
+                    None if c is None else QTensor(c.codes, c.scale, (1, nvfp4.BLOCK), E2M1, c.global_scale)
+                    for c in copies
+                )
         spec_col = recipe.operand(role, "wgrad")
-        return (self._quantize(t, role, gemm, encode_scale) if row else None,
-                self._quantize(self._wgrad_layout(t, spec_col), role, "wgrad", encode_scale) if col else None)
+        return (
+            self._quantize(t, role, gemm, encode_scale) if row else None,
+            self._quantize(self._wgrad_layout(t, spec_col), role, "wgrad", encode_scale) if col else None,
+        )
 
     def _weight_operands(self, weight: torch.Tensor, dgrad: bool) -> tuple[QTensor, QTensor | None]:
         """The weight quantized for fprop and (if ``dgrad``) dgrad, or as FSDP all-gathered it in FP8.
@@ -384,8 +408,9 @@ class QuantizedGemms(DelayedScaling):
             y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))  # no FLOPs
             return y if epilogue is None else epilogue.apply(y)
         kernel = self.kernel if self.kernel.takes(x, weight) else self.kernel.fallback
-        if epilogue is None or (hasattr(kernel, "epilogue_operands") and bias is None
-                                and self.recipe.operand("input", "wgrad") is not None):
+        if epilogue is None or (
+            hasattr(kernel, "epilogue_operands") and bias is None and self.recipe.operand("input", "wgrad") is not None
+        ):
             return QuantizedLinearFn.apply(x, weight, bias, self, kernel, epilogue)
         return epilogue.apply(QuantizedLinearFn.apply(x, weight, bias, self, kernel))
 
@@ -402,7 +427,14 @@ class QuantizedLinear(QuantizedGemms, nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe, *, native: bool = False) -> QuantizedLinear:
         """A QuantizedLinear sharing ``linear``'s parameter objects."""
-        q = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe, native=native, device="meta")
+        q = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            recipe=recipe,
+            native=native,
+            device="meta",
+        )
         q.weight, q.bias = linear.weight, linear.bias
         q._init_histories(linear.weight.device)
         return q

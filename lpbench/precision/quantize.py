@@ -115,8 +115,9 @@ class QTensor:
     def t(self) -> QTensor:
         """The transpose, codes contiguous: what quantizing the transposed tensor gives when the blocks
         are square (or the whole tensor) and rounding is to nearest."""
-        return QTensor(self.codes.t().contiguous(), self.scale.t().contiguous(), self.block[::-1], self.fmt,
-                       self.global_scale)
+        return QTensor(
+            self.codes.t().contiguous(), self.scale.t().contiguous(), self.block[::-1], self.fmt, self.global_scale
+        )
 
     def dequantize(self) -> torch.Tensor:
         """FP32 value: code × block scale (exact for power-of-two and E4M3 scales) × global scale."""
@@ -187,8 +188,10 @@ def _div(numerator: torch.Tensor | float, denominator: torch.Tensor | float) -> 
     (two roundings), and compiled Triton code may divide approximately.
     """
     like = numerator if isinstance(numerator, torch.Tensor) else denominator
-    n, d = (v.double() if isinstance(v, torch.Tensor) else torch.full_like(like, v, dtype=torch.float64)
-            for v in (numerator, denominator))
+    n, d = (
+        v.double() if isinstance(v, torch.Tensor) else torch.full_like(like, v, dtype=torch.float64)
+        for v in (numerator, denominator)
+    )
     return (n / d).float()
 
 
@@ -241,8 +244,9 @@ def delayed_scaled_max(fmt: FloatFormat, margin: int = 0) -> float:
     return fmt.max * 2.0**-margin
 
 
-def delayed_update(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, scaled_max: float,
-                   algo: str = "max") -> None:
+def delayed_update(
+    history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, scaled_max: float, algo: str = "max"
+) -> None:
     """Record ``amax`` and recompute the encode ``scale`` from ``history`` (both in place), by Transformer
     Engine's DelayedScaling rule (its default, fused update: ``amax_and_scale_update_after_reduction``;
     its unfused Python update, for custom algorithms, records a zero amax too):
@@ -344,12 +348,12 @@ def quantize_nvfp4(
     enc = _div(1.0, scale.float() * g_dec).clamp(max=FP32_MAX)
     noise = None if noise is None else _pad(noise, blk)
     codes = encode(xp * _expand(enc, blk), E2M1, stochastic=stochastic, generator=generator, noise=noise)
-    return QTensor(codes[: x.shape[0], : x.shape[1]].contiguous(), scale, blk, E2M1,
-                   global_scale=_poison(g_dec, amax))
+    return QTensor(codes[: x.shape[0], : x.shape[1]].contiguous(), scale, blk, E2M1, global_scale=_poison(g_dec, amax))
 
 
-def quantize(x: torch.Tensor, spec: QSpec, *, encode_scale=None, generator=None, noise=None,
-             amax_group=None) -> QTensor:
+def quantize(
+    x: torch.Tensor, spec: QSpec, *, encode_scale=None, generator=None, noise=None, amax_group=None
+) -> QTensor:
     """Quantize a 2-D tensor as ``spec`` says (``encode_scale``: delayed FP8 scaling only).
 
     ``amax_group`` (FP8 and NVFP4 scalings; MX blocks never need it): all-reduce the amaxes
@@ -357,8 +361,9 @@ def quantize(x: torch.Tensor, spec: QSpec, *, encode_scale=None, generator=None,
     """
     sr = {"stochastic": spec.stochastic, "generator": generator, "noise": noise}
     if spec.scaling in (Scaling.TENSOR, Scaling.ROW, Scaling.BLOCK):
-        return quantize_fp8(x, spec.fmt, spec.block, pow2=spec.pow2, encode_scale=encode_scale,
-                            amax_group=amax_group, **sr)
+        return quantize_fp8(
+            x, spec.fmt, spec.block, pow2=spec.pow2, encode_scale=encode_scale, amax_group=amax_group, **sr
+        )
     if spec.scaling is Scaling.MX:
         return quantize_mx(x, spec.fmt, block=spec.block[1], rounding=spec.mx_rounding, **sr)
     if spec.scaling is Scaling.NVFP4:

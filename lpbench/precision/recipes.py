@@ -131,66 +131,122 @@ class Recipe:
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
-        Recipe("bf16", "BF16 GEMMs, FP32 master weights and optimizer state (baseline)", display_name="BF16",
-               colour="#3b3b3b"),
-        Recipe("fp32", "FP32 everywhere (reference)", compute_dtype=torch.float32, display_name="FP32",
-               colour="#9e9e9e"),
+        Recipe(
+            "bf16",
+            "BF16 GEMMs, FP32 master weights and optimizer state (baseline)",
+            display_name="BF16",
+            colour="#3b3b3b",
+        ),
+        Recipe(
+            "fp32", "FP32 everywhere (reference)", compute_dtype=torch.float32, display_name="FP32", colour="#9e9e9e"
+        ),
         Recipe(
             "fp8-tensorwise",
             "FP8 current scaling, one FP32 scale per tensor; E4M3 fwd, E5M2 grads (NeMo cs, TE Float8CurrentScaling)",
-            scaling="tensor", grad_format="e5m2", fast_accum_fprop=True, native_capability=(8, 9),
-            display_name="FP8 (per-tensor)", colour="#1f77b4", tolerance=0.5,
+            scaling="tensor",
+            grad_format="e5m2",
+            fast_accum_fprop=True,
+            native_capability=(8, 9),
+            display_name="FP8 (per-tensor)",
+            colour="#1f77b4",
+            tolerance=0.5,
         ),
         Recipe(
             "fp8-delayed",
             "FP8 delayed scaling from a 1024-step amax history; E4M3 fwd, E5M2 grads (NeMo ds, TE DelayedScaling)",
-            scaling="delayed", grad_format="e5m2", fast_accum_fprop=True, native_capability=(8, 9),
-            display_name="FP8 (delayed)", colour="#17becf", tolerance=0.5,
+            scaling="delayed",
+            grad_format="e5m2",
+            fast_accum_fprop=True,
+            native_capability=(8, 9),
+            display_name="FP8 (delayed)",
+            colour="#17becf",
+            tolerance=0.5,
         ),
         Recipe(
             "fp8-rowwise",
             "FP8 E4M3, one power-of-two FP32 scale per row along the reduction dim (torchao rowwise)",
-            scaling="row", pow2_scales=True, fast_accum_fprop=True, native_capability=(9, 0),
-            display_name="FP8 (rowwise)", colour="#2ca02c", tolerance=0.5,
+            scaling="row",
+            pow2_scales=True,
+            fast_accum_fprop=True,
+            native_capability=(9, 0),
+            display_name="FP8 (rowwise)",
+            colour="#2ca02c",
+            tolerance=0.5,
         ),
         Recipe(
             "fp8-rowwise-gw-hp",
             "fp8-rowwise with the weight-gradient GEMM in BF16 (torchao rowwise_with_gw_hp)",
-            scaling="row", pow2_scales=True, wgrad_bf16=True, fast_accum_fprop=True,
-            native_capability=(9, 0), display_name="FP8 (rowwise, BF16 wgrad)", colour="#8fbc5a", tolerance=0.5,
+            scaling="row",
+            pow2_scales=True,
+            wgrad_bf16=True,
+            fast_accum_fprop=True,
+            native_capability=(9, 0),
+            display_name="FP8 (rowwise, BF16 wgrad)",
+            colour="#8fbc5a",
+            tolerance=0.5,
         ),
         Recipe(
             "fp8-rowwise-fast-grads",
             "fp8-rowwise with the data- and weight-gradient GEMMs in fast accumulation too (torchao's MoE GEMMs)",
-            scaling="row", pow2_scales=True, fast_accum_fprop=True, fast_accum_grads=True,
-            native_capability=(9, 0), display_name="FP8 (rowwise, fast-accum grads)", colour="#006400",
+            scaling="row",
+            pow2_scales=True,
+            fast_accum_fprop=True,
+            fast_accum_grads=True,
+            native_capability=(9, 0),
+            display_name="FP8 (rowwise, fast-accum grads)",
+            colour="#006400",
             tolerance=0.5,
         ),
         Recipe(
             "fp8-blockwise",
             "FP8 E4M3, 1x128 activation/grad and 128x128 weight blocks, power-of-two scales (DeepSeek-V3, TE Float8BlockScaling)",
-            scaling="block", block=128, weight_block_2d=True, pow2_scales=True, native_capability=(9, 0),
-            display_name="FP8 (blockwise)", colour="#9467bd", tolerance=0.5,
+            scaling="block",
+            block=128,
+            weight_block_2d=True,
+            pow2_scales=True,
+            native_capability=(9, 0),
+            display_name="FP8 (blockwise)",
+            colour="#9467bd",
+            tolerance=0.5,
         ),
         Recipe(
             "mxfp8",
             "MXFP8: E4M3 in 1x32 blocks along the reduction dim, E8M0 scales, RCEIL (OCP MX, TE MXFP8BlockScaling)",
-            scaling="mx", block=32, native_capability=(10, 0), display_name="MXFP8", colour="#ff7f0e",
+            scaling="mx",
+            block=32,
+            native_capability=(10, 0),
+            display_name="MXFP8",
+            colour="#ff7f0e",
             tolerance=0.5,
         ),
         Recipe(
             "mxfp4",
             "MXFP4: E2M1 in 1x32 blocks along the reduction dim, E8M0 scales, RCEIL (OCP MX)",
-            scaling="mx", block=32, fwd_format="e2m1", grad_format="e2m1", native_capability=(10, 0),
-            display_name="MXFP4", colour="#e377c2", tolerance=1.5,
+            scaling="mx",
+            block=32,
+            fwd_format="e2m1",
+            grad_format="e2m1",
+            native_capability=(10, 0),
+            display_name="MXFP4",
+            colour="#e377c2",
+            tolerance=1.5,
         ),
         Recipe(
             "nvfp4",
             "NVFP4: E2M1 in 1x16 blocks (16x16 for weights), E4M3 block + FP32 global scales, RHT on wgrad, "
             "stochastic rounding of grads, last 4 layers BF16 (TE NVFP4BlockScaling)",
-            scaling="nvfp4", block=16, fwd_format="e2m1", grad_format="e2m1", weight_block_2d=True,
-            rht_wgrad=True, stochastic_grads=True, last_bf16_layers=4, native_capability=(10, 0),
-            display_name="NVFP4", colour="#d62728", tolerance=1.5,
+            scaling="nvfp4",
+            block=16,
+            fwd_format="e2m1",
+            grad_format="e2m1",
+            weight_block_2d=True,
+            rht_wgrad=True,
+            stochastic_grads=True,
+            last_bf16_layers=4,
+            native_capability=(10, 0),
+            display_name="NVFP4",
+            colour="#d62728",
+            tolerance=1.5,
         ),
     )
 }
@@ -213,8 +269,14 @@ def ablate(recipe: Recipe, ingredient: str) -> Recipe:
     off, what = ABLATIONS[ingredient]
     if all(getattr(recipe, k) == v for k, v in off.items()):
         raise UsageError(f"{recipe.name} has no {what} to switch off")
-    return replace(recipe, name=f"{recipe.name}-no-{ingredient}", display_name="", colour=None,
-                   description=f"{recipe.description}; without {what}", **off)  # the base's tolerance
+    return replace(
+        recipe,
+        name=f"{recipe.name}-no-{ingredient}",
+        display_name="",
+        colour=None,
+        description=f"{recipe.description}; without {what}",
+        **off,
+    )  # the base's tolerance
 
 
 def get_recipe(name: str) -> Recipe:
@@ -224,5 +286,7 @@ def get_recipe(name: str) -> Recipe:
     base, sep, ingredient = name.rpartition("-no-")
     if sep and base:
         return ablate(get_recipe(base), ingredient)
-    raise UsageError(f"unknown precision {name!r}; valid: {', '.join(RECIPES)}, or RECIPE-no-INGREDIENT "
-                     f"({', '.join(ABLATIONS)}), e.g. nvfp4-no-rht")
+    raise UsageError(
+        f"unknown precision {name!r}; valid: {', '.join(RECIPES)}, or RECIPE-no-INGREDIENT "
+        f"({', '.join(ABLATIONS)}), e.g. nvfp4-no-rht"
+    )

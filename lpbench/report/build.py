@@ -54,18 +54,28 @@ def group_list(runs: list[dict]) -> list[dict]:
     for r in runs:
         groups.setdefault((r.get("results"), r.get("sweep_id") or r.get("group_id")), []).append(r)
     ignore = {"precision", *(f.name for f in fields(RunConfig) if not fact(f, "key"))}  # how a run is observed
-    settings = [{k: v for k, v in (members[0].get("config") or {}).items() if k not in ignore}
-                for members in groups.values()]
+    settings = [
+        {k: v for k, v in (members[0].get("config") or {}).items() if k not in ignore} for members in groups.values()
+    ]
     differ = sorted({k for s in settings for k in s if len({json.dumps(t.get(k), default=str) for t in settings}) > 1})
     out = []
     for ((results, gid), members), s in zip(groups.items(), settings):
-        out.append({"group": gid, "kind": "sweep" if members[0].get("sweep_id") else "run",
-                    "when": min(_when(r) for r in members), "runs": len(members),
-                    "precisions": list(dict.fromkeys(r.get("precision") for r in members)),
-                    "models": list(dict.fromkeys(r.get("model") for r in members)),
-                    "statuses": {st: sum(r.get("status") == st for r in members)
-                                 for st in dict.fromkeys(r.get("status") for r in members)},
-                    "results": results, "differs": {k: s.get(k) for k in differ}})
+        out.append(
+            {
+                "group": gid,
+                "kind": "sweep" if members[0].get("sweep_id") else "run",
+                "when": min(_when(r) for r in members),
+                "runs": len(members),
+                "precisions": list(dict.fromkeys(r.get("precision") for r in members)),
+                "models": list(dict.fromkeys(r.get("model") for r in members)),
+                "statuses": {
+                    st: sum(r.get("status") == st for r in members)
+                    for st in dict.fromkeys(r.get("status") for r in members)
+                },
+                "results": results,
+                "differs": {k: s.get(k) for k in differ},
+            }
+        )
     return out
 
 
@@ -80,13 +90,19 @@ def print_group_list(groups: list[dict], as_json: bool) -> None:
 
     table = Table(title="lpbench report --list: groups (pass one to --group)")
     for name in ("group", "when (UTC)", "runs", "precisions", "models", "what differs"):
-        table.add_column(name, no_wrap=name in ("group", "when (UTC)", "runs"),
-                         justify="right" if name == "runs" else "left")
+        table.add_column(
+            name, no_wrap=name in ("group", "when (UTC)", "runs"), justify="right" if name == "runs" else "left"
+        )
     for g in groups:
         status = ", ".join(f"{n} {s}" for s, n in g["statuses"].items())
-        table.add_row(Text(f"{g['group']}" + (f"\n({g['kind']})")), Text(g["when"]), Text(f"{g['runs']}\n{status}"),
-                      Text(", ".join(map(str, g["precisions"]))), Text(", ".join(map(str, g["models"]))),
-                      Text(", ".join(f"{k}={v}" for k, v in g["differs"].items()) or "-"))
+        table.add_row(
+            Text(f"{g['group']}" + (f"\n({g['kind']})")),
+            Text(g["when"]),
+            Text(f"{g['runs']}\n{status}"),
+            Text(", ".join(map(str, g["precisions"]))),
+            Text(", ".join(map(str, g["models"]))),
+            Text(", ".join(f"{k}={v}" for k, v in g["differs"].items()) or "-"),
+        )
     console.print(table)
 
 
@@ -132,15 +148,20 @@ def run_report(args, open_store) -> int:
 
         tables = workload_tables(rows) + time_to_train_tables(rows) if rows else []
         systems = sorted({r["system"] for r in rows})
-        meta = [f"{len(rows)} runs from {', '.join(str(s.path) for s in stores)}" + (f" (groups: {', '.join(args.group)})" if args.group else ""),
-                f"systems: {', '.join(systems) or 'none'}; statuses: "
-                + ", ".join(f"{s} {sum(r['status'] == s for r in rows)}"
-                            for s in dict.fromkeys(r["status"] for r in rows))]
+        meta = [
+            f"{len(rows)} runs from {', '.join(str(s.path) for s in stores)}"
+            + (f" (groups: {', '.join(args.group)})" if args.group else ""),
+            f"systems: {', '.join(systems) or 'none'}; statuses: "
+            + ", ".join(f"{s} {sum(r['status'] == s for r in rows)}" for s in dict.fromkeys(r["status"] for r in rows)),
+        ]
         page = Path(args.html)
         write_file(page, render_page(tables, plots, meta=meta))
         print(f"lpbench report: wrote {page}", file=sys.stderr)
-    render = {"md": lambda r: report_markdown(r, plot_files, getattr(args, "wide", False)), "csv": to_csv,
-              "json": to_json}[args.format]
+    render = {
+        "md": lambda r: report_markdown(r, plot_files, getattr(args, "wide", False)),
+        "csv": to_csv,
+        "json": to_json,
+    }[args.format]
     text = render(rows)
     try:
         print(text, end="" if text.endswith("\n") else "\n", flush=True)

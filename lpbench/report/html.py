@@ -8,8 +8,12 @@ import time
 
 from lpbench.report.tables import TextTable
 
-PLOT_TITLES = {"throughput_vs_seq.png": "Throughput vs sequence length", "speedup.png": "Speedup over BF16",
-               "loss_curves.png": "Training loss", "peak_memory.png": "Peak memory"}
+PLOT_TITLES = {
+    "throughput_vs_seq.png": "Throughput vs sequence length",
+    "speedup.png": "Speedup over BF16",
+    "loss_curves.png": "Training loss",
+    "peak_memory.png": "Peak memory",
+}
 
 _CSS = """
 body { font-family: -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; margin: 2rem auto;
@@ -34,14 +38,18 @@ nav a { margin-right: 1rem; }
 """
 
 
-def render_page(tables: list[TextTable], plots: dict[str, bytes], *, title: str = "lpbench report",
-                meta: list[str] = ()) -> str:
+def render_page(
+    tables: list[TextTable], plots: dict[str, bytes], *, title: str = "lpbench report", meta: list[str] = ()
+) -> str:
     e = html.escape
     anchors = [(f"t{i}", t.title) for i, t in enumerate(tables)] + ([("plots", "Plots")] if plots else [])
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             '<meta name="viewport" content="width=device-width, initial-scale=1">',
-             f"<title>{e(title)}</title><style>{_CSS}</style></head><body>",
-             f"<h1>{e(title)}</h1>"]
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{e(title)}</h1>",
+    ]
     parts += [f'<p class="meta">{e(m)}</p>' for m in meta]
     parts.append(f'<p class="meta">generated {e(time.strftime("%Y-%m-%d %H:%M:%S %Z"))}</p>')
     if anchors:
@@ -55,8 +63,10 @@ def render_page(tables: list[TextTable], plots: dict[str, bytes], *, title: str 
         for name, png in plots.items():
             data = base64.b64encode(png).decode("ascii")
             caption = PLOT_TITLES.get(name, name)
-            parts.append(f'<figure><figcaption>{e(caption)}</figcaption>'
-                         f'<img alt="{e(caption)}" src="data:image/png;base64,{data}"></figure>')
+            parts.append(
+                f"<figure><figcaption>{e(caption)}</figcaption>"
+                f'<img alt="{e(caption)}" src="data:image/png;base64,{data}"></figure>'
+            )
         parts.append("</section>")
     parts.append("</body></html>")
     return "\n".join(parts)

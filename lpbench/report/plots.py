@@ -28,10 +28,21 @@ def _plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"figure.dpi": 110, "savefig.dpi": 110, "axes.grid": True, "grid.alpha": 0.3,
-                         "axes.spines.top": False, "axes.spines.right": False, "font.size": 9,
-                         "axes.titlesize": 10, "legend.fontsize": 8, "legend.frameon": False,
-                         "text.parse_math": False})  # labels hold names and paths: a '$' is a dollar sign
+    plt.rcParams.update(
+        {
+            "figure.dpi": 110,
+            "savefig.dpi": 110,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "font.size": 9,
+            "axes.titlesize": 10,
+            "legend.fontsize": 8,
+            "legend.frameon": False,
+            "text.parse_math": False,
+        }
+    )  # labels hold names and paths: a '$' is a dollar sign
 
     return plt
 
@@ -136,16 +147,19 @@ def throughput_vs_seq(rows: list[dict]) -> bytes | None:
     order = _precisions(ok)
     panels: dict[tuple, list[dict]] = {}
     for r in ok:
-        panels.setdefault((r.get("workload"), r["model"], r["system"], r.get("num_gpus") or 1, r.get("backend")),
-                          []).append(r)
+        panels.setdefault(
+            (r.get("workload"), r["model"], r["system"], r.get("num_gpus") or 1, r.get("backend")), []
+        ).append(r)
     keys = list(panels)[:MAX_PANELS]
     pooled = 1  # the most runs one point stands for
     fig, axes = plt.subplots(len(keys), 2, figsize=(10, 3.2 * len(keys)), squeeze=False)
     for row_axes, key in zip(axes, keys):
         members = panels[key]
         seqs = sorted({r["seq_len"] for r in members})
-        for ax, metric, ylabel in ((row_axes[0], "tokens_per_sec_per_gpu", "tokens / s / GPU"),
-                                   (row_axes[1], "tflops_per_gpu", "model TFLOP / s / GPU")):
+        for ax, metric, ylabel in (
+            (row_axes[0], "tokens_per_sec_per_gpu", "tokens / s / GPU"),
+            (row_axes[1], "tflops_per_gpu", "model TFLOP / s / GPU"),
+        ):
             for p in _precisions(members):
                 best: dict[int, float] = {}
                 count: dict[int, int] = {}
@@ -156,8 +170,15 @@ def throughput_vs_seq(rows: list[dict]) -> bytes | None:
                 pooled = max([pooled, *count.values()])
                 xs = sorted(best)
                 emulated = any(r["precision"] == p and r.get("path") == "emulated" for r in members)
-                ax.plot(xs, [best[x] for x in xs], marker="o", lw=2, color=colour(p, order),
-                        ls="--" if emulated else "-", label=precision_name(p) + (" (emulated)" if emulated else ""))
+                ax.plot(
+                    xs,
+                    [best[x] for x in xs],
+                    marker="o",
+                    lw=2,
+                    color=colour(p, order),
+                    ls="--" if emulated else "-",
+                    label=precision_name(p) + (" (emulated)" if emulated else ""),
+                )
             ax.set_xscale("log", base=2)
             ax.set_xticks(seqs)
             ax.set_xticklabels([str(s) for s in seqs])
@@ -172,18 +193,23 @@ def throughput_vs_seq(rows: list[dict]) -> bytes | None:
         row_axes[0].legend(loc="best")
     extra = f" (first {MAX_PANELS} of {len(panels)})" if len(panels) > MAX_PANELS else ""
     drawn = list(dict.fromkeys(r.get("sweep_id") or r.get("group_id") or "?" for r in ok))
-    how = (f"each point the fastest of up to {pooled} runs (batch configs, groups)" if pooled > 1
-           else "one run per point")
-    fig.suptitle(f"Throughput vs sequence length{extra}\n{how}; {len(ok)} runs from "
-                 + (", ".join(drawn[:4]) + (f" and {len(drawn) - 4} more" if len(drawn) > 4 else ""))
-                 + " (lpbench report --group picks runs)", fontweight="bold", fontsize=9)
+    how = (
+        f"each point the fastest of up to {pooled} runs (batch configs, groups)" if pooled > 1 else "one run per point"
+    )
+    fig.suptitle(
+        f"Throughput vs sequence length{extra}\n{how}; {len(ok)} runs from "
+        + (", ".join(drawn[:4]) + (f" and {len(drawn) - 4} more" if len(drawn) > 4 else ""))
+        + " (lpbench report --group picks runs)",
+        fontweight="bold",
+        fontsize=9,
+    )
     fig.tight_layout()
     return _png(fig)
 
 
 def _bar_canvas(groups: list[list[dict]]):
     """Shared layout of the grouped bar charts: one cluster per group, one bar per precision."""
-    groups = groups[:MAX_PANELS * 2]
+    groups = groups[: MAX_PANELS * 2]
     order = _precisions([r for g in groups for r in g])
     labels, common = group_labels(groups)
     fig, ax = _plt().subplots(figsize=(max(6.0, 1.1 + len(groups) * len(order) * 0.55), 4.2))
@@ -207,8 +233,11 @@ def _group_axis(ax, labels: list[str]) -> None:
 
 
 def speedup_bars(rows: list[dict]) -> bytes | None:
-    groups = [members for _, members in _group_rows(rows)
-              if any(r.get("speedup") is not None for r in members) and len(members) > 1]
+    groups = [
+        members
+        for _, members in _group_rows(rows)
+        if any(r.get("speedup") is not None for r in members) and len(members) > 1
+    ]
     if not groups:
         return None
     groups, order, labels, common, width, fig, ax = _bar_canvas(groups)
@@ -218,13 +247,37 @@ def speedup_bars(rows: list[dict]) -> bytes | None:
         if r.get("speedup") is not None:
             emulated = r.get("path") == "emulated"
             any_emulated = any_emulated or emulated
-            ax.bar(x, r["speedup"], width * 0.9, color=colour(p, order), hatch="///" if emulated else None,
-                   edgecolor="white" if emulated else None, linewidth=0)
-            ax.annotate(f"{r['speedup']:.2f}×", (x, r["speedup"]), xytext=(0, 2), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=7, zorder=4, bbox=LABEL_BOX)  # legible across the line
+            ax.bar(
+                x,
+                r["speedup"],
+                width * 0.9,
+                color=colour(p, order),
+                hatch="///" if emulated else None,
+                edgecolor="white" if emulated else None,
+                linewidth=0,
+            )
+            ax.annotate(
+                f"{r['speedup']:.2f}×",
+                (x, r["speedup"]),
+                xytext=(0, 2),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                zorder=4,
+                bbox=LABEL_BOX,
+            )  # legible across the line
         else:
-            ax.text(x, top * 0.02, f"{precision_name(p)}: {FAIL_LABELS.get(r['status'], r['status'])}",
-                    ha="center", va="bottom", rotation=90, fontsize=8, color="#b00020")
+            ax.text(
+                x,
+                top * 0.02,
+                f"{precision_name(p)}: {FAIL_LABELS.get(r['status'], r['status'])}",
+                ha="center",
+                va="bottom",
+                rotation=90,
+                fontsize=8,
+                color="#b00020",
+            )
     ax.axhline(1.0, color="#3b3b3b", lw=1, ls="--", zorder=0.5)  # behind bars and labels
     ax.grid(axis="x", visible=False)
     _group_axis(ax, labels)
@@ -234,20 +287,31 @@ def speedup_bars(rows: list[dict]) -> bytes | None:
     if any_emulated:
         from matplotlib.patches import Patch
 
-        handles.append(Patch(facecolor="#bbbbbb", hatch="///", edgecolor="white", label="emulated GEMMs\n"
-                             "(no native unit here:\nspeed not representative)"))
+        handles.append(
+            Patch(
+                facecolor="#bbbbbb",
+                hatch="///",
+                edgecolor="white",
+                label="emulated GEMMs\n(no native unit here:\nspeed not representative)",
+            )
+        )
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("Speedup over BF16" + (f" — {common}" if common else ""), fontweight="bold")
     if any(g[0].get("baseline") not in (None, BASELINE) for g in groups):
-        ax.text(0, -0.2, "groups without a BF16 run are compared with their first run", transform=ax.transAxes,
-                fontsize=7, color="#555")
+        ax.text(
+            0,
+            -0.2,
+            "groups without a BF16 run are compared with their first run",
+            transform=ax.transAxes,
+            fontsize=7,
+            color="#555",
+        )
     fig.tight_layout()
     return _png(fig)
 
 
 def loss_curves(rows: list[dict], steps_by_run: dict[int, list[dict]]) -> bytes | None:
-    groups = [members for _, members in _group_rows(rows)
-              if any(len(steps_by_run.get(r["id"], [])) for r in members)]
+    groups = [members for _, members in _group_rows(rows) if any(len(steps_by_run.get(r["id"], [])) for r in members)]
     if not groups:
         return None
     plt = _plt()
@@ -257,8 +321,7 @@ def loss_curves(rows: list[dict], steps_by_run: dict[int, list[dict]]) -> bytes 
     cols = min(3, len(shown))
     nrows = math.ceil(len(shown) / cols)
     width = 4.6 if len(shown) > 1 else 8.0
-    fig, axes = plt.subplots(nrows, cols, figsize=(width * cols, 3.4 * nrows if len(shown) > 1 else 4.2),
-                             squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(width * cols, 3.4 * nrows if len(shown) > 1 else 4.2), squeeze=False)
     for ax, members, label in zip(axes.flat, shown, labels):
         failures = 0
         for r in sorted(members, key=lambda m: order.index(m["precision"])):
@@ -267,17 +330,23 @@ def loss_curves(rows: list[dict], steps_by_run: dict[int, list[dict]]) -> bytes 
             if not pts:
                 continue
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, lw=1.6, color=colour(r["precision"], order), marker="o" if len(xs) <= 20 else None,
-                    ms=3)
+            ax.plot(xs, ys, lw=1.6, color=colour(r["precision"], order), marker="o" if len(xs) <= 20 else None, ms=3)
             if r["status"] != "ok":  # where it stopped, and why
                 what = FAIL_LABELS.get(r["status"], r["status"])
                 if r["status"] == "diverged" and r.get("diverged_step"):
                     what += f" at step {r['diverged_step']}"
                 ax.plot(xs[-1], ys[-1], marker="x", ms=9, mew=2, color="#b00020")
-                ax.annotate(f"{precision_name(r['precision'])} {what}", (xs[-1], ys[-1]), textcoords="offset points",
-                            xytext=(8, 10 + 12 * failures), ha="left", fontsize=7, color="#b00020",
-                            arrowprops={"arrowstyle": "-", "color": "#b00020", "lw": 0.6},
-                            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85})
+                ax.annotate(
+                    f"{precision_name(r['precision'])} {what}",
+                    (xs[-1], ys[-1]),
+                    textcoords="offset points",
+                    xytext=(8, 10 + 12 * failures),
+                    ha="left",
+                    fontsize=7,
+                    color="#b00020",
+                    arrowprops={"arrowstyle": "-", "color": "#b00020", "lw": 0.6},
+                    bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85},
+                )
                 failures += 1
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
@@ -285,13 +354,14 @@ def loss_curves(rows: list[dict], steps_by_run: dict[int, list[dict]]) -> bytes 
             ax.set_title(label, fontsize=9)
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.margins(x=0.12)
-    for ax in list(axes.flat)[len(shown):]:
+    for ax in list(axes.flat)[len(shown) :]:
         ax.set_visible(False)
     extra = f" (first {MAX_PANELS} of {len(groups)} groups)" if len(groups) > MAX_PANELS else ""
     fig.suptitle("Training loss per step" + (f" — {common}" if common else "") + extra, fontweight="bold")
     fig.tight_layout(rect=(0, 0.06 if nrows == 1 else 0.03, 1, 1))
-    fig.legend(handles=_legend_handles(order, order), loc="lower center", ncol=min(len(order), 6),
-               bbox_to_anchor=(0.5, 0.0))
+    fig.legend(
+        handles=_legend_handles(order, order), loc="lower center", ncol=min(len(order), 6), bbox_to_anchor=(0.5, 0.0)
+    )
     return _png(fig)
 
 
@@ -307,25 +377,54 @@ def memory_bars(rows: list[dict]) -> bytes | None:
         any_failed = any_failed or failed
         what = FAIL_LABELS.get(r["status"], r["status"])
         if _finite(r.get("peak_mem_gb")):
-            ax.bar(x, r["peak_mem_gb"], width * 0.9, color=colour(p, order), alpha=0.45 if failed else 1.0,
-                   hatch="//" if failed else None, edgecolor="white" if failed else None, linewidth=0)
-            ax.text(x, r["peak_mem_gb"] + top * 0.01, f"{r['peak_mem_gb']:.2f}" + (f"\n{what}" if failed else ""),
-                    ha="center", va="bottom", fontsize=7, color="#b00020" if failed else "black")
+            ax.bar(
+                x,
+                r["peak_mem_gb"],
+                width * 0.9,
+                color=colour(p, order),
+                alpha=0.45 if failed else 1.0,
+                hatch="//" if failed else None,
+                edgecolor="white" if failed else None,
+                linewidth=0,
+            )
+            ax.text(
+                x,
+                r["peak_mem_gb"] + top * 0.01,
+                f"{r['peak_mem_gb']:.2f}" + (f"\n{what}" if failed else ""),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color="#b00020" if failed else "black",
+            )
         elif failed:
-            ax.text(x, top * 0.02, f"{precision_name(p)}: {what}", ha="center", va="bottom", rotation=90,
-                    fontsize=8, color="#b00020")
+            ax.text(
+                x,
+                top * 0.02,
+                f"{precision_name(p)}: {what}",
+                ha="center",
+                va="bottom",
+                rotation=90,
+                fontsize=8,
+                color="#b00020",
+            )
     kinds = {r.get("memory_kind") for g in groups for r in g}
     _group_axis(ax, labels)
     ax.set_ylim(0, top * 1.2)
-    ax.set_ylabel("peak memory per GPU (GB)" if kinds <= {"cuda", None} else
-                  "peak memory (GB; host RSS on CPU)")
+    ax.set_ylabel("peak memory per GPU (GB)" if kinds <= {"cuda", None} else "peak memory (GB; host RSS on CPU)")
     ax.grid(axis="x", visible=False)
     handles = _legend_handles(order, order, "bar")
     if any_failed:
         from matplotlib.patches import Patch
 
-        handles.append(Patch(facecolor="#bbbbbb", alpha=0.45, hatch="//", edgecolor="white",
-                             label="run did not finish ok\n(peak when it stopped)"))
+        handles.append(
+            Patch(
+                facecolor="#bbbbbb",
+                alpha=0.45,
+                hatch="//",
+                edgecolor="white",
+                label="run did not finish ok\n(peak when it stopped)",
+            )
+        )
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("Peak memory" + (f" — {common}" if common else ""), fontweight="bold")
     fig.tight_layout()
@@ -334,8 +433,12 @@ def memory_bars(rows: list[dict]) -> bytes | None:
 
 def all_plots(rows: list[dict], steps_by_run: dict[int, list[dict]]) -> dict[str, bytes]:
     """Every figure with data, by file name."""
-    figures = {"throughput_vs_seq.png": throughput_vs_seq(rows), "speedup.png": speedup_bars(rows),
-               "loss_curves.png": loss_curves(rows, steps_by_run), "peak_memory.png": memory_bars(rows)}
+    figures = {
+        "throughput_vs_seq.png": throughput_vs_seq(rows),
+        "speedup.png": speedup_bars(rows),
+        "loss_curves.png": loss_curves(rows, steps_by_run),
+        "peak_memory.png": memory_bars(rows),
+    }
     return {name: png for name, png in figures.items() if png}
 
 
@@ -352,8 +455,9 @@ def convergence_curves(runs: list[dict], title: str = "") -> bytes:
     order = [r["precision"] for r in runs]
     use_val = any(r["val"] for r in runs)
     most = max([t for r in runs for t, _ in r["train"]] + [1])
-    scale, unit = next((s, u) for s, u in ((1e9, "billions"), (1e6, "millions"), (1e3, "thousands"), (1, ""))
-                       if most >= s)
+    scale, unit = next(
+        (s, u) for s, u in ((1e9, "billions"), (1e6, "millions"), (1e3, "thousands"), (1, "")) if most >= s
+    )
     xlabel = f"training tokens ({unit})" if unit else "training tokens"
     fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [1.25, 1]})
     handles = []
@@ -369,8 +473,14 @@ def convergence_curves(runs: list[dict], title: str = "") -> bytes:
             bottoms.append(min(ys))
             if not r["ok"]:
                 ax.plot(xs[-1], ys[-1], marker="x", ms=9, mew=2, color="#b00020")
-                ax.annotate(r["status"], (xs[-1], ys[-1]), xytext=(6, 6), textcoords="offset points",
-                            fontsize=7, color="#b00020")
+                ax.annotate(
+                    r["status"],
+                    (xs[-1], ys[-1]),
+                    xytext=(6, 6),
+                    textcoords="offset points",
+                    fontsize=7,
+                    color="#b00020",
+                )
         if r["val"]:
             vx, vy = zip(*[(t / scale, v) for t, v in r["val"]])
             ax.plot(vx, vy, lw=1.8, color=c, ls=ls, marker="o", ms=3.5)
@@ -382,37 +492,50 @@ def convergence_curves(runs: list[dict], title: str = "") -> bytes:
         ax.set_ylim(lo - 0.05 * (hi - lo), hi)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("loss (nats / token)")
-    ax.set_title("Training loss (10-step mean, thin) and validation loss (dots)" if use_val
-                 else "Training loss (10-step mean)")
+    ax.set_title(
+        "Training loss (10-step mean, thin) and validation loss (dots)" if use_val else "Training loss (10-step mean)"
+    )
 
     ref = runs[0]
     ref_curve = _gap_series(ref, use_val)
     for r in runs[1:]:
         if not ref_curve:
             break
-        pts = [(x / scale, (v - ref_curve[x]) / ref_curve[x] * 100) for x, v in _gap_series(r, use_val).items()
-               if x in ref_curve]
+        pts = [
+            (x / scale, (v - ref_curve[x]) / ref_curve[x] * 100)
+            for x, v in _gap_series(r, use_val).items()
+            if x in ref_curve
+        ]
         if pts:
             gx, gy = zip(*pts)
-            gap_ax.plot(gx, gy, lw=1.8, marker="o", ms=3.5, color=colour(r["precision"], order),
-                        ls="--" if "-no-" in r["precision"] else "-")
+            gap_ax.plot(
+                gx,
+                gy,
+                lw=1.8,
+                marker="o",
+                ms=3.5,
+                color=colour(r["precision"], order),
+                ls="--" if "-no-" in r["precision"] else "-",
+            )
     gap_ax.axhline(0, color=colour(ref["precision"], order), lw=1.2)
     used = sorted({r["tolerance"] for r in runs[1:] if r.get("tolerance") is not None})
     tol_handles = []
     for tol, style in zip(used, [(0, (1, 1)), (0, (4, 2)), (0, (6, 2, 1, 2)), (0, (2, 4))] * 4):
         names = "/".join(r["precision"] for r in runs[1:] if r.get("tolerance") == tol)
-        tol_handles.append(gap_ax.axhline(tol, color="#555", lw=1.1, ls=style,
-                                          label=f"tolerance {tol:g}% ({names})"))
+        tol_handles.append(gap_ax.axhline(tol, color="#555", lw=1.1, ls=style, label=f"tolerance {tol:g}% ({names})"))
     if tol_handles:
         gap_ax.legend(handles=tol_handles, loc="best", framealpha=0.9, frameon=True, edgecolor="none")
         low, high = gap_ax.get_ylim()
         gap_ax.set_ylim(low, max(high, max(used) + 0.15 * (max(used) - low)))
     gap_ax.set_xlabel(xlabel)
     gap_ax.set_ylabel(f"gap to {ref['precision']} (%)")
-    gap_ax.set_title(f"{'Validation' if use_val else 'Training (10-step mean)'} loss relative to "
-                     f"{ref['precision']} (lower is better)")
-    fig.suptitle("Convergence: same model, seed and data order per recipe" + (f"\n{title}" if title else ""),
-                 fontweight="bold")
+    gap_ax.set_title(
+        f"{'Validation' if use_val else 'Training (10-step mean)'} loss relative to "
+        f"{ref['precision']} (lower is better)"
+    )
+    fig.suptitle(
+        "Convergence: same model, seed and data order per recipe" + (f"\n{title}" if title else ""), fontweight="bold"
+    )
     fig.tight_layout(rect=(0, 0.09, 1, 1))
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 4), bbox_to_anchor=(0.5, 0.0))
     return _png(fig)

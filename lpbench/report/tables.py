@@ -51,8 +51,12 @@ COLUMNS = [  # (key, header, format) of the flat table (lpbench run, sweep, --fo
 BASELINE = "bf16"
 TIME_TO_TRAIN_GPUS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 TIME_TO_TRAIN_TOKENS = 1e12
-WORKLOAD_TITLES = {"pretrain": "Pre-training", "sft": "Fine-tuning (SFT)", "lora": "Fine-tuning (LoRA)",
-                   "converge": "Convergence (lpbench converge: same tokens per precision)"}
+WORKLOAD_TITLES = {
+    "pretrain": "Pre-training",
+    "sft": "Fine-tuning (SFT)",
+    "lora": "Fine-tuning (LoRA)",
+    "converge": "Convergence (lpbench converge: same tokens per precision)",
+}
 
 
 def precision_name(name: str | None) -> str:
@@ -74,8 +78,7 @@ def layout_keys(numbers_only: bool = False) -> tuple[str, ...]:
 
     from lpbench.config import RunConfig, fact, field_type
 
-    return tuple(f.name for f in fields(RunConfig)
-                 if fact(f, "layout") and (not numbers_only or field_type(f) is int))
+    return tuple(f.name for f in fields(RunConfig) if fact(f, "layout") and (not numbers_only or field_type(f) is int))
 
 
 def system_name(gpu: str | None) -> str:
@@ -101,8 +104,18 @@ def _layout(r: dict) -> dict:
 
 def group_key(r: dict) -> tuple:
     """What must match for two runs to be compared: the same work on the same machine."""
-    return (r.get("results"), r.get("group_id"), r.get("workload"), r.get("model"), r.get("seq_len"), r.get("mbs"),
-            r.get("gbs"), r.get("num_gpus"), r.get("gpu"), json.dumps(_layout(r), sort_keys=True))
+    return (
+        r.get("results"),
+        r.get("group_id"),
+        r.get("workload"),
+        r.get("model"),
+        r.get("seq_len"),
+        r.get("mbs"),
+        r.get("gbs"),
+        r.get("num_gpus"),
+        r.get("gpu"),
+        json.dumps(_layout(r), sort_keys=True),
+    )
 
 
 def _baselines(runs: list[dict]) -> dict[tuple, dict]:
@@ -196,39 +209,66 @@ def summary_rows(runs: list[dict]) -> list[dict]:
         speed = tps / base_tps if r.get("status") == "ok" and tps and base_tps else None
         interval = speedup_interval(r, base) if speed is not None else None
         quart = _quartiles(r)
-        rows.append({
-            "id": r.get("id"), "group_id": r.get("group_id"), "workload": r.get("workload"),
-            "model": r.get("model"), "precision": r.get("precision"), "backend": r.get("backend"),
-            "path": r.get("path"), "why_emulated": metrics.get("why_emulated"), "batch": f"{gbs}/{mbs}/{seq}", "num_gpus": r.get("num_gpus"),
-            "gpu": r.get("gpu") or "cpu",
-            "step_time_ms": r["step_time_s"] * 1e3 if r.get("step_time_s") else None,
-            "tokens_per_sec_per_gpu": tps, "tflops_per_gpu": r.get("tflops_per_gpu"),
-            "mfu_bf16": r.get("mfu_bf16"), "mfu_precision": r.get("mfu_precision"),
-            "peak_mem_gb": r.get("peak_mem_allocated_gb"), "predicted_peak_gb": r.get("predicted_peak_gb"),
-            "final_loss": r.get("final_loss"),
-            "tail_loss": loss, "tail_steps": metrics.get("tail_steps"),
-            "speedup": speed,
-            "speedup_low": interval[0] if interval else None, "speedup_high": interval[1] if interval else None,
-            "within_noise": interval[2] if interval else None,
-            "not_gpu_speed": speed is not None and (_not_gpu_speed(r) or _not_gpu_speed(base)),
-            "step_time_p25_ms": quart[0] * 1e3 if quart else None, "step_time_p75_ms": quart[1] * 1e3 if quart else None,
-            "status": r.get("status"), "error": r.get("error"),
-            "baseline": base.get("precision") if base else None, "baseline_id": base.get("id") if base else None,
-            "loss_delta": loss - base_loss if r.get("status") == "ok" and _finite(loss) and _finite(base_loss)
-            else None,
-            "loss_delta_se": math.hypot(_loss_sem(r), _loss_sem(base)) if base else None,
-            "sweep_id": r.get("sweep_id"), "run_key": r.get("run_key"), "created_at": r.get("created_at"),
-            "results": r.get("results"),
-            "system": system_name(r.get("gpu")), "seq_len": seq, "mbs": mbs, "gbs": gbs,
-            "grad_accum": cfg.get("gbs", 0) // max(1, cfg.get("mbs", 1) * cfg.get("dp", 1)) if cfg else None,
-            **{k: v for k, v in _layout(r).items()},
-            "peak_mem_reserved_gb": r.get("peak_mem_reserved_gb"), "device_mem_used_gb": r.get("device_mem_used_gb"),
-            "memory_kind": metrics.get("memory_kind"), "diverged_step": metrics.get("diverged_step"),
-            "resumed_from_step": metrics.get("resumed_from_step"),  # --load: steps before it ran elsewhere
-            "lora_base_storage": cfg.get("lora_base_storage"), "lora_stored_quantized": metrics.get("lora_stored_quantized"),
-            "steps": cfg.get("steps"), "flops_formula": metrics.get("flops_formula") or cfg.get("flops_formula"),
-            **{f"profile_{k}": v for k, v in (metrics.get("profile") or {}).items()},  # --profile-steps
-        })
+        rows.append(
+            {
+                "id": r.get("id"),
+                "group_id": r.get("group_id"),
+                "workload": r.get("workload"),
+                "model": r.get("model"),
+                "precision": r.get("precision"),
+                "backend": r.get("backend"),
+                "path": r.get("path"),
+                "why_emulated": metrics.get("why_emulated"),
+                "batch": f"{gbs}/{mbs}/{seq}",
+                "num_gpus": r.get("num_gpus"),
+                "gpu": r.get("gpu") or "cpu",
+                "step_time_ms": r["step_time_s"] * 1e3 if r.get("step_time_s") else None,
+                "tokens_per_sec_per_gpu": tps,
+                "tflops_per_gpu": r.get("tflops_per_gpu"),
+                "mfu_bf16": r.get("mfu_bf16"),
+                "mfu_precision": r.get("mfu_precision"),
+                "peak_mem_gb": r.get("peak_mem_allocated_gb"),
+                "predicted_peak_gb": r.get("predicted_peak_gb"),
+                "final_loss": r.get("final_loss"),
+                "tail_loss": loss,
+                "tail_steps": metrics.get("tail_steps"),
+                "speedup": speed,
+                "speedup_low": interval[0] if interval else None,
+                "speedup_high": interval[1] if interval else None,
+                "within_noise": interval[2] if interval else None,
+                "not_gpu_speed": speed is not None and (_not_gpu_speed(r) or _not_gpu_speed(base)),
+                "step_time_p25_ms": quart[0] * 1e3 if quart else None,
+                "step_time_p75_ms": quart[1] * 1e3 if quart else None,
+                "status": r.get("status"),
+                "error": r.get("error"),
+                "baseline": base.get("precision") if base else None,
+                "baseline_id": base.get("id") if base else None,
+                "loss_delta": loss - base_loss
+                if r.get("status") == "ok" and _finite(loss) and _finite(base_loss)
+                else None,
+                "loss_delta_se": math.hypot(_loss_sem(r), _loss_sem(base)) if base else None,
+                "sweep_id": r.get("sweep_id"),
+                "run_key": r.get("run_key"),
+                "created_at": r.get("created_at"),
+                "results": r.get("results"),
+                "system": system_name(r.get("gpu")),
+                "seq_len": seq,
+                "mbs": mbs,
+                "gbs": gbs,
+                "grad_accum": cfg.get("gbs", 0) // max(1, cfg.get("mbs", 1) * cfg.get("dp", 1)) if cfg else None,
+                **{k: v for k, v in _layout(r).items()},
+                "peak_mem_reserved_gb": r.get("peak_mem_reserved_gb"),
+                "device_mem_used_gb": r.get("device_mem_used_gb"),
+                "memory_kind": metrics.get("memory_kind"),
+                "diverged_step": metrics.get("diverged_step"),
+                "resumed_from_step": metrics.get("resumed_from_step"),  # --load: steps before it ran elsewhere
+                "lora_base_storage": cfg.get("lora_base_storage"),
+                "lora_stored_quantized": metrics.get("lora_stored_quantized"),
+                "steps": cfg.get("steps"),
+                "flops_formula": metrics.get("flops_formula") or cfg.get("flops_formula"),
+                **{f"profile_{k}": v for k, v in (metrics.get("profile") or {}).items()},  # --profile-steps
+            }
+        )
     return rows
 
 
@@ -278,11 +318,14 @@ def quantizes(precision: str | None) -> str:
     if not r.quantized:
         return f"nothing ({'FP32' if r.gemm_class is None else 'BF16'} GEMMs)"
     fmt = r.fwd_format.upper() + (f", grads {r.grad_format.upper()}" if r.grad_format != r.fwd_format else "")
-    scale = {"tensor": "per-tensor", "delayed": "per-tensor, delayed", "row": "per-row",
-             "block": f"1x{r.block} blocks" + (f" (W {r.block}x{r.block})" if r.weight_block_2d else ""),
-             "mx": f"1x{r.block} blocks, E8M0 scales",
-             "nvfp4": f"1x{r.block} blocks" + (f" (W {r.block}x{r.block})" if r.weight_block_2d else "")
-                      + ", E4M3 scales"}[r.scaling.value]
+    scale = {
+        "tensor": "per-tensor",
+        "delayed": "per-tensor, delayed",
+        "row": "per-row",
+        "block": f"1x{r.block} blocks" + (f" (W {r.block}x{r.block})" if r.weight_block_2d else ""),
+        "mx": f"1x{r.block} blocks, E8M0 scales",
+        "nvfp4": f"1x{r.block} blocks" + (f" (W {r.block}x{r.block})" if r.weight_block_2d else "") + ", E4M3 scales",
+    }[r.scaling.value]
     extra = ["wgrad BF16"] if r.wgrad_bf16 else []
     extra += ["RHT wgrad"] if r.rht_wgrad else []
     extra += ["SR grads"] if r.stochastic_grads else []
@@ -308,16 +351,24 @@ WRAPPED = {"quantizes": 24}  # text columns that wrap onto more lines (their nar
 def _fit(columns: dict[str, list[str]], headers: dict[str, str]) -> int:
     """Width of a rich table with these cells: each column its widest line (a wrapped one its narrowest)
     plus padding, plus borders."""
-    widths = [WRAPPED.get(key) or max([len(x) for x in headers[key].split("\n")] + [len(c) for c in cells])
-              for key, cells in columns.items()]
+    widths = [
+        WRAPPED.get(key) or max([len(x) for x in headers[key].split("\n")] + [len(c) for c in cells])
+        for key, cells in columns.items()
+    ]
     return sum(w + 2 for w in widths) + len(widths) + 1
 
 
 _SHARED_LABEL = {  # a setting every row of the run table shares, as the title says it
-    "workload": lambda v, cpu: v, "model": lambda v, cpu: f"model {v}", "system": lambda v, cpu: v,
-    "batch": lambda v, cpu: "GBS/MBS/seq " + v, "num_gpus": lambda v, cpu: f"{v} {'process' if cpu else 'GPU'}(es)"
-    if v != "1" else f"1 {'process' if cpu else 'GPU'}",
-    "layout": lambda v, cpu: f"layout {v}", "steps": lambda v, cpu: f"{v} steps"}
+    "workload": lambda v, cpu: v,
+    "model": lambda v, cpu: f"model {v}",
+    "system": lambda v, cpu: v,
+    "batch": lambda v, cpu: "GBS/MBS/seq " + v,
+    "num_gpus": lambda v, cpu: (
+        f"{v} {'process' if cpu else 'GPU'}(es)" if v != "1" else f"1 {'process' if cpu else 'GPU'}"
+    ),
+    "layout": lambda v, cpu: f"layout {v}",
+    "steps": lambda v, cpu: f"{v} steps",
+}
 _SETTING_COLUMNS = tuple(_SHARED_LABEL)
 
 
@@ -348,33 +399,58 @@ def to_rich(rows: list[dict], title: str | None = None, width: int | None = None
         return _status_cell(r)
 
     def layout(r):
-        return " ".join(f"{k.upper()}{_int(r[k])}" for k in ("tp", "pp", "cp", "ep", "dp") if r.get(k, 1) not in (1, None)
-                        ) + (" FSDP" if r.get("fsdp") else "") + (" compiled" if r.get("compile") else "") or "-"
+        return (
+            " ".join(f"{k.upper()}{_int(r[k])}" for k in ("tp", "pp", "cp", "ep", "dp") if r.get(k, 1) not in (1, None))
+            + (" FSDP" if r.get("fsdp") else "")
+            + (" compiled" if r.get("compile") else "")
+            or "-"
+        )
 
-    speed_head = ("speed vs\nBF16 (CPU:\nnot\npredictive)" if cpu_like
-                  else "speed vs\nBF16\n(†: emulated,\nnot predictive)" if any_mark else "speed vs\nBF16")
+    speed_head = (
+        "speed vs\nBF16 (CPU:\nnot\npredictive)"
+        if cpu_like
+        else "speed vs\nBF16\n(†: emulated,\nnot predictive)"
+        if any_mark
+        else "speed vs\nBF16"
+    )
     loss_head = "loss (mean\nlast steps)"
     # (key, header, importance: higher stays longer, cell); the order is the order shown
-    speed_cols = [("speedup", speed_head, 6,
-                   lambda r: speedup_text(r).replace(" †", "") if cpu_like else speedup_text(r)), ("step_time_ms", "step ms\n(IQR)", 2, step_time_text),
-                  ("tokens_per_sec_per_gpu", "tokens/s\n/GPU", 4, lambda r: _cell(r, "tokens_per_sec_per_gpu", "{:,.0f}")),
-                  ("tflops_per_gpu", tflops_header(rows, "TFLOP/s\n/GPU").replace(" (", "\n("), 3,
-                   lambda r: _cell(r, "tflops_per_gpu", "{:.3g}", rows)),
-                  ("mfu_bf16", "MFU", 3, lambda r: _cell(r, "mfu_bf16", "{:.1%}"))]
-    loss_cols = [("loss_delta", "Δ loss\nvs BF16", 9, _delta_text),
-                 ("tail_loss", loss_head, 6.5 if cpu_like else 5, lambda r: _cell(r, "tail_loss", "{:.4f}"))]
-    mem = ("peak_mem_gb", "peak mem\nGB" + ("\n(host RSS)" if cpu_like else ""), 3 if cpu_like else 5,
-           lambda r: _cell(r, "peak_mem_gb", "{:.2f}"))
+    speed_cols = [
+        ("speedup", speed_head, 6, lambda r: speedup_text(r).replace(" †", "") if cpu_like else speedup_text(r)),
+        ("step_time_ms", "step ms\n(IQR)", 2, step_time_text),
+        ("tokens_per_sec_per_gpu", "tokens/s\n/GPU", 4, lambda r: _cell(r, "tokens_per_sec_per_gpu", "{:,.0f}")),
+        (
+            "tflops_per_gpu",
+            tflops_header(rows, "TFLOP/s\n/GPU").replace(" (", "\n("),
+            3,
+            lambda r: _cell(r, "tflops_per_gpu", "{:.3g}", rows),
+        ),
+        ("mfu_bf16", "MFU", 3, lambda r: _cell(r, "mfu_bf16", "{:.1%}")),
+    ]
+    loss_cols = [
+        ("loss_delta", "Δ loss\nvs BF16", 9, _delta_text),
+        ("tail_loss", loss_head, 6.5 if cpu_like else 5, lambda r: _cell(r, "tail_loss", "{:.4f}")),
+    ]
+    mem = (
+        "peak_mem_gb",
+        "peak mem\nGB" + ("\n(host RSS)" if cpu_like else ""),
+        3 if cpu_like else 5,
+        lambda r: _cell(r, "peak_mem_gb", "{:.2f}"),
+    )
     what = ("quantizes", "quantizes", 7 if cpu_like else 1, lambda r: quantizes(r.get("precision")))
-    setting = [("workload", "workload", 8, lambda r: str(r.get("workload"))),
-               ("model", "model", 9, lambda r: str(r.get("model"))),
-               ("system", "system", 8, lambda r: str(r.get("system"))),
-               ("batch", "GBS/MBS\n/seq", 8, lambda r: str(r.get("batch"))),
-               ("num_gpus", "GPUs", 8, lambda r: str(r.get("num_gpus"))),
-               ("layout", "layout", 8, layout),
-               ("steps", "steps", 8, lambda r: str(r.get("steps")))]
-    head = [("precision", "precision", 10, lambda r: str(r.get("precision"))),
-            ("path", "path", 8, lambda r: str(r.get("path") or "-"))]
+    setting = [
+        ("workload", "workload", 8, lambda r: str(r.get("workload"))),
+        ("model", "model", 9, lambda r: str(r.get("model"))),
+        ("system", "system", 8, lambda r: str(r.get("system"))),
+        ("batch", "GBS/MBS\n/seq", 8, lambda r: str(r.get("batch"))),
+        ("num_gpus", "GPUs", 8, lambda r: str(r.get("num_gpus"))),
+        ("layout", "layout", 8, layout),
+        ("steps", "steps", 8, lambda r: str(r.get("steps"))),
+    ]
+    head = [
+        ("precision", "precision", 10, lambda r: str(r.get("precision"))),
+        ("path", "path", 8, lambda r: str(r.get("path") or "-")),
+    ]
     if cpu_like:
         spec = setting + head + [what] + loss_cols + speed_cols[:1] + [mem] + speed_cols[1:]
     else:
@@ -406,16 +482,26 @@ def to_rich(rows: list[dict], title: str | None = None, width: int | None = None
     if any_mark and not cpu_like:
         caption.append(NOT_GPU_SPEED)
     if any(r.get("tail_steps") for r in rows):
-        caption.append("loss: mean of the last quarter of the steps; ± the standard error of Δ from both runs' "
-                       "step-to-step noise (not seed noise: rerun with --seed to see that)")
+        caption.append(
+            "loss: mean of the last quarter of the steps; ± the standard error of Δ from both runs' "
+            "step-to-step noise (not seed noise: rerun with --seed to see that)"
+        )
     if hidden:
         caption.append(f"not shown at {width} columns: {', '.join(hidden)} (--wide shows every column)")
-    table = Table(title=Text(heading) if heading else None,
-                  caption=Text("\n".join(caption + notes)) if caption or notes else None, caption_justify="left")
+    table = Table(
+        title=Text(heading) if heading else None,
+        caption=Text("\n".join(caption + notes)) if caption or notes else None,
+        caption_justify="left",
+    )
     for key, header, _ in keep:
-        table.add_column(Text(header), no_wrap=key not in WRAPPED, min_width=WRAPPED.get(key),
-                         justify="left" if key in ("model", "precision", "path", "status", "quantizes", "workload",
-                                                   "system", "layout") else "right")
+        table.add_column(
+            Text(header),
+            no_wrap=key not in WRAPPED,
+            min_width=WRAPPED.get(key),
+            justify="left"
+            if key in ("model", "precision", "path", "status", "quantizes", "workload", "system", "layout")
+            else "right",
+        )
     for i in range(len(rows)):
         table.add_row(*(Text(cells[k][i]) for k, _, _ in keep))
     return table
@@ -472,18 +558,26 @@ class TextTable:
     def compact(self) -> "TextTable":
         """This table without the columns whose every cell is the same (blank cells of a group's later rows
         aside); a note names them with their value. The precision column and the numbers that differ stay."""
-        same = [i for i, c in enumerate(self.columns) if c != "Precision" and len({row[i] for row in self.rows
-                                                                                  if row[i] != ""}) == 1
-                and all(row[i] != "" for n, row in enumerate(self.rows) if n in self.group_starts)]
+        same = [
+            i
+            for i, c in enumerate(self.columns)
+            if c != "Precision"
+            and len({row[i] for row in self.rows if row[i] != ""}) == 1
+            and all(row[i] != "" for n, row in enumerate(self.rows) if n in self.group_starts)
+        ]
         if not same or len(self.rows) < 2:
             return self
         keep = [i for i in range(len(self.columns)) if i not in same]
         shared = "; ".join(f"{self.columns[i]} {next(row[i] for row in self.rows if row[i])}" for i in same)
-        return TextTable(title=self.title, columns=[self.columns[i] for i in keep],
-                         rows=[[row[i] for i in keep] for row in self.rows],
-                         right={keep.index(i) for i in self.right if i in keep}, caption=self.caption,
-                         notes=[f"Every row: {shared} (--wide shows these columns)", *self.notes],
-                         group_starts=set(self.group_starts))
+        return TextTable(
+            title=self.title,
+            columns=[self.columns[i] for i in keep],
+            rows=[[row[i] for i in keep] for row in self.rows],
+            right={keep.index(i) for i in self.right if i in keep},
+            caption=self.caption,
+            notes=[f"Every row: {shared} (--wide shows these columns)", *self.notes],
+            group_starts=set(self.group_starts),
+        )
 
     def to_markdown(self, level: int = 2) -> str:
         esc = md_escape
@@ -550,8 +644,18 @@ def _group_order(rows: list[dict]) -> list[list[dict]]:
 
 
 def _row_group(r: dict) -> tuple:
-    return (r.get("results"), r.get("group_id"), r.get("workload"), r.get("model"), r.get("seq_len"), r.get("mbs"),
-            r.get("gbs"), r.get("num_gpus"), r.get("gpu"), tuple((k, r.get(k)) for k in layout_keys() if k in r))
+    return (
+        r.get("results"),
+        r.get("group_id"),
+        r.get("workload"),
+        r.get("model"),
+        r.get("seq_len"),
+        r.get("mbs"),
+        r.get("gbs"),
+        r.get("num_gpus"),
+        r.get("gpu"),
+        tuple((k, r.get(k)) for k in layout_keys() if k in r),
+    )
 
 
 def workload_tables(rows: list[dict]) -> list[TextTable]:
@@ -562,32 +666,85 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
         mine = [r for r in rows if (r.get("workload") or "pretrain") == wl]
         layout = [k for k in layout_keys(numbers_only=True) if any(k in r for r in mine)]
         show_fsdp = any(r.get("fsdp") for r in mine)
-        config_cols = ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length",
-                       *[k.upper() for k in layout], *(["FSDP"] if show_fsdp else []), "GA", "Steps",
-                       "Group (when, UTC)"]
+        config_cols = [
+            "Model",
+            "System",
+            "#-GPUs",
+            "GBS",
+            "MBS",
+            "Seq Length",
+            *[k.upper() for k in layout],
+            *(["FSDP"] if show_fsdp else []),
+            "GA",
+            "Steps",
+            "Group (when, UTC)",
+        ]
         tflops = tflops_header(mine, "Model TFLOP / sec / GPU")
-        metric_cols = ["Precision", "Backend", "Path", "Step ms (IQR)", "Tokens / sec / GPU", tflops,
-                       "MFU",
-                       "Speedup over BF16", "Peak mem (GB)", "Loss (last-steps mean)", "Δ loss vs BF16"]
+        metric_cols = [
+            "Precision",
+            "Backend",
+            "Path",
+            "Step ms (IQR)",
+            "Tokens / sec / GPU",
+            tflops,
+            "MFU",
+            "Speedup over BF16",
+            "Peak mem (GB)",
+            "Loss (last-steps mean)",
+            "Δ loss vs BF16",
+        ]
         columns = config_cols + metric_cols
-        first_num = {"#-GPUs", "GBS", "MBS", "Seq Length", "GA", "Steps", "FSDP", *[k.upper() for k in layout],
-                     "Step ms (IQR)", "Tokens / sec / GPU", tflops, "MFU", "Speedup over BF16",
-                     "Peak mem (GB)",
-                     "Loss (last-steps mean)", "Δ loss vs BF16"}
-        table = TextTable(title=WORKLOAD_TITLES.get(wl, wl), columns=columns,
-                          rows=[], right={i for i, c in enumerate(columns) if c in first_num})
+        first_num = {
+            "#-GPUs",
+            "GBS",
+            "MBS",
+            "Seq Length",
+            "GA",
+            "Steps",
+            "FSDP",
+            *[k.upper() for k in layout],
+            "Step ms (IQR)",
+            "Tokens / sec / GPU",
+            tflops,
+            "MFU",
+            "Speedup over BF16",
+            "Peak mem (GB)",
+            "Loss (last-steps mean)",
+            "Δ loss vs BF16",
+        }
+        table = TextTable(
+            title=WORKLOAD_TITLES.get(wl, wl),
+            columns=columns,
+            rows=[],
+            right={i for i, c in enumerate(columns) if c in first_num},
+        )
         mem_kinds = set()
         for members in _group_order(mine):
             table.group_starts.add(len(table.rows))
             for i, r in enumerate(members):
                 if i == 0:
                     when = (r.get("created_at") or "")[5:16].replace("T", " ")
-                    cfg_cells = [r["model"], r["system"], str(r.get("num_gpus") or 1), str(r["gbs"]), str(r["mbs"]),
-                                 str(r["seq_len"]), *[str(_int(r.get(k, ""))) for k in layout],
-                                 *([("yes, FP8 all-gather" if r.get("fsdp_fp8_all_gather") else "yes")
-                                    if r.get("fsdp") else "no"] if show_fsdp else []),
-                                 str(r.get("grad_accum") or ""), str(r.get("steps") or ""),
-                                 f"{r.get('sweep_id') or r.get('group_id') or '-'} ({when})"]
+                    cfg_cells = [
+                        r["model"],
+                        r["system"],
+                        str(r.get("num_gpus") or 1),
+                        str(r["gbs"]),
+                        str(r["mbs"]),
+                        str(r["seq_len"]),
+                        *[str(_int(r.get(k, ""))) for k in layout],
+                        *(
+                            [
+                                ("yes, FP8 all-gather" if r.get("fsdp_fp8_all_gather") else "yes")
+                                if r.get("fsdp")
+                                else "no"
+                            ]
+                            if show_fsdp
+                            else []
+                        ),
+                        str(r.get("grad_accum") or ""),
+                        str(r.get("steps") or ""),
+                        f"{r.get('sweep_id') or r.get('group_id') or '-'} ({when})",
+                    ]
                 else:
                     cfg_cells = [""] * len(config_cols)
                 mem_kinds.add(r.get("memory_kind"))
@@ -597,34 +754,50 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                     if base and base != BASELINE and r.get("speedup") is not None:  # no BF16 run in the group
                         speed += " (baseline)" if r["id"] == r["baseline_id"] else f" (vs {precision_name(base)})"
                     delta = r.get("loss_delta")
-                    metric = [step_time_text(r), _num(r.get("tokens_per_sec_per_gpu")),
-                              tflops_cell(mine, r, _num(r.get("tflops_per_gpu"))),
-                              _num(r.get("mfu_bf16"), "pct"), speed, _num(r.get("peak_mem_gb"), "gb"),
-                              _num(r.get("tail_loss")) if not _finite(r.get("tail_loss"))
-                              else f"{r['tail_loss']:.4f}",
-                              "n/a" if delta is None else ("0" if r["id"] == r["baseline_id"] else _delta_text(r))]
+                    metric = [
+                        step_time_text(r),
+                        _num(r.get("tokens_per_sec_per_gpu")),
+                        tflops_cell(mine, r, _num(r.get("tflops_per_gpu"))),
+                        _num(r.get("mfu_bf16"), "pct"),
+                        speed,
+                        _num(r.get("peak_mem_gb"), "gb"),
+                        _num(r.get("tail_loss")) if not _finite(r.get("tail_loss")) else f"{r['tail_loss']:.4f}",
+                        "n/a" if delta is None else ("0" if r["id"] == r["baseline_id"] else _delta_text(r)),
+                    ]
                 else:
                     note = len(table.notes) + 1
-                    table.notes.append(f"[{note}] {r['model']} {precision_name(r['precision'])} "
-                                       f"(GBS {r['gbs']}, MBS {r['mbs']}, seq {r['seq_len']}): {r['status']}"
-                                       + (f": {r['error']}" if r.get("error") else ""))
-                    metric = ["–", f"{_status_cell(r)} [{note}]", "–", "–", "–", _num(r.get("peak_mem_gb"), "gb"),
-                              "–", "–"]
+                    table.notes.append(
+                        f"[{note}] {r['model']} {precision_name(r['precision'])} "
+                        f"(GBS {r['gbs']}, MBS {r['mbs']}, seq {r['seq_len']}): {r['status']}"
+                        + (f": {r['error']}" if r.get("error") else "")
+                    )
+                    metric = [
+                        "–",
+                        f"{_status_cell(r)} [{note}]",
+                        "–",
+                        "–",
+                        "–",
+                        _num(r.get("peak_mem_gb"), "gb"),
+                        "–",
+                        "–",
+                    ]
                 label = precision_name(r["precision"])
                 label += ", base stored quantized" if r.get("lora_stored_quantized") else ""  # not for bf16
                 label += f", resumed from step {r['resumed_from_step']}" if r.get("resumed_from_step") else ""
-                table.rows.append(cfg_cells + [label,
-                                               r.get("backend") or "lpbench",
-                                               r.get("path") or "–", *metric])
-        mem = ("Peak mem: allocator peak per GPU" if "cuda" in mem_kinds else "") + \
-              (("; " if "cuda" in mem_kinds else "Peak mem: ") + "the run's peak host resident set size on CPU"
-               if "host-rss" in mem_kinds else "")
-        table.caption = ("Speedup and Δ loss are against the BF16 run of the same group (same invocation or sweep, "
-                         "model, batch, GPUs and layout); loss: the mean over the last quarter of the steps, Δ ± "
-                         "the standard error of both means (step-to-step noise, not seed noise). MFU against the GPU's "
-                         "dense BF16 peak; n/a on CPU. Step ms: median over the timed steps (interquartile range); "
-                         "a speedup's interval comes from both runs' quartiles, \"within noise\" where they overlap. "
-                         + (mem + "." if mem else ""))
+                table.rows.append(cfg_cells + [label, r.get("backend") or "lpbench", r.get("path") or "–", *metric])
+        mem = ("Peak mem: allocator peak per GPU" if "cuda" in mem_kinds else "") + (
+            ("; " if "cuda" in mem_kinds else "Peak mem: ") + "the run's peak host resident set size on CPU"
+            if "host-rss" in mem_kinds
+            else ""
+        )
+        table.caption = (
+            "Speedup and Δ loss are against the BF16 run of the same group (same invocation or sweep, "
+            "model, batch, GPUs and layout); loss: the mean over the last quarter of the steps, Δ ± "
+            "the standard error of both means (step-to-step noise, not seed noise). MFU against the GPU's "
+            "dense BF16 peak; n/a on CPU. Step ms: median over the timed steps (interquartile range); "
+            "a speedup's interval comes from both runs' quartiles, \"within noise\" where they overlap. "
+            + (mem + "." if mem else "")
+        )
         if any(r.get("not_gpu_speed") for r in mine):
             table.notes.append(NOT_GPU_SPEED)
         tables.append(table)
@@ -636,8 +809,9 @@ def time_to_train(tokens_per_sec_per_gpu: float, num_gpus: int, tokens: float = 
     return tokens / (tokens_per_sec_per_gpu * num_gpus) / 86400.0
 
 
-def time_to_train_tables(rows: list[dict], gpu_counts=TIME_TO_TRAIN_GPUS,
-                         tokens: float = TIME_TO_TRAIN_TOKENS) -> list[TextTable]:
+def time_to_train_tables(
+    rows: list[dict], gpu_counts=TIME_TO_TRAIN_GPUS, tokens: float = TIME_TO_TRAIN_TOKENS
+) -> list[TextTable]:
     """Days to train 1T tokens at 8..2048 GPUs, one row per model/system/precision: pre-training on GPUs only.
 
     Each row takes the best tokens/s/GPU measured for that model, system, backend and precision
@@ -645,8 +819,14 @@ def time_to_train_tables(rows: list[dict], gpu_counts=TIME_TO_TRAIN_GPUS,
     rate or a fine-tuning rate says nothing about pre-training a model on a cluster.
     """
     tables = []
-    ok = [r for r in rows if r["status"] == "ok" and _finite(r.get("tokens_per_sec_per_gpu"))
-          and (r.get("workload") or "pretrain") == "pretrain" and r.get("gpu") not in (None, "cpu")]
+    ok = [
+        r
+        for r in rows
+        if r["status"] == "ok"
+        and _finite(r.get("tokens_per_sec_per_gpu"))
+        and (r.get("workload") or "pretrain") == "pretrain"
+        and r.get("gpu") not in (None, "cpu")
+    ]
     for wl in dict.fromkeys(r.get("workload") or "pretrain" for r in ok):
         best: dict[tuple, dict] = {}
         for r in ok:
@@ -655,22 +835,39 @@ def time_to_train_tables(rows: list[dict], gpu_counts=TIME_TO_TRAIN_GPUS,
             key = (r["model"], r["system"], r.get("backend"), r["precision"])
             if key not in best or r["tokens_per_sec_per_gpu"] > best[key]["tokens_per_sec_per_gpu"]:
                 best[key] = r
-        columns = ["Model", "System", "Precision", "Measured with", "Tokens / sec / GPU",
-                   *[f"{n} GPUs" for n in gpu_counts]]
-        table = TextTable(title=f"Time to train {tokens / 1e12:g}T tokens (days), {WORKLOAD_TITLES.get(wl, wl)}",
-                          columns=columns, rows=[], right=set(range(4, len(columns))),
-                          caption=f"days = {tokens:.0e} / (tokens/s/GPU x GPUs) / 86400, assuming the measured "
-                                  "tokens/s/GPU holds at every GPU count (linear scaling; the Nemotron4 recipe "
-                                  "measures each scale).")
+        columns = [
+            "Model",
+            "System",
+            "Precision",
+            "Measured with",
+            "Tokens / sec / GPU",
+            *[f"{n} GPUs" for n in gpu_counts],
+        ]
+        table = TextTable(
+            title=f"Time to train {tokens / 1e12:g}T tokens (days), {WORKLOAD_TITLES.get(wl, wl)}",
+            columns=columns,
+            rows=[],
+            right=set(range(4, len(columns))),
+            caption=f"days = {tokens:.0e} / (tokens/s/GPU x GPUs) / 86400, assuming the measured "
+            "tokens/s/GPU holds at every GPU count (linear scaling; the Nemotron4 recipe "
+            "measures each scale).",
+        )
         order = sorted(best.values(), key=lambda r: (r["model"], r["system"], r["precision"] != BASELINE))
         last = None
         for r in order:
             days = [time_to_train(r["tokens_per_sec_per_gpu"], n, tokens) for n in gpu_counts]
             same = last == (r["model"], r["system"])
-            table.rows.append(["" if same else r["model"], "" if same else r["system"], precision_name(r["precision"]),
-                               f"GBS {r['gbs']}, MBS {r['mbs']}, seq {r['seq_len']}, {r.get('num_gpus') or 1} GPU"
-                               + ("s" if (r.get("num_gpus") or 1) > 1 else ""),
-                               _num(r["tokens_per_sec_per_gpu"]), *[_days(d) for d in days]])
+            table.rows.append(
+                [
+                    "" if same else r["model"],
+                    "" if same else r["system"],
+                    precision_name(r["precision"]),
+                    f"GBS {r['gbs']}, MBS {r['mbs']}, seq {r['seq_len']}, {r.get('num_gpus') or 1} GPU"
+                    + ("s" if (r.get("num_gpus") or 1) > 1 else ""),
+                    _num(r["tokens_per_sec_per_gpu"]),
+                    *[_days(d) for d in days],
+                ]
+            )
             if not same:
                 table.group_starts.add(len(table.rows) - 1)
             last = (r["model"], r["system"])

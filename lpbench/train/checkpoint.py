@@ -100,9 +100,11 @@ def read_metadata(ckpt: Path) -> dict:
     except (ValueError, KeyError, TypeError, RecursionError):
         raise UsageError(f"--load {ckpt}: corrupt checkpoint ({META_FILE} is garbled)") from None
     if meta.get("format") != FORMAT:
-        raise UsageError(f"--load {ckpt}: saved by lpbench {meta.get('lpbench', '?')} in a checkpoint format that "
-                         "pickles the step, RNG and scheduler state, which could run code on loading; this lpbench "
-                         "loads no pickled data (resume it with the lpbench that saved it)")
+        raise UsageError(
+            f"--load {ckpt}: saved by lpbench {meta.get('lpbench', '?')} in a checkpoint format that "
+            "pickles the step, RNG and scheduler state, which could run code on loading; this lpbench "
+            "loads no pickled data (resume it with the lpbench that saved it)"
+        )
     if not (ckpt / ".metadata").is_file():
         raise UsageError(f"--load {ckpt}: corrupt checkpoint (DCP's .metadata is missing)")
     problem = _manifest_problem(ckpt, meta.get("files"))
@@ -127,8 +129,11 @@ def _sha256(path: Path) -> str:
 
 def _manifest(folder: Path) -> dict:
     """Every file of a saved checkpoint folder: its size and SHA-256."""
-    return {path.name: {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-            for path in sorted(folder.iterdir()) if path.is_file() and path.name != META_FILE}
+    return {
+        path.name: {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(folder.iterdir())
+        if path.is_file() and path.name != META_FILE
+    }
 
 
 def _manifest_problem(ckpt: Path, files) -> str | None:
@@ -136,8 +141,12 @@ def _manifest_problem(ckpt: Path, files) -> str | None:
     if not isinstance(files, dict) or not isinstance(files.get(".metadata"), dict):
         return f"{META_FILE} has no file manifest"
     for name, entry in files.items():
-        if not isinstance(entry, dict) or os.sep in str(name) or str(name) in (".", "..") \
-                or not isinstance(entry.get("sha256"), str):
+        if (
+            not isinstance(entry, dict)
+            or os.sep in str(name)
+            or str(name) in (".", "..")
+            or not isinstance(entry.get("sha256"), str)
+        ):
             return f"bad manifest entry {str(name)[:80]!r}"
     for name, entry in files.items():  # sizes first: a missing or truncated file is named without hashing
         path = ckpt / str(name)
@@ -153,13 +162,23 @@ def _manifest_problem(ckpt: Path, files) -> str | None:
 
 def _metadata_types() -> set[tuple[str, str]]:
     """(module, name) of the globals a DCP ``.metadata`` pickle may reference: data types only."""
-    allowed = {(dcp_metadata.__name__, name) for name, obj in vars(dcp_metadata).items()
-               if isinstance(obj, type) and obj.__module__ == dcp_metadata.__name__}
-    allowed |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+    allowed = {
+        (dcp_metadata.__name__, name)
+        for name, obj in vars(dcp_metadata).items()
+        if isinstance(obj, type) and obj.__module__ == dcp_metadata.__name__
+    }
+    allowed |= {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+    }
     allowed |= {("torch", name) for name, obj in vars(torch).items() if isinstance(obj, torch.dtype)}
-    allowed |= {(module, cls) for module in ("pathlib", "pathlib._local")
-                for cls in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")}
+    allowed |= {
+        (module, cls)
+        for module in ("pathlib", "pathlib._local")
+        for cls in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
+    }
     return allowed
 
 
@@ -194,13 +213,18 @@ class _VerifiedReader(FileSystemReader):
             raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP metadata")
         shards = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
         if not shards <= self.files:
-            raise pickle.UnpicklingError(f".metadata names files outside the manifest: {sorted(map(str, shards - self.files))}")
-        pickled = sorted(k for k, v in metadata.state_dict_metadata.items()
-                         if not isinstance(v, dcp_metadata.TensorStorageMetadata))
+            raise pickle.UnpicklingError(
+                f".metadata names files outside the manifest: {sorted(map(str, shards - self.files))}"
+            )
+        pickled = sorted(
+            k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, dcp_metadata.TensorStorageMetadata)
+        )
         if pickled:
-            raise _PickledItems(f"it holds {len(pickled)} pickled item(s) ({', '.join(pickled[:3])}"
-                                f"{' ...' if len(pickled) > 3 else ''}), which could run code; lpbench loads "
-                                "tensors only")
+            raise _PickledItems(
+                f"it holds {len(pickled)} pickled item(s) ({', '.join(pickled[:3])}"
+                f"{' ...' if len(pickled) > 3 else ''}), which could run code; lpbench loads "
+                "tensors only"
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)
@@ -256,8 +280,16 @@ def _set_rng_state(tensors: dict, rest: dict, device: torch.device) -> None:
 class Checkpointer:
     """Saves (``maybe_save`` after each step) and resumes (``resume`` before the loop) one run."""
 
-    def __init__(self, cfg, module: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, data,
-                 device: torch.device, log: Callable[[str], None]):
+    def __init__(
+        self,
+        cfg,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        data,
+        device: torch.device,
+        log: Callable[[str], None],
+    ):
         self.cfg, self.module, self.optimizer, self.scheduler, self.data = cfg, module, optimizer, scheduler, data
         self.device, self.log = device, log
         self.rank, self.world = _rank()
@@ -284,12 +316,18 @@ class Checkpointer:
         model, optim = get_state_dict(self.module, self.optimizer)
         split = self._split_experts()
         rng, rest = _rng_state(self.device)
-        rest.update(step=step, scheduler=self.scheduler.state_dict(), data=self.data.state_dict(),
-                    param_groups=optim.pop("param_groups"))
-        local = {"rng": rng,
-                 "buffers": {name: b.detach().clone() for name, b in _persistent_buffers(self.module)},
-                 "experts": {name: model.pop(name) for name in split},
-                 "experts_optim": {name: optim["state"].pop(name) for name in split if name in optim["state"]}}
+        rest.update(
+            step=step,
+            scheduler=self.scheduler.state_dict(),
+            data=self.data.state_dict(),
+            param_groups=optim.pop("param_groups"),
+        )
+        local = {
+            "rng": rng,
+            "buffers": {name: b.detach().clone() for name, b in _persistent_buffers(self.module)},
+            "experts": {name: model.pop(name) for name in split},
+            "experts_optim": {name: optim["state"].pop(name) for name in split if name in optim["state"]},
+        }
         return {"model": model, "optim": optim, "rank": {str(self.rank): local}}, rest
 
     def _split_experts(self) -> list[str]:
@@ -307,9 +345,13 @@ class Checkpointer:
         meta = read_metadata(ckpt)
         state, template = self._state(0)
         saved = meta["dcp"].state_dict_metadata
-        if any(is_delayed_state(k, SCALE) for k in state["model"]) and not any(is_delayed_state(k, SCALE) for k in saved):
-            raise UsageError(f"--load {ckpt}: no delayed-scaling scales in it (saved before fp8-delayed kept a "
-                             "persistent scale per operand); resume it with the lpbench that saved it")
+        if any(is_delayed_state(k, SCALE) for k in state["model"]) and not any(
+            is_delayed_state(k, SCALE) for k in saved
+        ):
+            raise UsageError(
+                f"--load {ckpt}: no delayed-scaling scales in it (saved before fp8-delayed kept a "
+                "persistent scale per operand); resume it with the lpbench that saved it"
+            )
         local = state["rank"][str(self.rank)]
         blob = saved.get(f"rank.{self.rank}.json")
         if blob is None or len(blob.size) != 1 or blob.properties.dtype != torch.uint8:
@@ -324,8 +366,9 @@ class Checkpointer:
             state["optim"]["param_groups"] = rest["param_groups"]
             state["model"].update(local["experts"])
             state["optim"]["state"].update(local["experts_optim"])
-            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+            set_state_dict(
+                self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
             self.scheduler.load_state_dict(rest["scheduler"])
             self.data.load_state_dict(rest["data"])
             with torch.no_grad():
@@ -337,8 +380,11 @@ class Checkpointer:
             raise
         except (Exception, CheckpointException) as exc:  # damaged files: I/O, missing keys, bad JSON ...
             raise UsageError(f"--load {ckpt}: corrupt checkpoint ({_cause(exc)})") from None
-        note = f" (saved by a run of {meta['steps']} steps; the LR schedule follows --steps {self.cfg.steps})" \
-            if meta.get("steps") != self.cfg.steps else ""
+        note = (
+            f" (saved by a run of {meta['steps']} steps; the LR schedule follows --steps {self.cfg.steps})"
+            if meta.get("steps") != self.cfg.steps
+            else ""
+        )
         self.log(f"lpbench: resumed from {ckpt} at step {step}{note}")
         return step, meta["history"]
 
@@ -361,10 +407,17 @@ class Checkpointer:
                 dcp.save(state, checkpoint_id=tmp, no_dist=self.world == 1)
             if self.rank == 0:
                 keys = {k: getattr(self.cfg, k) for k in settings("resume")}
-                meta = {"lpbench": __version__, "format": FORMAT, "step": step, "steps": self.cfg.steps,
-                        "world_size": self.world,
-                        "config": keys, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": _manifest(tmp),
-                        "history": history}
+                meta = {
+                    "lpbench": __version__,
+                    "format": FORMAT,
+                    "step": step,
+                    "steps": self.cfg.steps,
+                    "world_size": self.world,
+                    "config": keys,
+                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "files": _manifest(tmp),
+                    "history": history,
+                }
                 with open(tmp / META_FILE, "w") as f:
                     json.dump(meta, f, indent=2)
                     f.flush()
@@ -417,8 +470,12 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-_ERRNO_CAUSES = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
-                 errno.EROFS: "read-only filesystem", errno.EACCES: "permission denied"}
+_ERRNO_CAUSES = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only filesystem",
+    errno.EACCES: "permission denied",
+}
 
 
 def _cause(exc: BaseException) -> str:

@@ -33,8 +33,7 @@ from lpbench import gemm
 from lpbench.precision.delayed import is_delayed_state
 from lpbench.precision.recipes import get_recipe
 from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError
-from lpbench.train.workload import (build_data, describe_lora, prepare_model, run_flops_per_token,
-                                    weight_bytes)
+from lpbench.train.workload import build_data, describe_lora, prepare_model, run_flops_per_token, weight_bytes
 from lpbench.train.optim import build_optimizer, build_scheduler
 from lpbench.train import memory_plan
 
@@ -81,18 +80,26 @@ def format_log_lines(rec: dict, steps: int, gbs: int, short: bool = False) -> li
     if short:
         took = f"{secs:.1f} s" if secs >= 10 else f"{secs * 1e3:.1f} ms"
         rate = f"{tflops:,.0f}" if tflops >= 100 else plain(tflops, 3)
-        return [f"step {step}/{steps}  loss {loss:.4f}  {took}  {rec['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU  "
-                f"{rate} TFLOP/s  grad norm {plain(rec['grad_norm'], 3)}"]
-    return [f"Step Time : {secs:.2f}s GPU utilization: {plain(tflops)}MODEL_TFLOP/s/GPU",
-            f"iteration {step}/{steps} | global_batch_size: {gbs} | global_step: {step} | "
-            f"consumed_samples: {step * gbs} | lm loss: {loss:.4f} | reduced_train_loss: {loss:.4f} | "
-            f"elapsed time per iteration (ms): {secs * 1e3:.1f} | train_step_timing in s: {secs:.4f} | "
-            f"TFLOPS_per_GPU: {plain(tflops)} | tokens_per_sec_per_gpu: {rec['tokens_per_sec_per_gpu']:.0f} | "
-            f"peak_mem_gb: {mem} | lr: {plain(rec['lr'])} | grad_norm: {rec['grad_norm']:.3f}"]
+        return [
+            f"step {step}/{steps}  loss {loss:.4f}  {took}  {rec['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU  "
+            f"{rate} TFLOP/s  grad norm {plain(rec['grad_norm'], 3)}"
+        ]
+    return [
+        f"Step Time : {secs:.2f}s GPU utilization: {plain(tflops)}MODEL_TFLOP/s/GPU",
+        f"iteration {step}/{steps} | global_batch_size: {gbs} | global_step: {step} | "
+        f"consumed_samples: {step * gbs} | lm loss: {loss:.4f} | reduced_train_loss: {loss:.4f} | "
+        f"elapsed time per iteration (ms): {secs * 1e3:.1f} | train_step_timing in s: {secs:.4f} | "
+        f"TFLOPS_per_GPU: {plain(tflops)} | tokens_per_sec_per_gpu: {rec['tokens_per_sec_per_gpu']:.0f} | "
+        f"peak_mem_gb: {mem} | lr: {plain(rec['lr'])} | grad_norm: {rec['grad_norm']:.3f}",
+    ]
 
 
-def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str = "lpbench-results",
-          on_step: Callable[[dict], None] | None = None) -> RunResult:
+def train(
+    cfg: RunConfig,
+    log: Callable[[str], None] = print,
+    results_dir: str = "lpbench-results",
+    on_step: Callable[[dict], None] | None = None,
+) -> RunResult:
     """Train ``cfg`` and return its measurements. Bad configs raise UsageError before any work.
 
     Under torchrun or srun every rank calls this; rank 0 logs, and the result's metrics are
@@ -105,8 +112,9 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     device = resolve_device(cfg.device)
     world = init_distributed(device.type)
     if cfg.world_size != world.size:
-        raise UsageError(f"config is for {cfg.world_size} ranks (dp {cfg.dp} x tp {cfg.tp}) "
-                         f"but this job has {world.size}")
+        raise UsageError(
+            f"config is for {cfg.world_size} ranks (dp {cfg.dp} x tp {cfg.tp}) but this job has {world.size}"
+        )
     if world.size > 1 and device.type == "cuda":
         device = torch.device("cuda", world.cuda_index)
     if not world.is_main:
@@ -123,11 +131,15 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
 
     torch.manual_seed(cfg.seed)
     meta = world.size > 1 and cfg.workload != "lora"  # no full copy per rank: parallelize shards, then allocates
-    model = load_hf_checkpoint(cfg.hf_checkpoint, device=device) if cfg.hf_checkpoint else \
-        build_model(model_cfg, device="meta" if meta else device, seed=cfg.seed)
+    model = (
+        load_hf_checkpoint(cfg.hf_checkpoint, device=device)
+        if cfg.hf_checkpoint
+        else build_model(model_cfg, device="meta" if meta else device, seed=cfg.seed)
+    )
     n_params = count_parameters(model)
-    converters, precision_info, workload_metrics = prepare_model(model, cfg, recipe, device=device, emulate=emulate,
-                                                                 use_compile=use_compile)
+    converters, precision_info, workload_metrics = prepare_model(
+        model, cfg, recipe, device=device, emulate=emulate, use_compile=use_compile
+    )
     configure_moe(model, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff, 1.0 / cfg.grad_accum)
     if use_compile:  # runs in one process (several precisions, converge) each get Dynamo's full recompile budget
         torch._dynamo.reset()
@@ -146,27 +158,32 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     memory.reset_peak(device)  # after building, sharding and initialising the model
     splits = build_data(cfg, model_cfg)
     if splits.vocab_size > model_cfg.vocab_size:
-        raise UsageError(f"--data {cfg.data} has a vocabulary of {splits.vocab_size}, larger than "
-                         f"{cfg.model}'s {model_cfg.vocab_size}")
+        raise UsageError(
+            f"--data {cfg.data} has a vocabulary of {splits.vocab_size}, larger than "
+            f"{cfg.model}'s {model_cfg.vocab_size}"
+        )
     data = splits.train_loader(cfg.mbs, rank=par.dp_rank, world_size=cfg.dp)
-    autocast = torch.autocast(device.type, dtype=recipe.compute_dtype,
-                              enabled=recipe.compute_dtype != torch.float32)
+    autocast = torch.autocast(device.type, dtype=recipe.compute_dtype, enabled=recipe.compute_dtype != torch.float32)
     n_eval = eval_batch_count(cfg, splits.valid)
 
     fpt = run_flops_per_token(cfg, model_cfg, splits)
     gpu = detect_gpu(result.env.get("gpu")) if device.type == "cuda" else None
     tokens_per_step = cfg.gbs * cfg.seq_len
     kernels = f" kernels {', '.join(precision_info['kernels'])}" if precision_info.get("kernels") else ""
-    log(f"lpbench: {cfg.workload} {cfg.label} ({n_params / 1e6:.1f} M params, weights "
+    log(
+        f"lpbench: {cfg.workload} {cfg.label} ({n_params / 1e6:.1f} M params, weights "
         f"{workload_metrics['weight_bytes'] / 2**20:,.1f} MiB) | {cfg.precision} ({cfg.backend}) "
         f"[{precision_info['path']}]{kernels} | device {device} ({result.env.get('gpu') or 'cpu'}){cpu_note} | "
         f"compile {'on' if use_compile else 'off'} | LM loss {'chunked' if fused_loss else 'unfused'} | "
         f"GBS {cfg.gbs} MBS {cfg.mbs} GA {cfg.grad_accum} "
-        f"seq {cfg.seq_len} | peak LR {cfg.peak_lr:g} | {splits.source}")
+        f"seq {cfg.seq_len} | peak LR {cfg.peak_lr:g} | {splits.source}"
+    )
     log(f"lpbench: {cfg.header()}")
     predicted = memory_plan.predict(cfg, result.env.get("gpu"), cuda=device.type == "cuda", compiled=use_compile).gb
-    log(f"lpbench: predicted peak memory {predicted:.1f} GB per GPU | recompute {cfg.recompute}"
-        f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}")
+    log(
+        f"lpbench: predicted peak memory {predicted:.1f} GB per GPU | recompute {cfg.recompute}"
+        f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}"
+    )
     if precision_info.get("why_emulated"):
         log(f"lpbench: {cfg.precision} GEMMs emulated: {precision_info['why_emulated']}")
     if cfg.workload == "lora":
@@ -181,19 +198,28 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                 dp_kind += f", hsdp: {par.dims.dp_replicate} replicas x {par.dims.dp_shard} shards"
         if cfg.grad_reduce_dtype != "fp32":
             dp_kind += f", {cfg.grad_reduce_dtype} gradient reduction"
-        log(f"lpbench: {world.size} ranks ({world.launcher}) | dp {cfg.dp} ({dp_kind}) "
+        log(
+            f"lpbench: {world.size} ranks ({world.launcher}) | dp {cfg.dp} ({dp_kind}) "
             f"x tp {cfg.tp}{' + sequence parallel' if cfg.tp > 1 and cfg.sequence_parallel else ''}"
-            f"{f' | experts over ep {cfg.ep} ranks' if cfg.ep > 1 else ''}")
+            f"{f' | experts over ep {cfg.ep} ranks' if cfg.ep > 1 else ''}"
+        )
 
     checkpointer = Checkpointer(cfg, par.module, optimizer, scheduler, data, device, log)
     start, result.history = checkpointer.resume()  # 0, [] without --load
     profiler = StepProfiler(cfg.profile_range, f"{results_dir}/profiles/{cfg.key()}", device, log)
     short_lines = sys.stdout.isatty()  # a terminal: one short line a step; a log file: the parsers' formats
-    scalars = StepWriter(cfg.tensorboard if world.is_main else None, cfg.model, cfg.precision, cfg.key(),
-                         wandb_dir=cfg.wandb if world.is_main else None, config=cfg.to_dict())
+    scalars = StepWriter(
+        cfg.tensorboard if world.is_main else None,
+        cfg.model,
+        cfg.precision,
+        cfg.key(),
+        wandb_dir=cfg.wandb if world.is_main else None,
+        config=cfg.to_dict(),
+    )
     keep_unsharded = par.dims.fsdp_enabled and cfg.fsdp_shard == "zero1"
     par.module.train()
     try:
+        expert_tokens = None  # per MoE layer, summed over the steps
         for step in range(start + 1, cfg.steps + 1):
             profiler.begin(step)
             t0 = time.perf_counter()
@@ -222,15 +248,24 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                 loss_value = all_reduce([loss_value], "sum", device, loss_group)[0] / loss_ranks
             peak = memory.peak_gb(device)
             tps = tokens_per_step / step_time / world.size
-            rec = {"step": step, "loss": loss_value, "step_time_s": step_time, "lr": lr,
-                   "grad_norm": float(grad_norm), "tokens_per_sec_per_gpu": tps,
-                   "tflops_per_gpu": fpt * tps / 1e12,
-                   "peak_mem_gb": None if peak is None else all_reduce([peak], "max", device)[0]}
+            rec = {
+                "step": step,
+                "loss": loss_value,
+                "step_time_s": step_time,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "tokens_per_sec_per_gpu": tps,
+                "tflops_per_gpu": fpt * tps / 1e12,
+                "peak_mem_gb": None if peak is None else all_reduce([peak], "max", device)[0],
+            }
             moe = moe_step_stats(par.module, device, world.size, cfg.tp, cfg.ep)
             if moe is not None:
                 rec.update(moe["step"])
-                expert_tokens = moe["tokens"] if step == start + 1 else [
-                    [a + b for a, b in zip(old, new)] for old, new in zip(expert_tokens, moe["tokens"])]
+                expert_tokens = (
+                    moe["tokens"]
+                    if expert_tokens is None
+                    else [[a + b for a, b in zip(old, new)] for old, new in zip(expert_tokens, moe["tokens"])]
+                )
             result.steps.append(rec)
             if step % cfg.log_interval == 0 or step == cfg.steps:
                 for line in format_log_lines(rec, cfg.steps, cfg.gbs, short=short_lines):
@@ -245,12 +280,15 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
                 log(f"lpbench: run diverged: {result.error}")
                 break
             if evaluates:
-                rec["val_loss"] = evaluate(par.module, splits.valid_batches(cfg.mbs, par.dp_rank, cfg.dp),
-                                           n_eval, device, autocast)
+                rec["val_loss"] = evaluate(
+                    par.module, splits.valid_batches(cfg.mbs, par.dp_rank, cfg.dp), n_eval, device, autocast
+                )
                 converters.after_evaluate()
                 take_moe_stats(par.module)  # the next step's MoE statistics count training forwards only
-                log(f"validation loss at iteration {step} | lm loss value: {rec['val_loss']:.6E} | "
-                    f"lm loss PPL: {math.exp(min(rec['val_loss'], 700)):.6E} |")
+                log(
+                    f"validation loss at iteration {step} | lm loss value: {rec['val_loss']:.6E} | "
+                    f"lm loss PPL: {math.exp(min(rec['val_loss'], 700)):.6E} |"
+                )
             scalars.add(rec)  # after validation: the step's val_loss too
             try:
                 checkpointer.maybe_save(step, result.history + result.steps)
@@ -270,7 +308,9 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     if model_cfg.n_experts and result.steps:
         result.metrics["tokens_per_expert"] = expert_tokens  # per layer, summed over the run's steps
         if cfg.ep > 1:
-            result.metrics["ep_tokens_per_rank"] = [sum(c) for c in zip(*(s["ep_tokens_per_rank"] for s in result.steps))]
+            result.metrics["ep_tokens_per_rank"] = [
+                sum(c) for c in zip(*(s["ep_tokens_per_rank"] for s in result.steps))
+            ]
             result.metrics["ep_imbalance_max"] = max(s["ep_imbalance"] for s in result.steps)
     if profile:
         result.metrics["profile"] = profile
@@ -278,16 +318,27 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, results_dir: str =
     result.metrics["predicted_peak_gb"] = predicted
     measured = result.metrics.get("peak_mem_allocated_gb")
     if measured is not None and device.type == "cuda":
-        log(f"lpbench: peak memory {measured:.1f} GB per GPU measured, {predicted:.1f} GB predicted "
-            f"({(predicted / measured - 1) * 100:+.0f} %)")
-    result.metrics.update(params=n_params, compile=use_compile,
-                          compile_scope=cfg.compile_scope if use_compile else "off",  # what ran, not what was asked
-                          gpu_peaks=gpu.name if gpu else None,
-                          world_size=world.size, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep, fsdp=cfg.dp if cfg.fsdp else 1,
-                          dp_replicate=par.dims.dp_replicate, dp_shard=par.dims.dp_shard,
-                          fsdp_shard=cfg.fsdp_shard if par.dims.fsdp_enabled else None,
-                          grad_reduce_dtype=cfg.grad_reduce_dtype if par.dims.dp_enabled else None,
-                          sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel, **workload_metrics)
+        log(
+            f"lpbench: peak memory {measured:.1f} GB per GPU measured, {predicted:.1f} GB predicted "
+            f"({(predicted / measured - 1) * 100:+.0f} %)"
+        )
+    result.metrics.update(
+        params=n_params,
+        compile=use_compile,
+        compile_scope=cfg.compile_scope if use_compile else "off",  # what ran, not what was asked
+        gpu_peaks=gpu.name if gpu else None,
+        world_size=world.size,
+        dp=cfg.dp,
+        tp=cfg.tp,
+        ep=cfg.ep,
+        fsdp=cfg.dp if cfg.fsdp else 1,
+        dp_replicate=par.dims.dp_replicate,
+        dp_shard=par.dims.dp_shard,
+        fsdp_shard=cfg.fsdp_shard if par.dims.fsdp_enabled else None,
+        grad_reduce_dtype=cfg.grad_reduce_dtype if par.dims.dp_enabled else None,
+        sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel,
+        **workload_metrics,
+    )
     return result
 
 
@@ -307,25 +358,30 @@ def moe_step_stats(module, device, world_size: int, tp: int, ep: int = 1) -> dic
     if stats is None:
         return None
     tokens = stats["tokens_per_expert"]
-    flat = all_reduce([float(c) for layer in tokens for c in layer] + [stats["aux_loss"], stats["z_loss"]], "sum",
-                      device)
+    flat = all_reduce(
+        [float(c) for layer in tokens for c in layer] + [stats["aux_loss"], stats["z_loss"]], "sum", device
+    )
     n_layers, n_exp = len(tokens), len(tokens[0])
-    tokens = [[int(c) // tp for c in flat[i * n_exp:(i + 1) * n_exp]] for i in range(n_layers)]
+    tokens = [[int(c) // tp for c in flat[i * n_exp : (i + 1) * n_exp]] for i in range(n_layers)]
     load = max(max(layer) * n_exp / max(sum(layer), 1) for layer in tokens)
     step = {"moe_aux_loss": flat[-2] / world_size, "moe_z_loss": flat[-1] / world_size, "expert_load_max": load}
     if ep > 1:
-        per_rank = [[sum(layer[r * n_exp // ep:(r + 1) * n_exp // ep]) for r in range(ep)] for layer in tokens]
+        per_rank = [[sum(layer[r * n_exp // ep : (r + 1) * n_exp // ep]) for r in range(ep)] for layer in tokens]
         step["ep_tokens_per_rank"] = [sum(column) for column in zip(*per_rank)]
         step["ep_imbalance"] = max(max(ranks) * ep / max(sum(ranks), 1) for ranks in per_rank)
     return {"tokens": tokens, "step": step}
 
 
 def format_moe_line(rec: dict) -> str:
-    line = (f"moe | load_balancing_loss: {rec['moe_aux_loss']:.4f} | z_loss: {rec['moe_z_loss']:.4f} | "
-            f"max expert load (x mean, worst layer): {rec['expert_load_max']:.2f}")
+    line = (
+        f"moe | load_balancing_loss: {rec['moe_aux_loss']:.4f} | z_loss: {rec['moe_z_loss']:.4f} | "
+        f"max expert load (x mean, worst layer): {rec['expert_load_max']:.2f}"
+    )
     if "ep_tokens_per_rank" in rec:
-        line += (f" | tokens per ep rank: {','.join(str(n) for n in rec['ep_tokens_per_rank'])} | "
-                 f"ep imbalance (max x mean, worst layer): {rec['ep_imbalance']:.2f}")
+        line += (
+            f" | tokens per ep rank: {','.join(str(n) for n in rec['ep_tokens_per_rank'])} | "
+            f"ep imbalance (max x mean, worst layer): {rec['ep_imbalance']:.2f}"
+        )
     return line
 
 
@@ -344,10 +400,12 @@ def eval_batch_count(cfg: RunConfig, valid) -> int:
 
         need = cfg.mbs * cfg.dp
         sequences = math.ceil((need - 1) / VAL_FRACTION) + 1  # the fewest whose held-out share gives `need`
-        raise UsageError(f"--eval-every needs at least MBS x DP = {need} validation sequences of {cfg.seq_len} "
-                         f"tokens; --data {cfg.data} holds out {n_valid} ({VAL_FRACTION:.0%} of its sequences): "
-                         f"about {sequences * cfg.seq_len:,} tokens of data are needed, or pass --eval-every 0 "
-                         "to judge by the training loss alone")
+        raise UsageError(
+            f"--eval-every needs at least MBS x DP = {need} validation sequences of {cfg.seq_len} "
+            f"tokens; --data {cfg.data} holds out {n_valid} ({VAL_FRACTION:.0%} of its sequences): "
+            f"about {sequences * cfg.seq_len:,} tokens of data are needed, or pass --eval-every 0 "
+            "to judge by the training loss alone"
+        )
     return min(full, cfg.eval_batches) if cfg.eval_batches else full
 
 
@@ -393,8 +451,7 @@ def _max_over_ranks(values: dict, device: torch.device) -> dict:
 def step_time_dist(times: list[float]) -> dict:
     """The spread of the timed steps: quartiles (inclusive method; all equal for one step), min, max."""
     q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else times * 3
-    return {"step_time_p25_s": q1, "step_time_p75_s": q3, "step_time_min_s": min(times),
-            "step_time_max_s": max(times)}
+    return {"step_time_p25_s": q1, "step_time_p75_s": q3, "step_time_min_s": min(times), "step_time_max_s": max(times)}
 
 
 def tail_loss(steps: list[dict]) -> dict:
@@ -404,20 +461,27 @@ def tail_loss(steps: list[dict]) -> dict:
     losses = [s["loss"] for s in steps if isinstance(s.get("loss"), (int, float)) and math.isfinite(s["loss"])]
     if not losses or len(losses) < len(steps):  # a non-finite loss: the run diverged, no mean describes it
         return {}
-    tail = losses[-max(1, len(losses) // 4):]
+    tail = losses[-max(1, len(losses) // 4) :]
     sem = statistics.stdev(tail) / math.sqrt(len(tail)) if len(tail) > 1 else 0.0
     return {"tail_loss": statistics.fmean(tail), "tail_loss_sem": sem, "tail_steps": len(tail)}
 
 
-def summarize(steps: list[dict], cfg: RunConfig, fpt: float, gpu, precision_info: dict,
-              device: torch.device) -> dict:
+def summarize(steps: list[dict], cfg: RunConfig, fpt: float, gpu, precision_info: dict, device: torch.device) -> dict:
     """Summary metrics over the timed (post-warm-up) steps, each defined once (ARCHITECTURE.md, Metrics)."""
     recipe = get_recipe(cfg.precision)
-    timed = [s["step_time_s"] for s in steps[cfg.warmup_steps:] if not s.get("profiled")]  # profiler overhead
-    out = {"path": precision_info["path"], "why_emulated": precision_info["why_emulated"], "flops_formula": cfg.flops_formula, "flops_per_token": fpt,
-           "quantized_linears": len(precision_info["quantized"]),
-           "kernels": ",".join(precision_info.get("kernels", [])), "skipped_linears": precision_info["skipped"],
-           "device_type": device.type, "num_gpus": cfg.world_size, "timed_steps": len(timed)}
+    timed = [s["step_time_s"] for s in steps[cfg.warmup_steps :] if not s.get("profiled")]  # profiler overhead
+    out = {
+        "path": precision_info["path"],
+        "why_emulated": precision_info["why_emulated"],
+        "flops_formula": cfg.flops_formula,
+        "flops_per_token": fpt,
+        "quantized_linears": len(precision_info["quantized"]),
+        "kernels": ",".join(precision_info.get("kernels", [])),
+        "skipped_linears": precision_info["skipped"],
+        "device_type": device.type,
+        "num_gpus": cfg.world_size,
+        "timed_steps": len(timed),
+    }
     if steps:
         out["final_loss"] = steps[-1]["loss"]
         out.update(tail_loss(steps))
@@ -431,7 +495,13 @@ def summarize(steps: list[dict], cfg: RunConfig, fpt: float, gpu, precision_info
     tflops = fpt * tps / 1e12
     gemm_class = "bf16" if precision_info["path"] == "emulated" else recipe.gemm_class
     out.update(step_time_dist(timed))
-    out.update(step_time_s=step_time, last_step_time_s=timed[-1], tokens_per_sec_per_gpu=tps,
-               tflops_per_gpu=tflops, mfu_bf16=mfu(tflops, peak_tflops(gpu, "bf16")),
-               mfu_precision=mfu(tflops, peak_tflops(gpu, gemm_class)), gemm_class=gemm_class)
+    out.update(
+        step_time_s=step_time,
+        last_step_time_s=timed[-1],
+        tokens_per_sec_per_gpu=tps,
+        tflops_per_gpu=tflops,
+        mfu_bf16=mfu(tflops, peak_tflops(gpu, "bf16")),
+        mfu_precision=mfu(tflops, peak_tflops(gpu, gemm_class)),
+        gemm_class=gemm_class,
+    )
     return out

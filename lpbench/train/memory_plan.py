@@ -15,12 +15,25 @@ def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compil
     """The predicted peak of one rank of ``cfg`` on ``gpu`` (a GPU without FP4 units, or an unknown one, emulates
     NVFP4), on CUDA unless ``cuda`` is False; ``compiled`` defaults to what ``train`` does on the device."""
     peaks = detect_gpu(gpu)
-    return estimate(cfg.model_config(), get_recipe(cfg.precision), seq_len=cfg.seq_len, mbs=cfg.mbs, dp=cfg.dp,
-                    tp=cfg.tp, fsdp=cfg.fsdp, recompute=cfg.recompute, recompute_every=cfg.recompute_every,
-                    grad_accum=cfg.grad_accum, workload=cfg.workload, lora_rank=cfg.lora_rank,
-                    lora_quantized_base=cfg.lora_base_storage == "quantized", fused_loss=cfg.fused_loss,
-                    compiled=(cfg.compile if cfg.compile is not None else cuda) if compiled is None else compiled,
-                    cuda=cuda, nvfp4_bf16_copies=cuda and (peaks is None or peaks.fp4 is None))
+    return estimate(
+        cfg.model_config(),
+        get_recipe(cfg.precision),
+        seq_len=cfg.seq_len,
+        mbs=cfg.mbs,
+        dp=cfg.dp,
+        tp=cfg.tp,
+        fsdp=cfg.fsdp,
+        recompute=cfg.recompute,
+        recompute_every=cfg.recompute_every,
+        grad_accum=cfg.grad_accum,
+        workload=cfg.workload,
+        lora_rank=cfg.lora_rank,
+        lora_quantized_base=cfg.lora_base_storage == "quantized",
+        fused_loss=cfg.fused_loss,
+        compiled=(cfg.compile if cfg.compile is not None else cuda) if compiled is None else compiled,
+        cuda=cuda,
+        nvfp4_bf16_copies=cuda and (peaks is None or peaks.fp4 is None),
+    )
 
 
 def capacity_gb(gpu: str | None) -> float | None:
@@ -53,8 +66,11 @@ def suggestions(cfg: RunConfig, capacity: float, gpu: str | None = None) -> list
         for world in (2 * cfg.world_size, 4 * cfg.world_size, 8 * cfg.world_size):
             dp = world // cfg.tp
             wider = cfg.with_(dp=dp, fsdp=True, gbs=cfg.gbs // cfg.dp * dp)
-            for flags, mode in (("", cfg.recompute), (" --recompute selective", "selective"),
-                                (" --recompute full", "full")):
+            for flags, mode in (
+                ("", cfg.recompute),
+                (" --recompute selective", "selective"),
+                (" --recompute full", "full"),
+            ):
                 gb = predict(wider.with_(recompute=mode), gpu).gb
                 if gb <= capacity:
                     return [f"{world} GPUs with --fsdp{flags if mode != cfg.recompute else ''} ({gb:.1f} GB)"]
@@ -64,10 +80,12 @@ def suggestions(cfg: RunConfig, capacity: float, gpu: str | None = None) -> list
 def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
     """The lines ``lpbench memory`` prints for ``cfg`` and whether it fits ``gpu`` (None: memory unknown)."""
     est = predict(cfg, gpu)
-    lines = [f"{cfg.label} {cfg.precision} {cfg.workload} | seq {cfg.seq_len} MBS {cfg.mbs} GA {cfg.grad_accum} | "
-             f"dp {cfg.dp}{' (fsdp)' if cfg.fsdp else ''} x tp {cfg.tp} | recompute {cfg.recompute}"
-             f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}",
-             f"predicted peak: {est.gb:.1f} GB per GPU"]
+    lines = [
+        f"{cfg.label} {cfg.precision} {cfg.workload} | seq {cfg.seq_len} MBS {cfg.mbs} GA {cfg.grad_accum} | "
+        f"dp {cfg.dp}{' (fsdp)' if cfg.fsdp else ''} x tp {cfg.tp} | recompute {cfg.recompute}"
+        f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}",
+        f"predicted peak: {est.gb:.1f} GB per GPU",
+    ]
     lines += [f"  {name:<36} {size / 2**30:8.2f} GB" for name, size in est.parts.items() if size]
     cap = capacity_gb(gpu)
     if cap is None:

@@ -29,10 +29,14 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, fused: bool) -> torc
     """AdamW (fused with ``fused``, else torch's default: foreach on CUDA), one parameter group per decay and
     kind of tensor (see the module doc)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": same, "weight_decay": decay}
-              for decay, chosen in ((cfg.weight_decay, [p for p in params if p.ndim >= 2]),
-                                    (0.0, [p for p in params if p.ndim < 2]))
-              for same in by_kind(chosen)]
+    groups = [
+        {"params": same, "weight_decay": decay}
+        for decay, chosen in (
+            (cfg.weight_decay, [p for p in params if p.ndim >= 2]),
+            (0.0, [p for p in params if p.ndim < 2]),
+        )
+        for same in by_kind(chosen)
+    ]
     return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
 
 

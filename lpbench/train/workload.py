@@ -37,19 +37,26 @@ from lpbench.models.registry import ModelConfig
 from lpbench.convert import Converters, FrozenQuantized, LoRA, Quantize, converters_for
 from lpbench.precision.recipes import Recipe
 
-def prepare_model(model: nn.Module, cfg: RunConfig, recipe: Recipe, *, device: torch.device,
-                  emulate: bool | str, use_compile: bool) -> tuple[Converters, dict, dict]:
+
+def prepare_model(
+    model: nn.Module, cfg: RunConfig, recipe: Recipe, *, device: torch.device, emulate: bool | str, use_compile: bool
+) -> tuple[Converters, dict, dict]:
     """The run's converters (:func:`lpbench.convert.converters_for`) applied to ``model``: ``(converters, the
     recipe's result of apply_recipe, metrics)``."""
     converters = converters_for(cfg, recipe, device, emulate, use_compile)
     converters.convert(model)
-    metrics = {"workload": cfg.workload,
-               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    metrics = {
+        "workload": cfg.workload,
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
     lora = converters.find(LoRA)
     if lora is not None:
         stored = converters.find(FrozenQuantized)
-        metrics.update(lora_adapted_linears=len(lora.info["adapted"]), lora_base_storage=cfg.lora_base_storage,
-                       lora_stored_quantized=len(stored.names) if stored else 0)
+        metrics.update(
+            lora_adapted_linears=len(lora.info["adapted"]),
+            lora_base_storage=cfg.lora_base_storage,
+            lora_stored_quantized=len(stored.names) if stored else 0,
+        )
         if device.type == "cuda":  # return the freed FP32/BF16 copies, so reserved and NVML memory show the run
             torch.cuda.empty_cache()
     return converters, converters.find(Quantize).info, metrics
@@ -68,9 +75,11 @@ def describe_lora(cfg: RunConfig, metrics: dict) -> str:
         stored = f"quantized ({n} linears quantized once)" if n else f"bf16 ({cfg.precision} quantizes no linear)"
     else:
         stored = "bf16"
-    return (f"lpbench: lora rank {cfg.lora_rank} alpha {cfg.lora_alpha:g} on {cfg.lora_targets} "
-            f"({metrics['lora_adapted_linears']} linears) | {metrics['trainable_params'] / 1e6:.2f} M trainable "
-            f"params | frozen base stored {stored}")
+    return (
+        f"lpbench: lora rank {cfg.lora_rank} alpha {cfg.lora_alpha:g} on {cfg.lora_targets} "
+        f"({metrics['lora_adapted_linears']} linears) | {metrics['trainable_params'] / 1e6:.2f} M trainable "
+        f"params | frozen base stored {stored}"
+    )
 
 
 def build_data(cfg: RunConfig, model_cfg: ModelConfig):
@@ -81,8 +90,9 @@ def build_data(cfg: RunConfig, model_cfg: ModelConfig):
     """
     if cfg.workload == "pretrain":
         return build_dataset(cfg.data, seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=model_cfg.vocab_size)
-    tokenizer = cfg.hf_checkpoint if cfg.hf_checkpoint and (Path(cfg.hf_checkpoint) / "tokenizer.json").is_file() \
-        else None
+    tokenizer = (
+        cfg.hf_checkpoint if cfg.hf_checkpoint and (Path(cfg.hf_checkpoint) / "tokenizer.json").is_file() else None
+    )
     return build_sft_dataset(cfg.data, tokenizer, seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=model_cfg.vocab_size)
 
 

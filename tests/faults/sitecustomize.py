@@ -64,8 +64,9 @@ def hook_fault(kind: str, at_step: int, grad_accum: int) -> None:
         if kind == "oom":
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 1.00 GiB ({FAULT_ENV} at step {step})")
         if kind == "oom-exit":
-            print(f"torch.OutOfMemoryError: CUDA out of memory ({FAULT_ENV} at step {step})", file=sys.stderr,
-                  flush=True)
+            print(
+                f"torch.OutOfMemoryError: CUDA out of memory ({FAULT_ENV} at step {step})", file=sys.stderr, flush=True
+            )
             os._exit(1)
         if kind == "crash":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -43,7 +43,7 @@ def takes(a: QTensor, b: QTensor) -> bool:
     """Whether a · bᵀ is a block-scaled GEMM this module runs: both MX (1x32 E8M0) or both NVFP4 (1x16 E4M3,
     16x16 allowed), FP8 or both E2M1 elements, not E5M2 × E5M2 (cuBLAS lacks it), and N a multiple of 16.
     MX with E2M1 elements (MXFP4) is not taken (see the module docstring)."""
-    (m, k), (n, k2) = a.codes.shape, b.codes.shape
+    (_, k), (n, k2) = a.codes.shape, b.codes.shape
     blocks = {a.block[1], b.block[1]}
     if k != k2 or len(blocks) != 1 or n % 16:
         return False
@@ -103,8 +103,10 @@ def _operand_bytes(q: QTensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def _operands_bytes(a: QTensor, b: QTensor) -> tuple:
     if not takes(a, b):
-        raise ValueError(f"not a block-scaled GEMM this path runs: a {tuple(a.codes.shape)} {a.block} {a.scale.dtype}, "
-                         f"b {tuple(b.codes.shape)} {b.block} {b.scale.dtype}")
+        raise ValueError(
+            f"not a block-scaled GEMM this path runs: a {tuple(a.codes.shape)} {a.block} {a.scale.dtype}, "
+            f"b {tuple(b.codes.shape)} {b.block} {b.scale.dtype}"
+        )
     k = max(k_multiple(a), k_multiple(b))
     return _operand_bytes(a, k), _operand_bytes(b, k)
 
@@ -113,32 +115,76 @@ def operands(a: QTensor, b: QTensor) -> tuple[torch.Tensor, ...]:
     """(data a, scales a, data b, scales b, global a, global b) for a · bᵀ, typed as :func:`scaled_mm` takes them."""
     (da, sa, ga, ta), (db, sb, gb, tb) = _operands_bytes(a, b)
     scale_dtype = a.scale.dtype
-    return (da.view(getattr(torch, ta)), sa.view(scale_dtype), db.view(getattr(torch, tb)), sb.view(scale_dtype), ga, gb)
+    return (
+        da.view(getattr(torch, ta)),
+        sa.view(scale_dtype),
+        db.view(getattr(torch, tb)),
+        sb.view(scale_dtype),
+        ga,
+        gb,
+    )
 
 
-def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
-              global_a: torch.Tensor | None = None, global_b: torch.Tensor | None = None) -> torch.Tensor:
+def scaled_mm(
+    a: torch.Tensor,
+    scale_a: torch.Tensor,
+    b: torch.Tensor,
+    scale_b: torch.Tensor,
+    global_a: torch.Tensor | None = None,
+    global_b: torch.Tensor | None = None,
+) -> torch.Tensor:
     """BF16 a · bᵀ through ``F.scaled_mm``: row-major data [M, K] (or [M, K/2] packed E2M1) and [N, K], swizzled
     block scales, and for NVFP4 the FP32 global scales (BlockWise1x32 without them, BlockWise1x16 + TensorWise with)."""
     S, W = F.ScalingType, F.SwizzleType
     if global_a is None:
-        return F.scaled_mm(a, b.t(), scale_a, S.BlockWise1x32, scale_b, S.BlockWise1x32, swizzle_a=W.SWIZZLE_32_4_4,
-                           swizzle_b=W.SWIZZLE_32_4_4, output_dtype=torch.bfloat16)
+        return F.scaled_mm(
+            a,
+            b.t(),
+            scale_a,
+            S.BlockWise1x32,
+            scale_b,
+            S.BlockWise1x32,
+            swizzle_a=W.SWIZZLE_32_4_4,
+            swizzle_b=W.SWIZZLE_32_4_4,
+            output_dtype=torch.bfloat16,
+        )
     kinds, sw = [S.BlockWise1x16, S.TensorWise], [W.SWIZZLE_32_4_4, W.NO_SWIZZLE]
-    return F.scaled_mm(a, b.t(), [scale_a, global_a], kinds, [scale_b, global_b], kinds, swizzle_a=sw,
-                       swizzle_b=sw, output_dtype=torch.bfloat16)
+    return F.scaled_mm(
+        a,
+        b.t(),
+        [scale_a, global_a],
+        kinds,
+        [scale_b, global_b],
+        kinds,
+        swizzle_a=sw,
+        swizzle_b=sw,
+        output_dtype=torch.bfloat16,
+    )
 
 
 @torch.library.custom_op("lpbench::block_scaled_mm", mutates_args=())
-def _block_scaled_mm_op(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
-                        global_a: torch.Tensor | None, global_b: torch.Tensor | None, dtype_a: str,
-                        dtype_b: str) -> torch.Tensor:
+def _block_scaled_mm_op(
+    a: torch.Tensor,
+    scale_a: torch.Tensor,
+    b: torch.Tensor,
+    scale_b: torch.Tensor,
+    global_a: torch.Tensor | None,
+    global_b: torch.Tensor | None,
+    dtype_a: str,
+    dtype_b: str,
+) -> torch.Tensor:
     """:func:`scaled_mm` of bytes (data as ``dtype_a``/``dtype_b``, e.g. "float4_e2m1fn_x2"), as a custom op:
     torch.compile keeps the layouts (inductor has no lowering for these scalings) and traces no FP4 or E8M0
     tensors."""
     scale_dtype = torch.float8_e8m0fnu if global_a is None else torch.float8_e4m3fn
-    return scaled_mm(a.view(getattr(torch, dtype_a)), scale_a.view(scale_dtype), b.view(getattr(torch, dtype_b)),
-                     scale_b.view(scale_dtype), global_a, global_b)
+    return scaled_mm(
+        a.view(getattr(torch, dtype_a)),
+        scale_a.view(scale_dtype),
+        b.view(getattr(torch, dtype_b)),
+        scale_b.view(scale_dtype),
+        global_a,
+        global_b,
+    )
 
 
 @_block_scaled_mm_op.register_fake

@@ -17,8 +17,9 @@ from lpbench.precision.quantize import delayed_update as reference_update
 
 
 @torch.library.custom_op("lpbench::delayed_update", mutates_args=("history", "scale"))
-def delayed_update(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, scaled_max: float,
-                   most_recent: bool) -> torch.Tensor:
+def delayed_update(
+    history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, scaled_max: float, most_recent: bool
+) -> torch.Tensor:
     """In place: ``amax`` recorded in ``history`` and ``scale`` recomputed (``quantize.delayed_update``).
     Returns a copy of the scale before the update: what a cast that follows the update must use (a read of
     the buffer itself could be scheduled after the update by a compiler)."""

@@ -50,14 +50,16 @@ def _launch(launcher, x, q, qt, encode_scale, fp8_max, write_t, amax=True, launc
     bm, bn, warps = launch or CAST_LAUNCH
     amax_bits = torch.zeros(() if amax else (0,), dtype=torch.int32, device=x.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    launcher(_cast_kernel)[grid](x, q, qt, encode_scale, amax_bits, m, n, FMAX=fp8_max, WRITE_T=write_t, AMAX=amax,
-                                 BM=bm, BN=bn, num_warps=warps)
+    launcher(_cast_kernel)[grid](
+        x, q, qt, encode_scale, amax_bits, m, n, FMAX=fp8_max, WRITE_T=write_t, AMAX=amax, BM=bm, BN=bn, num_warps=warps
+    )
     return amax_bits.view(torch.float32)
 
 
 @kernel_op("lpbench::fp8_cast_transpose", ())
-def _cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
-                    write_t: bool, amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cast_transpose(
+    x: torch.Tensor, encode_scale: torch.Tensor, fp8_max: float, dtype: torch.dtype, write_t: bool, amax: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = x.shape
     q = torch.empty((m, n), dtype=dtype, device=x.device)
     qt = torch.empty((n, m) if write_t else (0,), dtype=dtype, device=x.device)
@@ -71,22 +73,43 @@ def _amax_scale(x: torch.Tensor, fp8_max: float) -> torch.Tensor:
     numel = x.numel()
     blocks = triton.cdiv(numel, AMAX_BLOCK)
     programs = min(blocks, SCALE_PROGRAMS)
-    wrap_triton(_amax_scale_kernel)[(programs,)](x, scratch, enc, numel, triton.cdiv(blocks, programs),
-                                                 FMAX=fp8_max, BLOCK=AMAX_BLOCK, num_warps=8)
+    wrap_triton(_amax_scale_kernel)[(programs,)](
+        x, scratch, enc, numel, triton.cdiv(blocks, programs), FMAX=fp8_max, BLOCK=AMAX_BLOCK, num_warps=8
+    )
     return enc
 
 
 @kernel_op("lpbench::fp8_record_amax", ("history", "scale"))
-def _record_amax(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, after: torch.Tensor,
-                 scaled_max: float, most_recent: bool, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _record_amax(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    after: torch.Tensor,
+    scaled_max: float,
+    most_recent: bool,
+    record: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     dec = torch.empty((), dtype=torch.float32, device=history.device)
     old = torch.empty((), dtype=torch.float32, device=history.device)
     length, n = history.numel(), amax.numel()
     ablock = min(triton.next_power_of_2(max(n, 2)), 4096)
-    wrap_triton(_record_kernel)[(1,)](history, scale, amax, after, dec, old, length, n, SMAX=scaled_max,
-                                      MOST_RECENT=most_recent, RECORD=record,
-                                      HBLOCK=triton.next_power_of_2(max(length, 2)), ABLOCK=ablock,
-                                      ATRIPS=triton.cdiv(n, ablock), num_warps=4)
+    wrap_triton(_record_kernel)[(1,)](
+        history,
+        scale,
+        amax,
+        after,
+        dec,
+        old,
+        length,
+        n,
+        SMAX=scaled_max,
+        MOST_RECENT=most_recent,
+        RECORD=record,
+        HBLOCK=triton.next_power_of_2(max(length, 2)),
+        ABLOCK=ablock,
+        ATRIPS=triton.cdiv(n, ablock),
+        num_warps=4,
+    )
     return dec, old
 
 
@@ -95,8 +118,7 @@ def launch_transpose(launcher, q: torch.Tensor, qt: torch.Tensor, launch=None) -
     m, n = q.shape
     bm, bn, warps = launch or TRANSPOSE_LAUNCH
     src, dst = (q, qt) if q.is_cuda else (q.view(torch.uint8), qt.view(torch.uint8))  # the interpreter: bytes
-    launcher(_transpose_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](src, dst, m, n, BM=bm, BN=bn,
-                                                                          num_warps=warps)
+    launcher(_transpose_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](src, dst, m, n, BM=bm, BN=bn, num_warps=warps)
 
 
 @kernel_op("lpbench::fp8_transpose_codes", ())
@@ -113,16 +135,29 @@ def cast_transpose(x: torch.Tensor, encode_scale: torch.Tensor, fmt: FloatFormat
     return _cast_transpose(x.contiguous(), encode_scale.float().reshape(()), fmt.max, fmt.dtype, write_t, amax)
 
 
-def cast_transpose_into(x: torch.Tensor, encode_scale: torch.Tensor, fmt: FloatFormat, q: torch.Tensor,
-                        qt: torch.Tensor, amax: bool = True, launch=None) -> torch.Tensor:
+def cast_transpose_into(
+    x: torch.Tensor,
+    encode_scale: torch.Tensor,
+    fmt: FloatFormat,
+    q: torch.Tensor,
+    qt: torch.Tensor,
+    amax: bool = True,
+    launch=None,
+) -> torch.Tensor:
     """:func:`cast_transpose` into given ``q`` [M, N] and ``qt`` [N, M] (eager only: a plain kernel launch, for
     buffers that outlive the call); returns the amax of x (empty if not ``amax``). ``launch``: (rows, columns,
     warps) per program (``benchmarks/fp8_cast.py`` times the choices)."""
     return _launch(lambda k: k, x.contiguous(), q, qt, encode_scale.float().reshape(()), fmt.max, True, amax, launch)
 
 
-def record_amax(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, codes: torch.Tensor,
-                scaled_max: float, algo: str = "max") -> torch.Tensor:
+def record_amax(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    codes: torch.Tensor,
+    scaled_max: float,
+    algo: str = "max",
+) -> torch.Tensor:
     """The decode scale of the cast that made ``codes`` with the encode scale ``scale`` (NaN if its ``amax`` is
     not finite); then, in the same launch and in place, ``amax`` recorded in ``history`` and ``scale`` updated
     for the next cast (``quantize.delayed_update``; ``scaled_max``: ``quantize.delayed_scaled_max``).
@@ -172,8 +207,20 @@ if triton is not None:
         return (tl.full(den.shape, num, tl.float64) / den.to(tl.float64)).to(tl.float32)
 
     @triton.jit
-    def _cast_kernel(x_ptr, q_ptr, qt_ptr, enc_ptr, amax_ptr, M, N, FMAX: tl.constexpr, WRITE_T: tl.constexpr,
-                     AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    def _cast_kernel(
+        x_ptr,
+        q_ptr,
+        qt_ptr,
+        enc_ptr,
+        amax_ptr,
+        M,
+        N,
+        FMAX: tl.constexpr,
+        WRITE_T: tl.constexpr,
+        AMAX: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+    ):
         rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
         rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -199,9 +246,22 @@ if triton is not None:
             tl.store(enc_ptr, _encode(amax, FMAX))
 
     @triton.jit
-    def _record_kernel(hist_ptr, scale_ptr, amax_ptr, after_ptr, dec_ptr, old_ptr, HIST_LEN, AMAX_N,
-                       SMAX: tl.constexpr, MOST_RECENT: tl.constexpr, RECORD: tl.constexpr, HBLOCK: tl.constexpr,
-                       ABLOCK: tl.constexpr, ATRIPS: tl.constexpr):
+    def _record_kernel(
+        hist_ptr,
+        scale_ptr,
+        amax_ptr,
+        after_ptr,
+        dec_ptr,
+        old_ptr,
+        HIST_LEN,
+        AMAX_N,
+        SMAX: tl.constexpr,
+        MOST_RECENT: tl.constexpr,
+        RECORD: tl.constexpr,
+        HBLOCK: tl.constexpr,
+        ABLOCK: tl.constexpr,
+        ATRIPS: tl.constexpr,
+    ):
         """The decode scale of the cast with the scale at ``scale_ptr`` and that scale (``old_ptr``); with RECORD,
         delayed scaling's update (``quantize.delayed_update``): amax (the max of AMAX_N partial amaxes, NaN if
         any is NaN) shifted into the history unless 0, the scale recomputed. ``after_ptr``: unread (a

@@ -41,9 +41,17 @@ COLS = 512  # columns per program
 WARPS = 4
 
 
-def launch_group_amax(launcher, x: torch.Tensor, group: torch.Tensor, bits: torch.Tensor,
-                      row_bits: torch.Tensor | None, block: int, rows: int = ROWS, cols: int = COLS,
-                      warps: int = WARPS) -> None:
+def launch_group_amax(
+    launcher,
+    x: torch.Tensor,
+    group: torch.Tensor,
+    bits: torch.Tensor,
+    row_bits: torch.Tensor | None,
+    block: int,
+    rows: int = ROWS,
+    cols: int = COLS,
+    warps: int = WARPS,
+) -> None:
     """Fold the group column amaxes of ``x`` [M, N] into ``bits`` [G, N] (int32 bit patterns of FP32 amaxes, zeros
     to start): the rows of each ``block`` (M a multiple of it) belong to the group ``group`` gives its first row;
     and, given ``row_bits`` [:func:`column_blocks`, M], store each block of ``cols`` columns' row maxima in its
@@ -52,8 +60,19 @@ def launch_group_amax(launcher, x: torch.Tensor, group: torch.Tensor, bits: torc
     m, n = x.shape
     rows = max(rows // block, 1) * block
     grid = (triton.cdiv(m, rows), triton.cdiv(n, cols))
-    launcher(_group_amax_kernel)[grid](x, group, bits, bits if row_bits is None else row_bits, m, n,
-                                       ROW_AMAX=row_bits is not None, ROWS=rows, BM=block, BN=cols, num_warps=warps)
+    launcher(_group_amax_kernel)[grid](
+        x,
+        group,
+        bits,
+        bits if row_bits is None else row_bits,
+        m,
+        n,
+        ROW_AMAX=row_bits is not None,
+        ROWS=rows,
+        BM=block,
+        BN=cols,
+        num_warps=warps,
+    )
 
 
 def column_blocks(n: int, cols: int = COLS) -> int:
@@ -62,18 +81,21 @@ def column_blocks(n: int, cols: int = COLS) -> int:
 
 
 @kernel_op("lpbench::fp8_group_amax", ())
-def _group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int,
-                row_amax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_amax(
+    x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int, row_amax: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     bits = torch.zeros((n_groups, x.shape[1]), dtype=torch.int32, device=x.device)
-    row_bits = (torch.empty((column_blocks(x.shape[1]), x.shape[0]), dtype=torch.int32, device=x.device)
-                if row_amax else None)
+    row_bits = (
+        torch.empty((column_blocks(x.shape[1]), x.shape[0]), dtype=torch.int32, device=x.device) if row_amax else None
+    )
     launch_group_amax(wrap_triton, x, group, bits, row_bits, block)
     rows = row_bits.amax(0) if row_amax else bits.new_zeros(0)
     return bits.view(torch.float32), rows.view(torch.float32)
 
 
-def group_amax(x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int,
-               row_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def group_amax(
+    x: torch.Tensor, group: torch.Tensor, n_groups: int, block: int, row_amax: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """([n_groups, N] FP32: the amax of |x| over each group's rows per column, [M] FP32: each row's amax, or empty
     unless ``row_amax``) in one read of ``x`` [M, N], a 2-D CUDA 16-bit or FP32 tensor
     (:func:`lpbench.precision.capability.fp8_cast_kernel`); ``group`` [M]: the group of each row, constant over
@@ -85,22 +107,49 @@ CAST_TILE = 64  # rows and columns per program of the cast
 CAST_WARPS = 4
 
 
-def launch_group_cast(launcher, x: torch.Tensor, row_enc: torch.Tensor | None, group: torch.Tensor,
-                      group_enc: torch.Tensor, q: torch.Tensor, qt: torch.Tensor, fp8_max: float,
-                      tile: int = CAST_TILE, warps: int = CAST_WARPS) -> None:
+def launch_group_cast(
+    launcher,
+    x: torch.Tensor,
+    row_enc: torch.Tensor | None,
+    group: torch.Tensor,
+    group_enc: torch.Tensor,
+    q: torch.Tensor,
+    qt: torch.Tensor,
+    fp8_max: float,
+    tile: int = CAST_TILE,
+    warps: int = CAST_WARPS,
+) -> None:
     """Cast ``x`` [M, N] into ``qt`` [N, M]: the transposed codes of x x ``group_enc[group[i], j]`` (each row's
     group's column scales), and, given ``row_enc`` [M], into ``q`` [M, N] the codes of x x ``row_enc[i]``; both
     saturating, round to nearest even, in one read."""
     m, n = x.shape
     grid = (triton.cdiv(m, tile), triton.cdiv(n, tile))
-    launcher(_group_cast_kernel)[grid](x, group_enc if row_enc is None else row_enc, group, group_enc, q, qt, m, n,
-                                       FMAX=fp8_max, WRITE_ROWS=row_enc is not None, BM=tile, BN=tile,
-                                       num_warps=warps)
+    launcher(_group_cast_kernel)[grid](
+        x,
+        group_enc if row_enc is None else row_enc,
+        group,
+        group_enc,
+        q,
+        qt,
+        m,
+        n,
+        FMAX=fp8_max,
+        WRITE_ROWS=row_enc is not None,
+        BM=tile,
+        BN=tile,
+        num_warps=warps,
+    )
 
 
 @kernel_op("lpbench::fp8_group_cast", ())
-def _group_cast(x: torch.Tensor, row_enc: torch.Tensor | None, group: torch.Tensor, group_enc: torch.Tensor,
-                fp8_max: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_cast(
+    x: torch.Tensor,
+    row_enc: torch.Tensor | None,
+    group: torch.Tensor,
+    group_enc: torch.Tensor,
+    fp8_max: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     m, n = x.shape
     q = torch.empty((m, n) if row_enc is not None else (0,), dtype=dtype, device=x.device)
     qt = torch.empty((n, m), dtype=dtype, device=x.device)
@@ -108,21 +157,38 @@ def _group_cast(x: torch.Tensor, row_enc: torch.Tensor | None, group: torch.Tens
     return q, qt
 
 
-def group_cast(x: torch.Tensor, row_enc: torch.Tensor | None, group: torch.Tensor, group_enc: torch.Tensor,
-               fmt) -> tuple[torch.Tensor, torch.Tensor]:
+def group_cast(
+    x: torch.Tensor, row_enc: torch.Tensor | None, group: torch.Tensor, group_enc: torch.Tensor, fmt
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(row-wise codes [M, N] of ``x`` x ``row_enc`` [M] (empty without it), transposed group-wise codes [N, M] of
     ``x`` x ``group_enc[group]``) in ``fmt`` (a FloatFormat with a torch dtype), from one read of ``x`` [M, N]: the
     data- and weight-gradient operands that ``encode`` gives, the second stored as the grouped GEMM takes it."""
-    return _group_cast(x.contiguous(), None if row_enc is None else row_enc.reshape(-1).contiguous(),
-                       group.contiguous(), group_enc.contiguous(), fmt.max, fmt.dtype)
+    return _group_cast(
+        x.contiguous(),
+        None if row_enc is None else row_enc.reshape(-1).contiguous(),
+        group.contiguous(),
+        group_enc.contiguous(),
+        fmt.max,
+        fmt.dtype,
+    )
 
 
 if triton is not None:
     from lpbench.precision.kernels.fp8_cast import _bits_of_abs, _saturate
 
     @triton.jit
-    def _group_amax_kernel(x_ptr, group_ptr, bits_ptr, row_bits_ptr, M, N, ROW_AMAX: tl.constexpr,
-                           ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    def _group_amax_kernel(
+        x_ptr,
+        group_ptr,
+        bits_ptr,
+        row_bits_ptr,
+        M,
+        N,
+        ROW_AMAX: tl.constexpr,
+        ROWS: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+    ):
         r0 = tl.program_id(0).to(tl.int64) * ROWS
         rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
         cols = rn < N
@@ -130,8 +196,9 @@ if triton is not None:
         acc = tl.zeros((BN,), dtype=tl.int32)
         for i in range(0, ROWS, BM):
             rm = r0 + i + tl.arange(0, BM)
-            tile = _bits_of_abs(tl.load(x_ptr + rm[:, None] * N + rn[None, :],
-                                        mask=(rm < M)[:, None] & cols[None, :], other=0.0))
+            tile = _bits_of_abs(
+                tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=(rm < M)[:, None] & cols[None, :], other=0.0)
+            )
             if ROW_AMAX:  # this column block's row maxima, reduced by the caller (one address per row, no atomics)
                 tl.store(row_bits_ptr + tl.program_id(1) * M + rm, tl.max(tile, axis=1), mask=rm < M)
             g = tl.load(group_ptr + r0 + i, mask=r0 + i < M, other=cur)
@@ -143,8 +210,20 @@ if triton is not None:
         tl.atomic_max(bits_ptr + cur * N + rn, acc, mask=cols)
 
     @triton.jit
-    def _group_cast_kernel(x_ptr, row_enc_ptr, group_ptr, group_enc_ptr, q_ptr, qt_ptr, M, N, FMAX: tl.constexpr,
-                           WRITE_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    def _group_cast_kernel(
+        x_ptr,
+        row_enc_ptr,
+        group_ptr,
+        group_enc_ptr,
+        q_ptr,
+        qt_ptr,
+        M,
+        N,
+        FMAX: tl.constexpr,
+        WRITE_ROWS: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+    ):
         rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
         rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
         rows = rm < M

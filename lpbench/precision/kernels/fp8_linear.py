@@ -105,8 +105,11 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None, amax=Non
 def _record(mod, role: str, amax: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Delayed scaling: the decode scale of codes ``q`` cast with the scale buffer as it stands; ``amax`` recorded,
     the scale updated (once per pass: ``DelayedScaling.once``)."""
-    return mod.once(lambda: fp8_cast.record_amax(mod.amax_history(role), mod.scale_buffer(role), amax, q,
-                                                 mod.scaled_max(role), mod.recipe.amax_compute_algo))
+    return mod.once(
+        lambda: fp8_cast.record_amax(
+            mod.amax_history(role), mod.scale_buffer(role), amax, q, mod.scaled_max(role), mod.recipe.amax_compute_algo
+        )
+    )
 
 
 def cache_weight(mod) -> None:

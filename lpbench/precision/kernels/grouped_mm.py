@@ -60,15 +60,41 @@ def launch(launcher, a, b, sa, sb, offs, out, fast: bool, accumulate: bool = Fal
     # one program per SM (a few under Triton's interpreter, on the CPU)
     programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
     launcher(_grouped_kernel)[(programs,)](
-        a, b, sa if scaled else offs, sb if scaled else offs, offs, out, offs.shape[0], m, n, k,
-        a.stride(0), a.stride(1), s_bg, b.stride(-2), b.stride(-1), out.stride(0) if wgrad else 0, out.stride(-2),
-        WGRAD=wgrad, SCALED=scaled, FAST=fast or not scaled, ACCUMULATE=accumulate, PROMOTE=PROMOTE,
-        BM=bm, BN=bn, BK=bk, PROGRAMS=programs, num_warps=warps, num_stages=stages)
+        a,
+        b,
+        sa if scaled else offs,
+        sb if scaled else offs,
+        offs,
+        out,
+        offs.shape[0],
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        s_bg,
+        b.stride(-2),
+        b.stride(-1),
+        out.stride(0) if wgrad else 0,
+        out.stride(-2),
+        WGRAD=wgrad,
+        SCALED=scaled,
+        FAST=fast or not scaled,
+        ACCUMULATE=accumulate,
+        PROMOTE=PROMOTE,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        PROGRAMS=programs,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 @kernel_op("lpbench::fp8_grouped_mm", ())
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
-                offs: torch.Tensor) -> torch.Tensor:
+def _grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
     shape = (offs.shape[0], a.shape[0], b.shape[0]) if b.dim() == 2 else (a.shape[0], b.shape[1])
     out = torch.empty(shape, dtype=torch.bfloat16, device=a.device)
     launch(wrap_triton, a, b, sa, sb, offs, out, False)
@@ -76,8 +102,15 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Te
 
 
 @kernel_op("lpbench::grouped_wgrad_into", ("out",))
-def _wgrad_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor | None,
-                sb: torch.Tensor | None, offs: torch.Tensor, fast: bool) -> None:
+def _wgrad_into(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sa: torch.Tensor | None,
+    sb: torch.Tensor | None,
+    offs: torch.Tensor,
+    fast: bool,
+) -> None:
     launch(wrap_triton, a, b, sa, sb, offs, out, fast, accumulate=True)
 
 
@@ -105,14 +138,22 @@ def _hopper(t: torch.Tensor) -> bool:
     return triton is not None and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
-               offs: torch.Tensor) -> torch.Tensor:
+def grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
     """Every expert's ``a_e · b_eᵀ`` x ``sa`` x ``sb`` in BF16, precisely accumulated (the module doc's layouts)."""
     return _grouped_mm(a, b, sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(), offs)
 
 
-def wgrad_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
-               sa: torch.Tensor | None = None, sb: torch.Tensor | None = None, fast: bool = False) -> None:
+def wgrad_into(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    sa: torch.Tensor | None = None,
+    sb: torch.Tensor | None = None,
+    fast: bool = False,
+) -> None:
     """``out[e] += a_e · b_eᵀ`` (x ``sa`` x ``sb`` for FP8 codes; BF16 operands without) for every expert's slice of
     the rows, in FP32 and without rounding the product (the weight gradient into the FP32 gradient buffer)."""
     if sa is not None:
@@ -121,6 +162,7 @@ def wgrad_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offs: torch.
 
 
 if triton is not None:
+
     @triton.jit
     def _dot(a, b, acc, FAST: tl.constexpr, PROMOTE: tl.constexpr):
         """``acc + a · b``: the tensor cores' own accumulation (``FAST``), or promoted to FP32 every ``PROMOTE``."""
@@ -129,10 +171,34 @@ if triton is not None:
         return tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
 
     @triton.jit
-    def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, G: tl.constexpr, M, N, K,
-                        s_am, s_ak, s_bg, s_bn, s_bk, s_og, s_om, WGRAD: tl.constexpr, SCALED: tl.constexpr,
-                        FAST: tl.constexpr, ACCUMULATE: tl.constexpr, PROMOTE: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PROGRAMS: tl.constexpr):
+    def _grouped_kernel(
+        a_ptr,
+        b_ptr,
+        sa_ptr,
+        sb_ptr,
+        offs_ptr,
+        out_ptr,
+        G: tl.constexpr,
+        M,
+        N,
+        K,
+        s_am,
+        s_ak,
+        s_bg,
+        s_bn,
+        s_bk,
+        s_og,
+        s_om,
+        WGRAD: tl.constexpr,
+        SCALED: tl.constexpr,
+        FAST: tl.constexpr,
+        ACCUMULATE: tl.constexpr,
+        PROMOTE: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        PROGRAMS: tl.constexpr,
+    ):
         tile = tl.program_id(0)
         before = 0  # output tiles of the experts before g
         start = 0  # g's first row (forward) or reduction index (weight gradient)

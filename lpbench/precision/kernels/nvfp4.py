@@ -47,9 +47,17 @@ class Copy(NamedTuple):
     scale: torch.Tensor | None = None  # E4M3 block scales, one per 16 elements (``with_codes``)
 
 
-def quantize(x: torch.Tensor, *, row: bool, col: bool, rht: bool, stochastic: bool,
-             signs: tuple[int, ...] = TE_RHT_SIGNS, seed: torch.Tensor | None = None,
-             with_codes: bool = False) -> tuple[Copy | None, Copy | None]:
+def quantize(
+    x: torch.Tensor,
+    *,
+    row: bool,
+    col: bool,
+    rht: bool,
+    stochastic: bool,
+    signs: tuple[int, ...] = TE_RHT_SIGNS,
+    seed: torch.Tensor | None = None,
+    with_codes: bool = False,
+) -> tuple[Copy | None, Copy | None]:
     """NVFP4 copies of ``x`` [M, N]: row-major ([M, N], 1x16 blocks along N, the last one partial
     if 16 does not divide N) if ``row``, and transposed ([N, M'], M' = M rounded up to 16; 1x16
     blocks along M; first Hadamard-transformed in chunks of 16 along M with ``signs`` if ``rht``)
@@ -73,27 +81,41 @@ def quantize(x: torch.Tensor, *, row: bool, col: bool, rht: bool, stochastic: bo
     copies = []
     for i, wanted in enumerate((row, col)):
         values, codes, scale = out[i], out[2 + i], out[4 + i]
-        copies.append(Copy(values, g[i], codes if with_codes else None, scale if with_codes else None)
-                      if wanted else None)
+        copies.append(
+            Copy(values, g[i], codes if with_codes else None, scale if with_codes else None) if wanted else None
+        )
     return copies[0], copies[1]
 
 
-
 @kernel_op("lpbench::nvfp4_amax", mutates_args=())
-def _amax(x: torch.Tensor, h: torch.Tensor, row: bool, col: bool, rht: bool, bm: int, bn: int,
-          warps: int) -> torch.Tensor:
+def _amax(
+    x: torch.Tensor, h: torch.Tensor, row: bool, col: bool, rht: bool, bm: int, bn: int, warps: int
+) -> torch.Tensor:
     """[amax of |x|, amax of |the wgrad copy|] (FP32; 0 for a copy not asked for)."""
     bits = torch.zeros(2, dtype=torch.int32, device=x.device)
     m, n = x.shape
     wrap_triton(_amax_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, h, bits, m, n, ROW=row, COL=col, RHT=rht, BM=bm, BN=bn, num_warps=warps)
+        x, h, bits, m, n, ROW=row, COL=col, RHT=rht, BM=bm, BN=bn, num_warps=warps
+    )
     return bits.view(torch.float32)
 
 
 @kernel_op("lpbench::nvfp4_quantize", mutates_args=())
-def _quantize(x: torch.Tensor, h: torch.Tensor, scales: torch.Tensor, seed: torch.Tensor, mp: int, row: bool,
-              col: bool, rht: bool, sr: bool, with_codes: bool, bm: int, bn: int,
-              warps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    scales: torch.Tensor,
+    seed: torch.Tensor,
+    mp: int,
+    row: bool,
+    col: bool,
+    rht: bool,
+    sr: bool,
+    with_codes: bool,
+    bm: int,
+    bn: int,
+    warps: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row values, column values, row codes, column codes, row scales, column scales); empty where not asked."""
     m, n = x.shape
 
@@ -105,8 +127,28 @@ def _quantize(x: torch.Tensor, h: torch.Tensor, scales: torch.Tensor, seed: torc
     rs = empty(row and with_codes, (m, triton.cdiv(n, BLOCK)), torch.float8_e4m3fn)
     cs = empty(col and with_codes, (n, mp // BLOCK), torch.float8_e4m3fn)
     wrap_triton(_quantize_kernel)[(triton.cdiv(mp, bm), triton.cdiv(n, bn))](
-        x, h, scales, seed, rv, cv, rc, cc, rs, cs, m, mp, n, ROW=row, COL=col, RHT=rht, SR=sr, CODES=with_codes,
-        BM=bm, BN=bn, num_warps=warps)
+        x,
+        h,
+        scales,
+        seed,
+        rv,
+        cv,
+        rc,
+        cc,
+        rs,
+        cs,
+        m,
+        mp,
+        n,
+        ROW=row,
+        COL=col,
+        RHT=rht,
+        SR=sr,
+        CODES=with_codes,
+        BM=bm,
+        BN=bn,
+        num_warps=warps,
+    )
     return rv, cv, rc, cc, rs, cs
 
 
@@ -141,8 +183,18 @@ if triton is not None:
         return xt.to(tl.float32)
 
     @triton.jit
-    def _amax_kernel(x_ptr, h_ptr, amax_ptr, M, N, ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr):
+    def _amax_kernel(
+        x_ptr,
+        h_ptr,
+        amax_ptr,
+        M,
+        N,
+        ROW: tl.constexpr,
+        COL: tl.constexpr,
+        RHT: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+    ):
         x, rm, rn = _tile(x_ptr, M, N, BM, BN)
         if ROW:
             tl.atomic_max(amax_ptr, tl.max(tl.max(_bits_of_abs(x), axis=1), axis=0))
@@ -196,8 +248,9 @@ if triton is not None:
         return (r[:, None].to(tl.int64) * tl.cdiv(COLS, 16) + (c0 // 16 + tl.arange(0, C // 16))[None, :]).to(tl.int32)
 
     @triton.jit
-    def _store_copy(v_ptr, c_ptr, s_ptr, val, code, scale, blocks, r, c, ROWS, COLS, CODES: tl.constexpr,
-                    C: tl.constexpr):
+    def _store_copy(
+        v_ptr, c_ptr, s_ptr, val, code, scale, blocks, r, c, ROWS, COLS, CODES: tl.constexpr, C: tl.constexpr
+    ):
         """Store a quantized tile at rows r and columns c of a [ROWS, COLS] copy, and its codes and block scales."""
         mask = (r[:, None] < ROWS) & (c[None, :] < COLS)
         offs = r[:, None].to(tl.int64) * COLS + c[None, :]
@@ -208,30 +261,91 @@ if triton is not None:
             tl.store(s_ptr + blocks, scale, mask=(r[:, None] < ROWS) & (first[None, :] < COLS))
 
     @triton.jit
-    def _quantize_kernel(x_ptr, h_ptr, scales_ptr, seed_ptr, rv_ptr, cv_ptr, rc_ptr, cc_ptr, rs_ptr, cs_ptr,
-                         M, MP, N, ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, SR: tl.constexpr,
-                         CODES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    def _quantize_kernel(
+        x_ptr,
+        h_ptr,
+        scales_ptr,
+        seed_ptr,
+        rv_ptr,
+        cv_ptr,
+        rc_ptr,
+        cc_ptr,
+        rs_ptr,
+        cs_ptr,
+        M,
+        MP,
+        N,
+        ROW: tl.constexpr,
+        COL: tl.constexpr,
+        RHT: tl.constexpr,
+        SR: tl.constexpr,
+        CODES: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+    ):
         x, rm, rn = _tile(x_ptr, M, N, BM, BN)
         seed = tl.load(seed_ptr)
         if ROW:
             blocks = _blocks(rm, tl.program_id(1) * BN, N, BM, BN)
-            val, code, scale = _fake_quantize(tl.reshape(x.to(tl.float32), (BM, BN // 16, 16)), tl.load(scales_ptr),
-                                              tl.load(scales_ptr + 2), seed, blocks, BM, BN // 16, SR)
-            _store_copy(rv_ptr, rc_ptr, rs_ptr, tl.reshape(val, (BM, BN)), tl.reshape(code, (BM, BN)), scale, blocks,
-                        rm, rn, M, N, CODES, BN)
+            val, code, scale = _fake_quantize(
+                tl.reshape(x.to(tl.float32), (BM, BN // 16, 16)),
+                tl.load(scales_ptr),
+                tl.load(scales_ptr + 2),
+                seed,
+                blocks,
+                BM,
+                BN // 16,
+                SR,
+            )
+            _store_copy(
+                rv_ptr,
+                rc_ptr,
+                rs_ptr,
+                tl.reshape(val, (BM, BN)),
+                tl.reshape(code, (BM, BN)),
+                scale,
+                blocks,
+                rm,
+                rn,
+                M,
+                N,
+                CODES,
+                BN,
+            )
         if COL:
             blocks = _blocks(rn, tl.program_id(0) * BM, MP, BN, BM)
-            val, code, scale = _fake_quantize(tl.reshape(_columns(x, h_ptr, RHT, BM, BN), (BN, BM // 16, 16)),
-                                              tl.load(scales_ptr + 1), tl.load(scales_ptr + 3), seed + 1, blocks,
-                                              BN, BM // 16, SR)
-            _store_copy(cv_ptr, cc_ptr, cs_ptr, tl.reshape(val, (BN, BM)), tl.reshape(code, (BN, BM)), scale, blocks,
-                        rn, rm, N, MP, CODES, BM)
+            val, code, scale = _fake_quantize(
+                tl.reshape(_columns(x, h_ptr, RHT, BM, BN), (BN, BM // 16, 16)),
+                tl.load(scales_ptr + 1),
+                tl.load(scales_ptr + 3),
+                seed + 1,
+                blocks,
+                BN,
+                BM // 16,
+                SR,
+            )
+            _store_copy(
+                cv_ptr,
+                cc_ptr,
+                cs_ptr,
+                tl.reshape(val, (BN, BM)),
+                tl.reshape(code, (BN, BM)),
+                scale,
+                blocks,
+                rn,
+                rm,
+                N,
+                MP,
+                CODES,
+                BM,
+            )
 
     @triton.jit
     def _uniform_kernel(seed_ptr, out_ptr, ROWS, COLS, BM: tl.constexpr, BN: tl.constexpr):
         r = tl.program_id(0) * BM + tl.arange(0, BM)
         c = tl.program_id(1) * BN + tl.arange(0, BN)
-        u = tl.reshape(_draws(tl.load(seed_ptr), _blocks(r, tl.program_id(1) * BN, COLS, BM, BN), BM, BN // 16),
-                       (BM, BN))
+        u = tl.reshape(
+            _draws(tl.load(seed_ptr), _blocks(r, tl.program_id(1) * BN, COLS, BM, BN), BM, BN // 16), (BM, BN)
+        )
         mask = (r[:, None] < ROWS) & (c[None, :] < COLS)
         tl.store(out_ptr + r[:, None].to(tl.int64) * COLS + c[None, :], u, mask=mask)

@@ -59,9 +59,15 @@ def reference_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tenso
 
 
 def _kernel(gate_up: torch.Tensor, grad: torch.Tensor) -> bool:
-    return (triton is not None and gate_up.is_cuda and gate_up.numel() > 0
-            and not isinstance(gate_up, DTensor) and not isinstance(grad, DTensor)
-            and gate_up.dtype in (torch.bfloat16, torch.float16, torch.float32) and grad.dtype == gate_up.dtype)
+    return (
+        triton is not None
+        and gate_up.is_cuda
+        and gate_up.numel() > 0
+        and not isinstance(gate_up, DTensor)
+        and not isinstance(grad, DTensor)
+        and gate_up.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and grad.dtype == gate_up.dtype
+    )
 
 
 def _forward(gate_up: torch.Tensor) -> torch.Tensor:
@@ -73,8 +79,10 @@ def _backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     if not _kernel(gate_up, grad):
         return reference_backward(gate_up, grad)
     width = gate_up.shape[-1]
-    return backward_kernel(gate_up.contiguous().view(-1, width), grad.contiguous().view(-1, width // 2),
-                           ).view(gate_up.shape)
+    return backward_kernel(
+        gate_up.contiguous().view(-1, width),
+        grad.contiguous().view(-1, width // 2),
+    ).view(gate_up.shape)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -113,8 +121,9 @@ class Epilogue:
         """(codes, transposed codes or empty, partial amaxes: FP32, one per program, whose max is the gradient's
         amax) of the gradient of y × ``encode_scale``, cast as ``fp8_linear`` casts (saturating,
         round-to-nearest-even to ``fmt``, a FloatFormat), from one kernel that never stores the 16-bit gradient."""
-        return _backward_cast(y.contiguous(), grad.contiguous(), encode_scale.float().reshape(()), fmt.max,
-                              fmt.dtype, write_t)
+        return _backward_cast(
+            y.contiguous(), grad.contiguous(), encode_scale.float().reshape(()), fmt.max, fmt.dtype, write_t
+        )
 
 
 @kernel_op("lpbench::swiglu_backward", ())
@@ -132,8 +141,14 @@ def _backward_amax(gate_up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Ten
 
 
 @kernel_op("lpbench::swiglu_backward_cast", ())
-def _backward_cast(gate_up: torch.Tensor, grad: torch.Tensor, encode_scale: torch.Tensor, fp8_max: float,
-                   dtype: torch.dtype, write_t: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_cast(
+    gate_up: torch.Tensor,
+    grad: torch.Tensor,
+    encode_scale: torch.Tensor,
+    fp8_max: float,
+    dtype: torch.dtype,
+    write_t: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, width = gate_up.shape
     q = torch.empty((tokens, width), dtype=dtype, device=gate_up.device)
     qt = torch.empty((width, tokens) if write_t else (0,), dtype=dtype, device=gate_up.device)
@@ -141,8 +156,9 @@ def _backward_cast(gate_up: torch.Tensor, grad: torch.Tensor, encode_scale: torc
     return q, qt, partial.view(torch.float32)
 
 
-def launch_backward(launcher, gate_up: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, launch=None,
-                    amax: bool = False, cast=None) -> torch.Tensor | None:
+def launch_backward(
+    launcher, gate_up: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, launch=None, amax: bool = False, cast=None
+) -> torch.Tensor | None:
     """Write the gradient of ``gate_up`` into ``out`` (``launch``: tokens, columns, warps; default :data:`LAUNCH`).
     ``cast``: (encode scale, FP8 max, transposed codes [2 x ffn, tokens] or empty): ``out`` then gets the
     saturated codes of the gradient × scale, in its dtype, and the transposed buffer the same codes transposed.
@@ -154,9 +170,23 @@ def launch_backward(launcher, gate_up: torch.Tensor, grad: torch.Tensor, out: to
     grid = (triton.cdiv(tokens, bt), triton.cdiv(ffn, bn))
     bits = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=out.device) if amax else out
     enc, fp8_max, qt = cast or (out, 0.0, out)  # (``out`` stands in for pointers the kernel does not touch)
-    launcher(_backward_kernel)[grid](gate_up, grad, out, qt, enc, bits, tokens, ffn, FMAX=fp8_max,
-                                     CAST=cast is not None, WRITE_T=cast is not None and qt.numel() > 0, AMAX=amax,
-                                     BT=bt, BN=bn, num_warps=warps)
+    launcher(_backward_kernel)[grid](
+        gate_up,
+        grad,
+        out,
+        qt,
+        enc,
+        bits,
+        tokens,
+        ffn,
+        FMAX=fp8_max,
+        CAST=cast is not None,
+        WRITE_T=cast is not None and qt.numel() > 0,
+        AMAX=amax,
+        BT=bt,
+        BN=bn,
+        num_warps=warps,
+    )
     return bits if amax else None
 
 
@@ -166,19 +196,34 @@ if triton is not None:
     from lpbench.precision.kernels.fp8_cast import _bits_of_abs, _saturate  # not renamed: inductor re-emits them
 
     if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter has no libdevice: numpy's exp
+
         @triton.jit
         def _exp(x):
             return tl.exp(x)
     else:
+
         @triton.jit
         def _exp(x):
             """CUDA's ``expf``, which ATen's kernels call."""
             return libdevice.exp(x)
 
     @triton.jit
-    def _backward_kernel(x_ptr, dy_ptr, dx_ptr, qt_ptr, enc_ptr, amax_ptr, T, N, FMAX: tl.constexpr,
-                         CAST: tl.constexpr, WRITE_T: tl.constexpr, AMAX: tl.constexpr, BT: tl.constexpr,
-                         BN: tl.constexpr):
+    def _backward_kernel(
+        x_ptr,
+        dy_ptr,
+        dx_ptr,
+        qt_ptr,
+        enc_ptr,
+        amax_ptr,
+        T,
+        N,
+        FMAX: tl.constexpr,
+        CAST: tl.constexpr,
+        WRITE_T: tl.constexpr,
+        AMAX: tl.constexpr,
+        BT: tl.constexpr,
+        BN: tl.constexpr,
+    ):
         rt = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)[:, None]
         rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)[None, :]
         mask = (rt < T) & (rn < N)
@@ -194,8 +239,10 @@ if triton is not None:
         sig = tl.div_rn(tl.full(g.shape, 1.0, tl.float32), one_plus_e)
         d_gate = (d_silu * sig * tl.fma(g, 1.0 - sig, 1.0)).to(dtype)
         if AMAX:  # this program's max (masked elements are 0: loads of 0 give 0 gradients)
-            tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                     tl.max(tl.maximum(_bits_of_abs(d_gate), _bits_of_abs(d_up))))
+            tl.store(
+                amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+                tl.max(tl.maximum(_bits_of_abs(d_gate), _bits_of_abs(d_up))),
+            )
         if CAST:
             enc = tl.load(enc_ptr)
             out_gate = _saturate(d_gate.to(tl.float32) * enc, FMAX).to(dx_ptr.dtype.element_ty)
