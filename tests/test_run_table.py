@@ -177,3 +177,34 @@ def test_short_step_line_fits_100_columns():
     assert "step 12345/100000" in line and "loss 10.1234" in line and "1,234,568 tok/s/GPU" in line
     full = format_log_lines(rec, 100000, 4096)  # the parsers' formats, unchanged off a terminal
     assert full[1].startswith("iteration 12345/100000 | global_batch_size: 4096") and len(full) == 2
+
+
+def test_the_sweep_table_fits_the_console_it_is_printed_on(tmp_path, monkeypatch):
+    """A sweep run in-process (as the benchmark scripts run it) prints its table fitted to the console it is
+    given, not to the width of another console: every precision whole at 80 columns."""
+    from lpbench.bench import sweep as sw
+    from lpbench.bench.store import ResultsStore
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text(
+        json.dumps(
+            {
+                "name": "s",
+                "model": "tiny",
+                "device": "cpu",
+                "steps": 2,
+                "warmup_steps": 1,
+                "seq_len": 32,
+                "mbs": 2,
+                "gbs": 2,
+                "precision": ["bf16", "fp8-tensorwise"],
+            }
+        )
+    )
+    monkeypatch.setattr(ResultsStore, "finished_keys", lambda self, sweep_id: set())
+    console = Console(file=io.StringIO(), width=80)
+    assert sw.run_sweep(str(spec), results=str(tmp_path / "r"), console=console) == 0
+    out = console.file.getvalue()
+    table = out[out.index("┏") : out.index("┘")]
+    assert "…" not in table and "fp8-tensorwise" in table
+    assert max(len(line) for line in table.splitlines()) <= 80

@@ -256,7 +256,6 @@ def run_sweep(
     name: str | None = None,
     console=None,
 ) -> int:
-    from rich.console import Console
     from rich.markup import escape
     from rich.progress import (
         BarColumn,
@@ -273,7 +272,9 @@ def run_sweep(
     from lpbench.bench.store import ResultsStore
     from lpbench.report.tables import summary_rows, to_rich
 
-    console = console or Console()
+    from lpbench.console import console as shared
+
+    console = console or shared  # the table is fitted to the console it is printed on
     spec = load_spec(spec_path)
     if name:
         spec["name"] = name
@@ -371,7 +372,7 @@ def run_sweep(
 
     keys = {r.key for r in sweep.runs}
     rows = [r for r in store.runs("sweep_id = ?", (sweep_id,)) if r["run_key"] in keys]
-    console.print(to_rich(summary_rows(rows), title=f"lpbench sweep {sweep_id} -> {store.path}"))
+    console.print(to_rich(summary_rows(rows), title=f"lpbench sweep {sweep_id} -> {store.path}", width=console.width))
     console.print(escape(f"logs: {log_dir}   report: lpbench report --results {results_dir} --group {sweep_id}"))
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
