@@ -22,12 +22,17 @@ from lpbench.train.loop import RunResult
 
 
 def validated(cfg):
-    """``cfg`` validated (``RunConfig.validate``), its layout (:class:`ParallelDims`) possible, and with
-    ``--load``, resumable from its checkpoint."""
+    """``cfg`` validated (``RunConfig.validate``), its layout (:class:`ParallelDims`) possible, runnable here
+    (``--backend torchao`` needs torchao installed), and with ``--load``, resumable from its checkpoint."""
     from lpbench.parallel.dims import ParallelDims
 
     cfg.validate()
     ParallelDims.of(cfg)
+    if cfg.backend == "torchao":
+        from lpbench.convert.torchao import missing
+
+        if why := missing():
+            raise UsageError(why)
     if cfg.load is not None:
         check_resume(cfg)
     return cfg

@@ -61,6 +61,13 @@ def run_problem(precision: str, tokens: int, tp: int) -> str | None:
                 f"--backend torchao {precision} needs MBS x seq len a multiple of {multiple} (its wgrad blocks "
                 f"run along the tokens), got {tokens}"
             )
+    return None
+
+
+def missing() -> str | None:
+    """Why ``--backend torchao`` cannot run in this environment (torchao not installed), or None. Apart from
+    :func:`run_problem`: a config is valid or not wherever it is checked (a sweep spec on a laptop for a
+    cluster); whether this machine can run it is checked by the runner before any work."""
     if importlib.util.find_spec("torchao") is None:
         return "--backend torchao needs torchao: pip install 'lpbench[torchao]'"
     return None
