@@ -76,10 +76,10 @@ COMPILED_SAVE = ("aten.amax.default", "aten.max.default")
 MM = ("aten.mm.default", "aten._scaled_mm.default")
 
 
-def _policy(saved: frozenset, counts: dict, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _policy(saved: frozenset, mm: frozenset, counts: dict, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Save ``saved`` ops' outputs, but only every other GEMM's (torchtitan's: the 1st, 3rd, ... of the call:
     a block's QKV and gate+up projections; its output and down projections are recomputed from them)."""
-    if op in _ops(*MM):
+    if op in mm:
         key = "rerun" if ctx.is_recompute else "first"
         counts[key] += 1
         if counts[key] % 2 == 0:
@@ -92,7 +92,7 @@ def _contexts(mode: str, compiled: bool):
     names = MUST_SAVE + ((SELECTIVE_SAVE + (COMPILED_SAVE if compiled else ())) if mode == "selective" else ())
     saved = _ops(*names)
     if compiled or mode == "selective":
-        op_level = create_selective_checkpoint_contexts(partial(_policy, saved, {"first": 0, "rerun": 0}))
+        op_level = create_selective_checkpoint_contexts(partial(_policy, saved, _ops(*MM), {"first": 0, "rerun": 0}))
     else:  # eager full: no per-op policy to apply
         op_level = contextlib.nullcontext(), contextlib.nullcontext()
     if compiled:  # traced once: the graph, not Python state, carries what the rerun needs

@@ -102,20 +102,13 @@ def _layout(r: dict) -> dict:
     return {k: ran.get(k, cfg.get(k)) for k in layout_keys() if k in cfg or k in ran}
 
 
+# What must match for two runs to be compared: the same work on the same machine (and the layout)
+SAME_WORK = ("results", "group_id", "workload", "model", "seq_len", "mbs", "gbs", "num_gpus", "gpu")
+
+
 def group_key(r: dict) -> tuple:
-    """What must match for two runs to be compared: the same work on the same machine."""
-    return (
-        r.get("results"),
-        r.get("group_id"),
-        r.get("workload"),
-        r.get("model"),
-        r.get("seq_len"),
-        r.get("mbs"),
-        r.get("gbs"),
-        r.get("num_gpus"),
-        r.get("gpu"),
-        json.dumps(_layout(r), sort_keys=True),
-    )
+    """A run's comparison group: :data:`SAME_WORK` and its layout."""
+    return (*(r.get(k) for k in SAME_WORK), json.dumps(_layout(r), sort_keys=True))
 
 
 def _baselines(runs: list[dict]) -> dict[tuple, dict]:
@@ -644,18 +637,8 @@ def _group_order(rows: list[dict]) -> list[list[dict]]:
 
 
 def _row_group(r: dict) -> tuple:
-    return (
-        r.get("results"),
-        r.get("group_id"),
-        r.get("workload"),
-        r.get("model"),
-        r.get("seq_len"),
-        r.get("mbs"),
-        r.get("gbs"),
-        r.get("num_gpus"),
-        r.get("gpu"),
-        tuple((k, r.get(k)) for k in layout_keys() if k in r),
-    )
+    """A summary row's comparison group (:func:`group_key` of a row, whose layout settings are its own keys)."""
+    return (*(r.get(k) for k in SAME_WORK), tuple((k, r.get(k)) for k in layout_keys() if k in r))
 
 
 def workload_tables(rows: list[dict]) -> list[TextTable]:
