@@ -1,4 +1,6 @@
 import importlib.util
+import json
+import socket
 from pathlib import Path
 
 import lpbench  # noqa: F401  (first: sets OpenMP's wait policy before torch loads OpenMP)
@@ -46,3 +48,20 @@ def benchmark_script():
         return module
 
     return load
+
+
+@pytest.fixture(scope="session")
+def spawn_ranks():
+    """Runs ``worker(rank, *args, port, out)`` in ``nprocs`` processes that meet on a free local port (gloo),
+    each writing ``out/rank{rank}.json``; returns those documents in rank order:
+    ``spawn_ranks(worker, nprocs, out, *args)``."""
+    import torch.multiprocessing as mp
+
+    def spawn(worker, nprocs: int, out: Path, *args) -> list:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(worker, args=(*args, port, str(out)), nprocs=nprocs, join=True)
+        return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+    return spawn

@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader
 
 import lpbench.train.loop as loop
@@ -467,13 +465,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out)), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+def two_ranks(tmp_path_factory, spawn_ranks) -> list[dict]:
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

@@ -9,11 +9,9 @@ equal losses also show that meta init gives the single-process weights.
 
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import lpbench.train.loop as loop
 from lpbench.config import RunConfig
@@ -140,23 +138,14 @@ def _tp_refuses_linears_that_are_not_tp_aware() -> str:
     return "accepted"
 
 
-def _spawn(world: int, tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp(f"world{world}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, port, str(out)), nprocs=world, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, spawn_ranks):
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("world2"), 2)
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return _spawn(2, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return _spawn(4, tmp_path_factory)
+def world4(tmp_path_factory, spawn_ranks):
+    return spawn_ranks(_worker, 4, tmp_path_factory.mktemp("world4"), 4)
 
 
 @pytest.fixture(scope="module")

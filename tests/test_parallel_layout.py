@@ -9,14 +9,12 @@ block amax over other rows than one process's), so their losses agree to the qua
 
 import json
 import os
-import socket
 import sqlite3
 import subprocess
 import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import lpbench.train.loop as loop
 from lpbench.cli import main
@@ -114,23 +112,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     shutdown()
 
 
-def _spawn(world: int, tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp(f"layout{world}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, port, str(out)), nprocs=world, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, spawn_ranks):
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("layout2"), 2)
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return _spawn(2, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return _spawn(4, tmp_path_factory)
+def world4(tmp_path_factory, spawn_ranks):
+    return spawn_ranks(_worker, 4, tmp_path_factory.mktemp("layout4"), 4)
 
 
 @pytest.fixture(scope="module")

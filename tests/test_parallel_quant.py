@@ -11,11 +11,9 @@ sums flip a few codes downstream and, with tensor-wide scales, move whole tensor
 import dataclasses
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import lpbench.train.loop as loop
 from lpbench.convert.quantize import quantize_experts
@@ -256,13 +254,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("quant-world2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, str(out)), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+def world2(tmp_path_factory, spawn_ranks):
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("quant-world2"), 2)
 
 
 @pytest.fixture(scope="module")

@@ -191,19 +191,10 @@ def _worker(rank: int, port: int, out: str) -> None:
     shutdown()
 
 
-def test_recomputation_under_fsdp_ddp_and_tp_trains_bit_for_bit_like_none(tmp_path):
+def test_recomputation_under_fsdp_ddp_and_tp_trains_bit_for_bit_like_none(tmp_path, spawn_ranks):
     """Two ranks (gloo), fp8-delayed: FSDP, DDP with gradient accumulation (the weight cache) and TP: every loss and
     gradient norm of full and selective recomputation equals that of none exactly."""
-    import json
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
-    runs = json.loads((tmp_path / "rank0.json").read_text())
+    runs = spawn_ranks(_worker, 2, tmp_path)[0]
     for name in LAYOUTS:
         assert runs[f"{name}-none"][-1] == "ok"
         assert runs[f"{name}-full"] == runs[f"{name}-none"], name
