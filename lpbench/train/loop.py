@@ -23,12 +23,14 @@ from lpbench.metrics.profile import StepProfiler
 from lpbench.metrics.tensorboard import StepWriter
 from lpbench.models import build_model, count_parameters
 from lpbench.models.decoder import configure_loss
+from lpbench.models.registry import ModelConfig
+from lpbench.convert import Converters
 from lpbench.models.hf import load_hf_checkpoint
 from lpbench.models.moe import configure_moe, take_moe_stats
 from lpbench.parallel.dp import clip_grad_norm_, grad_sync
 from lpbench.parallel.ep import expert_params, sync_expert_grads
-from lpbench.parallel.env import all_reduce, init_distributed
-from lpbench.parallel.plan import parallelize
+from lpbench.parallel.env import World, all_reduce, init_distributed
+from lpbench.parallel.plan import Parallelized, parallelize
 from lpbench import gemm
 from lpbench.precision.delayed import is_delayed_state
 from lpbench.precision.recipes import get_recipe
@@ -94,20 +96,43 @@ def format_log_lines(rec: dict, steps: int, gbs: int, short: bool = False) -> li
     ]
 
 
-def train(
-    cfg: RunConfig,
-    log: Callable[[str], None] = print,
-    results_dir: str = "lpbench-results",
-    on_step: Callable[[dict], None] | None = None,
-) -> RunResult:
-    """Train ``cfg`` and return its measurements. Bad configs raise UsageError before any work.
+@dataclass
+class Run:
+    """One run of one config, built (:func:`build`): its model on the layout, optimizer, data and measures."""
 
-    Under torchrun or srun every rank calls this; rank 0 logs, and the result's metrics are
-    global: loss averaged over data-parallel ranks, peak memory the maximum over ranks.
-    ``--profile-steps`` traces go to ``results_dir/profiles/<run key>/``. ``on_step`` (rank 0) gets
-    each step's record as it is made (after ``--load`` the first is the checkpoint's step + 1): a
-    sweep child writes them as JSON lines for its parent, run and converge move their progress display.
-    """
+    cfg: RunConfig
+    device: torch.device
+    world: World
+    log: Callable[[str], None]
+    result: RunResult
+    model_cfg: ModelConfig
+    model: torch.nn.Module  # the decoder itself (``par.module`` may wrap it)
+    n_params: int
+    use_compile: bool
+    converters: Converters
+    precision_info: dict
+    workload_metrics: dict
+    par: Parallelized
+    fused_loss: bool
+    params: list[torch.nn.Parameter]  # the trained ones
+    spread: tuple  # (parameters split over ranks (EP or TP experts), their group)
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    splits: object
+    data: object  # the train loader: micro-batches of this rank's data shard
+    autocast: torch.autocast
+    n_eval: int  # validation micro-batches per evaluation
+    fpt: float  # FLOPs per token
+    gpu: object  # the GPU's peak table entry, or None
+    cpu_note: str
+    loss_group: object  # the ranks whose losses are averaged (None: one)
+    loss_ranks: int
+    keep_unsharded: bool  # FSDP zero1: parameters stay unsharded between micro-batches
+
+
+def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
+    """Validate ``cfg``, start the process group, build the model with its converters on the layout, its optimizer,
+    scheduler and data. Bad configs raise UsageError before any work."""
     cfg.validate()
     device = resolve_device(cfg.device)
     world = init_distributed(device.type)
@@ -118,7 +143,7 @@ def train(
     if world.size > 1 and device.type == "cuda":
         device = torch.device("cuda", world.cuda_index)
     if not world.is_main:
-        log, on_step = _quiet, None
+        log = _quiet
     recipe = get_recipe(cfg.precision)
     model_cfg = cfg.model_config()
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
@@ -146,9 +171,7 @@ def train(
     par = parallelize(model, cfg, device, recipe.compute_dtype, use_compile)
     fused_loss = configure_loss(model, cfg.fused_loss, 1.0 / cfg.grad_accum)
     workload_metrics["weight_bytes"] = weight_bytes(par.module)
-    forward = par.forward
     loss_group = par.meshes.group("loss") if par.meshes else None  # TP ranks hold equal copies: averaged over DP
-    loss_ranks = par.dims.dp * par.dims.cp
     params = [p for p in par.module.parameters() if p.requires_grad]
     spread = expert_params(par.module)[0]  # expert parallel (or TP-split experts): each rank's own experts
     spread = (spread, par.meshes.group("ep" if par.dims.ep_enabled else "tp") if spread else None)
@@ -162,35 +185,65 @@ def train(
             f"--data {cfg.data} has a vocabulary of {splits.vocab_size}, larger than "
             f"{cfg.model}'s {model_cfg.vocab_size}"
         )
-    data = splits.train_loader(cfg.mbs, rank=par.dp_rank, world_size=cfg.dp)
-    autocast = torch.autocast(device.type, dtype=recipe.compute_dtype, enabled=recipe.compute_dtype != torch.float32)
-    n_eval = eval_batch_count(cfg, splits.valid)
+    return Run(
+        cfg=cfg,
+        device=device,
+        world=world,
+        log=log,
+        result=result,
+        model_cfg=model_cfg,
+        model=model,
+        n_params=n_params,
+        use_compile=use_compile,
+        converters=converters,
+        precision_info=precision_info,
+        workload_metrics=workload_metrics,
+        par=par,
+        fused_loss=fused_loss,
+        params=params,
+        spread=spread,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        splits=splits,
+        data=splits.train_loader(cfg.mbs, rank=par.dp_rank, world_size=cfg.dp),
+        autocast=torch.autocast(device.type, dtype=recipe.compute_dtype, enabled=recipe.compute_dtype != torch.float32),
+        n_eval=eval_batch_count(cfg, splits.valid),
+        fpt=run_flops_per_token(cfg, model_cfg, splits),
+        gpu=detect_gpu(result.env.get("gpu")) if device.type == "cuda" else None,
+        cpu_note=cpu_note,
+        loss_group=loss_group,
+        loss_ranks=par.dims.dp * par.dims.cp,
+        keep_unsharded=par.dims.fsdp_enabled and cfg.fsdp_shard == "zero1",
+    )
 
-    fpt = run_flops_per_token(cfg, model_cfg, splits)
-    gpu = detect_gpu(result.env.get("gpu")) if device.type == "cuda" else None
-    tokens_per_step = cfg.gbs * cfg.seq_len
-    kernels = f" kernels {', '.join(precision_info['kernels'])}" if precision_info.get("kernels") else ""
+
+def log_header(run: Run) -> float:
+    """The run's first log lines (what runs, how, on what layout); returns the predicted peak memory (GB per GPU)."""
+    cfg, log, par, info = run.cfg, run.log, run.par, run.precision_info
+    kernels = f" kernels {', '.join(info['kernels'])}" if info.get("kernels") else ""
     log(
-        f"lpbench: {cfg.workload} {cfg.label} ({n_params / 1e6:.1f} M params, weights "
-        f"{workload_metrics['weight_bytes'] / 2**20:,.1f} MiB) | {cfg.precision} ({cfg.backend}) "
-        f"[{precision_info['path']}]{kernels} | device {device} ({result.env.get('gpu') or 'cpu'}){cpu_note} | "
-        f"compile {'on' if use_compile else 'off'} | LM loss {'chunked' if fused_loss else 'unfused'} | "
+        f"lpbench: {cfg.workload} {cfg.label} ({run.n_params / 1e6:.1f} M params, weights "
+        f"{run.workload_metrics['weight_bytes'] / 2**20:,.1f} MiB) | {cfg.precision} ({cfg.backend}) "
+        f"[{info['path']}]{kernels} | device {run.device} ({run.result.env.get('gpu') or 'cpu'}){run.cpu_note} | "
+        f"compile {'on' if run.use_compile else 'off'} | LM loss {'chunked' if run.fused_loss else 'unfused'} | "
         f"GBS {cfg.gbs} MBS {cfg.mbs} GA {cfg.grad_accum} "
-        f"seq {cfg.seq_len} | peak LR {cfg.peak_lr:g} | {splits.source}"
+        f"seq {cfg.seq_len} | peak LR {cfg.peak_lr:g} | {run.splits.source}"
     )
     log(f"lpbench: {cfg.header()}")
-    predicted = memory_plan.predict(cfg, result.env.get("gpu"), cuda=device.type == "cuda", compiled=use_compile).gb
+    predicted = memory_plan.predict(
+        cfg, run.result.env.get("gpu"), cuda=run.device.type == "cuda", compiled=run.use_compile
+    ).gb
     log(
         f"lpbench: predicted peak memory {predicted:.1f} GB per GPU | recompute {cfg.recompute}"
         f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}"
     )
-    if precision_info.get("why_emulated"):
-        log(f"lpbench: {cfg.precision} GEMMs emulated: {precision_info['why_emulated']}")
+    if info.get("why_emulated"):
+        log(f"lpbench: {cfg.precision} GEMMs emulated: {info['why_emulated']}")
     if cfg.workload == "lora":
-        log(describe_lora(cfg, workload_metrics))
-    for line in converters.log_lines():
+        log(describe_lora(cfg, run.workload_metrics))
+    for line in run.converters.log_lines():
         log(line)
-    if world.size > 1:
+    if run.world.size > 1:
         dp_kind = ("fsdp, fp8 all-gather" if cfg.fsdp_fp8_all_gather else "fsdp") if cfg.fsdp else "ddp"
         if par.dims.fsdp_enabled:
             dp_kind += f" {cfg.fsdp_shard}" if cfg.fsdp_shard != "zero3" else ""
@@ -199,12 +252,69 @@ def train(
         if cfg.grad_reduce_dtype != "fp32":
             dp_kind += f", {cfg.grad_reduce_dtype} gradient reduction"
         log(
-            f"lpbench: {world.size} ranks ({world.launcher}) | dp {cfg.dp} ({dp_kind}) "
+            f"lpbench: {run.world.size} ranks ({run.world.launcher}) | dp {cfg.dp} ({dp_kind}) "
             f"x tp {cfg.tp}{' + sequence parallel' if cfg.tp > 1 and cfg.sequence_parallel else ''}"
             f"{f' | experts over ep {cfg.ep} ranks' if cfg.ep > 1 else ''}"
         )
+    return predicted
 
-    checkpointer = Checkpointer(cfg, par.module, optimizer, scheduler, data, device, log)
+
+def micro_batches(run: Run) -> torch.Tensor:
+    """The step's forward and backward passes, one micro-batch after another (gradients accumulated, synchronised
+    over data-parallel ranks on the last); returns the micro-batches' loss sum (detached)."""
+    cfg = run.cfg
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(cfg.grad_accum):
+        batch = next(run.data).model_args(run.device)
+        with grad_sync(run.par.module, micro == cfg.grad_accum - 1, run.keep_unsharded):
+            with run.autocast:
+                loss = run.par.forward(*batch)  # input_ids, labels[, doc_ids]
+            (loss / cfg.grad_accum).backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def train_step(run: Run, prefetch: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One optimizer step: the forward and backward passes, the converters' hooks, expert gradients summed over
+    their replicas, the gradient norm clipped, the optimizer and scheduler stepped. ``prefetch``: the converters
+    may start the next step's work (:func:`prefetch_weights`). Returns the micro-batches' loss sum (a tensor,
+    not synchronised), the gradient norm and the step's learning rate."""
+    cfg, par = run.cfg, run.par
+    loss_sum = micro_batches(run)
+    run.converters.after_backward()
+    if cfg.ep > 1 or cfg.tp > 1:
+        sync_expert_grads(par.module, cfg.dp, par.meshes.group("ep_replicate" if cfg.ep > 1 else "dp"))
+    grad_norm = clip_grad_norm_(run.params, cfg.grad_clip, run.optimizer, run.spread)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    lr = run.scheduler.get_last_lr()[0]
+    run.scheduler.step()
+    with run.autocast:
+        run.converters.after_optimizer_step(prefetch)
+    return loss_sum, grad_norm, lr
+
+
+def train(
+    cfg: RunConfig,
+    log: Callable[[str], None] = print,
+    results_dir: str = "lpbench-results",
+    on_step: Callable[[dict], None] | None = None,
+) -> RunResult:
+    """Train ``cfg`` and return its measurements. Bad configs raise UsageError before any work.
+
+    Under torchrun or srun every rank calls this; rank 0 logs, and the result's metrics are
+    global: loss averaged over data-parallel ranks, peak memory the maximum over ranks.
+    ``--profile-steps`` traces go to ``results_dir/profiles/<run key>/``. ``on_step`` (rank 0) gets
+    each step's record as it is made (after ``--load`` the first is the checkpoint's step + 1): a
+    sweep child writes them as JSON lines for its parent, run and converge move their progress display.
+    """
+    run = build(cfg, log)
+    log, device, world, par, result = run.log, run.device, run.world, run.par, run.result
+    if not world.is_main:
+        on_step = None
+    predicted = log_header(run)
+    tokens_per_step = cfg.gbs * cfg.seq_len
+    checkpointer = Checkpointer(cfg, par.module, run.optimizer, run.scheduler, run.data, device, log)
     start, result.history = checkpointer.resume()  # 0, [] without --load
     profiler = StepProfiler(cfg.profile_range, f"{results_dir}/profiles/{cfg.key()}", device, log)
     short_lines = sys.stdout.isatty()  # a terminal: one short line a step; a log file: the parsers' formats
@@ -216,36 +326,18 @@ def train(
         wandb_dir=cfg.wandb if world.is_main else None,
         config=cfg.to_dict(),
     )
-    keep_unsharded = par.dims.fsdp_enabled and cfg.fsdp_shard == "zero1"
     par.module.train()
     try:
         expert_tokens = None  # per MoE layer, summed over the steps
         for step in range(start + 1, cfg.steps + 1):
             profiler.begin(step)
             t0 = time.perf_counter()
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(cfg.grad_accum):
-                batch = next(data).model_args(device)
-                with grad_sync(par.module, micro == cfg.grad_accum - 1, keep_unsharded):
-                    with autocast:
-                        loss = forward(*batch)  # input_ids, labels[, doc_ids]
-                    (loss / cfg.grad_accum).backward()
-                loss_sum += loss.detach()
-            converters.after_backward()
-            if cfg.ep > 1 or cfg.tp > 1:
-                sync_expert_grads(par.module, cfg.dp, par.meshes.group("ep_replicate" if cfg.ep > 1 else "dp"))
-            grad_norm = clip_grad_norm_(params, cfg.grad_clip, optimizer, spread)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            evaluates = bool(n_eval) and (step % cfg.eval_every == 0 or step == cfg.steps)
-            with autocast:
-                converters.after_optimizer_step(prefetch_weights(step, cfg, evaluates, checkpointer.saves(step)))
+            evaluates = bool(run.n_eval) and (step % cfg.eval_every == 0 or step == cfg.steps)
+            loss_sum, grad_norm, lr = train_step(run, prefetch_weights(step, cfg, evaluates, checkpointer.saves(step)))
             loss_value = loss_sum.item() / cfg.grad_accum  # synchronises the device
             step_time = time.perf_counter() - t0
-            if loss_group is not None:  # the global batch's mean
-                loss_value = all_reduce([loss_value], "sum", device, loss_group)[0] / loss_ranks
+            if run.loss_group is not None:  # the global batch's mean
+                loss_value = all_reduce([loss_value], "sum", device, run.loss_group)[0] / run.loss_ranks
             peak = memory.peak_gb(device)
             tps = tokens_per_step / step_time / world.size
             rec = {
@@ -255,7 +347,7 @@ def train(
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 "tokens_per_sec_per_gpu": tps,
-                "tflops_per_gpu": fpt * tps / 1e12,
+                "tflops_per_gpu": run.fpt * tps / 1e12,
                 "peak_mem_gb": None if peak is None else all_reduce([peak], "max", device)[0],
             }
             moe = moe_step_stats(par.module, device, world.size, cfg.tp, cfg.ep)
@@ -281,9 +373,9 @@ def train(
                 break
             if evaluates:
                 rec["val_loss"] = evaluate(
-                    par.module, splits.valid_batches(cfg.mbs, par.dp_rank, cfg.dp), n_eval, device, autocast
+                    par.module, run.splits.valid_batches(cfg.mbs, par.dp_rank, cfg.dp), run.n_eval, device, run.autocast
                 )
-                converters.after_evaluate()
+                run.converters.after_evaluate()
                 take_moe_stats(par.module)  # the next step's MoE statistics count training forwards only
                 log(
                     f"validation loss at iteration {step} | lm loss value: {rec['val_loss']:.6E} | "
@@ -302,10 +394,10 @@ def train(
     finally:
         profile = profiler.close()  # a run that stopped inside the profiled steps still gets its trace
         scalars.close()
-    result.metrics = summarize(result.steps, cfg, fpt, gpu, precision_info, device)
+    result.metrics = summarize(result.steps, cfg, run.fpt, run.gpu, run.precision_info, device)
     if start:
         result.metrics["resumed_from_step"] = start
-    if model_cfg.n_experts and result.steps:
+    if run.model_cfg.n_experts and result.steps:
         result.metrics["tokens_per_expert"] = expert_tokens  # per layer, summed over the run's steps
         if cfg.ep > 1:
             result.metrics["ep_tokens_per_rank"] = [
@@ -323,10 +415,10 @@ def train(
             f"({(predicted / measured - 1) * 100:+.0f} %)"
         )
     result.metrics.update(
-        params=n_params,
-        compile=use_compile,
-        compile_scope=cfg.compile_scope if use_compile else "off",  # what ran, not what was asked
-        gpu_peaks=gpu.name if gpu else None,
+        params=run.n_params,
+        compile=run.use_compile,
+        compile_scope=cfg.compile_scope if run.use_compile else "off",  # what ran, not what was asked
+        gpu_peaks=run.gpu.name if run.gpu else None,
         world_size=world.size,
         dp=cfg.dp,
         tp=cfg.tp,
@@ -337,7 +429,7 @@ def train(
         fsdp_shard=cfg.fsdp_shard if par.dims.fsdp_enabled else None,
         grad_reduce_dtype=cfg.grad_reduce_dtype if par.dims.dp_enabled else None,
         sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel,
-        **workload_metrics,
+        **run.workload_metrics,
     )
     return result
 
