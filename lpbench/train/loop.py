@@ -155,10 +155,12 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
         result.env.update(cpu_threads=torch.get_num_threads(), cpu_gemm_route=gemm.route())
 
     torch.manual_seed(cfg.seed)
-    meta = world.size > 1 and cfg.workload != "lora"  # no full copy per rank: parallelize shards, then allocates
+    # on the meta device: one process materializes it block by block once converted (prepare_model), several
+    # ranks once sharded (parallelize); a LoRA run on several ranks, or one from --hf-checkpoint, builds whole
+    meta = world.size == 1 or (cfg.workload != "lora" and not cfg.hf_checkpoint)
     model = (
         load_hf_checkpoint(cfg.hf_checkpoint, device=device)
-        if cfg.hf_checkpoint
+        if cfg.hf_checkpoint and not meta
         else build_model(model_cfg, device="meta" if meta else device, seed=cfg.seed)
     )
     n_params = count_parameters(model)
