@@ -1,22 +1,23 @@
 """Predicted peak memory per GPU of one training run, counted from first principles (docs/memory.md).
 
-What a rank holds at the peak, the start of the first block's backward (every block's activations
-kept, the head's gradient made), in bytes:
+The peak of a step is the largest of three moments, each the sum of what is live then, in bytes:
 
-* parameters: FP32 master weights of what trains (a LoRA base in BF16, or quantized), FP32 gradients,
-  AdamW's two FP32 states, each divided by FSDP's shards and TP's ranks;
-* weight copies: what a block's backward reuses from its forward (the quantized dgrad copy of each
-  quantized linear's weight, whole under FSDP; without FSDP autocast's BF16 cast of every other
-  linear weight), the weight cache under gradient accumulation (FP8 codes in both layouts, or BF16),
-  and under FSDP the BF16 weights gathered: two blocks (in use, prefetched) and the root's;
-* activations: bytes per token of one block (:func:`block_bytes_per_token`, tensor by tensor) times
-  its tokens (MBS x seq / TP), over the blocks as ``--recompute`` keeps them, plus one block's
-  whole activations while it is recomputed;
-* the head: logits and their gradients (none with the chunked ``--fused-loss``).
+* the loss's backward (the usual peak): every block's activations as ``--recompute`` keeps them
+  (:func:`block_bytes_per_token`, tensor by tensor, times MBS x seq / TP), the head's logit tensors, the
+  weight copies the blocks' backward reuses, and no gradient yet (the optimizer sets them to None), but
+  with gradient accumulation the earlier micro-batches' (FSDP: unsharded, in the reduction dtype);
+* the last block's rerun (when it is recomputed): the same without the head, with that block's whole
+  activations and the LM head's gradient;
+* the optimizer step: every FP32 gradient, no activation.
+
+Live throughout: FP32 master weights of what trains (a LoRA base in BF16, or quantized), AdamW's two FP32
+states, each divided by FSDP's shards and TP's ranks; the weight cache under gradient accumulation; under
+FSDP the BF16 weights gathered: two blocks (in use, prefetched) and the root's. The build's peak
+(:func:`build_peak`: streamed, one block at a time) is estimated apart.
 
 A model (shapes only) built on the meta device gives the parameter counts; the rest are formulas, so
 this runs without a GPU. It counts tensors, as ``torch.cuda.max_memory_allocated`` does: no CUDA context,
-NCCL buffers or allocator fragmentation. Not modelled: the torchao backend, pipeline stages.
+NCCL buffers or allocator fragmentation. Not modelled: the torchao backend, pipeline stages, DDP's buckets.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ GB = 1024**3  # as metrics/memory.py reports measured peaks
 
 @dataclass
 class Estimate:
-    parts: dict[str, float] = field(default_factory=dict)  # name -> bytes per GPU
+    parts: dict[str, float] = field(default_factory=dict)  # name -> bytes per GPU, live at the peak
+    when: str = ""  # the moment of the step's peak
+    build: float = 0.0  # bytes at the build's peak
 
     @property
     def total(self) -> float:
@@ -40,7 +43,16 @@ class Estimate:
 
     @property
     def gb(self) -> float:
+        """The run's peak: the step's or, if higher, the build's."""
+        return max(self.total, self.build) / GB
+
+    @property
+    def step_gb(self) -> float:
         return self.total / GB
+
+    @property
+    def build_gb(self) -> float:
+        return self.build / GB
 
 
 def code_bytes(recipe: Recipe) -> float:
@@ -125,12 +137,16 @@ def estimate(
     compiled: bool = True,
     cuda: bool = True,
     nvfp4_bf16_copies: bool = False,
+    reduce_bytes: int = 4,
 ) -> Estimate:
     """The predicted peak of one rank (module doc); ``m``'s parameters counted on a meta-device model.
 
     ``compiled``: blocks (and, with one process or DDP, the head) compiled; ``cuda``: FSDP gathers the
     weights in BF16, so the residual stream is BF16 (else FP32, as the embeddings' output);
-    ``nvfp4_bf16_copies``: NVFP4 emulated on a GPU, whose activation copies are BF16 values.
+    ``nvfp4_bf16_copies``: NVFP4 emulated on a GPU, whose activation copies are BF16 values;
+    ``reduce_bytes``: the bytes of FSDP's gradient reduction dtype (``--grad-reduce-dtype``), in which it
+    accumulates unsharded gradients between micro-batches. The estimate's ``parts`` are what is live at
+    the peak, ``when`` names that moment, ``build`` is the streamed build's peak (:func:`build_peak`).
     """
     from lpbench.models.decoder import build_model
 
@@ -141,52 +157,133 @@ def estimate(
         + sum(p.numel() for n, p in model.layers.named_parameters() if ".experts." in n)
     ) / m.n_layers
     rest = sum(p.numel() for p in model.parameters()) - block * m.n_layers  # embeddings, final norm, LM head
+    head = m.vocab_size * m.dim  # the LM head's (or the tied embeddings') weight
     fsdp = fsdp and dp > 1
     shards = (dp if fsdp else 1) * tp
+    lora = workload == "lora"
     quantized_blocks = (
         max(0, m.n_layers - recipe.first_bf16_layers - recipe.last_bf16_layers) if recipe.quantized else 0
     )
-    parts: dict[str, float] = {}
-    if workload == "lora":  # frozen base in the compute dtype or quantized; adapters trained in FP32
+    checkpointed = range(0, m.n_layers, recompute_every) if recompute != "none" else range(0)
+    held: dict[str, float] = {}  # live through the step
+    if lora:  # frozen base in the compute dtype or quantized; adapters trained in FP32
         q, kv, up = m.n_heads * m.hd, m.n_kv_heads * m.hd, (2 if m.gated else 1) * m.ffn_dim
         ins_outs = (m.dim + q + 2 * kv) + (q + m.dim) + (m.dim + up) + (m.ffn_dim + m.dim)  # qkv, o, mlp
         trainable = lora_rank * ins_outs * m.n_layers
-        stored = (
-            code_bytes(recipe) * quantized_blocks + 2.0 * (m.n_layers - quantized_blocks)
-            if lora_quantized_base
-            else 2.0 * m.n_layers
-        )
-        parts["frozen base"] = stored * linear + 2.0 * (block - linear) * m.n_layers + 4.0 * rest
+        held["frozen base"] = frozen_base_bytes(m, recipe, linear, block, rest, lora_quantized_base)
     else:
         trainable = block * m.n_layers + rest
-    parts["master weights (fp32)"] = 4.0 * trainable / shards
-    parts["gradients (fp32)"] = 4.0 * trainable / shards
-    parts["optimizer states (fp32 AdamW)"] = 8.0 * trainable / shards
-    # dgrad copies of the quantized weights (whole, under FSDP); a base stored quantized is read as stored
-    held = 0.0 if workload == "lora" and lora_quantized_base else code_bytes(recipe) * linear * quantized_blocks
-    if not fsdp and workload != "lora":
-        held += 2.0 * linear * (m.n_layers - quantized_blocks)  # autocast's BF16 casts of the others
-    parts["weight copies held for backward"] = held / tp
-    if grad_accum > 1 and workload != "lora":  # FP8 codes in both layouts, or BF16 casts
-        parts["weight cache (per optimizer step)"] = 2.0 * linear * (quantized_blocks or m.n_layers) / tp
+    held["master weights (fp32)"] = 4.0 * trainable / shards
+    held["optimizer states (fp32 AdamW)"] = 8.0 * trainable / shards
+    # the weight cache (gradient accumulation; plain, unsharded linears only): FP8 codes in both layouts of the
+    # fused tensorwise / delayed linears, a BF16 cast of the 16-bit ones; a cached linear's backward reads it
+    cached = grad_accum > 1 and cuda and not fsdp and tp == 1 and not lora
+    fp8_cached = recipe.scaling in (Scaling.TENSOR, Scaling.DELAYED)
+    bf16_blocks = m.n_layers - quantized_blocks
+    if cached:
+        held["weight cache (per optimizer step)"] = (
+            2.0 * linear * (bf16_blocks + (quantized_blocks if fp8_cached else 0))
+        )
     if fsdp:  # the block in use and the prefetched next, and the root's (embeddings, head) until the backward ends
-        parts["FSDP gathered weights"] = 2.0 * (2 * block + rest) / tp
+        held["FSDP gathered weights"] = 2.0 * (2 * block + rest) / tp
+    # copies of the weights a block's backward reuses, held by each block whose forward is kept: the quantized
+    # dgrad copy (a LoRA base stored quantized is read as stored), without FSDP autocast's BF16 cast of the
+    # others. A compiled block that is recomputed keeps neither (its rerun makes them again), nor does a
+    # cached linear (its backward reads the cache)
+    kept_blocks = m.n_layers - (len(checkpointed) if compiled else 0)
+    per_quantized = 0.0 if (lora and lora_quantized_base) or (cached and fp8_cached) else code_bytes(recipe)
+    per_bf16 = 0.0 if fsdp or lora or cached else 2.0
+    copies = linear * (per_quantized * quantized_blocks + per_bf16 * bf16_blocks) * kept_blocks / m.n_layers / tp
     tokens = mbs * seq_len / tp  # tensor parallelism splits the features (sequence parallelism the rest)
-    checkpointed = len(range(0, m.n_layers, recompute_every)) if recompute != "none" else 0
     per = dict(
         compiled=compiled,
         residual_bytes=2 if fsdp and cuda else 4,
         bf16_copies=nvfp4_bf16_copies and recipe.scaling is Scaling.NVFP4,
-        lora=workload == "lora",
+        lora=lora,
     )
-    kept = block_bytes_per_token(m, recipe, "none", **per)
-    parts[f"activations ({recompute})"] = tokens * (
-        block_bytes_per_token(m, recipe, recompute, **per) * checkpointed + kept * (m.n_layers - checkpointed)
+    kept = block_bytes_per_token(m, recipe, "none", **per) * tokens
+    saved = block_bytes_per_token(m, recipe, recompute, **per) * tokens if checkpointed else kept
+    activations = saved * len(checkpointed) + kept * (m.n_layers - len(checkpointed))
+    # gradient accumulation: the earlier micro-batches' gradients, FSDP's unsharded in its reduction dtype
+    accumulated = (reduce_bytes / tp if fsdp else 4.0 / shards) * trainable if grad_accum > 1 else 0.0
+    grads = {"accumulated gradients": accumulated} if accumulated else {}
+    # the head's backward, eager: log-softmax's FP32 output, its gradient and the FP32 logits' gradient (then
+    # the BF16 one, once the first two are freed); compiled (one process or DDP): the BF16 logits and their
+    # FP32 gradient; chunked (--fused-loss): one chunk's, not counted
+    per_logit = 6 if compiled and not fsdp and tp == 1 else 12
+    logits = 0.0 if fused_loss else mbs * seq_len * m.vocab_size * per_logit / tp
+    phases = {
+        "the loss's backward": {
+            **held,
+            **grads,
+            "weight copies held for backward": copies,
+            f"activations ({recompute})": activations,
+            "logits and loss": logits,
+        }
+    }
+    if (m.n_layers - 1) in checkpointed:  # the last block's rerun: its whole activations again, the head's gradient
+        head_grad = 0.0 if accumulated or lora else (2.0 / tp if fsdp else 4.0 / shards) * head
+        phases["the last block's rerun"] = {
+            **held,
+            **grads,
+            "gradients so far (LM head)": head_grad,
+            "weight copies held for backward": copies,
+            f"activations ({recompute})": activations,
+            "one block recomputed": kept,
+        }
+    phases["the optimizer step"] = {**held, "gradients (fp32)": 4.0 * trainable / shards}
+    when = max(phases, key=lambda k: sum(phases[k].values()))
+    build = build_peak(m, recipe, linear, block, rest, lora=lora, quantized_base=lora_quantized_base, shards=shards)
+    return Estimate({k: v for k, v in phases[when].items() if v}, when=when, build=build)
+
+
+def frozen_base_bytes(
+    m: ModelConfig, recipe: Recipe, linear: float, block: float, rest: float, quantized_base: bool
+) -> float:
+    """A LoRA run's frozen base: the block linears in BF16 or stored quantized (blocks the recipe keeps in
+    BF16 stay BF16), the blocks' norms in BF16, the embeddings, final norm and head as built (FP32)."""
+    quantized_blocks = (
+        max(0, m.n_layers - recipe.first_bf16_layers - recipe.last_bf16_layers) if recipe.quantized else 0
     )
-    if checkpointed:
-        parts["one block recomputed"] = tokens * kept
-    # the head: eager, log-softmax's FP32 output, its gradient and the logits' (FP32, then BF16); compiled
-    # (one process or DDP): the BF16 logits and their FP32 gradient; chunked: one chunk's
-    head = 6 if compiled and not fsdp and tp == 1 else 14
-    parts["logits and loss"] = 0.0 if fused_loss else mbs * seq_len * m.vocab_size * head / tp
-    return Estimate(parts)
+    stored = (
+        code_bytes(recipe) * quantized_blocks + 2.0 * (m.n_layers - quantized_blocks)
+        if quantized_base
+        else 2.0 * m.n_layers
+    )
+    if quantized_base and recipe.quantized and not shared_weight_copy(recipe):
+        stored += code_bytes(recipe) * quantized_blocks  # W and Wᵀ each quantized along their own rows
+    return stored * linear + 2.0 * (block - linear) * m.n_layers + 4.0 * rest
+
+
+def shared_weight_copy(recipe: Recipe) -> bool:
+    """Whether one quantized copy of a weight serves fprop and dgrad (``precision/frozen.py``)."""
+    f, d = recipe.operand("weight", "fprop"), recipe.operand("weight", "dgrad")
+    return f == d and f.block[0] == f.block[1]
+
+
+def build_peak(
+    m: ModelConfig,
+    recipe: Recipe,
+    linear: float,
+    block: float,
+    rest: float,
+    *,
+    lora: bool,
+    quantized_base: bool,
+    shards: int = 1,
+) -> float:
+    """The build's peak. Streamed (``parallel/plan.py: materialize``; a LoRA run on one process, any other run):
+    the model's FP32 parameters (sharded: this rank's) and one parameter's FP32 values drawn whole; for LoRA,
+    everything outside the blocks (FP32), the blocks converted before, and the block being filled: its
+    parameters, its largest weight's FP32 values and, stored quantized, that weight's quantization (an FP32
+    copy and the codes, at most 2 bytes an element). A LoRA run on several ranks builds its model whole in
+    FP32 first."""
+    largest = m.ffn_dim * (2 if m.gated else 1) * m.dim * max(1, m.n_experts)  # a block's
+    whole = 4.0 * (block * m.n_layers + rest)
+    if not lora:  # the embeddings' values are drawn whole too, but before any block
+        return whole / shards + 4.0 * max(largest, m.vocab_size * m.dim)
+    done = frozen_base_bytes(m, recipe, linear, block, rest, quantized_base)
+    quantizing = (4.0 + 2.0) * largest if quantized_base else 0.0
+    if shards > 1:
+        return whole + quantizing
+    return done + 2.0 * block + 4.0 * largest + quantizing

@@ -106,7 +106,9 @@ def compile_blocks(model: nn.Module, head: bool) -> None:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int, *, values=None, names=None, after_block=None) -> None:
+def materialize(
+    model: nn.Module, device: torch.device, seed: int, *, values=None, names=None, after_block=None
+) -> None:
     """Allocate a meta-device model (sharded or not) on ``device`` and fill it as ``build_model`` would.
 
     ``values`` yields ``(name, full tensor)`` in the plain decoder's parameter order (default:

@@ -33,6 +33,7 @@ def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compil
         compiled=(cfg.compile if cfg.compile is not None else cuda) if compiled is None else compiled,
         cuda=cuda,
         nvfp4_bf16_copies=cuda and (peaks is None or peaks.fp4 is None),
+        reduce_bytes=2 if cfg.grad_reduce_dtype == "bf16" else 4,
     )
 
 
@@ -85,6 +86,7 @@ def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
         f"dp {cfg.dp}{' (fsdp)' if cfg.fsdp else ''} x tp {cfg.tp} | recompute {cfg.recompute}"
         f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}",
         f"predicted peak: {est.gb:.1f} GB per GPU",
+        f"  at {est.when} ({est.total / 2**30:.1f} GB; the build's peak {est.build_gb:.1f} GB):",
     ]
     lines += [f"  {name:<36} {size / 2**30:8.2f} GB" for name, size in est.parts.items() if size]
     cap = capacity_gb(gpu)

@@ -56,9 +56,7 @@ def prepare_model(
     if cfg.world_size == 1 and next(model.parameters()).is_meta:
         renamed = {name: plain[id(p)] for name, p in model.named_parameters() if plain.get(id(p), name) != name}
         values = hf_values(cfg.hf_checkpoint, model.cfg, device) if cfg.hf_checkpoint else None
-        materialize(
-            model, device, cfg.seed, values=values, names=renamed, after_block=converters.after_materialize
-        )
+        materialize(model, device, cfg.seed, values=values, names=renamed, after_block=converters.after_materialize)
     metrics = {
         "workload": cfg.workload,
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
