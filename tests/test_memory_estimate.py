@@ -118,14 +118,19 @@ def test_lora_base_stored_quantized_is_its_codes_and_adapters_keep_bf16_inputs()
     # rank 2 adapters on qkv (8 in, 16 out), o (8, 8), gate_up (8, 32), down (16, 8)
     assert e.parts["master weights (fp32)"] == 4 * 2 * (24 + 16 + 40 + 24)
     assert e.parts["activations (none)"] == 4 * EAGER  # frozen linears keep no input, adapters the BF16 one
-    # the streamed build: the base as stored, one BF16 block, and its largest weight (gate+up, 32 x 8) drawn in
-    # FP32 and quantized (an FP32 copy and codes: 6 bytes an element)
-    assert e.build == base + 2 * BLOCK + 4 * 256 + 6 * 256
+    # the streamed build: the base as stored, one BF16 block, and its largest weight (gate+up, 32 x 8) quantized:
+    # its FP32 copy, the scaled and the saturated FP32 values and the FP8 codes, 13 bytes an element
+    assert e.build == base + 2 * BLOCK + 13 * 256
     # MXFP8 scales W and Wᵀ along different dims: two stored copies, each 1 + 1/32 bytes an element
     mx = estimate(
         HAND, get_recipe("mxfp8"), seq_len=4, mbs=1, workload="lora", lora_quantized_base=True, compiled=False
     )
     assert mx.parts["frozen base"] == 2 * (1 + 1 / 32) * LINEARS + 2 * (BLOCK - LINEARS) + 4 * (PARAMS - BLOCK)
+    # NVFP4: E2M1 codes two to a byte and an E4M3 scale per 16 (a 12-block model: its last 4 stay BF16)
+    deep = ModelConfig("hand12", 12, 8, 16, 2, 1, 32, head_dim=4)
+    nv = estimate(deep, get_recipe("nvfp4"), seq_len=4, mbs=1, workload="lora", lora_quantized_base=True)
+    rest = PARAMS - BLOCK
+    assert nv.parts["frozen base"] == ((0.5 + 1 / 16) * 8 + 2 * 4) * LINEARS + 12 * 2 * (BLOCK - LINEARS) + 4 * rest
 
 
 CAL = ModelConfig("cal", 6, 256, 896, 8, 2, 512, max_seq_len=512)  # NVFP4 quantizes blocks 0 and 1

@@ -245,13 +245,11 @@ def frozen_base_bytes(
     quantized_blocks = (
         max(0, m.n_layers - recipe.first_bf16_layers - recipe.last_bf16_layers) if recipe.quantized else 0
     )
-    stored = (
-        code_bytes(recipe) * quantized_blocks + 2.0 * (m.n_layers - quantized_blocks)
-        if quantized_base
-        else 2.0 * m.n_layers
-    )
+    # E2M1 codes are stored two to a byte (precision/frozen.py)
+    codes = code_bytes(recipe) - (0.5 if recipe.quantized and recipe.element_format("weight").dtype is None else 0)
+    stored = codes * quantized_blocks + 2.0 * (m.n_layers - quantized_blocks) if quantized_base else 2.0 * m.n_layers
     if quantized_base and recipe.quantized and not shared_weight_copy(recipe):
-        stored += code_bytes(recipe) * quantized_blocks  # W and Wᵀ each quantized along their own rows
+        stored += codes * quantized_blocks  # W and Wᵀ each quantized along their own rows
     return stored * linear + 2.0 * (block - linear) * m.n_layers + 4.0 * rest
 
 
@@ -274,16 +272,16 @@ def build_peak(
 ) -> float:
     """The build's peak. Streamed (``parallel/plan.py: materialize``; a LoRA run on one process, any other run):
     the model's FP32 parameters (sharded: this rank's) and one parameter's FP32 values drawn whole; for LoRA,
-    everything outside the blocks (FP32), the blocks converted before, and the block being filled: its
-    parameters, its largest weight's FP32 values and, stored quantized, that weight's quantization (an FP32
-    copy and the codes, at most 2 bytes an element). A LoRA run on several ranks builds its model whole in
-    FP32 first."""
+    everything outside the blocks (FP32), the blocks converted before, and the block being converted: its
+    BF16 parameters and, for a base stored quantized, its largest weight's quantization (``quantize``: its
+    FP32 copy, the scaled and the saturated FP32 values and the codes, 13 bytes an element), else that
+    weight's FP32 values. A LoRA run on several ranks builds its model whole in FP32 first."""
     largest = m.ffn_dim * (2 if m.gated else 1) * m.dim * max(1, m.n_experts)  # a block's
     whole = 4.0 * (block * m.n_layers + rest)
     if not lora:  # the embeddings' values are drawn whole too, but before any block
         return whole / shards + 4.0 * max(largest, m.vocab_size * m.dim)
     done = frozen_base_bytes(m, recipe, linear, block, rest, quantized_base)
-    quantizing = (4.0 + 2.0) * largest if quantized_base else 0.0
+    quantizing = 13.0 * largest if quantized_base and recipe.quantized else 4.0 * largest
     if shards > 1:
         return whole + quantizing
-    return done + 2.0 * block + 4.0 * largest + quantizing
+    return done + 2.0 * block + quantizing
