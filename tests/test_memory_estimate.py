@@ -255,3 +255,10 @@ def test_gpu_prediction_is_within_ten_percent_of_the_measured_peak(case):
     assert abs(m["predicted_peak_gb"] / m["peak_mem_allocated_gb"] - 1) <= 0.10, m
     if cfg.workload == "lora":
         assert abs(m["predicted_build_peak_gb"] / m["build_peak_gb"] - 1) <= 0.10, m
+
+
+def test_a_lora_build_peaks_at_the_embeddings_where_they_outweigh_the_blocks():
+    wide = ModelConfig("wide-vocab", 1, 8, 16, 2, 1, 4096, head_dim=4)  # embeddings and head 32768 each
+    e = estimate(wide, get_recipe("fp8-tensorwise"), seq_len=4, mbs=1, workload="lora", lora_quantized_base=True)
+    rest = 2 * 4096 * 8 + 8
+    assert e.build == 4 * rest + 4 * 4096 * 8  # the FP32 embeddings and their values drawn whole

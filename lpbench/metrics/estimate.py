@@ -275,7 +275,8 @@ def build_peak(
     everything outside the blocks (FP32), the blocks converted before, and the block being converted: its
     BF16 parameters and, for a base stored quantized, its largest weight's quantization (``quantize``: its
     FP32 copy, the scaled and the saturated FP32 values and the codes, 13 bytes an element), else that
-    weight's FP32 values. A LoRA run on several ranks builds its model whole in FP32 first."""
+    weight's FP32 values; or, if more, the first moment: the embeddings allocated and drawn (FP32 values).
+    A LoRA run on several ranks builds its model whole in FP32 first."""
     largest = m.ffn_dim * (2 if m.gated else 1) * m.dim * max(1, m.n_experts)  # a block's
     whole = 4.0 * (block * m.n_layers + rest)
     if not lora:  # the embeddings' values are drawn whole too, but before any block
@@ -284,4 +285,4 @@ def build_peak(
     quantizing = 13.0 * largest if quantized_base and recipe.quantized else 4.0 * largest
     if shards > 1:
         return whole + quantizing
-    return done + 2.0 * block + quantizing
+    return max(done + 2.0 * block + quantizing, 4.0 * rest + 4.0 * m.vocab_size * m.dim)
