@@ -37,9 +37,9 @@ def test_parts_counted_by_hand():
         "logits and loss": 64 * 32 * 12,
     }
     assert e.total == 12 * PARAMS + 2 * LINEARS + 64 * EAGER + 64 * 32 * 12
-    # four tokens: the optimizer step (states, master weights and every FP32 gradient) is the peak
+    # four tokens: the end of the backward (states, master weights and every FP32 gradient) is the peak
     short = estimate(HAND, get_recipe("bf16"), seq_len=4, mbs=1, compiled=False, cuda=False)
-    assert short.when == "the optimizer step" and short.total == 16 * PARAMS
+    assert short.when == "the end of the backward" and short.total == 16 * PARAMS
     # the build: FP32 parameters and one parameter's FP32 values drawn whole (the embeddings: 32 x 8)
     assert e.build == 4 * PARAMS + 4 * 256 and e.gb == e.total / 2**30
 
@@ -78,6 +78,19 @@ def test_fsdp_divides_the_states_and_quantized_linears_keep_code_bytes():
     assert f.parts["weight copies held for backward"] == LINEARS  # one byte per element (the dgrad copy)
     # the linears keep their inputs' FP8 copies, 1 byte: qkv 8, o 8 (a BF16 view before), gate_up 8, down 16
     assert f.parts["activations (none)"] == 64 * (EAGER - 16 + 8 + 8 - 16 + 8 - 32 + 16)
+
+
+def test_fsdp_ends_the_backward_with_the_roots_unsharded_gradients_and_their_reduce_scatter_input():
+    wide = ModelConfig("hand-v", 1, 8, 16, 2, 1, 256, head_dim=4)  # embeddings and head 2048 each
+    params, rest = 2 * 2048 + BLOCK + 8, 2 * 2048 + 8
+    e = estimate(wide, get_recipe("bf16"), seq_len=1, mbs=1, dp=4, fsdp=True)
+    assert e.when == "the end of the backward"
+    assert e.parts == {
+        "master weights (fp32)": 4 * params / 4,
+        "optimizer states (fp32 AdamW)": 8 * params / 4,
+        "gradients (fp32)": 4 * BLOCK / 4,  # the blocks', reduced and sharded
+        "the root's gradients (unsharded, reduce-scatter input)": (2 + 4) * rest,  # BF16, and FP32 to reduce
+    }
 
 
 def test_gradient_accumulation_holds_the_earlier_micro_batches_gradients_and_the_weight_cache():

@@ -8,7 +8,8 @@ The peak of a step is the largest of three moments, each the sum of what is live
   with gradient accumulation the earlier micro-batches' (FSDP: unsharded, in the reduction dtype);
 * the last block's rerun (when it is recomputed): the same without the head, with that block's whole
   activations and the LM head's gradient;
-* the optimizer step: every FP32 gradient, no activation.
+* the end of the backward: every FP32 gradient, no activation; under FSDP the root's gradients still
+  unsharded beside their reduce-scatter input.
 
 Live throughout: FP32 master weights of what trains (a LoRA base in BF16, or quantized), AdamW's two FP32
 states, each divided by FSDP's shards and TP's ranks; the weight cache under gradient accumulation; under
@@ -231,7 +232,16 @@ def estimate(
             f"activations ({recompute})": activations,
             "one block recomputed": kept,
         }
-    phases["the optimizer step"] = {**held, "gradients (fp32)": 4.0 * trainable / shards}
+    # the end of the backward: every gradient; under FSDP the root's (embeddings, head) still unsharded, in the
+    # compute dtype, beside its reduce-scatter input in the reduction dtype, every block resharded
+    if fsdp and not lora:
+        phases["the end of the backward"] = {
+            **{k: v for k, v in held.items() if k != "FSDP gathered weights"},
+            "gradients (fp32)": 4.0 * (trainable - rest) / shards,
+            "the root's gradients (unsharded, reduce-scatter input)": (2.0 + reduce_bytes) * rest / tp,
+        }
+    else:
+        phases["the end of the backward"] = {**held, "gradients (fp32)": 4.0 * trainable / shards}
     when = max(phases, key=lambda k: sum(phases[k].values()))
     build = build_peak(m, recipe, linear, block, rest, lora=lora, quantized_base=lora_quantized_base, shards=shards)
     return Estimate({k: v for k, v in phases[when].items() if v}, when=when, build=build)
