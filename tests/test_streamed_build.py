@@ -101,14 +101,40 @@ def test_a_quantized_base_is_never_in_high_precision_more_than_one_block_at_a_ti
     assert not any(isinstance(m, QuantizedLinear) for m in model.layers[:quantized].modules())
 
 
-HF = {"tied": dict(model="tiny", num_layers=2), "untied": dict(model="llama3.2-1b", num_layers=1, vocab_size=512)}
+HF = {
+    "tied": dict(model="tiny", num_layers=2),
+    "untied": dict(model="llama3.2-1b", num_layers=1, vocab_size=512),
+    "qwen3-moe": None,  # saved by transformers: stacked experts assembled from one tensor per expert
+}
+
+
+def _qwen3_moe_checkpoint(path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
 
 
 @pytest.mark.parametrize("case", HF)
 def test_hf_values_read_one_parameter_at_a_time_and_equal_the_whole_load(tmp_path, monkeypatch, case):
-    cfg = RunConfig(**HF[case], device="cpu", seed=7)
     path = tmp_path / "hf"
-    export_hf_checkpoint(build_model(cfg.model_config(), device="cpu", seed=7), path, torch.bfloat16)
+    if HF[case] is None:
+        _qwen3_moe_checkpoint(path)
+    else:
+        cfg = RunConfig(**HF[case], device="cpu", seed=7)
+        export_hf_checkpoint(build_model(cfg.model_config(), device="cpu", seed=7), path, torch.bfloat16)
     whole = load_hf_checkpoint(path)
     from safetensors import safe_open
 
