@@ -49,13 +49,15 @@ def test_recompute_keeps_what_each_mode_says():
     assert block_bytes_per_token(HAND, r, "full") == 4 * 8  # the block input (FP32 residual stream)
     # input, then BF16 QKV output 16, attention output 8, gate_up output 32 + log-sum-exp 2 heads x 4 bytes
     assert block_bytes_per_token(HAND, r, "selective") == 4 * 8 + 2 * (16 + 8 + 32) + 8
-    full = estimate(HAND, r, seq_len=64, mbs=1, recompute="full", compiled=False, cuda=False, fused_loss=True)
-    # chunked loss: the peak is the last block's rerun: its whole activations again, the LM head's FP32 gradient
+    narrow = ModelConfig("hand-v4", 1, 8, 16, 2, 1, 4, head_dim=4)  # HAND with a vocabulary of 4
+    params = 4 * 8 + BLOCK + 8 + 4 * 8
+    full = estimate(narrow, r, seq_len=64, mbs=1, recompute="full", compiled=False, cuda=False, fused_loss=True)
+    # the peak is the last block's rerun: its whole activations again, the LM head's FP32 gradient
     assert full.when == "the last block's rerun"
     assert full.parts == {
-        "master weights (fp32)": 4 * PARAMS,
-        "optimizer states (fp32 AdamW)": 8 * PARAMS,
-        "gradients so far (LM head)": 4 * 32 * 8,
+        "master weights (fp32)": 4 * params,
+        "optimizer states (fp32 AdamW)": 8 * params,
+        "gradients so far (LM head)": 4 * 4 * 8,
         "weight copies held for backward": 2 * LINEARS,  # eager: the checkpoint does not free them
         "activations (full)": 64 * 32,
         "one block recomputed": 64 * EAGER,
@@ -78,6 +80,17 @@ def test_fsdp_divides_the_states_and_quantized_linears_keep_code_bytes():
     assert f.parts["weight copies held for backward"] == LINEARS  # one byte per element (the dgrad copy)
     # the linears keep their inputs' FP8 copies, 1 byte: qkv 8, o 8 (a BF16 view before), gate_up 8, down 16
     assert f.parts["activations (none)"] == 64 * (EAGER - 16 + 8 + 8 - 16 + 8 - 32 + 16)
+
+
+def test_the_chunked_loss_holds_one_chunk_and_on_cuda_every_logits_bf16_gradient():
+    r = get_recipe("bf16")
+    cpu = estimate(HAND, r, seq_len=64, mbs=1, compiled=False, cuda=False, fused_loss=True)
+    # the input's BF16 gradient (2 x D a token) and one chunk (here every token) of FP32 logits, exp and softmax
+    assert cpu.parts["logits and loss"] == 64 * (2 * 8 + 12 * 32)
+    big = ModelConfig("hand-128k", 1, 8, 16, 2, 1, 131072, head_dim=4)
+    gpu = estimate(big, r, seq_len=8192, mbs=1, fused_loss=True)
+    # CUDA: 2048 tokens a chunk (2**28 logits), and the BF16 gradient of all 8192 x 131072 logits
+    assert gpu.parts["logits and loss"] == 8192 * 2 * 8 + 12 * 2048 * 131072 + 2 * 8192 * 131072
 
 
 def test_fsdp_ends_the_backward_with_the_roots_unsharded_gradients_and_their_reduce_scatter_input():

@@ -210,9 +210,12 @@ def estimate(
     grads = {"accumulated gradients": accumulated} if accumulated else {}
     # the head's backward, eager: log-softmax's FP32 output, its gradient and the FP32 logits' gradient (then
     # the BF16 one, once the first two are freed); compiled (one process or DDP): the BF16 logits and their
-    # FP32 gradient; chunked (--fused-loss): one chunk's, not counted
+    # FP32 gradient; chunked (--fused-loss, only where the head is a plain local linear): :func:`chunked_loss_bytes`
     per_logit = 6 if compiled and not fsdp and tp == 1 else 12
-    logits = 0.0 if fused_loss else mbs * seq_len * m.vocab_size * per_logit / tp
+    if fused_loss and not fsdp and tp == 1:
+        logits = chunked_loss_bytes(m, mbs * seq_len, cuda=cuda, trains_head=not lora)
+    else:
+        logits = mbs * seq_len * m.vocab_size * per_logit / tp
     phases = {
         "the loss's backward": {
             **held,
@@ -245,6 +248,17 @@ def estimate(
     when = max(phases, key=lambda k: sum(phases[k].values()))
     build = build_peak(m, recipe, linear, block, rest, lora=lora, quantized_base=lora_quantized_base, shards=shards)
     return Estimate({k: v for k, v in phases[when].items() if v}, when=when, build=build)
+
+
+def chunked_loss_bytes(m: ModelConfig, tokens: int, *, cuda: bool, trains_head: bool) -> float:
+    """What the chunked LM head + cross-entropy (``models/fused_loss.py``) holds at its peak, in its forward: the
+    input's BF16 gradient, one chunk's FP32 logits, their exponentials and softmax (12 bytes a logit), and on
+    CUDA, for a trained head, the BF16 gradient of every logit (its weight gradient is one GEMM over them)."""
+    from lpbench.models.fused_loss import CHUNK_ELEMENTS
+
+    chunk = min(tokens, max(1, CHUNK_ELEMENTS["cuda" if cuda else "cpu"] // m.vocab_size)) * m.vocab_size
+    every = 2.0 * tokens * m.vocab_size if cuda and trains_head else 0.0
+    return 2.0 * tokens * m.dim + 12.0 * chunk + every
 
 
 def frozen_base_bytes(
