@@ -259,13 +259,13 @@ GPU_RUNS = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_RUNS)
 def test_gpu_prediction_is_within_ten_percent_of_the_measured_peak(case):
-    """A compiled llama3.2-1b@4L run on CUDA: the step's predicted peak within 10 % of
+    """A compiled llama3.2-1b run on CUDA (16 blocks, so that the blocks, not the head, hold most of the
+    activations, as in the models the estimator is for): the step's predicted peak within 10 % of
     ``torch.cuda.max_memory_allocated`` over the steps, and (LoRA) the streamed build's within 10 % of its own."""
     from lpbench.train.loop import train
 
     cfg = RunConfig(
         model="llama3.2-1b",
-        num_layers=4,
         seq_len=2048,
         mbs=2,
         **{"gbs": 2, **GPU_RUNS[case]},
