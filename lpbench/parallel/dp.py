@@ -3,10 +3,12 @@
 FSDP2 under gradient accumulation communicates as ``--fsdp-shard`` says (:data:`lpbench.config.FSDP_SHARDS`):
 gradients are reduce-scattered once per optimizer step in every mode (``set_requires_gradient_sync(False)``
 on all but the last micro-batch, :func:`grad_sync`); parameters are all-gathered for each micro-batch's
-forward and again for its backward (``zero3``), once per micro-batch and kept from forward to backward
+forward and again for its backward (``zero3``; but the last block, whose backward starts right after its
+forward, keeps its parameters, as torchtitan does), once per micro-batch and kept from forward to backward
 (``zero2``: ``reshard_after_forward=False``), or once per optimizer step and kept unsharded until the last
 micro-batch's backward (``zero1``: also ``set_reshard_after_backward(False)`` on the others). Each block
 prefetches the next block's all-gather in forward and the previous block's in backward (explicit prefetch).
+The root group (embeddings, final norm, LM head) is gathered at the start of each forward it is not kept for.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ def apply_fsdp(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=grad_dtype)
     ignored = set(expert_params(model)[0]) or None  # expert parallel: each rank's own experts
     blocks = list(model.layers)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored, reshard_after_forward=shard == "zero3")
+    for i, block in enumerate(blocks):
+        reshard = shard == "zero3" and i < len(blocks) - 1  # the last block's backward follows its forward
+        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored, reshard_after_forward=reshard)
     root = fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
     for before, after in zip(blocks, blocks[1:]):
         before.set_modules_to_forward_prefetch([after])
