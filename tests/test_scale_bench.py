@@ -9,22 +9,94 @@ def scale(benchmark_script):
 
 
 def test_plan_grows_the_global_batch_with_the_gpus_and_runs_the_baseline_first(scale):
-    runs = scale.plan(
-        scale.parse(["--out", "x", "--gpus", "4,1,2", "--layouts", "fsdp,tp2=--tp 2", "--gbs-per-gpu", "8"])
+    jobs = scale.plan(
+        scale.parse(
+            ["--out", "x", "--gpus", "4,1,2", "--layouts", "fsdp,tp2=--tp 2", "--gbs-per-gpu", "8"]
+            + ["--knob", "fsdp-zero2=--fsdp --fsdp-shard zero2", "--row", "full:4:--model llama3-8b --fsdp --gbs 32"]
+        )
     )
-    assert [(name, n) for name, n, _ in runs] == [
-        ("1gpu-single", 1),
-        ("2gpu-fsdp", 2),
-        ("2gpu-tp2", 2),
-        ("4gpu-fsdp", 4),
-        ("4gpu-tp2", 4),
-    ]
-    flags = dict(((name, tuple(f)) for name, _, f in runs))
-    assert "--nproc-per-node" not in flags["1gpu-single"]
-    fsdp4 = list(flags["4gpu-fsdp"])
+    names = ["1gpu-single", "2gpu-fsdp", "2gpu-tp2", "4gpu-fsdp", "4gpu-tp2", "4gpu-fsdp-zero2", "full"]
+    assert [(j.name, j.precision) for j in jobs] == [(n, p) for n in names for p in ("bf16", "fp8-tensorwise")]
+    assert [j.gpus for j in jobs[::2]] == [1, 2, 2, 4, 4, 4, 4]
+    flags = {j.folder: j.flags for j in jobs}
+    assert "--nproc-per-node" not in flags["1gpu-single-bf16"]
+    fsdp4 = flags["4gpu-fsdp-fp8-tensorwise"]
     assert fsdp4[fsdp4.index("--gbs") + 1] == "32" and "--fsdp" in fsdp4
     assert fsdp4[fsdp4.index("--nproc-per-node") + 1] == "4"
-    assert list(flags["2gpu-tp2"])[-2:] == ["--tp", "2"]
+    assert fsdp4[fsdp4.index("--precision") + 1] == "fp8-tensorwise"
+    assert flags["2gpu-tp2-bf16"][-2:] == ["--tp", "2"]
+    assert flags["4gpu-fsdp-zero2-bf16"][-3:] == ["--fsdp", "--fsdp-shard", "zero2"]
+    full = flags["full-bf16"]
+    assert full[:5] == ["--model", "llama3-8b", "--fsdp", "--gbs", "32"] and "--num-layers" not in full
+    assert [j.table for j in jobs][-2:] == ["rows", "rows"]
+
+
+def test_profiled_layouts_run_one_more_step_and_profile_it(scale):
+    jobs = scale.plan(scale.parse(["--out", "x", "--gpus", "1,4", "--steps", "6", "--profile-layouts", "fsdp"]))
+    flags = {j.folder: j.flags for j in jobs}
+    fsdp = flags["4gpu-fsdp-bf16"]
+    assert fsdp[fsdp.index("--steps") + 1] == "7" and fsdp[fsdp.index("--profile-steps") + 1] == "7:7"
+    assert "--profile-steps" not in flags["4gpu-ddp-bf16"] and "--profile-steps" not in flags["1gpu-single-bf16"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--row", "full:four:--fsdp"], "--row takes NAME:GPUS:FLAGS"),
+        (["--row", "full:4:"], "--row takes NAME:GPUS:FLAGS"),
+        (["--knob", "zero2"], "--knob takes NAME=FLAGS"),
+    ],
+)
+def test_malformed_rows_and_knobs_are_refused(scale, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        scale.plan(scale.parse(["--out", "x", *argv]))
+
+
+def test_jobs_share_the_gpus_in_order_under_a_budget(scale, tmp_path, monkeypatch):
+    """Jobs start where they fit (CUDA_VISIBLE_DEVICES of free GPUs), each under timeout; a job the budget
+    cannot start is skipped, one larger than the host is refused."""
+    started, cmds = [], []
+
+    class Proc:
+        def __init__(self, cmd, env, **kw):
+            self.cmd, self.gpus, self.polls = cmd, env["CUDA_VISIBLE_DEVICES"], 0
+            cmds.append(cmd)
+            started.append((cmd[5 + cmd[5:].index("--precision") + 1], self.gpus, [p.gpus for p in live]))
+            live.append(self)
+
+        def poll(self):
+            self.polls += 1
+            if self.polls < 2:
+                return None
+            live.remove(self)
+            self.returncode = 124 if "fp8-tensorwise" in self.cmd and "--fsdp" in self.cmd else 0
+            return self.returncode
+
+    live = []
+    monkeypatch.setattr(scale.subprocess, "Popen", Proc)
+    monkeypatch.setattr(scale.time, "sleep", lambda s: None)
+    args = scale.parse(["--out", str(tmp_path), "--gpus", "1,2,8", "--layouts", "fsdp", "--gpus-available", "4"])
+    jobs = scale.plan(args)
+    outcome = scale.run_jobs(jobs, args)
+    assert started[:3] == [("bf16", "0", []), ("fp8-tensorwise", "1", ["0"]), ("bf16", "2,3", ["0", "1"])]
+    assert len(cmds) == 4 and all(cmd[:3] == ["timeout", "-k", "20"] and cmd[3] == "600" for cmd in cmds)
+    assert outcome["2gpu-fsdp-bf16"] == "ok" and outcome["2gpu-fsdp-fp8-tensorwise"] == "timeout"
+    assert outcome["8gpu-fsdp-bf16"] == "skipped (too few GPUs)"
+    monkeypatch.setattr(scale, "MIN_START_S", 10**9)  # nothing fits the budget
+    args = scale.parse(["--out", str(tmp_path), "--gpus", "1", "--budget", "100"])
+    assert set(scale.run_jobs(scale.plan(args), args).values()) == {"skipped"}
+
+
+def test_extrapolation_is_linear_in_the_block_count(scale):
+    def row(name, blocks, step_s, precision="bf16"):  # 4 GPUs, 16 x 4096 tokens a step
+        tps = 65536 / (step_s * 4)
+        return {"name": name, "precision": precision, "gpus": 4, "blocks": blocks, "tokens_per_step": 65536, "tps": tps}
+
+    rows = [row("q8", 8, 1.0), row("q16", 16, 1.8), row("q8", 8, 1.0, "fp8-rowwise")]
+    (line,) = scale.extrapolate(rows, "q8,q16:48")  # 1.0 + 0.1 s a block x 40 = 5.0 s
+    assert "step 5.000 s" in line and f"{65536 / (5.0 * 4):,.0f} tokens/s/GPU" in line and "bf16" in line
+    with pytest.raises(SystemExit, match="A,B:BLOCKS"):
+        scale.extrapolate(rows, "q8:48")
 
 
 def test_unknown_layout_is_refused(scale):
@@ -44,6 +116,7 @@ def test_table_divides_by_the_one_gpu_run_of_the_same_precision(scale):
             "spread": (tps * 0.99, tps * 1.01),
             "tflops": tps / 100,
             "peak_gb": 10.0,
+            "comm": (12.0, 3.0) if gpus > 1 else None,
         }
 
     text = scale.table(
@@ -58,6 +131,7 @@ def test_table_divides_by_the_one_gpu_run_of_the_same_precision(scale):
     assert "| 90.0% |" in fsdp_fp8  # 1170 / 1300
     assert f"| {1170 / 950:.3f}x |" in fsdp_fp8
     assert "1,170 (1,158-1,182)" in fsdp_fp8
+    assert fsdp_fp8.endswith("| 10.0 | 12 | 3 |")  # peak GB, NCCL and exposed ms per step
 
 
 def test_one_gpu_run_end_to_end_reads_its_own_results(scale, tmp_path, monkeypatch, capsys):
