@@ -13,7 +13,8 @@ not started in time is reported as skipped).
 Layouts (``--layouts``): ``ddp``, ``fsdp``, or ``NAME=FLAGS`` for any other (``tp2='--tp 2'``;
 a layout whose flags shrink the data-parallel size keeps the same global batch, so its
 efficiency is strong scaling against the same one-GPU run). ``--knob NAME=FLAGS`` adds a layout
-run at the largest GPU count only (A/B rows: ``fsdp-zero2='--fsdp --fsdp-shard zero2'``).
+run at the largest GPU count only (A/B rows: ``fsdp-zero2='--fsdp --fsdp-shard zero2'``); a knob's or
+row's own ``--precision A,B`` replaces ``--precision`` for it.
 ``--row NAME:GPUS:FLAGS`` adds a run of its own flags (another model or batch) to a second table,
 and ``--extrapolate A,B:BLOCKS`` fits those two rows' step times linearly in their block counts
 and prints tokens/s/GPU at BLOCKS blocks. ``--profile-layouts`` profiles one more step of those
@@ -83,6 +84,16 @@ def parse_row(text: str) -> tuple[str, int, list[str]]:
     return name, int(gpus), shlex.split(flags)
 
 
+def own_precisions(flags: list[str], default: list[str]) -> tuple[list[str], list[str]]:
+    """(precisions, the other flags): a knob's or row's own ``--precision A,B`` replaces the table's."""
+    if "--precision" not in flags:
+        return default, flags
+    at = flags.index("--precision")
+    if at + 1 >= len(flags):
+        raise SystemExit("scale.py: --precision in a knob or row needs a value")
+    return [p for p in flags[at + 1].split(",") if p], flags[:at] + flags[at + 2 :]
+
+
 def plan(args) -> list[Job]:
     """One job per (GPU count, layout, precision) of the table, the one-GPU runs first, then the knobs at the
     largest GPU count, then the ``--row`` runs."""
@@ -118,13 +129,15 @@ def plan(args) -> list[Job]:
         steps = ["--steps", str(args.steps)]
         if n > 1 and layout in profiled:  # one more step, profiled, left out of the timing
             steps = ["--steps", str(args.steps + 1), "--profile-steps", f"{args.steps + 1}:{args.steps + 1}"]
-        for p in precisions:
+        mine, flags = own_precisions(flags, precisions)
+        for p in mine:
             flags_p = [*common, *steps, "--precision", p, "--gbs", str(args.gbs_per_gpu * n), *launch, *flags]
             jobs.append(Job(f"{n}gpu-{layout}", n, p, flags_p))
     for row in args.row:
         name, n, flags = parse_row(row)
         launch = ["--nproc-per-node", str(n)] if n > 1 else []
-        for p in precisions:
+        mine, flags = own_precisions(flags, precisions)
+        for p in mine:
             jobs.append(Job(name, n, p, [*flags, "--precision", p, *launch], table="rows"))
     return jobs
 

@@ -13,8 +13,14 @@ def test_plan_grows_the_global_batch_with_the_gpus_and_runs_the_baseline_first(s
         scale.parse(
             ["--out", "x", "--gpus", "4,1,2", "--layouts", "fsdp,tp2=--tp 2", "--gbs-per-gpu", "8"]
             + ["--knob", "fsdp-zero2=--fsdp --fsdp-shard zero2", "--row", "full:4:--model llama3-8b --fsdp --gbs 32"]
+            + ["--knob", "fp8ag=--fsdp --precision fp8-tensorwise --fsdp-fp8-all-gather"]
+            + ["--row", "moe:4:--model tiny-moe --ep 4 --precision bf16,fp8-rowwise"]
         )
     )
+    own = [(j.name, j.precision) for j in jobs if j.name in ("fp8ag", "4gpu-fp8ag", "moe")]
+    assert own == [("4gpu-fp8ag", "fp8-tensorwise"), ("moe", "bf16"), ("moe", "fp8-rowwise")]
+    assert all(j.flags.count("--precision") == 1 for j in jobs)
+    jobs = [j for j in jobs if j.name not in ("4gpu-fp8ag", "moe")]
     names = ["1gpu-single", "2gpu-fsdp", "2gpu-tp2", "4gpu-fsdp", "4gpu-tp2", "4gpu-fsdp-zero2", "full"]
     assert [(j.name, j.precision) for j in jobs] == [(n, p) for n in names for p in ("bf16", "fp8-tensorwise")]
     assert [j.gpus for j in jobs[::2]] == [1, 2, 2, 4, 4, 4, 4]
