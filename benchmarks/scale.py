@@ -3,9 +3,10 @@
 Weak scaling: every GPU does the work of the one-GPU run (``--gbs-per-gpu`` sequences a step), so
 the global batch grows with the GPU count and efficiency = tokens/s/GPU of the layout over
 tokens/s/GPU of the one-GPU run of the same precision, measured in this call. Each (GPU count,
-layout, precision) is one ``lpbench run``, with its own results folder and log under ``--out``,
-run under coreutils ``timeout`` (``--timeout``; the whole call within ``--budget`` seconds: a run
-not started in time is reported as skipped).
+layout) is one ``lpbench run`` of every precision (one run per precision where it leaves GPUs of
+``--gpus-available`` free, so runs can share the host), with its own results folder and log under
+``--out``, run under coreutils ``timeout`` (``--timeout`` per precision; the whole call within
+``--budget`` seconds: a run not started in time is reported as skipped).
 
     PYTHONPATH=. python benchmarks/scale.py --model llama3-8b --num-layers 16 --seq-len 8192 \\
         --gpus 1,2,4 --layouts ddp,fsdp --precision bf16,fp8-tensorwise --gpus-available 4 --out $OUT/scale
@@ -18,13 +19,13 @@ row's own ``--precision A,B`` replaces ``--precision`` for it.
 ``--row NAME:GPUS:FLAGS`` adds a run of its own flags (another model or batch) to a second table,
 and ``--extrapolate A,B:BLOCKS`` fits those two rows' step times linearly in their block counts
 and prints tokens/s/GPU at BLOCKS blocks. ``--profile-layouts`` profiles one more step of those
-layouts' multi-GPU runs (left out of their timing) and adds the NCCL kernel time per step and the
+layouts' runs at the largest GPU count (left out of their timing) and adds the NCCL kernel time per step and the
 part of it no compute kernel overlapped (``lpbench.metrics.trace.exposed_comm``; mean over the
 ranks' traces).
 
 ``--gpus-available N`` runs jobs side by side on disjoint GPUs of one host
-(``CUDA_VISIBLE_DEVICES``), in the order given, each starting once enough GPUs are free (a later,
-smaller job may start first where it fits). Printed last: markdown tables with tokens/s/GPU
+(``CUDA_VISIBLE_DEVICES``), in order (the table's runs, the ``--row`` runs, the knobs), each starting
+once enough GPUs are free (a later, smaller job may start first where it fits). Printed last: markdown tables with tokens/s/GPU
 (median of the timed steps, and the quartiles of those steps' own rates), model TFLOP/s/GPU,
 efficiency, the ratio to BF16 of the same layout, peak memory and (profiled) communication.
 """
@@ -47,16 +48,16 @@ MIN_START_S = 45  # a job is not started with less of the budget left: it could 
 
 
 class Job:
-    """One ``lpbench run``: its table row name (``4gpu-fsdp``), GPUs, precision, flags and table
+    """One ``lpbench run``: its table row name (``4gpu-fsdp``), GPUs, precisions, flags and table
     (``weak``: the scaling table; ``rows``: the table of ``--row`` runs). A plain class: the script is
     loaded by path in tests, where a dataclass cannot resolve its annotations."""
 
-    def __init__(self, name: str, gpus: int, precision: str, flags: list[str], table: str = "weak"):
-        self.name, self.gpus, self.precision, self.flags, self.table = name, gpus, precision, flags, table
+    def __init__(self, name: str, gpus: int, precisions: list[str], flags: list[str], table: str = "weak"):
+        self.name, self.gpus, self.precisions, self.flags, self.table = name, gpus, precisions, flags, table
 
     @property
     def folder(self) -> str:
-        return f"{self.name}-{self.precision}"
+        return self.name if len(self.precisions) > 1 else f"{self.name}-{self.precisions[0]}"
 
 
 def parse_layouts(text: str) -> dict[str, list[str]]:
@@ -86,17 +87,29 @@ def parse_row(text: str) -> tuple[str, int, list[str]]:
 
 def own_precisions(flags: list[str], default: list[str]) -> tuple[list[str], list[str]]:
     """(precisions, the other flags): a knob's or row's own ``--precision A,B`` replaces the table's."""
-    if "--precision" not in flags:
-        return default, flags
-    at = flags.index("--precision")
-    if at + 1 >= len(flags):
-        raise SystemExit("scale.py: --precision in a knob or row needs a value")
-    return [p for p in flags[at + 1].split(",") if p], flags[:at] + flags[at + 2 :]
+    mine, rest, i = default, [], 0
+    while i < len(flags):
+        if flags[i] == "--precision":
+            if i + 1 >= len(flags):
+                raise SystemExit("scale.py: --precision in a knob or row needs a value")
+            mine, i = [p for p in flags[i + 1].split(",") if p], i + 2  # the last one counts, as in lpbench run
+        else:
+            rest.append(flags[i])
+            i += 1
+    return mine, rest
+
+
+def jobs_of(name: str, gpus: int, precisions: list[str], flags: list[str], args, table: str = "weak") -> list[Job]:
+    """One job of every precision, or one per precision where it leaves GPUs free for others."""
+    launch = ["--nproc-per-node", str(gpus)] if gpus > 1 else []
+    if gpus < args.gpus_available:
+        return [Job(name, gpus, [p], [*flags, "--precision", p, *launch], table) for p in precisions]
+    return [Job(name, gpus, precisions, [*flags, "--precision", ",".join(precisions), *launch], table)]
 
 
 def plan(args) -> list[Job]:
-    """One job per (GPU count, layout, precision) of the table, the one-GPU runs first, then the knobs at the
-    largest GPU count, then the ``--row`` runs."""
+    """The jobs of the table (the one-GPU runs first), then the ``--row`` runs, then the knobs at the largest
+    GPU count."""
     gpus = sorted({int(g) for g in args.gpus.split(",")})
     if not gpus or gpus[0] < 1:
         raise SystemExit("scale.py: --gpus takes GPU counts >= 1, e.g. 1,2,4")
@@ -122,23 +135,19 @@ def plan(args) -> list[Job]:
     ]
     grid = [(n, layout, flags) for n in gpus for layout, flags in parse_layouts(args.layouts).items() if n > 1]
     grid = [(1, "single", []) for _ in gpus[:1] if gpus[0] == 1] + grid
-    grid += [(gpus[-1], name, flags) for name, flags in knobs.items()]
-    jobs = []
-    for n, layout, flags in grid:
-        launch = ["--nproc-per-node", str(n)] if n > 1 else []
+    knobs = [(gpus[-1], name, flags) for name, flags in knobs.items()]
+
+    def table_jobs(n: int, layout: str, flags: list[str]) -> list[Job]:
         steps = ["--steps", str(args.steps)]
-        if n > 1 and layout in profiled:  # one more step, profiled, left out of the timing
+        if n > 1 and n == gpus[-1] and layout in profiled:  # one more step, profiled, left out of the timing
             steps = ["--steps", str(args.steps + 1), "--profile-steps", f"{args.steps + 1}:{args.steps + 1}"]
         mine, flags = own_precisions(flags, precisions)
-        for p in mine:
-            flags_p = [*common, *steps, "--precision", p, "--gbs", str(args.gbs_per_gpu * n), *launch, *flags]
-            jobs.append(Job(f"{n}gpu-{layout}", n, p, flags_p))
-    for row in args.row:
-        name, n, flags = parse_row(row)
-        launch = ["--nproc-per-node", str(n)] if n > 1 else []
-        mine, flags = own_precisions(flags, precisions)
-        for p in mine:
-            jobs.append(Job(name, n, p, [*flags, "--precision", p, *launch], table="rows"))
+        return jobs_of(f"{n}gpu-{layout}", n, mine, [*common, *steps, "--gbs", str(args.gbs_per_gpu * n), *flags], args)
+
+    jobs = [job for n, layout, flags in grid for job in table_jobs(n, layout, flags)]
+    for name, n, flags in map(parse_row, args.row):
+        jobs += jobs_of(name, n, *own_precisions(flags, precisions), args, table="rows")
+    jobs += [job for n, layout, flags in knobs for job in table_jobs(n, layout, flags)]
     return jobs
 
 
@@ -159,7 +168,8 @@ def run_jobs(jobs: list[Job], args) -> dict[str, str]:
             if job.gpus > len(free):
                 continue
             take, free = free[: job.gpus], free[job.gpus :]
-            limit = int(min(args.timeout, left) if left is not None else args.timeout)
+            limit = args.timeout * len(job.precisions)
+            limit = int(min(limit, left) if left is not None else limit)
             results = args.out / job.folder
             cmd = ["timeout", "-k", "20", str(limit), sys.executable, "-m", "lpbench", "run", *job.flags]
             cmd += ["--results", str(results)]
@@ -345,16 +355,16 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     outcome = run_jobs(jobs, args)
     rows = {"weak": [], "rows": []}
-    for job in jobs:
+    for job in jobs:  # a precision without a result gets a row saying why
         results = args.out / job.folder
-        if (results / "results.db").exists():
-            rows[job.table] += rows_of(results, job.name, job.gpus)
-        else:
-            status = outcome.get(job.folder, "not run")
-            rows[job.table].append(
-                {"name": job.name, "layout": layout_of(job.name), "gpus": job.gpus, "precision": job.precision}
-                | {"status": f"no results ({status}; {job.folder}.log)", "tps": None}
-            )
+        got = rows_of(results, job.name, job.gpus) if (results / "results.db").exists() else []
+        status = f"no results ({outcome.get(job.folder, 'not run')}; {job.folder}.log)"
+        rows[job.table] += got + [
+            {"name": job.name, "layout": layout_of(job.name), "gpus": job.gpus, "precision": p}
+            | {"status": status, "tps": None}
+            for p in job.precisions
+            if p not in {r["precision"] for r in got}
+        ]
     if rows["weak"]:
         print(table(rows["weak"]))
     if rows["rows"]:

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Issue 38's scale-out tables in one call on 4 GPUs of one host, within $BUDGET seconds (default 480; a run not
-# started in time is listed as skipped): benchmarks/scale.py runs each (layout, GPUs, precision) as its own
-# `lpbench run` under coreutils timeout, side by side on free GPUs, logs and results under $OUT.
+# Issue 38's scale-out tables in one call on 4 GPUs of one host, within $BUDGET seconds (default 500; a run not
+# started in time is listed as skipped, so the rows come in this order of priority): benchmarks/scale.py runs
+# each layout as its own `lpbench run` under coreutils timeout (1- and 2-GPU runs one per precision, side by
+# side on free GPUs), logs and results under $OUT.
 #
 #   1. weak scaling, llama3-8b@16L, seq 8192, GBS 8 a GPU: 1 GPU, DDP and FSDP2 on 2 and 4 GPUs, BF16 and
 #      fp8-tensorwise; the 4-GPU FSDP2 rows profile one more step: NCCL ms and exposed NCCL ms per step;
-#   2. FSDP2 knobs on 4 GPUs (A/B against the 4-GPU fsdp rows of the same call): zero1, FP8 all-gather, the two
-#      with BF16 gradient reduction, BF16 reduction alone, zero2;
-#   3. full llama3-8b FSDP2 on 4 GPUs, GBS 32; MoE under EP 4 + FSDP2: mixtral-8x7b@8L and qwen3-30b-a3b at 8 and
-#      16 blocks (seq 4096, GBS 16), BF16 and fp8-rowwise, qwen3 extrapolated linearly to 48 blocks; last,
-#      mixtral's BF16 with --ep-chunks 2.
+#   2. full llama3-8b FSDP2 on 4 GPUs, GBS 32; MoE under EP 4 + FSDP2: mixtral-8x7b@6L and qwen3-30b-a3b at 6 and
+#      12 blocks (seq 4096, GBS 16), BF16 and fp8-rowwise, qwen3 extrapolated linearly to 48 blocks; mixtral's
+#      BF16 with --ep-chunks 2 (A/B against mixtral@6L; cuts that `lpbench memory` fits in 80 GB);
+#   3. FSDP2 knobs on 4 GPUs (A/B against the 4-GPU fsdp rows of the same call): zero1, FP8 all-gather, the two
+#      with BF16 gradient reduction, BF16 reduction alone, zero2.
 #
 # Run from the repository root:
 #
@@ -17,7 +18,7 @@
 set -uo pipefail
 
 OUT=${OUT:-scale-out}
-BUDGET=${BUDGET:-480}
+BUDGET=${BUDGET:-500}
 PYTHON=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
@@ -27,18 +28,18 @@ git rev-parse --short HEAD > "$OUT/tree.txt" 2>/dev/null || true
 
 MOE="--seq-len 4096 --mbs 1 --gbs 16 --ep 4 --fsdp --steps 6 --warmup-steps 3 --precision bf16,fp8-rowwise"
 "$PYTHON" benchmarks/scale.py \
-    --model llama3-8b --num-layers 16 --seq-len 8192 --mbs 1 --gbs-per-gpu 8 --steps 6 --warmup-steps 3 \
+    --model llama3-8b --num-layers 16 --seq-len 8192 --mbs 1 --gbs-per-gpu 8 --steps 5 --warmup-steps 2 \
     --gpus 1,2,4 --layouts ddp,fsdp --precision bf16,fp8-tensorwise --profile-layouts "${PROFILE:-fsdp}" \
     --knob "fsdp-zero1=--fsdp --fsdp-shard zero1" \
     --knob "fsdp-fp8ag=--fsdp --fsdp-fp8-all-gather --precision fp8-tensorwise" \
     --knob "fsdp-zero1-fp8ag-bf16red=--fsdp --fsdp-shard zero1 --fsdp-fp8-all-gather --grad-reduce-dtype bf16 --precision fp8-tensorwise" \
     --knob "fsdp-bf16red=--fsdp --grad-reduce-dtype bf16 --precision bf16" \
     --knob "fsdp-zero2=--fsdp --fsdp-shard zero2 --precision bf16" \
-    --row "llama3-8b:4:--model llama3-8b --seq-len 8192 --mbs 1 --gbs 32 --fsdp --steps 5 --warmup-steps 2" \
-    --row "mixtral@8L:4:--model mixtral-8x7b --num-layers 8 $MOE" \
-    --row "qwen3@8L:4:--model qwen3-30b-a3b --num-layers 8 $MOE" \
-    --row "qwen3@16L:4:--model qwen3-30b-a3b --num-layers 16 $MOE" \
-    --row "mixtral@8L-chunks2:4:--model mixtral-8x7b --num-layers 8 $MOE --ep-chunks 2 --precision bf16" \
-    --extrapolate "qwen3@8L,qwen3@16L:48" \
+    --row "llama3-8b:4:--model llama3-8b --seq-len 8192 --mbs 1 --gbs 32 --fsdp --steps 4 --warmup-steps 2" \
+    --row "mixtral@6L:4:--model mixtral-8x7b --num-layers 6 $MOE" \
+    --row "qwen3@6L:4:--model qwen3-30b-a3b --num-layers 6 $MOE" \
+    --row "qwen3@12L:4:--model qwen3-30b-a3b --num-layers 12 $MOE" \
+    --row "mixtral@6L-chunks2:4:--model mixtral-8x7b --num-layers 6 $MOE --ep-chunks 2 --precision bf16" \
+    --extrapolate "qwen3@6L,qwen3@12L:48" \
     --gpus-available 4 --timeout 240 --budget "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/scale.log"
 exit "${PIPESTATUS[0]}"

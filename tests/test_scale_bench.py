@@ -12,37 +12,51 @@ def test_plan_grows_the_global_batch_with_the_gpus_and_runs_the_baseline_first(s
     jobs = scale.plan(
         scale.parse(
             ["--out", "x", "--gpus", "4,1,2", "--layouts", "fsdp,tp2=--tp 2", "--gbs-per-gpu", "8"]
-            + ["--knob", "fsdp-zero2=--fsdp --fsdp-shard zero2", "--row", "full:4:--model llama3-8b --fsdp --gbs 32"]
+            + ["--gpus-available", "4", "--knob", "fsdp-zero2=--fsdp --fsdp-shard zero2"]
             + ["--knob", "fp8ag=--fsdp --precision fp8-tensorwise --fsdp-fp8-all-gather"]
-            + ["--row", "moe:4:--model tiny-moe --ep 4 --precision bf16,fp8-rowwise"]
+            + ["--row", "full:4:--model llama3-8b --fsdp --gbs 32", "--row", "moe:2:--model tiny-moe --ep 2"]
+            + ["--row", "moe4:4:--model tiny-moe --ep 4 --precision bf16 --precision bf16,fp8-rowwise"]
         )
     )
-    own = [(j.name, j.precision) for j in jobs if j.name in ("fp8ag", "4gpu-fp8ag", "moe")]
-    assert own == [("4gpu-fp8ag", "fp8-tensorwise"), ("moe", "bf16"), ("moe", "fp8-rowwise")]
-    assert all(j.flags.count("--precision") == 1 for j in jobs)
-    jobs = [j for j in jobs if j.name not in ("4gpu-fp8ag", "moe")]
-    names = ["1gpu-single", "2gpu-fsdp", "2gpu-tp2", "4gpu-fsdp", "4gpu-tp2", "4gpu-fsdp-zero2", "full"]
-    assert [(j.name, j.precision) for j in jobs] == [(n, p) for n in names for p in ("bf16", "fp8-tensorwise")]
-    assert [j.gpus for j in jobs[::2]] == [1, 2, 2, 4, 4, 4, 4]
+    both = ["bf16", "fp8-tensorwise"]
+    assert [(j.folder, j.gpus, j.precisions, j.table) for j in jobs] == [
+        ("1gpu-single-bf16", 1, ["bf16"], "weak"),  # one run per precision where GPUs are left for others
+        ("1gpu-single-fp8-tensorwise", 1, ["fp8-tensorwise"], "weak"),
+        ("2gpu-fsdp-bf16", 2, ["bf16"], "weak"),
+        ("2gpu-fsdp-fp8-tensorwise", 2, ["fp8-tensorwise"], "weak"),
+        ("2gpu-tp2-bf16", 2, ["bf16"], "weak"),
+        ("2gpu-tp2-fp8-tensorwise", 2, ["fp8-tensorwise"], "weak"),
+        ("4gpu-fsdp", 4, both, "weak"),  # every precision in one run where it takes every GPU
+        ("4gpu-tp2", 4, both, "weak"),
+        ("full", 4, both, "rows"),
+        ("moe-bf16", 2, ["bf16"], "rows"),
+        ("moe-fp8-tensorwise", 2, ["fp8-tensorwise"], "rows"),
+        ("moe4", 4, ["bf16", "fp8-rowwise"], "rows"),  # its own precisions, the last --precision
+        ("4gpu-fsdp-zero2", 4, both, "weak"),  # knobs last, at the largest GPU count
+        ("4gpu-fp8ag-fp8-tensorwise", 4, ["fp8-tensorwise"], "weak"),
+    ]
     flags = {j.folder: j.flags for j in jobs}
     assert "--nproc-per-node" not in flags["1gpu-single-bf16"]
-    fsdp4 = flags["4gpu-fsdp-fp8-tensorwise"]
+    fsdp4 = flags["4gpu-fsdp"]
     assert fsdp4[fsdp4.index("--gbs") + 1] == "32" and "--fsdp" in fsdp4
     assert fsdp4[fsdp4.index("--nproc-per-node") + 1] == "4"
-    assert fsdp4[fsdp4.index("--precision") + 1] == "fp8-tensorwise"
-    assert flags["2gpu-tp2-bf16"][-2:] == ["--tp", "2"]
-    assert flags["4gpu-fsdp-zero2-bf16"][-3:] == ["--fsdp", "--fsdp-shard", "zero2"]
-    full = flags["full-bf16"]
+    assert fsdp4[fsdp4.index("--precision") + 1] == "bf16,fp8-tensorwise"
+    assert flags["2gpu-tp2-bf16"][-6:-4] == ["--tp", "2"]
+    assert flags["4gpu-fsdp-zero2"][-7:-4] == ["--fsdp", "--fsdp-shard", "zero2"]
+    full = flags["full"]
     assert full[:5] == ["--model", "llama3-8b", "--fsdp", "--gbs", "32"] and "--num-layers" not in full
-    assert [j.table for j in jobs][-2:] == ["rows", "rows"]
+    assert all(f.count("--precision") == 1 for f in flags.values())
+    assert flags["moe4"][flags["moe4"].index("--precision") + 1] == "bf16,fp8-rowwise"
 
 
 def test_profiled_layouts_run_one_more_step_and_profile_it(scale):
-    jobs = scale.plan(scale.parse(["--out", "x", "--gpus", "1,4", "--steps", "6", "--profile-layouts", "fsdp"]))
+    argv = ["--out", "x", "--gpus", "1,2,4", "--steps", "6", "--profile-layouts", "fsdp"]
+    jobs = scale.plan(scale.parse(argv))  # at the largest GPU count only
     flags = {j.folder: j.flags for j in jobs}
-    fsdp = flags["4gpu-fsdp-bf16"]
+    fsdp = flags["4gpu-fsdp"]
     assert fsdp[fsdp.index("--steps") + 1] == "7" and fsdp[fsdp.index("--profile-steps") + 1] == "7:7"
-    assert "--profile-steps" not in flags["4gpu-ddp-bf16"] and "--profile-steps" not in flags["1gpu-single-bf16"]
+    assert "--profile-steps" not in flags["4gpu-ddp"] and "--profile-steps" not in flags["1gpu-single"]
+    assert "--profile-steps" not in flags["2gpu-fsdp"]
 
 
 @pytest.mark.parametrize(
@@ -75,19 +89,21 @@ def test_jobs_share_the_gpus_in_order_under_a_budget(scale, tmp_path, monkeypatc
             if self.polls < 2:
                 return None
             live.remove(self)
-            self.returncode = 124 if "fp8-tensorwise" in self.cmd and "--fsdp" in self.cmd else 0
+            precision, two = self.cmd[self.cmd.index("--precision") + 1], "--nproc-per-node" in self.cmd
+            self.returncode = 124 if precision == "fp8-tensorwise" and two else 0  # 2gpu-fsdp-fp8-tensorwise
             return self.returncode
 
     live = []
     monkeypatch.setattr(scale.subprocess, "Popen", Proc)
     monkeypatch.setattr(scale.time, "sleep", lambda s: None)
-    args = scale.parse(["--out", str(tmp_path), "--gpus", "1,2,8", "--layouts", "fsdp", "--gpus-available", "4"])
-    jobs = scale.plan(args)
-    outcome = scale.run_jobs(jobs, args)
+    argv = ["--out", str(tmp_path), "--gpus", "1,2,4,8", "--layouts", "fsdp", "--gpus-available", "4"]
+    args = scale.parse(argv)
+    outcome = scale.run_jobs(scale.plan(args), args)
     assert started[:3] == [("bf16", "0", []), ("fp8-tensorwise", "1", ["0"]), ("bf16", "2,3", ["0", "1"])]
-    assert len(cmds) == 4 and all(cmd[:3] == ["timeout", "-k", "20"] and cmd[3] == "600" for cmd in cmds)
+    assert started[4:] == [("bf16,fp8-tensorwise", "0,1,2,3", [])]  # the 4-GPU run waits for every GPU
+    assert [cmd[:4] for cmd in cmds] == [["timeout", "-k", "20", "600"]] * 4 + [["timeout", "-k", "20", "1200"]]
     assert outcome["2gpu-fsdp-bf16"] == "ok" and outcome["2gpu-fsdp-fp8-tensorwise"] == "timeout"
-    assert outcome["8gpu-fsdp-bf16"] == "skipped (too few GPUs)"
+    assert outcome["8gpu-fsdp"] == "skipped (too few GPUs)"
     monkeypatch.setattr(scale, "MIN_START_S", 10**9)  # nothing fits the budget
     args = scale.parse(["--out", str(tmp_path), "--gpus", "1", "--budget", "100"])
     assert set(scale.run_jobs(scale.plan(args), args).values()) == {"skipped"}

@@ -34,6 +34,9 @@ def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compil
         cuda=cuda,
         nvfp4_bf16_copies=cuda and (peaks is None or peaks.fp4 is None),
         reduce_bytes=2 if cfg.grad_reduce_dtype == "bf16" else 4,
+        ep=cfg.ep,
+        fsdp_shard=cfg.fsdp_shard,
+        fsdp_fp8_all_gather=cfg.fsdp_fp8_all_gather,
     )
 
 
