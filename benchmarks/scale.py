@@ -15,7 +15,8 @@ Layouts (``--layouts``): ``ddp``, ``fsdp``, or ``NAME=FLAGS`` for any other (``t
 a layout whose flags shrink the data-parallel size keeps the same global batch, so its
 efficiency is strong scaling against the same one-GPU run). ``--knob NAME=FLAGS`` adds a layout
 run at the largest GPU count only (A/B rows: ``fsdp-zero2='--fsdp --fsdp-shard zero2'``); a knob's or
-row's own ``--precision A,B`` replaces ``--precision`` for it.
+row's own ``--precision A,B`` replaces ``--precision`` for it, and its ``NAME=VALUE`` words are its
+environment (``fsdp-nccl8='NCCL_MAX_NCHANNELS=8 --fsdp'``).
 ``--row NAME:GPUS:FLAGS`` adds a run of its own flags (another model or batch) to a second table,
 and ``--extrapolate A,B:BLOCKS`` fits those two rows' step times linearly in their block counts
 and prints tokens/s/GPU at BLOCKS blocks. ``--profile-layouts`` profiles one more step of those
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -45,6 +47,7 @@ LAYOUTS = {"ddp": [], "fsdp": ["--fsdp"]}
 # NVLink multicast off for every multi-GPU run (NCCL NVLS, symmetric memory, NVSHMEM).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 MIN_START_S = 45  # a job is not started with less of the budget left: it could not get past compilation
+ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=")  # a knob's or row's leading NAME=VALUE words: its environment
 
 
 class Job:
@@ -53,7 +56,9 @@ class Job:
     loaded by path in tests, where a dataclass cannot resolve its annotations."""
 
     def __init__(self, name: str, gpus: int, precisions: list[str], flags: list[str], table: str = "weak"):
-        self.name, self.gpus, self.precisions, self.flags, self.table = name, gpus, precisions, flags, table
+        self.name, self.gpus, self.precisions, self.table = name, gpus, precisions, table
+        self.env = dict(f.split("=", 1) for f in flags if ENV.match(f))
+        self.flags = [f for f in flags if not ENV.match(f)]
 
     @property
     def folder(self) -> str:
@@ -173,7 +178,7 @@ def run_jobs(jobs: list[Job], args) -> dict[str, str]:
             results = args.out / job.folder
             cmd = ["timeout", "-k", "20", str(limit), sys.executable, "-m", "lpbench", "run", *job.flags]
             cmd += ["--results", str(results)]
-            env = {**os.environ, **NO_MULTICAST}
+            env = {**os.environ, **NO_MULTICAST, **job.env}
             if args.gpus_available > 1:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in take)
             print(f"=== {job.folder} (GPUs {take}, limit {limit} s): {shlex.join(cmd[5:])}", flush=True)
@@ -350,7 +355,8 @@ def main(argv=None) -> int:
         extrapolate([], spec)  # refuse a malformed spec before any work
     if args.dry_run:
         for job in jobs:
-            print(f"{job.folder} ({job.gpus} GPUs): lpbench run {shlex.join(job.flags)}")
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in job.env.items())
+            print(f"{job.folder} ({job.gpus} GPUs): {env + ' ' if env else ''}lpbench run {shlex.join(job.flags)}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     outcome = run_jobs(jobs, args)

@@ -10,7 +10,7 @@
 #      12 blocks (seq 4096, GBS 16), BF16 and fp8-rowwise, qwen3 extrapolated linearly to 48 blocks; mixtral's
 #      BF16 with --ep-chunks 2 (A/B against mixtral@6L; cuts that `lpbench memory` fits in 80 GB);
 #   3. FSDP2 knobs on 4 GPUs (A/B against the 4-GPU fsdp rows of the same call): zero1, FP8 all-gather, the two
-#      with BF16 gradient reduction, BF16 reduction alone, zero2.
+#      with BF16 gradient reduction, BF16 reduction alone, zero2, NCCL on at most 8 channels (SMs).
 #
 # Run from the repository root:
 #
@@ -35,6 +35,7 @@ MOE="--seq-len 4096 --mbs 1 --gbs 16 --ep 4 --fsdp --steps 6 --warmup-steps 3 --
     --knob "fsdp-zero1-fp8ag-bf16red=--fsdp --fsdp-shard zero1 --fsdp-fp8-all-gather --grad-reduce-dtype bf16 --precision fp8-tensorwise" \
     --knob "fsdp-bf16red=--fsdp --grad-reduce-dtype bf16 --precision bf16" \
     --knob "fsdp-zero2=--fsdp --fsdp-shard zero2 --precision bf16" \
+    --knob "fsdp-nccl8=NCCL_MAX_NCHANNELS=8 --fsdp --precision bf16" \
     --row "llama3-8b:4:--model llama3-8b --seq-len 8192 --mbs 1 --gbs 32 --fsdp --steps 4 --warmup-steps 2" \
     --row "mixtral@6L:4:--model mixtral-8x7b --num-layers 6 $MOE" \
     --row "qwen3@6L:4:--model qwen3-30b-a3b --num-layers 6 $MOE" \

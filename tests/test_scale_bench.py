@@ -47,6 +47,9 @@ def test_plan_grows_the_global_batch_with_the_gpus_and_runs_the_baseline_first(s
     assert full[:5] == ["--model", "llama3-8b", "--fsdp", "--gbs", "32"] and "--num-layers" not in full
     assert all(f.count("--precision") == 1 for f in flags.values())
     assert flags["moe4"][flags["moe4"].index("--precision") + 1] == "bf16,fp8-rowwise"
+    (nccl,) = scale.plan(scale.parse(["--out", "x", "--gpus", "4", "--knob", "n8=NCCL_MAX_NCHANNELS=8 --fsdp"]))[-1:]
+    assert nccl.env == {"NCCL_MAX_NCHANNELS": "8"} and nccl.flags[-5:-3] == ["--fsdp", "--precision"]
+    assert not any("NCCL" in f for f in nccl.flags)
 
 
 def test_profiled_layouts_run_one_more_step_and_profile_it(scale):
@@ -80,6 +83,9 @@ def test_jobs_share_the_gpus_in_order_under_a_budget(scale, tmp_path, monkeypatc
     class Proc:
         def __init__(self, cmd, env, **kw):
             self.cmd, self.gpus, self.polls = cmd, env["CUDA_VISIBLE_DEVICES"], 0
+            assert env["NCCL_NVLS_ENABLE"] == "0" and env.get("NCCL_MAX_NCHANNELS") == (
+                "8" if "--fsdp" in cmd else None
+            )
             cmds.append(cmd)
             started.append((cmd[5 + cmd[5:].index("--precision") + 1], self.gpus, [p.gpus for p in live]))
             live.append(self)
@@ -96,7 +102,8 @@ def test_jobs_share_the_gpus_in_order_under_a_budget(scale, tmp_path, monkeypatc
     live = []
     monkeypatch.setattr(scale.subprocess, "Popen", Proc)
     monkeypatch.setattr(scale.time, "sleep", lambda s: None)
-    argv = ["--out", str(tmp_path), "--gpus", "1,2,4,8", "--layouts", "fsdp", "--gpus-available", "4"]
+    argv = ["--out", str(tmp_path), "--gpus", "1,2,4,8", "--layouts", "fsdp=NCCL_MAX_NCHANNELS=8 --fsdp"]
+    argv += ["--gpus-available", "4"]
     args = scale.parse(argv)
     outcome = scale.run_jobs(scale.plan(args), args)
     assert started[:3] == [("bf16", "0", []), ("fp8-tensorwise", "1", ["0"]), ("bf16", "2,3", ["0", "1"])]
