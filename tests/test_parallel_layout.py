@@ -330,6 +330,25 @@ def test_tiny_moe_runs_expert_parallel_under_fsdp_from_the_command_line(tmp_path
     assert sum(m["ep_tokens_per_rank"]) == 2 * 8 * 32 * 2 * 4  # steps x GBS x seq x top-k x layers
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dp", ["--fsdp", "--no-fsdp"])
+def test_ep_chunks_are_bit_identical_on_nccl(tmp_path, dp):
+    """On CUDA the experts' grouped BF16 GEMMs (and their FP32 gradient buffers under accumulation) run each
+    group of experts apart, with NCCL's asynchronous all-to-alls: --ep-chunks 2 trains as 1 does, bit for bit."""
+    losses = {}
+    for chunks in ("1", "2"):
+        results = tmp_path / chunks
+        argv = ["run", "--model", "tiny-moe", "--ep", "2", dp, "--nproc-per-node", "2", "--precision", "bf16"]
+        argv += ["--seq-len", "256", "--mbs", "2", "--gbs", "16", "--steps", "4", "--warmup-steps", "1"]
+        argv += ["--ep-chunks", chunks, "--results", str(results)]
+        out = subprocess.run([sys.executable, "-m", "lpbench", *argv], capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        with sqlite3.connect(results / "results.db") as db:
+            losses[chunks] = db.execute("SELECT step, loss, grad_norm FROM steps ORDER BY step").fetchall()
+    assert len(losses["1"]) == 4 and losses["2"] == losses["1"]
+
+
 _MIXED_STEP = """
 import os, socket, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
