@@ -8,7 +8,7 @@
 #      fp8-tensorwise; the 4-GPU FSDP2 rows profile one more step: NCCL ms and exposed NCCL ms per step;
 #   2. full llama3-8b FSDP2 on 4 GPUs, GBS 32; MoE under EP 4 + FSDP2: mixtral-8x7b@6L and qwen3-30b-a3b at 6 and
 #      12 blocks (seq 4096, GBS 16), BF16 and fp8-rowwise, qwen3 extrapolated linearly to 48 blocks; mixtral's
-#      BF16 with --ep-chunks 2 (A/B against mixtral@6L; cuts that `lpbench memory` fits in 80 GB);
+#      with --ep-chunks 2 (A/B against mixtral@6L; cuts that `lpbench memory` fits in 80 GB);
 #   3. FSDP2 knobs on 4 GPUs (A/B against the 4-GPU fsdp rows of the same call): zero1, FP8 all-gather, the two
 #      with BF16 gradient reduction, BF16 reduction alone, zero2, NCCL on at most 8 channels (SMs).
 #
@@ -40,7 +40,7 @@ MOE="--seq-len 4096 --mbs 1 --gbs 16 --ep 4 --fsdp --steps 6 --warmup-steps 3 --
     --row "mixtral@6L:4:--model mixtral-8x7b --num-layers 6 $MOE" \
     --row "qwen3@6L:4:--model qwen3-30b-a3b --num-layers 6 $MOE" \
     --row "qwen3@12L:4:--model qwen3-30b-a3b --num-layers 12 $MOE" \
-    --row "mixtral@6L-chunks2:4:--model mixtral-8x7b --num-layers 6 $MOE --ep-chunks 2 --precision bf16" \
+    --row "mixtral@6L-chunks2:4:--model mixtral-8x7b --num-layers 6 $MOE --ep-chunks 2" \
     --extrapolate "qwen3@6L,qwen3@12L:48" \
     --gpus-available 4 --timeout 240 --budget "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/scale.log"
 exit "${PIPESTATUS[0]}"

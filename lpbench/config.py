@@ -242,7 +242,8 @@ class RunConfig:
         default=1,
         metadata=arg(
             "with --ep: split each rank's experts into this many groups whose all-to-all runs asynchronously "
-            "beside the other groups' expert GEMMs (BF16/FP32 experts; bit-identical to 1, no overlap)",
+            "beside the other groups' expert GEMMs (grouped BF16/FP32 and FP8 row-/tensor-wise experts; "
+            "bit-identical to 1, no overlap)",
             section="parallel",
             layout=True,
         ),

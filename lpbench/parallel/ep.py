@@ -13,8 +13,9 @@ at once, asynchronously, and each group's experts run as soon as its rows arrive
 and the earlier groups' results are still in flight (in backward the same, the engine running the nodes in
 reverse). Each expert still receives all its rows in the same order, and the other groups' experts get none in
 that call (a zero gradient, added exactly), so the result is bit-identical to C = 1 where the experts' kernel
-computes each expert apart (BF16/FP32 grouped GEMMs: :data:`CHUNKABLE`); a quantized kernel, whose scales may
-span experts or rows, runs unchunked.
+computes each expert apart (:data:`CHUNKABLE`: the compute-dtype grouped GEMMs, and the FP8 row-/tensor-wise
+ones, whose scales are per token, per expert row, per expert, per expert and column); the per-expert dense
+GEMMs (``Looped``: delayed scaling's histories, the block formats) run unchunked.
 
 Gradients: an expert's weight gradient sums the losses of every rank of its group (their tokens
 reached it through the exchange), each loss already the mean over that rank's batch; so it is
@@ -33,9 +34,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lpbench.models.moe import GroupedMM, MoE
-from lpbench.precision.grouped import GroupedBf16, Looped
+from lpbench.precision.grouped import GroupedBf16, GroupedFp8, Looped
 
-CHUNKABLE = (GroupedMM, GroupedBf16)  # experts' kernels that compute each expert apart: --ep-chunks applies
+# experts' kernels that compute each expert apart (FP8: scales per token, per expert, per expert and column):
+# --ep-chunks applies
+CHUNKABLE = (GroupedMM, GroupedBf16, GroupedFp8)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -111,7 +114,9 @@ class ExpertParallel:
     def chunkable(self) -> bool:
         """Whether the experts' kernel (chosen by the converters, possibly after apply_ep) computes each expert apart."""
         e = self.experts
-        return e is not None and type(e.gemm) in CHUNKABLE and e.tp is None and not len(e.adapters)
+        if e is None or e.tp is not None or len(e.adapters):
+            return False
+        return type(e.gemm) in CHUNKABLE
 
     @torch.compiler.disable  # split sizes are host values: never specialised and recompiled on them
     def exchange(self, xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, run) -> torch.Tensor:
