@@ -8,7 +8,9 @@ forward, keeps its parameters, as torchtitan does), once per micro-batch and kep
 (``zero2``: ``reshard_after_forward=False``), or once per optimizer step and kept unsharded until the last
 micro-batch's backward (``zero1``: also ``set_reshard_after_backward(False)`` on the others). Each block
 prefetches the next block's all-gather in forward and the previous block's in backward (explicit prefetch).
-The root group (embeddings, final norm, LM head) is gathered at the start of each forward it is not kept for.
+The root group (embeddings, final norm, LM head), gathered at the start of a forward with no compute to hide
+under, stays gathered from the first micro-batch to the last one's backward in every mode (it is gathered at
+the peak of memory, the start of the backward, anyway).
 """
 
 from __future__ import annotations
@@ -99,14 +101,13 @@ def grad_sync(model: nn.Module, enabled: bool, keep_unsharded: bool = False):
     """Reduce gradients across data-parallel ranks in this forward/backward only if ``enabled``.
 
     Non-final micro-batches of gradient accumulation run with ``enabled=False`` (DDP ``no_sync``,
-    FSDP2 ``set_requires_gradient_sync``), so each step communicates gradients once. With
-    ``keep_unsharded`` (``--fsdp-shard zero1``) FSDP2 also keeps the parameters gathered after those
-    micro-batches' backward, so the next forward gathers nothing.
+    FSDP2 ``set_requires_gradient_sync``), so each step communicates gradients once. FSDP2 keeps the root
+    group's parameters gathered after those micro-batches' backward, and with ``keep_unsharded``
+    (``--fsdp-shard zero1``) every group's, so the next forward does not gather them again.
     """
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
-        if keep_unsharded:
-            model.set_reshard_after_backward(enabled)
+        model.set_reshard_after_backward(enabled, recurse=keep_unsharded)
         yield
     else:
         with model.no_sync() if isinstance(model, DDP) and not enabled else nullcontext():
