@@ -12,7 +12,8 @@
 #   3. FSDP2 knobs on 4 GPUs (A/B against the 4-GPU fsdp rows of the same call): zero1, FP8 all-gather, the two
 #      with BF16 gradient reduction, BF16 reduction alone, zero2, NCCL on at most 8 channels (SMs).
 #
-# Run from the repository root:
+# Run from the repository root (PART=table, moe or fsdp runs one part alone, fsdp with the 1-GPU and 4-GPU fsdp
+# rows its ratios need; PROFILE= turns the profiled step off):
 #
 #     PYTHONPATH=. OUT=/some/dir bash benchmarks/scale_4gpu.sh
 set -uo pipefail
@@ -27,20 +28,32 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 git rev-parse --short HEAD > "$OUT/tree.txt" 2>/dev/null || true
 
 MOE="--seq-len 4096 --mbs 1 --gbs 16 --ep 4 --fsdp --steps 6 --warmup-steps 3 --precision bf16,fp8-rowwise"
+TABLE=(--gpus 1,2,4 --layouts ddp,fsdp)
+FULL=(--row "llama3-8b:4:--model llama3-8b --seq-len 8192 --mbs 1 --gbs 32 --fsdp --steps 4 --warmup-steps 2")
+MOE_ROWS=(
+    --row "mixtral@6L:4:--model mixtral-8x7b --num-layers 6 $MOE"
+    --row "qwen3@6L:4:--model qwen3-30b-a3b --num-layers 6 $MOE"
+    --row "qwen3@12L:4:--model qwen3-30b-a3b --num-layers 12 $MOE"
+    --row "mixtral@6L-chunks2:4:--model mixtral-8x7b --num-layers 6 $MOE --ep-chunks 2"
+    --extrapolate "qwen3@6L,qwen3@12L:48"
+)
+KNOBS=(
+    --knob "fsdp-zero1=--fsdp --fsdp-shard zero1"
+    --knob "fsdp-fp8ag=--fsdp --fsdp-fp8-all-gather --precision fp8-tensorwise"
+    --knob "fsdp-zero1-fp8ag-bf16red=--fsdp --fsdp-shard zero1 --fsdp-fp8-all-gather --grad-reduce-dtype bf16 --precision fp8-tensorwise"
+    --knob "fsdp-bf16red=--fsdp --grad-reduce-dtype bf16 --precision bf16"
+    --knob "fsdp-zero2=--fsdp --fsdp-shard zero2 --precision bf16"
+    --knob "fsdp-nccl8=NCCL_MAX_NCHANNELS=8 --fsdp --precision bf16"
+)
+case "${PART:-all}" in  # a part alone, for a second call: its own baselines come with it
+    all) ARGS=("${TABLE[@]}" "${FULL[@]}" "${MOE_ROWS[@]}" "${KNOBS[@]}") ;;
+    table) ARGS=("${TABLE[@]}" "${FULL[@]}") ;;
+    moe) ARGS=(--gpus 4 --layouts "" "${MOE_ROWS[@]}") ;;
+    fsdp) ARGS=(--gpus 1,4 --layouts fsdp "${KNOBS[@]}") ;;
+    *) echo "scale_4gpu.sh: PART must be all, table, moe or fsdp" >&2; exit 2 ;;
+esac
 "$PYTHON" benchmarks/scale.py \
     --model llama3-8b --num-layers 16 --seq-len 8192 --mbs 1 --gbs-per-gpu 8 --steps 5 --warmup-steps 2 \
-    --gpus 1,2,4 --layouts ddp,fsdp --precision bf16,fp8-tensorwise --profile-layouts "${PROFILE:-fsdp}" \
-    --knob "fsdp-zero1=--fsdp --fsdp-shard zero1" \
-    --knob "fsdp-fp8ag=--fsdp --fsdp-fp8-all-gather --precision fp8-tensorwise" \
-    --knob "fsdp-zero1-fp8ag-bf16red=--fsdp --fsdp-shard zero1 --fsdp-fp8-all-gather --grad-reduce-dtype bf16 --precision fp8-tensorwise" \
-    --knob "fsdp-bf16red=--fsdp --grad-reduce-dtype bf16 --precision bf16" \
-    --knob "fsdp-zero2=--fsdp --fsdp-shard zero2 --precision bf16" \
-    --knob "fsdp-nccl8=NCCL_MAX_NCHANNELS=8 --fsdp --precision bf16" \
-    --row "llama3-8b:4:--model llama3-8b --seq-len 8192 --mbs 1 --gbs 32 --fsdp --steps 4 --warmup-steps 2" \
-    --row "mixtral@6L:4:--model mixtral-8x7b --num-layers 6 $MOE" \
-    --row "qwen3@6L:4:--model qwen3-30b-a3b --num-layers 6 $MOE" \
-    --row "qwen3@12L:4:--model qwen3-30b-a3b --num-layers 12 $MOE" \
-    --row "mixtral@6L-chunks2:4:--model mixtral-8x7b --num-layers 6 $MOE --ep-chunks 2" \
-    --extrapolate "qwen3@6L,qwen3@12L:48" \
+    --precision bf16,fp8-tensorwise --profile-layouts "${PROFILE-fsdp}" "${ARGS[@]}" \
     --gpus-available 4 --timeout 240 --budget "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/scale.log"
 exit "${PIPESTATUS[0]}"
