@@ -95,9 +95,9 @@ class _Wait(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def _exchange_async(x: torch.Tensor, send: list[int], recv: list[int], group) -> tuple:
-    """(start, finish): ``finish()`` returns ``_AllToAll.apply(x, send, recv, group)``'s value, the exchange
-    having run between the two calls (and in backward between the two nodes, in reverse)."""
+def _exchange_async(x: torch.Tensor, send: list[int], recv: list[int], group):
+    """Start ``_AllToAll.apply(x, send, recv, group)``; the returned ``finish()`` waits for it and gives its value
+    (in backward the reverse exchange runs between the two nodes)."""
     pending: list = []
     out = _Start.apply(x, send, recv, group, pending)
     return lambda: _Wait.apply(out, send, recv, group, pending)
