@@ -16,6 +16,9 @@ contiguous ``Shard(0)`` of rank r is exactly its heads of q, k and v (its slice 
 up), and the model's own ``split``/``chunk`` of the local output stays right. The weight is
 the same linear map up to that row order; attention modules are told their local head counts.
 
+A LoRA-wrapped linear (one with ``split_tp``: ``convert/lora.py: LoRALinear``) is left out of the
+plan: it splits its base and adapters itself and runs their communication (see that module).
+
 Every split linear gets a ``tp_shard`` attribute (:class:`TPShard`: group, rank, split dim and
 sections), which quantized linears use to quantize their shards as the whole tensor.
 """
@@ -220,8 +223,9 @@ def block_plan(block: nn.Module, sp: bool) -> dict:
 def localize_block(block: nn.Module, tp: int) -> None:
     """Interleave the fused weights per rank and give attention its local head counts (see module doc)."""
     for name, (_, sections) in split_linears(block).items():
-        if len(sections) > 1:
-            interleave_sections(block.get_submodule(name), list(sections), tp)
+        module = block.get_submodule(name)
+        if len(sections) > 1 and not hasattr(module, "split_tp"):  # LoRA: split_tp takes rows in local order
+            interleave_sections(module, list(sections), tp)
     block.attn.n_heads, block.attn.n_kv = block.attn.n_heads // tp, block.attn.n_kv // tp
 
 
@@ -251,6 +255,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
     for i, block in enumerate(model.layers):
         plan.update({f"layers.{i}.{k}": v for k, v in block_plan(block, sp).items()})
         splits.update({f"layers.{i}.{k}": v for k, v in split_linears(block).items()})
+    own = {name for name in splits if hasattr(model.get_submodule(name), "split_tp")}  # LoRA wrappers
+    plan = {name: style for name, style in plan.items() if name not in own}
     for name in plan:
         module = model.get_submodule(name)
         if type(module) is not nn.Linear and isinstance(module, nn.Linear) and not getattr(module, "tp_aware", False):
@@ -283,5 +289,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
             if isinstance(buffer, DTensor):
                 module._buffers[name] = buffer.to_local().detach()
     for name, (dim, sections) in splits.items():
-        model.get_submodule(name).tp_shard = TPShard(mesh.get_group(), mesh.get_local_rank(), tp, dim, sections)
+        shard = TPShard(mesh.get_group(), mesh.get_local_rank(), tp, dim, sections)
+        if name in own:
+            model.get_submodule(name).split_tp(mesh, shard, sp)
+        model.get_submodule(name).tp_shard = shard
     return model
