@@ -54,6 +54,7 @@ def _step(cfg: RunConfig, recipe, count_bytes: bool = False, micro: int = 1) -> 
     """Loss and adapter gradients (whole, the fused rows in the unsharded order) of one step of ``cfg``; one
     process: over ``micro`` micro-batches (each data-parallel rank quantizes its own micro-batch's activations)."""
     import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
     from torch.distributed.tensor import DTensor
 
     from lpbench.convert.lora import lora_modules
@@ -74,25 +75,28 @@ def _step(cfg: RunConfig, recipe, count_bytes: bool = False, micro: int = 1) -> 
     x, y = _batch(cfg)
     rows = cfg.gbs // cfg.dp
     x, y = x[par.dp_rank * rows : (par.dp_rank + 1) * rows], y[par.dp_rank * rows : (par.dp_rank + 1) * rows]
-    gathered = []
-    real = dist.all_gather_into_tensor
-    if count_bytes:  # every all-gather of bytes (the stored bases' units) in the forward pass
+    gathered = []  # bytes of each all-gather of bytes (the stored bases' units) in the forward passes
+    real = DefaultAllGather.__call__
 
-        def counting(out, inp, *args, **kwargs):
-            if out.dtype == torch.uint8:
-                gathered.append(out.numel())
-            return real(out, inp, *args, **kwargs)
+    def counting(self, *args, **kwargs):
+        output = kwargs["output_tensor"] if "output_tensor" in kwargs else args[0]
+        if count_bytes and output.dtype == torch.uint8 and not backward[0]:
+            gathered.append(output.numel())
+        return real(self, *args, **kwargs)
 
-        dist.all_gather_into_tensor = counting
+    backward = [False]
+    DefaultAllGather.__call__ = counting
     loss = torch.zeros(())
     try:
         for k, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
             torch.manual_seed(par.dp_rank + k)  # NVFP4's stochastic rounding: each micro-batch draws alike
+            backward[0] = False
             part = par.forward(xm, ym) / micro
+            backward[0] = True
             part.backward()
             loss += part.detach()
     finally:
-        dist.all_gather_into_tensor = real
+        DefaultAllGather.__call__ = real
     if cfg.dp > 1:
         dist.all_reduce(loss, group=par.meshes.group("loss"))
         loss /= cfg.dp
@@ -197,3 +201,22 @@ def test_a_stored_base_split_keeps_the_whole_weights_operands(precision, dim):
         assert torch.equal(part.weight_operand("fprop").dequantize(), w)
         assert torch.equal(part.weight_operand("dgrad").dequantize(), wt)
         assert (part.out_features, part.in_features) == tuple(w.shape)
+
+
+def _stored_bytes(precision: str, out: int, inp: int) -> int:
+    """Bytes of one [out, in] weight stored as ``precision``'s codes and scales, from the formats' definitions:
+    E4M3 codes 1 byte, E2M1 half a byte; FP8 tensorwise one FP32 scale (one copy for W and Wᵀ); MXFP8 one E8M0
+    scale per 32 elements along each GEMM's reduction dim (two copies); NVFP4 one E4M3 scale per 16x16 tile
+    and an FP32 global scale (one copy)."""
+    n = out * inp
+    return {"fp8-tensorwise": n + 4, "mxfp8": 2 * (n + n // 32), "nvfp4": n // 2 + n // 256 + 4}[precision]
+
+
+@pytest.mark.parametrize("precision,per_element", [("fp8-tensorwise", 1.0), ("mxfp8", 2.0625), ("nvfp4", 0.504)])
+def test_fsdp_gathers_a_stored_base_as_its_codes_and_scales(world2, precision, per_element):
+    shapes = [(256, 128), (128, 128), (512, 128), (128, 256)] * MODEL.n_layers  # qkv, o, gate_up, down
+    for result in world2:
+        run = result[f"fsdp2-{precision}"]
+        assert run["stored_elements"] == sum(o * i for o, i in shapes)
+        assert run["gathered_bytes"] == sum(_stored_bytes(precision, o, i) for o, i in shapes)
+        assert run["gathered_bytes"] / run["stored_elements"] == pytest.approx(per_element, rel=1e-3)  # BF16: 2
