@@ -607,6 +607,8 @@ class RunConfig:
             )
         if self.lora_base_storage == "quantized" and self.backend != "lpbench":
             raise UsageError("--lora-base-storage quantized needs --backend lpbench")
+        if self.tp > 1 and self.backend != "lpbench":
+            raise UsageError("--tp with --workload lora splits lpbench's linears only: use --backend lpbench")
 
     def validate(self) -> "RunConfig":
         if self.num_layers is not None and self.hf_checkpoint is not None:

@@ -281,7 +281,11 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
         localize_block(block, tp)
         if hasattr(block.mlp, "experts"):
             _shard_experts(block.mlp.experts, ExpertsTP(mesh.get_group(), mesh.get_local_rank(), tp))
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # LoRA's base
     parallelize_module(model, mesh, plan)
+    for name, p in model.named_parameters():  # the styles make every parameter they shard trainable
+        if name in frozen:
+            p.requires_grad_(False)
     if tied:
         model.lm_head.weight = model.tok_embeddings.weight
     for module in model.modules():  # the styles replicate buffers as DTensors: keep them plain (amax histories)
