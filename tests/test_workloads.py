@@ -247,7 +247,14 @@ def test_model_and_hf_checkpoint_must_agree(hf_folder, monkeypatch):
         (["--workload", "lora", "--lora-rank", "0"], "--lora-rank must be positive, got 0"),
         (["--workload", "lora", "--lora-alpha", "-1"], "--lora-alpha must be positive"),
         (["--workload", "lora", "--lora-targets", "qkv,v"], "unknown LoRA target 'v'"),
-        (["--workload", "lora", "--fsdp"], "--tp and --fsdp are not supported for LoRA yet"),
+        (
+            ["--workload", "lora", "--fsdp", "--fsdp-fp8-all-gather", "--precision", "fp8-tensorwise"],
+            "a LoRA base is frozen: use --lora-base-storage",
+        ),
+        (
+            ["--workload", "lora", "--tp", "2", "--nproc-per-node", "2", "--backend", "torchao"],
+            "--tp with --workload lora splits lpbench's linears only",
+        ),
         (["--workload", "lora", "--lora-base-storage", "quantized", "--backend", "torchao"], "needs --backend lpbench"),
         (["--workload", "finetune"], "invalid choice: 'finetune'"),
         (["--hf-checkpoint", "/nonexistent/ckpt"], "/nonexistent/ckpt: no such file"),
