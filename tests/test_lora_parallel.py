@@ -220,3 +220,53 @@ def test_fsdp_gathers_a_stored_base_as_its_codes_and_scales(world2, precision, p
         assert run["stored_elements"] == sum(o * i for o, i in shapes)
         assert run["gathered_bytes"] == sum(_stored_bytes(precision, o, i) for o, i in shapes)
         assert run["gathered_bytes"] / run["stored_elements"] == pytest.approx(per_element, rel=1e-3)  # BF16: 2
+
+
+# --------------------------------------------------------------------------- whole runs (train loop)
+
+RUN = RunConfig(model=MODEL.name, seq_len=64, mbs=2, gbs=4, steps=3, warmup_steps=1, device="cpu")
+RUNS = {  # on 2 ranks; the reference: one process, the same micro-batches (GA = DP)
+    "sft-fsdp": dict(workload="sft", precision="fp32", fsdp=True),
+    "lora-fsdp-fp8": dict(workload="lora", precision="fp8-tensorwise", lora_base_storage="quantized", fsdp=True),
+    "lora-tp2": dict(workload="lora", precision="fp32", tp=2, mbs=4),
+}
+
+
+def _train_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    MODELS[MODEL.name] = MODEL
+    import lpbench.train.loop as loop
+    from lpbench.parallel.env import shutdown
+
+    results = {}
+    for name, kw in RUNS.items():
+        r = loop.train(RUN.with_(**kw).with_world(world), log=lambda line: None)
+        results[name] = {"status": r.status, "loss": [s["loss"] for s in r.steps], "metrics": r.metrics}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    shutdown()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, spawn_ranks):
+    return spawn_ranks(_train_worker, 2, tmp_path_factory.mktemp("lora-train"), 2)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_sft_and_lora_runs_on_two_ranks_train_like_one_process(trained, name):
+    import lpbench.train.loop as loop
+
+    kw = dict(RUNS[name])
+    if kw.pop("tp", 1) == 1:
+        kw["mbs"] = RUN.mbs  # DP 2: each rank one micro-batch; one process: both, in turn
+    kw.pop("fsdp", None)
+    with pytest.MonkeyPatch.context() as mpatch:
+        mpatch.setitem(MODELS, MODEL.name, MODEL)
+        ref = loop.train(RUN.with_(**kw), log=lambda line: None)
+    assert trained[0][name]["status"] == "ok" and ref.status == "ok"
+    assert trained[0][name]["loss"] == pytest.approx([s["loss"] for s in ref.steps], rel=1e-5)
+    if "lora" in name:  # only the adapters trained
+        assert trained[0][name]["metrics"]["trainable_params"] == ref.metrics["trainable_params"]
