@@ -270,3 +270,92 @@ def test_sft_and_lora_runs_on_two_ranks_train_like_one_process(trained, name):
     assert trained[0][name]["loss"] == pytest.approx([s["loss"] for s in ref.steps], rel=1e-5)
     if "lora" in name:  # only the adapters trained
         assert trained[0][name]["metrics"]["trainable_params"] == ref.metrics["trainable_params"]
+
+
+# --------------------------------------------------------------------------- sharded HF import
+
+
+class _CountingOpen:
+    """``safetensors.safe_open`` that counts the elements each read returns (``read``: a list to add to)."""
+
+    def __init__(self, real, read: list):
+        self.real, self.read = real, read
+
+    def __call__(self, *args, **kwargs):
+        handle = self.real(*args, **kwargs)
+        read = self.read
+
+        class Slice:
+            def __init__(self, s):
+                self.s = s
+
+            def __getitem__(self, index):
+                t = self.s[index]
+                read.append(t.numel())
+                return t
+
+            def __getattr__(self, name):
+                return getattr(self.s, name)
+
+        class Handle:
+            def __enter__(self):
+                self.h = handle.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+
+            def keys(self):
+                return self.h.keys()
+
+            def get_slice(self, key):
+                return Slice(self.h.get_slice(key))
+
+            def get_tensor(self, key):
+                t = self.h.get_tensor(key)
+                read.append(t.numel())
+                return t
+
+        return Handle()
+
+
+def _import_worker(rank: int, world: int, folder: str, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import safetensors
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lpbench.models.decoder import Decoder
+    from lpbench.models.hf import config_from_hf, load_hf_checkpoint, load_hf_shards
+    from lpbench.parallel.dp import apply_fsdp
+    from lpbench.parallel.env import init_distributed, shutdown
+
+    init_distributed("cpu")
+    whole = dict(load_hf_checkpoint(folder).named_parameters())
+    with torch.device("meta"):
+        model = Decoder(config_from_hf(folder))
+    apply_fsdp(model, init_device_mesh("cpu", (world,)), None)
+    model.to_empty(device="cpu")
+    read, real = [], safetensors.safe_open
+    safetensors.safe_open = _CountingOpen(real, read)
+    try:
+        load_hf_shards(model, folder)
+    finally:
+        safetensors.safe_open = real
+    equal = {name: torch.equal(p.full_tensor(), whole[name]) for name, p in model.named_parameters()}
+    held = sum(p.to_local().numel() for p in model.parameters())
+    result = {"equal": equal, "read": sum(read), "held": held, "whole": sum(p.numel() for p in whole.values())}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    shutdown()
+
+
+def test_a_sharded_hf_import_reads_each_ranks_rows_and_equals_the_whole_import(tmp_path, spawn_ranks):
+    from lpbench.models import build_model
+    from lpbench.models.hf import export_hf_checkpoint
+
+    export_hf_checkpoint(build_model(MODEL, device="cpu", seed=3), tmp_path / "hf")
+    ranks = spawn_ranks(_import_worker, 2, tmp_path, 2, str(tmp_path / "hf"))
+    for r in ranks:
+        assert all(r["equal"].values()) and len(r["equal"]) > 10
+        assert r["read"] == r["held"] < r["whole"]  # its own rows, nothing more
