@@ -17,7 +17,6 @@ import os
 import pytest
 import torch
 
-from lpbench.cli import main
 from lpbench.config import RunConfig
 from lpbench.models.registry import MODELS, ModelConfig
 from lpbench.precision.recipes import RECIPES
@@ -176,7 +175,9 @@ def test_lora_on_two_ranks_equals_one_process(world2, layout, precision):
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_lora_under_fsdp_times_tp_equals_one_process(world4, precision):
     for result in world4:
-        _assert_same(result, LAYOUTS4["fsdp2xtp2"], "fsdp2xtp2", precision, rel=_tolerance(LAYOUTS4["fsdp2xtp2"], precision))
+        _assert_same(
+            result, LAYOUTS4["fsdp2xtp2"], "fsdp2xtp2", precision, rel=_tolerance(LAYOUTS4["fsdp2xtp2"], precision)
+        )
 
 
 @pytest.mark.parametrize("precision", ["fp8-tensorwise", "fp8-delayed", "fp8-blockwise", "mxfp8", "nvfp4"])

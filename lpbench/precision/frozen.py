@@ -131,7 +131,9 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
                 self._parameters.pop(f"{name}_{part}", None)
             self._store(name, QTensor(codes, scale, block, q.fmt, q.global_scale))
         if dim == 0 and self.bias is not None:
-            self.bias = nn.Parameter(self.bias.detach().index_select(0, index.to(self.bias.device)), requires_grad=False)
+            self.bias = nn.Parameter(
+                self.bias.detach().index_select(0, index.to(self.bias.device)), requires_grad=False
+            )
         if dim == 0:
             self.out_features = len(index)
         else:
