@@ -108,6 +108,12 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return full, None
 
 
+@torch.compiler.disable
+def _comm(fn, x: torch.Tensor, group) -> torch.Tensor:
+    """``fn.apply(x, group)`` outside compiled graphs (a compiled block breaks its graph here)."""
+    return fn.apply(x, group)
+
+
 class LoRALinear(nn.Module):
     """``base(x) + scaling · (x Aᵀ) Bᵀ`` with a frozen ``base`` (any module with in/out_features)."""
 
@@ -184,17 +190,17 @@ class LoRALinear(nn.Module):
         group, dim, sp = self.tp
         a, b = self.lora_a.to_local(), self.lora_b.to_local()
         if dim == 0:  # x replicated: its gradient and A's are partial sums over the ranks
-            x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else _GradAllReduce.apply(x, group)
+            x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else _comm(_GradAllReduce, x, group)
             y = self.base(x)
-            a = _GradAllReduce.apply(a, group)
+            a = _comm(_GradAllReduce, a, group)
             return y + self._adapt(x, a, b).to(y.dtype)
         if isinstance(x, DTensor):
             x = x.to_local()
         reduce = _ReduceScatterSeq if sp else _AllReduce
-        y = reduce.apply(self.base(x), group)
-        h = reduce.apply(self._adapt(x, a), group)
+        y = _comm(reduce, self.base(x), group)
+        h = _comm(reduce, self._adapt(x, a), group)
         if sp:  # each rank's B gradient covers its part of the sequence
-            b = _GradAllReduce.apply(b, group)
+            b = _comm(_GradAllReduce, b, group)
         return y + (gemm.linear(h, b) * self.scaling).to(y.dtype)
 
     def _adapt(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
