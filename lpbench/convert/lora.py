@@ -56,36 +56,8 @@ from lpbench.errors import UsageError
 from lpbench.models.decoder import expand_targets
 from lpbench.models.moe import Experts
 from lpbench import gemm
+from lpbench.gemm import AllReduce, GradAllReduce
 from lpbench.precision.grouped import grouped_linear
-
-
-class _GradAllReduce(torch.autograd.Function):
-    """Identity; the gradient all-reduced (summed) over ``group``."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _AllReduce(torch.autograd.Function):
-    """Partial sums summed over ``group``; the gradient passes unchanged (each rank's part saw all of it)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
@@ -190,17 +162,17 @@ class LoRALinear(nn.Module):
         group, dim, sp = self.tp
         a, b = self.lora_a.to_local(), self.lora_b.to_local()
         if dim == 0:  # x replicated: its gradient and A's are partial sums over the ranks
-            x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else _comm(_GradAllReduce, x, group)
+            x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else _comm(GradAllReduce, x, group)
             y = self.base(x)
-            a = _comm(_GradAllReduce, a, group)
+            a = _comm(GradAllReduce, a, group)
             return y + self._adapt(x, a, b).to(y.dtype)
         if isinstance(x, DTensor):
             x = x.to_local()
-        reduce = _ReduceScatterSeq if sp else _AllReduce
+        reduce = _ReduceScatterSeq if sp else AllReduce
         y = _comm(reduce, self.base(x), group)
         h = _comm(reduce, self._adapt(x, a), group)
         if sp:  # each rank's B gradient covers its part of the sequence
-            b = _comm(_GradAllReduce, b, group)
+            b = _comm(GradAllReduce, b, group)
         return y + (gemm.linear(h, b) * self.scaling).to(y.dtype)
 
     def _adapt(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

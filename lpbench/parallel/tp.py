@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lpbench.errors import UsageError
+from lpbench.gemm import AllReduce, GradAllReduce
 
 
 @dataclass(frozen=True)
@@ -73,35 +74,6 @@ class TPShard:
         )
 
 
-class _Enter(torch.autograd.Function):
-    """Identity; the gradient all-reduced over ``group`` (each rank's slice contributes a part)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _Leave(torch.autograd.Function):
-    """The partial outputs of the ranks of ``group`` summed; the gradient passes unchanged."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        y = y.contiguous().clone()
-        dist.all_reduce(y, group=group)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 @dataclass(frozen=True)
 class ExpertsTP:
     """One MoE layer's experts split over a tensor-parallel group (``Experts.tp``; see the module doc).
@@ -116,11 +88,11 @@ class ExpertsTP:
 
     @torch.compiler.disable
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        return _Enter.apply(x, self.group)
+        return GradAllReduce.apply(x, self.group)
 
     @torch.compiler.disable
     def leave(self, y: torch.Tensor) -> torch.Tensor:
-        return _Leave.apply(y, self.group)
+        return AllReduce.apply(y, self.group)
 
     def shard(self, name: str, local_shape: torch.Size) -> TPShard:
         """The split of stacked weight ``name`` (local shape ``local_shape``) as one expert's linear sees it:
