@@ -152,11 +152,11 @@ def test_lora_base_stored_quantized_is_its_codes_and_adapters_keep_bf16_inputs()
         HAND, get_recipe("mxfp8"), seq_len=4, mbs=1, workload="lora", lora_quantized_base=True, compiled=False
     )
     assert mx.parts["frozen base"] == 2 * (1 + 1 / 32) * LINEARS + 2 * (BLOCK - LINEARS) + 4 * (PARAMS - BLOCK)
-    # NVFP4: E2M1 codes two to a byte and an E4M3 scale per 16 (a 12-block model: its last 4 stay BF16)
+    # NVFP4: E2M1 codes two to a byte and an E4M3 scale per 16 x 16 weight tile (a 12-block model: its last 4 stay BF16)
     deep = ModelConfig("hand12", 12, 8, 16, 2, 1, 32, head_dim=4)
     nv = estimate(deep, get_recipe("nvfp4"), seq_len=4, mbs=1, workload="lora", lora_quantized_base=True)
     rest = PARAMS - BLOCK
-    assert nv.parts["frozen base"] == ((0.5 + 1 / 16) * 8 + 2 * 4) * LINEARS + 12 * 2 * (BLOCK - LINEARS) + 4 * rest
+    assert nv.parts["frozen base"] == ((0.5 + 1 / 256) * 8 + 2 * 4) * LINEARS + 12 * 2 * (BLOCK - LINEARS) + 4 * rest
 
 
 def test_lora_base_sharded_by_fsdp_and_tp_and_gathered_as_its_codes():
