@@ -610,13 +610,15 @@ class RunConfig:
             raise UsageError(
                 f"unknown --lora-base-storage {self.lora_base_storage!r}; valid: {', '.join(LORA_BASE_STORAGES)}"
             )
-        if self.tp > 1 or self.fsdp:
+        if self.fsdp_fp8_all_gather:
             raise UsageError(
-                "--workload lora runs on one GPU or data-parallel with DDP; "
-                "--tp and --fsdp are not supported for LoRA yet"
+                "--fsdp-fp8-all-gather casts trained weights; a LoRA base is frozen: "
+                "use --lora-base-storage quantized (FSDP all-gathers its codes)"
             )
         if self.lora_base_storage == "quantized" and self.backend != "lpbench":
             raise UsageError("--lora-base-storage quantized needs --backend lpbench")
+        if self.tp > 1 and self.backend != "lpbench":
+            raise UsageError("--tp with --workload lora splits lpbench's linears only: use --backend lpbench")
 
     def validate(self) -> "RunConfig":
         if self.num_layers is not None and self.hf_checkpoint is not None:

@@ -1,5 +1,6 @@
 """The compute dtype's GEMMs: BF16 GEMMs fast on every CPU (the BF16 or the FP32 route, chosen once per process),
-FP32-accumulated GEMMs of BF16-exact operands, GEMMs on tensor-parallel shards (:func:`local_linear`).
+FP32-accumulated GEMMs of BF16-exact operands, GEMMs on tensor-parallel shards (:func:`local_linear`) and the
+two all-reduces of hand-split tensor-parallel layers (:class:`GradAllReduce`, :class:`AllReduce`: MoE experts, LoRA).
 
 Below ``models`` and ``precision`` (both call it), so neither imports the other for a GEMM.
 
@@ -22,6 +23,7 @@ import os
 import platform
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Shard
@@ -177,3 +179,34 @@ def local_linear(module: nn.Linear, x: torch.Tensor, fn) -> torch.Tensor:
         y = DTensor.from_local(fn(x.to_local(), w.to_local(), None), mesh, [Partial()], run_check=False)
         return y if b is None else y + b
     raise ValueError(f"local_linear: unsupported weight placement {placement}")
+
+
+class GradAllReduce(torch.autograd.Function):
+    """Identity; the gradient all-reduced (summed) over ``group``: a tensor-parallel input whose ranks each
+    contribute part of its gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class AllReduce(torch.autograd.Function):
+    """Partial sums summed over ``group`` (a tensor-parallel output); the gradient passes unchanged (each rank's
+    part saw all of it)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

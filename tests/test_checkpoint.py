@@ -432,6 +432,9 @@ SCENARIOS = {
     # MoE experts split over the ranks: each rank's experts (EP) or slices of them (TP) differ
     "ep2-moe": dict(mbs=1, model="test-ckpt-moe", ep=2, moe_aux_loss_coeff=0.01),
     "tp2-moe": dict(mbs=2, model="test-ckpt-moe", tp=2, precision="fp32"),
+    # LoRA: the adapters (DTensors under TP) and their optimizer state; the base, stored quantized, left out
+    "lora-fsdp": dict(mbs=1, fsdp=True, workload="lora", lora_base_storage="quantized", precision="fp8-tensorwise"),
+    "lora-tp2": dict(mbs=2, tp=2, workload="lora", lora_base_storage="quantized", precision="fp8-tensorwise"),
 }
 
 
@@ -453,6 +456,11 @@ def _worker(rank: int, port: int, out: str) -> None:
             "saving": _trace(saving),
             "resumed": _trace(resumed),
             "files": sorted(os.listdir(folder + "/step-2")),
+            "model_keys": [
+                k
+                for k in FileSystemReader(folder + "/step-2").read_metadata().state_dict_metadata
+                if k.startswith("model.")
+            ],
         }
         if kw.get("ep"):  # another expert layout: refused before any work
             try:
@@ -478,6 +486,11 @@ def test_two_ranks_save_and_resume_exactly(name, two_ranks):
     assert {".metadata", META_FILE, "__0_0.distcp", "__1_0.distcp"} <= set(two_ranks[0][name]["files"])  # both wrote
     if "ep" in SCENARIOS[name]:
         assert "checkpoint does not match this run: ep 2 (this run: 1)" in two_ranks[0][name]["other_ep"]
+    keys = two_ranks[0][name]["model_keys"]
+    if SCENARIOS[name].get("workload") == "lora":  # the adapters alone
+        assert keys and all(".lora_a" in k or ".lora_b" in k or "amax_history" in k or "scale" in k for k in keys)
+    else:
+        assert any(k.endswith("attn.qkv.weight") for k in keys)
 
 
 @pytest.mark.parametrize("key", ["save_every", "save_dir", "load"])

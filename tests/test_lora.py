@@ -236,3 +236,28 @@ def test_lora_flops_reproduce_nemo_llama3_8b_table():
     assert tflops_per_gpu(lora, 44281) == pytest.approx(1342, rel=0.002)
     assert tflops_per_gpu(sft, 33437) == pytest.approx(1515, rel=0.002)
     assert lora / sft == pytest.approx(2 / 3, rel=0.01)
+
+
+def test_adapters_merged_into_a_stored_quantized_base_export_to_hf_and_back(tmp_path):
+    """The base stored as FP8 codes, adapters trained, merged (W = dequantized codes + scaling B A) and
+    exported as HF safetensors: the checkpoint read back holds exactly the merged weights."""
+    pytest.importorskip("safetensors")
+    from lpbench.convert.quantize import apply_recipe, store_frozen_quantized
+    from lpbench.models.hf import export_hf_checkpoint, load_hf_checkpoint
+    from lpbench.precision.frozen import FrozenQuantizedLinear
+
+    model = build_model(TINY, device="cpu", seed=0)
+    apply_lora(model, rank=4, alpha=8)
+    apply_recipe(model, "fp8-tensorwise", device="cpu", emulate=True)
+    assert store_frozen_quantized(model)
+    base = model.layers[0].attn.qkv.base
+    assert isinstance(base, FrozenQuantizedLinear)
+    train_steps(model, steps=1)
+    expected = base.weight_operand("fprop").dequantize() + model.layers[0].attn.qkv.delta_weight()
+    merge_lora(model)
+    export_hf_checkpoint(model, tmp_path / "hf", dtype=torch.float32)
+    back = load_hf_checkpoint(tmp_path / "hf")
+    torch.testing.assert_close(back.layers[0].attn.qkv.weight, expected, rtol=0, atol=0)
+    merged = dict(model.named_parameters())
+    for name, p in back.named_parameters():
+        assert torch.equal(p, merged[name].float()), name

@@ -177,11 +177,38 @@ def test_lora_base_stored_quantized_is_its_codes_and_adapters_keep_bf16_inputs()
         HAND, get_recipe("mxfp8"), seq_len=4, mbs=1, workload="lora", lora_quantized_base=True, compiled=False
     )
     assert mx.parts["frozen base"] == 2 * (1 + 1 / 32) * LINEARS + 2 * (BLOCK - LINEARS) + 4 * (PARAMS - BLOCK)
-    # NVFP4: E2M1 codes two to a byte and an E4M3 scale per 16 (a 12-block model: its last 4 stay BF16)
+    # NVFP4: E2M1 codes two to a byte and an E4M3 scale per 16 x 16 weight tile (a 12-block model: its last 4 stay BF16)
     deep = ModelConfig("hand12", 12, 8, 16, 2, 1, 32, head_dim=4)
     nv = estimate(deep, get_recipe("nvfp4"), seq_len=4, mbs=1, workload="lora", lora_quantized_base=True)
     rest = PARAMS - BLOCK
-    assert nv.parts["frozen base"] == ((0.5 + 1 / 16) * 8 + 2 * 4) * LINEARS + 12 * 2 * (BLOCK - LINEARS) + 4 * rest
+    assert nv.parts["frozen base"] == ((0.5 + 1 / 256) * 8 + 2 * 4) * LINEARS + 12 * 2 * (BLOCK - LINEARS) + 4 * rest
+
+
+def test_lora_base_sharded_by_fsdp_and_tp_and_gathered_as_its_codes():
+    recipe = get_recipe("fp8-tensorwise")
+    kw = dict(seq_len=4, mbs=1, workload="lora", lora_rank=2, lora_quantized_base=True, compiled=False, cuda=False)
+    e = estimate(HAND, recipe, dp=2, tp=2, fsdp=True, **kw)
+    # the frozen base over FSDP's 2 shards x TP's 2 ranks; two blocks gathered as codes (1 byte a linear
+    # element, the norms in BF16) and the root's frozen FP32 in BF16, over TP's ranks
+    assert e.parts["frozen base"] == (LINEARS + 2 * (BLOCK - LINEARS) + 4 * (PARAMS - BLOCK)) / 4
+    assert e.parts["FSDP gathered weights"] == (2 * (LINEARS + 2 * (BLOCK - LINEARS)) + 2 * (PARAMS - BLOCK)) / 2
+    bf16 = estimate(HAND, recipe, dp=2, fsdp=True, **{**kw, "lora_quantized_base": False})
+    assert bf16.parts["FSDP gathered weights"] == 2 * 2 * BLOCK + 2 * (PARAMS - BLOCK)
+
+
+@pytest.mark.parametrize(
+    "name", ["fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4", "nvfp4"]
+)
+def test_stored_bytes_are_what_a_frozen_base_stores(name):
+    from lpbench.metrics.estimate import stored_bytes
+    from lpbench.precision.frozen import FrozenQuantizedLinear
+
+    weight = torch.randn(512, 1024)
+    stored = FrozenQuantizedLinear(weight, None, get_recipe(name))
+    held = sum(p.numel() * p.element_size() for p in stored.parameters()) / weight.numel()
+    assert stored_bytes(get_recipe(name)) == pytest.approx(held, abs=0.02)  # per-tensor and per-row scales: ~0
+    # by hand: FP8 1 byte (one copy), MXFP8 2 x (1 + 1/32), NVFP4 1/2 + 1/256 (one copy of 16 x 16 tiles)
+    assert stored_bytes(get_recipe("mxfp8")) == 2.0625 and stored_bytes(get_recipe("nvfp4")) == 0.5 + 1 / 256
 
 
 CAL = ModelConfig("cal", 6, 256, 896, 8, 2, 512, max_seq_len=512)  # NVFP4 quantizes blocks 0 and 1

@@ -320,3 +320,26 @@ def test_flex_on_cuda_matches_sdpa_forward_and_backward(monkeypatch):
         results[backend] = (loss.detach(), model.layers[0].attn.qkv.weight.grad.clone())
     torch.testing.assert_close(results["flex"][0], results["sdpa"][0], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(results["flex"][1], results["sdpa"][1], rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.gpu
+def test_flex_document_mask_memory_is_linear_in_seq(monkeypatch):
+    """Packed SFT at seq 16,384 on CUDA: flex attention's block mask skips masked blocks and makes no [S, S]
+    mask, so doubling the sequence doubles the peak (an SDPA bool mask alone would quadruple, 256 MiB at 16K)."""
+    monkeypatch.setattr(decoder_mod, "DOC_MASK_BACKEND", "flex")
+    peaks = {}
+    for seq in (8192, 16384):
+        model = build_model(dataclasses.replace(TINY, max_seq_len=seq), device="cuda", seed=0)
+        ids = torch.randint(0, EOS, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        docs = (torch.arange(seq, device="cuda") // 1000)[None]  # samples of 1,000 tokens
+        model(ids, ids.roll(-1, 1), doc_ids=docs).backward()  # compile flex and its block mask first
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, ids.roll(-1, 1), doc_ids=docs)
+        loss.backward()
+        peaks[seq] = torch.cuda.max_memory_allocated() - base
+    assert peaks[16384] < 2.5 * peaks[8192], peaks  # S²: 4x
+    assert peaks[16384] < 16384 * 16384, peaks  # less than one [S, S] bool mask

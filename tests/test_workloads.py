@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,7 +132,7 @@ def test_frozen_linear_computes_what_the_quantized_linear_computes(name):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert frozen.shared == (recipe.scaling not in ("row", "mx"))  # W and Wᵀ quantized alike
     n = 256 * 128
-    codes = sum(b.numel() for k, b in frozen.named_buffers() if k.endswith("_codes"))
+    codes = sum(b.numel() for k, b in frozen.named_parameters() if k.endswith("_codes"))
     assert codes == n * (2 - frozen.shared) // (2 if recipe.fwd_format == "e2m1" else 1)
     assert all(b.dtype == torch.uint8 for k, b in frozen.named_buffers() if "amax" not in k and "delayed" not in k)
     frozen.to(torch.float16)  # a dtype cast leaves the stored bytes alone
@@ -247,7 +248,14 @@ def test_model_and_hf_checkpoint_must_agree(hf_folder, monkeypatch):
         (["--workload", "lora", "--lora-rank", "0"], "--lora-rank must be positive, got 0"),
         (["--workload", "lora", "--lora-alpha", "-1"], "--lora-alpha must be positive"),
         (["--workload", "lora", "--lora-targets", "qkv,v"], "unknown LoRA target 'v'"),
-        (["--workload", "lora", "--fsdp"], "--tp and --fsdp are not supported for LoRA yet"),
+        (
+            ["--workload", "lora", "--fsdp", "--fsdp-fp8-all-gather", "--precision", "fp8-tensorwise"],
+            "a LoRA base is frozen: use --lora-base-storage",
+        ),
+        (
+            ["--workload", "lora", "--tp", "2", "--nproc-per-node", "2", "--backend", "torchao"],
+            "--tp with --workload lora splits lpbench's linears only",
+        ),
         (["--workload", "lora", "--lora-base-storage", "quantized", "--backend", "torchao"], "needs --backend lpbench"),
         (["--workload", "finetune"], "invalid choice: 'finetune'"),
         (["--hf-checkpoint", "/nonexistent/ckpt"], "/nonexistent/ckpt: no such file"),
@@ -330,3 +338,25 @@ def test_sweep_takes_workload_and_lora_settings_as_grid_keys():
     sweep = sw.expand({**tiny, "workload": ["sft", "lora"], "lora_rank": 8})
     assert [r.workload for r in sweep.runs] == ["lora"]
     assert "--lora-rank applies to --workload lora only" in sweep.skipped[0][1]
+
+
+def test_the_seeds_workloads_spec_expands_to_every_precision_of_each_workload():
+    from lpbench.bench import sweep_spec
+
+    sweep = sweep_spec.expand(sweep_spec.load_spec(Path(__file__).parents[1] / "examples" / "seeds-workloads.yaml"))
+    assert not sweep.skipped and len(sweep.runs) == 3 * 7
+    precisions = ["bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "mxfp8", "nvfp4"]
+    grid = {
+        "pretrain": ("llama3-8b", None, 8192, 2, 128, 16),  # model, cut, seq, MBS, GBS, GA on 4 GPUs
+        "sft": ("llama3-8b", None, 16384, 1, 8, 2),
+        "lora": ("llama3-70b", 16, 4096, 1, 32, 8),
+    }
+    got = {}
+    for run in sweep.runs:
+        c = run.config
+        assert (c.world_size, c.dp, c.tp, c.fsdp, c.recompute, c.fused_loss) == (4, 4, 1, True, "full", True)
+        assert (c.lora_base_storage == "quantized") == (c.workload == "lora")
+        got.setdefault(c.workload, set()).add(
+            (c.precision, (c.model, c.num_layers, c.seq_len, c.mbs, c.gbs, c.grad_accum))
+        )
+    assert got == {w: {(p, shape) for p in precisions} for w, shape in grid.items()}

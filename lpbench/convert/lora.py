@@ -24,6 +24,22 @@ quantized once) fits the same slot; for merging it implements ``merge_lora_delta
 or ``gate_up``, ``up``, ``down`` alone. MoE layers: routers are frozen, never adapted; the stacked expert
 weights of a target get one adapter per expert (:class:`ExpertLoRA`, stacked the same way: A [E, r, in],
 B [E, out, r], run as grouped GEMMs over the expert-sorted tokens), as each expert's linear had.
+
+**Tensor parallelism** (:meth:`LoRALinear.split_tp`, called by ``parallel/tp.py: apply_tp``): the wrapper
+owns its split and its communication, for every kind of base alike (``nn.Linear``, ``QuantizedLinear``,
+a base stored quantized). The base keeps this rank's rows (column-wise: ``qkv``, ``gate_up``/``up``) or
+columns (row-wise: ``o``, ``down``) of its weight as plain tensors; the adapters follow the base's split::
+
+    column-wise  A [r, in] replicated, B [out/tp, r] Shard(0)   y_r = base_r(x) + (x Aᵀ) B_rᵀ
+    row-wise     A [r, in/tp] Shard(1), B [out, r] replicated    y = Σ_r base_r(x_r) + (Σ_r x_r A_rᵀ) Bᵀ
+
+Column-wise, x's gradient is a partial sum (reduced once, for base and adapter together) and so is A's
+(all-reduced: [r, in]); row-wise, the base's partial outputs are all-reduced (reduce-scattered along the
+sequence with sequence parallelism) and so are the adapter's [tokens, r] partial products, and with
+sequence parallelism B's gradient (each rank sees its part of the sequence) is all-reduced. Adapters are
+DTensors on the TP mesh (checkpoints and gradient norms see the whole adapter); the frozen base is plain
+per-rank tensors, so a checkpoint of a LoRA run holds the adapters, not the base (``train/checkpoint.py``).
+Megatron's and NeMo's LoRA layers split the same way.
 """
 
 from __future__ import annotations
@@ -33,15 +49,47 @@ import math
 import torch
 from torch import nn
 
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
 from lpbench.errors import UsageError
 from lpbench.models.decoder import expand_targets
 from lpbench.models.moe import Experts
 from lpbench import gemm
+from lpbench.gemm import AllReduce, GradAllReduce
 from lpbench.precision.grouped import grouped_linear
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Partial sums [B, S, ...] summed over ``group``, this rank keeping its S / size positions (dim 1); the
+    gradient all-gathered. All-reduce based, so gloo runs it too (the tensors are [tokens, rank] small)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.rank, ctx.size = group, dist.get_rank(group), dist.get_world_size(group)
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x.chunk(ctx.size, 1)[ctx.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [torch.zeros_like(grad) for _ in range(ctx.size)]
+        parts[ctx.rank] = grad
+        full = torch.cat(parts, 1)
+        dist.all_reduce(full, group=ctx.group)
+        return full, None
+
+
+@torch.compiler.disable
+def _comm(fn, x: torch.Tensor, group) -> torch.Tensor:
+    """``fn.apply(x, group)`` outside compiled graphs (a compiled block breaks its graph here)."""
+    return fn.apply(x, group)
 
 
 class LoRALinear(nn.Module):
     """``base(x) + scaling · (x Aᵀ) Bᵀ`` with a frozen ``base`` (any module with in/out_features)."""
+
+    tp = None  # (group, split dim, sequence parallel) once split_tp split it
 
     def __init__(
         self,
@@ -76,8 +124,63 @@ class LoRALinear(nn.Module):
         return gemm.linear(gemm.linear(x, self.lora_a), self.lora_b) * self.scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:
+            return self._forward_tp(x)
         y = self.base(x)
         return y + self.delta(x).to(y.dtype)
+
+    @property
+    def tp_multiple(self) -> int:
+        return getattr(self.base, "tp_multiple", 1)
+
+    @torch.no_grad()
+    def split_tp(self, mesh, shard, sequence_parallel: bool) -> None:
+        """Keep this rank's part of the base and the adapters (``shard``: ``parallel/tp.py: TPShard``; see the
+        module doc). The base's rows (columns) ``shard.index`` are taken in the fused layout's local order."""
+        index = shard.index(self.lora_a.device)
+        base = self.base
+        if shard.dim == 1 and getattr(base, "bias", None) is not None:
+            raise UsageError("--tp with LoRA needs row-parallel linears (attn.o, mlp.down) without a bias: use --tp 1")
+        if hasattr(base, "tp_local"):  # stored quantized: its codes and scales
+            base.tp_local(shard.dim, index)
+        else:
+            base.weight = nn.Parameter(base.weight.index_select(shard.dim, index), requires_grad=False)
+            if shard.dim == 0 and base.bias is not None:
+                base.bias = nn.Parameter(base.bias.index_select(0, index), requires_grad=False)
+            base.in_features, base.out_features = base.weight.shape[1], base.weight.shape[0]
+        base.tp_shard = shard  # quantized GEMMs quantize the shards as the whole tensors
+        a, b = self.lora_a.detach(), self.lora_b.detach()
+        if shard.dim == 0:
+            a, b, placements = a, b.index_select(0, index), ([Replicate()], [Shard(0)])
+        else:
+            a, b, placements = a.index_select(1, index), b, ([Shard(1)], [Replicate()])
+        self.lora_a = nn.Parameter(DTensor.from_local(a.contiguous(), mesh, placements[0], run_check=False))
+        self.lora_b = nn.Parameter(DTensor.from_local(b.contiguous(), mesh, placements[1], run_check=False))
+        self.tp = (shard.group, shard.dim, sequence_parallel)
+
+    def _forward_tp(self, x: torch.Tensor) -> torch.Tensor:
+        group, dim, sp = self.tp
+        a, b = self.lora_a.to_local(), self.lora_b.to_local()
+        if dim == 0:  # x replicated: its gradient and A's are partial sums over the ranks
+            x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else _comm(GradAllReduce, x, group)
+            y = self.base(x)
+            a = _comm(GradAllReduce, a, group)
+            return y + self._adapt(x, a, b).to(y.dtype)
+        if isinstance(x, DTensor):
+            x = x.to_local()
+        reduce = _ReduceScatterSeq if sp else AllReduce
+        y = _comm(reduce, self.base(x), group)
+        h = _comm(reduce, self._adapt(x, a), group)
+        if sp:  # each rank's B gradient covers its part of the sequence
+            b = _comm(GradAllReduce, b, group)
+        return y + (gemm.linear(h, b) * self.scaling).to(y.dtype)
+
+    def _adapt(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """``x Aᵀ`` (and ``· scaling Bᵀ`` when ``b`` is given), in the autocast dtype or the adapters'."""
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(a.dtype)
+        h = gemm.linear(x, a)
+        return h if b is None else gemm.linear(h, b) * self.scaling
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:

@@ -67,6 +67,23 @@ def code_bytes(recipe: Recipe) -> float:
     return 1.0 + ((1 / recipe.block) if recipe.block else 0.0)
 
 
+def stored_bytes(recipe: Recipe) -> float:
+    """Bytes per element of a frozen weight stored quantized (``precision/frozen.py``): its codes (E2M1 packed
+    two per byte) and block scales (MX: one E8M0 per 32 elements; NVFP4: one E4M3 per 16 x 16 tile; FP8
+    blockwise: one FP32 per 128 x 128 tile; one FP32 scale per tensor or row counted as nothing), in one copy
+    when W and Wᵀ quantize alike (one scale per tensor, square tiles), else two; 2 (BF16) unquantized."""
+    if not recipe.quantized:
+        return 2.0
+    code = 0.5 if recipe.element_format("weight").dtype is None else 1.0
+    b = recipe.block or 0
+    if recipe.weight_block_2d:
+        scale = (4.0 if recipe.scaling is Scaling.BLOCK else 1.0) / (b * b)
+    else:
+        scale = 1.0 / b if recipe.scaling in (Scaling.MX, Scaling.NVFP4) else 0.0
+    copies = 1 if recipe.scaling.per_tensor or recipe.weight_block_2d else 2
+    return copies * (code + scale)
+
+
 def block_bytes_per_token(
     m: ModelConfig,
     recipe: Recipe,
@@ -178,7 +195,7 @@ def estimate(
         q, kv, up = m.n_heads * m.hd, m.n_kv_heads * m.hd, (2 if m.gated else 1) * m.ffn_dim
         ins_outs = (m.dim + q + 2 * kv) + (q + m.dim) + (m.dim + up) + (m.ffn_dim + m.dim)  # qkv, o, mlp
         trainable = lora_rank * ins_outs * m.n_layers
-        held["frozen base"] = frozen_base_bytes(m, recipe, linear, block, rest, lora_quantized_base)
+        held["frozen base"] = frozen_base_bytes(m, recipe, linear, block, rest, lora_quantized_base) / shards
     else:
         trainable = block * m.n_layers + rest
     held["master weights (fp32)"] = 4.0 * trainable / shards
@@ -194,7 +211,11 @@ def estimate(
         )
     if fsdp:  # the block in use and the prefetched next (zero3), or every block (zero2/zero1), and the root's
         gathered = m.n_layers if fsdp_shard in ("zero2", "zero1") else 2
-        held["FSDP gathered weights"] = 2.0 * (gathered * block + rest) / tp
+        if lora:  # the base as stored (codes and scales, or BF16; on average a block's), the root's FP32 in BF16
+            base_block = frozen_base_bytes(m, recipe, linear, block, 0.0, lora_quantized_base) / m.n_layers
+            held["FSDP gathered weights"] = (gathered * base_block + 2.0 * rest) / tp
+        else:
+            held["FSDP gathered weights"] = 2.0 * (gathered * block + rest) / tp
         if fsdp_fp8_all_gather:  # each quantized weight's shard as FP8 codes, one byte, until the optimizer step
             held["FP8 all-gather shard codes"] = linear * quantized_blocks / shards
     # copies of the weights a block's backward reuses, held by each block whose forward is kept: the quantized
@@ -284,18 +305,9 @@ def frozen_base_bytes(
     quantized_blocks = (
         max(0, m.n_layers - recipe.first_bf16_layers - recipe.last_bf16_layers) if recipe.quantized else 0
     )
-    # E2M1 codes are stored two to a byte (precision/frozen.py)
-    codes = code_bytes(recipe) - (0.5 if recipe.quantized and recipe.element_format("weight").dtype is None else 0)
-    stored = codes * quantized_blocks + 2.0 * (m.n_layers - quantized_blocks) if quantized_base else 2.0 * m.n_layers
-    if quantized_base and recipe.quantized and not shared_weight_copy(recipe):
-        stored += codes * quantized_blocks  # W and Wᵀ each quantized along their own rows
+    per = stored_bytes(recipe) if quantized_base else 2.0  # per element of a quantized block's linears
+    stored = per * quantized_blocks + 2.0 * (m.n_layers - quantized_blocks)
     return stored * linear + 2.0 * (block - linear) * m.n_layers + 4.0 * rest
-
-
-def shared_weight_copy(recipe: Recipe) -> bool:
-    """Whether one quantized copy of a weight serves fprop and dgrad (``precision/frozen.py``)."""
-    f, d = recipe.operand("weight", "fprop"), recipe.operand("weight", "dgrad")
-    return f == d and f.block[0] == f.block[1]
 
 
 def build_peak(

@@ -511,6 +511,66 @@ def load_hf_weights(model: Decoder, path: PathLike) -> Decoder:
     return model
 
 
+@torch.no_grad()
+def load_hf_shards(model: Decoder, path: PathLike) -> Decoder:
+    """Fill a row-sharded ``model`` (FSDP2: every parameter a DTensor sharded along dim 0, or plain) from checkpoint
+    folder ``path``, each rank reading only the rows it holds (``safe_open(...).get_slice``): no rank reads or
+    holds a whole copy of any tensor. The files are checked as :func:`hf_values` checks them, from their headers."""
+    from safetensors import safe_open
+
+    cfg = model.cfg
+    wmap = hf_weight_map(cfg)
+    params = dict(model.named_parameters())
+    with torch.device("meta"):
+        shapes = dict(Decoder(cfg).named_parameters())
+    loaded: set[str] = set()
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for key in fh.keys():
+                if key not in wmap:
+                    continue
+                lp, lo, hi = wmap[key]
+                base, _, expert = lp.partition("[")
+                dst = shapes[base][int(expert[:-1])] if expert else shapes[base]
+                dst = dst if lo is None else dst[lo:hi]
+                piece = fh.get_slice(key)
+                if tuple(piece.get_shape()) != tuple(dst.shape) or not piece.get_dtype().startswith(("F", "BF")):
+                    raise UsageError(f"{f.name}: tensor {key} is not the {tuple(dst.shape)} weights config.json says")
+                _copy_rows(params[base], int(expert[:-1]) if expert else None, lo or 0, piece)
+                loaded.add(key)
+    if missing := [k for k in wmap if k not in loaded]:
+        raise UsageError(f"{path}: missing tensor(s) {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    return model
+
+
+def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The tensor this rank holds of ``param`` and the first global row of it (a DTensor sharded along dim 0 on
+    every mesh dim it shards; whole otherwise)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor):
+        return param, 0
+    if any(isinstance(p, Shard) and p.dim != 0 for p in param.placements):
+        raise UsageError("a sharded HF import reads row shards only (FSDP); load it whole under --tp")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), offset[0]
+
+
+def _copy_rows(param: torch.Tensor, expert: int | None, lo: int, src) -> None:
+    """Copy HF tensor ``src`` (a safetensors slice) into rows ``lo ...`` of ``param`` (of expert ``expert`` of a
+    stacked one), reading only the rows this rank holds."""
+    local, first = _local_rows(param)
+    if expert is not None:  # stacked experts: dim 0 is the expert
+        if first <= expert < first + local.shape[0]:
+            local[expert - first][lo : lo + src.get_shape()[0]].copy_(src[:])
+        return
+    start, stop = max(first, lo), min(first + local.shape[0], lo + src.get_shape()[0])
+    if start < stop:
+        local[start - first : stop - first].copy_(src[start - lo : stop - lo])
+
+
 def load_hf_checkpoint(
     path: PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> Decoder:

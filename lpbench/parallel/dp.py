@@ -11,6 +11,12 @@ prefetches the next block's all-gather in forward and the previous block's in ba
 The root group (embeddings, final norm, LM head), gathered at the start of a forward with no compute to hide
 under, stays gathered from the first micro-batch to the last one's backward in every mode (it is gathered at
 the peak of memory, the start of the backward, anyway).
+
+LoRA: frozen parameters share a block's unit with its trained adapters (FSDP2 all-gathers every parameter
+of a unit and reduce-scatters only those that require a gradient; their original dtypes may differ, the
+trained ones' may not). A base stored quantized (``precision/frozen.py``: uint8 codes and scales) gets a
+unit of its own per block with no parameter dtype, so its shards are all-gathered as the bytes they are,
+never cast to the compute dtype; the block prefetches it with its own.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lpbench.parallel.ep import expert_params
+from lpbench.precision.frozen import FrozenQuantizedLinear
 
 
 def reduce_dtype(name: str) -> torch.dtype:
@@ -50,13 +57,18 @@ def apply_fsdp(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=grad_dtype)
     ignored = set(expert_params(model)[0]) or None  # expert parallel: each rank's own experts
     blocks = list(model.layers)
+    units = []  # per block: the modules FSDP all-gathers for it (the block, its stored codes)
     for i, block in enumerate(blocks):
         reshard = shard == "zero3" and i < len(blocks) - 1  # the last block's backward follows its forward
+        codes = [m for m in block.modules() if isinstance(m, FrozenQuantizedLinear)]
+        if codes:  # as bytes: no parameter dtype (see the module doc)
+            fully_shard(codes, mesh=mesh, mp_policy=MixedPrecisionPolicy(), reshard_after_forward=reshard)
         fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored, reshard_after_forward=reshard)
+        units.append([block, *codes[:1]])
     root = fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
-    for before, after in zip(blocks, blocks[1:]):
-        before.set_modules_to_forward_prefetch([after])
-        after.set_modules_to_backward_prefetch([before])
+    for before, after in zip(units, units[1:]):
+        before[0].set_modules_to_forward_prefetch(after)
+        after[0].set_modules_to_backward_prefetch(before)
     return root
 
 

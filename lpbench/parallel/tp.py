@@ -16,6 +16,9 @@ contiguous ``Shard(0)`` of rank r is exactly its heads of q, k and v (its slice 
 up), and the model's own ``split``/``chunk`` of the local output stays right. The weight is
 the same linear map up to that row order; attention modules are told their local head counts.
 
+A LoRA-wrapped linear (one with ``split_tp``: ``convert/lora.py: LoRALinear``) is left out of the
+plan: it splits its base and adapters itself and runs their communication (see that module).
+
 Every split linear gets a ``tp_shard`` attribute (:class:`TPShard`: group, rank, split dim and
 sections), which quantized linears use to quantize their shards as the whole tensor.
 """
@@ -41,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lpbench.errors import UsageError
+from lpbench.gemm import AllReduce, GradAllReduce
 
 
 @dataclass(frozen=True)
@@ -70,35 +74,6 @@ class TPShard:
         )
 
 
-class _Enter(torch.autograd.Function):
-    """Identity; the gradient all-reduced over ``group`` (each rank's slice contributes a part)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _Leave(torch.autograd.Function):
-    """The partial outputs of the ranks of ``group`` summed; the gradient passes unchanged."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        y = y.contiguous().clone()
-        dist.all_reduce(y, group=group)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 @dataclass(frozen=True)
 class ExpertsTP:
     """One MoE layer's experts split over a tensor-parallel group (``Experts.tp``; see the module doc).
@@ -113,11 +88,11 @@ class ExpertsTP:
 
     @torch.compiler.disable
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        return _Enter.apply(x, self.group)
+        return GradAllReduce.apply(x, self.group)
 
     @torch.compiler.disable
     def leave(self, y: torch.Tensor) -> torch.Tensor:
-        return _Leave.apply(y, self.group)
+        return AllReduce.apply(y, self.group)
 
     def shard(self, name: str, local_shape: torch.Size) -> TPShard:
         """The split of stacked weight ``name`` (local shape ``local_shape``) as one expert's linear sees it:
@@ -220,8 +195,9 @@ def block_plan(block: nn.Module, sp: bool) -> dict:
 def localize_block(block: nn.Module, tp: int) -> None:
     """Interleave the fused weights per rank and give attention its local head counts (see module doc)."""
     for name, (_, sections) in split_linears(block).items():
-        if len(sections) > 1:
-            interleave_sections(block.get_submodule(name), list(sections), tp)
+        module = block.get_submodule(name)
+        if len(sections) > 1 and not hasattr(module, "split_tp"):  # LoRA: split_tp takes rows in local order
+            interleave_sections(module, list(sections), tp)
     block.attn.n_heads, block.attn.n_kv = block.attn.n_heads // tp, block.attn.n_kv // tp
 
 
@@ -251,6 +227,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
     for i, block in enumerate(model.layers):
         plan.update({f"layers.{i}.{k}": v for k, v in block_plan(block, sp).items()})
         splits.update({f"layers.{i}.{k}": v for k, v in split_linears(block).items()})
+    own = {name for name in splits if hasattr(model.get_submodule(name), "split_tp")}  # LoRA wrappers
+    plan = {name: style for name, style in plan.items() if name not in own}
     for name in plan:
         module = model.get_submodule(name)
         if type(module) is not nn.Linear and isinstance(module, nn.Linear) and not getattr(module, "tp_aware", False):
@@ -275,7 +253,11 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
         localize_block(block, tp)
         if hasattr(block.mlp, "experts"):
             _shard_experts(block.mlp.experts, ExpertsTP(mesh.get_group(), mesh.get_local_rank(), tp))
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # LoRA's base
     parallelize_module(model, mesh, plan)
+    for name, p in model.named_parameters():  # the styles make every parameter they shard trainable
+        if name in frozen:
+            p.requires_grad_(False)
     if tied:
         model.lm_head.weight = model.tok_embeddings.weight
     for module in model.modules():  # the styles replicate buffers as DTensors: keep them plain (amax histories)
@@ -283,5 +265,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
             if isinstance(buffer, DTensor):
                 module._buffers[name] = buffer.to_local().detach()
     for name, (dim, sections) in splits.items():
-        model.get_submodule(name).tp_shard = TPShard(mesh.get_group(), mesh.get_local_rank(), tp, dim, sections)
+        shard = TPShard(mesh.get_group(), mesh.get_local_rank(), tp, dim, sections)
+        if name in own:
+            model.get_submodule(name).split_tp(mesh, shard, sp)
+        model.get_submodule(name).tp_shard = shard
     return model

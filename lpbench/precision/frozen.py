@@ -17,9 +17,18 @@ Transformer Engine's rule gives after recording its amax, FP8_MAX / amax / 2**ma
 weight's history never holds another amax); there is no weight-gradient GEMM. So outputs and input gradients equal
 those of a ``QuantizedLinear`` over the same frozen weight.
 
-Codes and scales are uint8 buffers holding raw bytes (E2M1 codes packed two per byte), their
-dtypes and shapes kept aside: ``Module.to(dtype)`` cannot cast them and DDP broadcasts them
-whatever NCCL supports.
+Codes and scales are frozen uint8 parameters holding raw bytes (E2M1 codes packed two per byte),
+flat, their dtypes and shapes kept aside: ``Module.to(dtype)`` cannot cast them, DDP broadcasts them
+whatever NCCL supports, and FSDP2 shards them like any parameter and all-gathers them as the bytes
+they are (``parallel/dp.py`` gives them a unit without a parameter dtype), so a sharded base is
+gathered as its codes and scales, never in BF16. FSDP2's all-gather extension
+(``fsdp_pre_all_gather``, as ``fp8_allgather.py`` uses for trained weights) is not needed here: a
+frozen weight's codes never change, so the shard itself is what is sent.
+
+Under tensor parallelism (:meth:`FrozenQuantizedLinear.tp_local`) each rank keeps the rows (column-wise
+split) or columns (row-wise) of the stored codes and scales that its shard of the weight has; the split
+never cuts a quantization block (``tp_multiple``), so the local operands are exactly those of the whole
+weight. The caller (``convert/lora.py``) then runs the split's communication.
 """
 
 from __future__ import annotations
@@ -72,9 +81,14 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
                 new.scale_buffer(role).copy_(linear.scale_buffer(role))
         return new
 
+    @property
+    def tp_multiple(self) -> int:
+        """A tensor-parallel split must keep whole blocks (``parallel/tp.py: apply_tp`` checks it)."""
+        return self.recipe.block or 1
+
     def _put(self, name: str, t: torch.Tensor) -> None:
         self._layout[name] = (t.dtype, tuple(t.shape))
-        self.register_buffer(name, t.contiguous().reshape(-1).view(torch.uint8))
+        setattr(self, name, nn.Parameter(t.contiguous().reshape(-1).view(torch.uint8), requires_grad=False))
 
     def _get(self, name: str) -> torch.Tensor:
         dtype, shape = self._layout[name]
@@ -90,18 +104,48 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
             self._put(f"{name}_global", q.global_scale)
         self._blocks[name] = (q.block, q.fmt, q.codes.shape[1])
 
-    def weight_operand(self, gemm: str) -> QTensor:
-        """The stored weight operand of ``gemm``: W for "fprop", Wᵀ for "dgrad" (quantized along the last dim)."""
-        name = "w" if gemm == "fprop" or self.shared else "wt"
+    def _stored(self, name: str) -> QTensor:
         block, fmt, width = self._blocks[name]
         codes = self._get(f"{name}_codes")
         if fmt.dtype is None:
             codes = unpack_e2m1(codes)[:, :width]
         glob = self._get(f"{name}_global") if f"{name}_global" in self._layout else None
+        return QTensor(codes, self._get(f"{name}_scale"), block, fmt, glob)
+
+    @torch.no_grad()
+    def tp_local(self, dim: int, index: torch.Tensor) -> None:
+        """Keep this rank's part of the stored weight: rows (``dim`` 0) or columns (``dim`` 1) ``index``
+        of W (the unsharded positions, in local order: ``parallel/tp.py: TPShard.index``); Wᵀ's copy is
+        cut along the other dim. Whole blocks only (``tp_multiple``); the bias follows the rows."""
+        for name in list(self._blocks):
+            q = self._stored(name)
+            axis = dim if name == "w" else 1 - dim
+            codes = q.codes.index_select(axis, index.to(q.codes.device))
+            if q.scale.numel() == 1:  # one scale for the whole tensor: the block is now the local tensor
+                scale, block = q.scale, tuple(codes.shape)
+            else:
+                blocks = torch.unique_consecutive(index // q.block[axis])
+                scale, block = q.scale.index_select(axis, blocks.to(q.scale.device)), q.block
+            for part in ("codes", "scale", "global"):
+                self._layout.pop(f"{name}_{part}", None)
+                self._parameters.pop(f"{name}_{part}", None)
+            self._store(name, QTensor(codes, scale, block, q.fmt, q.global_scale))
+        if dim == 0 and self.bias is not None:
+            self.bias = nn.Parameter(
+                self.bias.detach().index_select(0, index.to(self.bias.device)), requires_grad=False
+            )
+        if dim == 0:
+            self.out_features = len(index)
+        else:
+            self.in_features = len(index)
+
+    def weight_operand(self, gemm: str) -> QTensor:
+        """The stored weight operand of ``gemm``: W for "fprop", Wᵀ for "dgrad" (quantized along the last dim)."""
+        q = self._stored("w" if gemm == "fprop" or self.shared else "wt")
         if gemm == "fprop" or not self.shared:
-            return QTensor(codes, self._get(f"{name}_scale"), block, fmt, glob)
-        codes = codes.t().contiguous() if self.native else codes.t()  # torch._scaled_mm wants row-major operands
-        return QTensor(codes, self._get(f"{name}_scale").t(), (block[1], block[0]), fmt, glob)
+            return q
+        codes = q.codes.t().contiguous() if self.native else q.codes.t()  # torch._scaled_mm wants row-major operands
+        return QTensor(codes, q.scale.t(), (q.block[1], q.block[0]), q.fmt, q.global_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(compute_dtype(x))

@@ -12,7 +12,9 @@ through ``get_state_dict``/``set_state_dict``, so one process, DDP and FSDP2 sav
 over ranks (``--ep``, or ``--tp``'s slices of them) are plain tensors that differ between ranks
 under one name, which DCP would keep one copy of: they and their optimizer state are saved per rank
 like the RNG states, so a checkpoint resumes on the same ``--ep``/``--tp``/``--dp`` layout only
-(the config check names the difference).
+(the config check names the difference). A LoRA run's checkpoint holds the adapters and their optimizer
+state, not the frozen base (rebuilt from the seed or ``--hf-checkpoint`` when it resumes; under TP its
+shards are plain per-rank tensors): the adapters alone, which with the base make the adapted model.
 
 Saving is atomic: every rank writes into ``SAVE_DIR/.step-K.tmp-PID`` (PID: rank 0's), rank 0
 adds ``lpbench.json`` and renames the folder to ``step-K``. An existing ``step-K`` is swapped
@@ -60,7 +62,7 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadItemType
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from lpbench import __version__
 from lpbench.config import settings
@@ -314,6 +316,8 @@ class Checkpointer:
         every rank) and the python and numpy RNG states.
         """
         model, optim = get_state_dict(self.module, self.optimizer)
+        for name in self._frozen():
+            model.pop(name, None)
         split = self._split_experts()
         rng, rest = _rng_state(self.device)
         rest.update(
@@ -329,6 +333,13 @@ class Checkpointer:
             "experts_optim": {name: optim["state"].pop(name) for name in split if name in optim["state"]},
         }
         return {"model": model, "optim": optim, "rank": {str(self.rank): local}}, rest
+
+    def _frozen(self) -> list[str]:
+        """State-dict names of a LoRA run's frozen parameters (the base), which its checkpoints leave out."""
+        if self.cfg.workload != "lora":
+            return []
+        model = getattr(self.module, "module", self.module)  # DDP wraps the model
+        return [name for name, p in model.named_parameters() if not p.requires_grad]
 
     def _split_experts(self) -> list[str]:
         """State-dict names of the expert weights that differ between ranks (expert or tensor parallel)."""
@@ -367,7 +378,11 @@ class Checkpointer:
             state["model"].update(local["experts"])
             state["optim"]["state"].update(local["experts_optim"])
             set_state_dict(
-                self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                self.module,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=StateDictOptions(strict=not self._frozen()),
             )
             self.scheduler.load_state_dict(rest["scheduler"])
             self.data.load_state_dict(rest["data"])

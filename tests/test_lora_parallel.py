@@ -1,0 +1,362 @@
+"""LoRA under FSDP2, TP and FSDP2 x TP against one process; a quantized base all-gathered as its bytes.
+
+CPU, gloo. Each rank builds the same model (same seed), applies the run's converters with the base
+stored quantized (``--lora-base-storage quantized``), parallelizes it and runs one forward and
+backward on its part of one batch; the single-process run on the whole batch is computed in the same
+process. The loss and every adapter gradient (gathered whole) must agree. Recipes run with FP32
+compute and every block quantized, so the only differences are the order of TP's partial sums
+(and of the gradients' reduction). NVFP4's E2M1 grid is coarse enough that those last-bit differences
+flip a few codes, and so does MXFP8's (its blocks' scales follow each block's amax), so their TP layouts agree
+to 1 %; the stored shards themselves are exact (``test_a_stored_base_split_keeps_the_whole_weights_operands``).
+"""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from lpbench.config import RunConfig
+from lpbench.models.registry import MODELS, ModelConfig
+from lpbench.precision.recipes import RECIPES
+
+# heads of 32 and an FFN of 256: every rank's part of every split is whole MX (32) and NVFP4 (16) blocks
+MODEL = ModelConfig("test-lora-par", 2, 128, 256, 4, 2, 256, rope_theta=10_000.0, max_seq_len=64)
+BASE = RunConfig(
+    model=MODEL.name, workload="lora", lora_rank=8, lora_base_storage="quantized", seq_len=16, mbs=4, gbs=4
+)
+PRECISIONS = ["bf16", "fp8-tensorwise", "mxfp8", "nvfp4"]
+LAYOUTS2 = {
+    "fsdp2": dict(dp=2, fsdp=True),
+    "tp2": dict(tp=2, sequence_parallel=False),
+    "tp2-sp": dict(tp=2, sequence_parallel=True),
+}
+LAYOUTS4 = {"fsdp2xtp2": dict(dp=2, tp=2, fsdp=True)}
+
+
+def _recipe(name: str):
+    """The recipe with FP32 compute and every block quantized (NVFP4 keeps none in BF16)."""
+    recipe = RECIPES[name]
+    if not recipe.quantized:
+        return dataclasses.replace(recipe, compute_dtype=torch.float32)
+    return dataclasses.replace(recipe, compute_dtype=torch.float32, first_bf16_layers=0, last_bf16_layers=0)
+
+
+def _batch(cfg: RunConfig):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, MODEL.vocab_size, (cfg.gbs, cfg.seq_len), generator=gen)
+    return x, x.roll(-1, 1)
+
+
+def _step(cfg: RunConfig, recipe, count_bytes: bool = False, micro: int = 1) -> dict:
+    """Loss and adapter gradients (whole, the fused rows in the unsharded order) of one step of ``cfg``; one
+    process: over ``micro`` micro-batches (each data-parallel rank quantizes its own micro-batch's activations)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+    from torch.distributed.tensor import DTensor
+
+    from lpbench.convert.lora import lora_modules
+    from lpbench.models import build_model
+    from lpbench.parallel.plan import parallelize
+    from lpbench.precision.frozen import FrozenQuantizedLinear
+    from lpbench.train.workload import prepare_model
+
+    cpu = torch.device("cpu")
+    model = build_model(MODEL, device=cpu, seed=cfg.seed)
+    prepare_model(model, cfg, recipe, device=cpu, emulate=True, use_compile=False)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # B starts at zero, which would leave A's gradient zero: give it values
+        for _, mod in lora_modules(model):
+            mod.lora_b.copy_(torch.randn(mod.lora_b.shape, generator=gen) * 0.05)
+    stored = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, FrozenQuantizedLinear))
+    par = parallelize(model, cfg, cpu, recipe.compute_dtype, use_compile=False)
+    x, y = _batch(cfg)
+    rows = cfg.gbs // cfg.dp
+    x, y = x[par.dp_rank * rows : (par.dp_rank + 1) * rows], y[par.dp_rank * rows : (par.dp_rank + 1) * rows]
+    gathered = []  # bytes of each all-gather of bytes (the stored bases' units) in the forward passes
+    real = DefaultAllGather.__call__
+
+    def counting(self, *args, **kwargs):
+        output = kwargs["output_tensor"] if "output_tensor" in kwargs else args[0]
+        if count_bytes and output.dtype == torch.uint8 and not backward[0]:
+            gathered.append(output.numel())
+        return real(self, *args, **kwargs)
+
+    backward = [False]
+    DefaultAllGather.__call__ = counting
+    loss = torch.zeros(())
+    try:
+        for k, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            torch.manual_seed(par.dp_rank + k)  # NVFP4's stochastic rounding: each micro-batch draws alike
+            backward[0] = False
+            part = par.forward(xm, ym) / micro
+            backward[0] = True
+            part.backward()
+            loss += part.detach()
+    finally:
+        DefaultAllGather.__call__ = real
+    if cfg.dp > 1:
+        dist.all_reduce(loss, group=par.meshes.group("loss"))
+        loss /= cfg.dp
+    grads = {}
+    kv = MODEL.n_kv_heads * MODEL.dim // MODEL.n_heads
+    fused = {"attn.qkv": (MODEL.dim, kv, kv), "mlp.gate_up": (MODEL.ffn_dim, MODEL.ffn_dim)}
+    for name, mod in lora_modules(model):
+        for part in ("lora_a", "lora_b"):
+            g = getattr(mod, part).grad
+            g = g.full_tensor() if isinstance(g, DTensor) else g
+            parts = fused.get(name.split(".", 2)[2], ())
+            if part == "lora_b" and cfg.tp > 1 and parts:  # undo the per-rank interleave of fused rows
+                tp = cfg.tp
+                chunks = [g.chunk(tp, 0)[r].split([n // tp for n in parts], 0) for r in range(tp)]
+                g = torch.cat([torch.cat([chunks[r][s] for r in range(tp)]) for s in range(len(parts))])
+            grads[f"{name}.{part}"] = g.float().tolist()
+    return {"loss": loss.item(), "grads": grads, "gathered_bytes": sum(gathered), "stored_elements": stored}
+
+
+def _worker(rank: int, world: int, layouts: dict, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    MODELS[MODEL.name] = MODEL
+    import torch.distributed as dist
+
+    from lpbench.parallel.env import init_distributed, shutdown
+
+    init_distributed("cpu")
+    results = {}
+    for precision in PRECISIONS:
+        recipe = _recipe(precision)
+        cfg = BASE.with_(precision=precision)
+        for micro in sorted({layout.get("dp", 1) for layout in layouts.values()}):
+            results[f"ref{micro}-{precision}"] = _step(cfg, recipe, micro=micro)
+        for name, layout in layouts.items():
+            run = cfg.with_(mbs=cfg.gbs // layout.get("dp", 1), **layout)
+            results[f"{name}-{precision}"] = _step(run, recipe, count_bytes=name == "fsdp2")
+        dist.barrier()
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    shutdown()
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, spawn_ranks):
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("lora-world2"), 2, LAYOUTS2)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory, spawn_ranks):
+    return spawn_ranks(_worker, 4, tmp_path_factory.mktemp("lora-world4"), 4, LAYOUTS4)
+
+
+def _tolerance(layout: dict, precision: str) -> float:
+    return 1e-2 if precision in ("mxfp8", "nvfp4") and layout.get("tp", 1) > 1 else 1e-4
+
+
+def _assert_same(result: dict, layout: dict, name: str, precision: str, rel: float) -> None:
+    run, ref = result[f"{name}-{precision}"], result[f"ref{layout.get('dp', 1)}-{precision}"]
+    assert run["loss"] == pytest.approx(ref["loss"], rel=rel)
+    assert run["grads"].keys() == ref["grads"].keys()
+    errors = {}
+    for name, g in run["grads"].items():
+        got, want = torch.tensor(g), torch.tensor(ref["grads"][name])
+        assert got.shape == want.shape, name
+        errors[name] = ((got - want).abs().max() / want.abs().max().clamp(min=1e-12)).item()
+    assert max(errors.values()) <= rel, errors
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("layout", list(LAYOUTS2))
+def test_lora_on_two_ranks_equals_one_process(world2, layout, precision):
+    for result in world2:
+        _assert_same(result, LAYOUTS2[layout], layout, precision, rel=_tolerance(LAYOUTS2[layout], precision))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_lora_under_fsdp_times_tp_equals_one_process(world4, precision):
+    for result in world4:
+        _assert_same(
+            result, LAYOUTS4["fsdp2xtp2"], "fsdp2xtp2", precision, rel=_tolerance(LAYOUTS4["fsdp2xtp2"], precision)
+        )
+
+
+@pytest.mark.parametrize("precision", ["fp8-tensorwise", "fp8-delayed", "fp8-blockwise", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_a_stored_base_split_keeps_the_whole_weights_operands(precision, dim):
+    """Each rank's part of a base stored quantized (fused rows in the per-rank layout) dequantizes to exactly that
+    part of the whole weight's stored operands, for fprop (W) and dgrad (Wᵀ)."""
+    from lpbench.parallel.tp import TPShard
+    from lpbench.precision.frozen import FrozenQuantizedLinear
+
+    recipe = RECIPES[precision]
+    weight = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
+    whole = FrozenQuantizedLinear(weight, None, recipe)
+    sections = (128, 64, 64) if dim == 0 else (512,)
+    for rank in range(2):
+        shard = TPShard(None, rank, 2, dim, sections)
+        part = FrozenQuantizedLinear(weight, None, recipe)
+        part.tp_local(dim, shard.index(weight.device))
+        index = shard.index(weight.device)
+        w = whole.weight_operand("fprop").dequantize().index_select(dim, index)
+        wt = whole.weight_operand("dgrad").dequantize().index_select(1 - dim, index)
+        assert torch.equal(part.weight_operand("fprop").dequantize(), w)
+        assert torch.equal(part.weight_operand("dgrad").dequantize(), wt)
+        assert (part.out_features, part.in_features) == tuple(w.shape)
+
+
+def _stored_bytes(precision: str, out: int, inp: int) -> int:
+    """Bytes of one [out, in] weight stored as ``precision``'s codes and scales, from the formats' definitions:
+    E4M3 codes 1 byte, E2M1 half a byte; FP8 tensorwise one FP32 scale (one copy for W and Wᵀ); MXFP8 one E8M0
+    scale per 32 elements along each GEMM's reduction dim (two copies); NVFP4 one E4M3 scale per 16x16 tile
+    and an FP32 global scale (one copy)."""
+    n = out * inp
+    return {"fp8-tensorwise": n + 4, "mxfp8": 2 * (n + n // 32), "nvfp4": n // 2 + n // 256 + 4}[precision]
+
+
+@pytest.mark.parametrize("precision,per_element", [("fp8-tensorwise", 1.0), ("mxfp8", 2.0625), ("nvfp4", 0.504)])
+def test_fsdp_gathers_a_stored_base_as_its_codes_and_scales(world2, precision, per_element):
+    shapes = [(256, 128), (128, 128), (512, 128), (128, 256)] * MODEL.n_layers  # qkv, o, gate_up, down
+    for result in world2:
+        run = result[f"fsdp2-{precision}"]
+        assert run["stored_elements"] == sum(o * i for o, i in shapes)
+        assert run["gathered_bytes"] == sum(_stored_bytes(precision, o, i) for o, i in shapes)
+        assert run["gathered_bytes"] / run["stored_elements"] == pytest.approx(per_element, rel=1e-3)  # BF16: 2
+
+
+# --------------------------------------------------------------------------- whole runs (train loop)
+
+RUN = RunConfig(model=MODEL.name, seq_len=64, mbs=2, gbs=4, steps=3, warmup_steps=1, device="cpu")
+RUNS = {  # on 2 ranks; the reference: one process, the same micro-batches (GA = DP)
+    "sft-fsdp": dict(workload="sft", precision="fp32", fsdp=True),
+    "lora-fsdp-fp8": dict(workload="lora", precision="fp8-tensorwise", lora_base_storage="quantized", fsdp=True),
+    "lora-tp2": dict(workload="lora", precision="fp32", tp=2, mbs=4),
+}
+
+
+def _train_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    MODELS[MODEL.name] = MODEL
+    import lpbench.train.loop as loop
+    from lpbench.parallel.env import shutdown
+
+    results = {}
+    for name, kw in RUNS.items():
+        r = loop.train(RUN.with_(**kw).with_world(world), log=lambda line: None)
+        results[name] = {"status": r.status, "loss": [s["loss"] for s in r.steps], "metrics": r.metrics}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    shutdown()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, spawn_ranks):
+    return spawn_ranks(_train_worker, 2, tmp_path_factory.mktemp("lora-train"), 2)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_sft_and_lora_runs_on_two_ranks_train_like_one_process(trained, name):
+    import lpbench.train.loop as loop
+
+    kw = dict(RUNS[name])
+    if kw.pop("tp", 1) == 1:
+        kw["mbs"] = RUN.mbs  # DP 2: each rank one micro-batch; one process: both, in turn
+    kw.pop("fsdp", None)
+    with pytest.MonkeyPatch.context() as mpatch:
+        mpatch.setitem(MODELS, MODEL.name, MODEL)
+        ref = loop.train(RUN.with_(**kw), log=lambda line: None)
+    assert trained[0][name]["status"] == "ok" and ref.status == "ok"
+    assert trained[0][name]["loss"] == pytest.approx([s["loss"] for s in ref.steps], rel=1e-5)
+    if "lora" in name:  # only the adapters trained
+        assert trained[0][name]["metrics"]["trainable_params"] == ref.metrics["trainable_params"]
+
+
+# --------------------------------------------------------------------------- sharded HF import
+
+
+class _CountingOpen:
+    """``safetensors.safe_open`` that counts the elements each read returns (``read``: a list to add to)."""
+
+    def __init__(self, real, read: list):
+        self.real, self.read = real, read
+
+    def __call__(self, *args, **kwargs):
+        handle = self.real(*args, **kwargs)
+        read = self.read
+
+        class Slice:
+            def __init__(self, s):
+                self.s = s
+
+            def __getitem__(self, index):
+                t = self.s[index]
+                read.append(t.numel())
+                return t
+
+            def __getattr__(self, name):
+                return getattr(self.s, name)
+
+        class Handle:
+            def __enter__(self):
+                self.h = handle.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+
+            def keys(self):
+                return self.h.keys()
+
+            def get_slice(self, key):
+                return Slice(self.h.get_slice(key))
+
+            def get_tensor(self, key):
+                t = self.h.get_tensor(key)
+                read.append(t.numel())
+                return t
+
+        return Handle()
+
+
+def _import_worker(rank: int, world: int, folder: str, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import safetensors
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lpbench.models.decoder import Decoder
+    from lpbench.models.hf import config_from_hf, load_hf_checkpoint, load_hf_shards
+    from lpbench.parallel.dp import apply_fsdp
+    from lpbench.parallel.env import init_distributed, shutdown
+
+    init_distributed("cpu")
+    whole = dict(load_hf_checkpoint(folder).named_parameters())
+    with torch.device("meta"):
+        model = Decoder(config_from_hf(folder))
+    apply_fsdp(model, init_device_mesh("cpu", (world,)), None)
+    model.to_empty(device="cpu")
+    read, real = [], safetensors.safe_open
+    safetensors.safe_open = _CountingOpen(real, read)
+    try:
+        load_hf_shards(model, folder)
+    finally:
+        safetensors.safe_open = real
+    equal = {name: torch.equal(p.full_tensor(), whole[name]) for name, p in model.named_parameters()}
+    held = sum(p.to_local().numel() for p in model.parameters())
+    result = {"equal": equal, "read": sum(read), "held": held, "whole": sum(p.numel() for p in whole.values())}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    shutdown()
+
+
+def test_a_sharded_hf_import_reads_each_ranks_rows_and_equals_the_whole_import(tmp_path, spawn_ranks):
+    from lpbench.models import build_model
+    from lpbench.models.hf import export_hf_checkpoint
+
+    export_hf_checkpoint(build_model(MODEL, device="cpu", seed=3), tmp_path / "hf")
+    ranks = spawn_ranks(_import_worker, 2, tmp_path, 2, str(tmp_path / "hf"))
+    for r in ranks:
+        assert all(r["equal"].values()) and len(r["equal"]) > 10
+        assert r["read"] == r["held"] < r["whole"]  # its own rows, nothing more
