@@ -352,3 +352,38 @@ def test_run_spreads_the_lists_over_runs():
     assert [(c.precision, c.optimizer_states) for c in configs] == [
         ("bf16", "8bit"), ("bf16", "fp8"), ("fp8-tensorwise", "8bit"), ("fp8-tensorwise", "fp8")
     ]
+
+
+# ---------------------------------------------------------------- a run, saved and resumed
+@pytest.fixture
+def blocks_of_256(monkeypatch):
+    """A 2-block model whose matrices hold whole blocks of 256 (so fp8/8bit states are quantized)."""
+    from lpbench.models.registry import MODELS, ModelConfig
+
+    monkeypatch.setitem(MODELS, "test-optim", ModelConfig("test-optim", 2, 256, 256, 4, 2, 512, max_seq_len=64))
+    from lpbench.config import RunConfig
+
+    return RunConfig(
+        model="test-optim", seq_len=16, mbs=2, gbs=2, steps=4, warmup_steps=1, precision="bf16", device="cpu",
+        master_weights="bf16", optimizer_states="8bit",
+    )
+
+
+def test_a_run_with_bf16_weights_and_8bit_states_resumes_exactly(blocks_of_256, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    import lpbench.train.loop as loop
+
+    def train(cfg):
+        result = loop.train(cfg, log=lambda line: None)
+        assert result.status == "ok"
+        return [(s["loss"], s["grad_norm"]) for s in result.steps]
+
+    straight = train(blocks_of_256)
+    assert train(blocks_of_256.with_(save_every=2, save_dir=str(tmp_path))) == straight
+    saved = FileSystemReader(str(tmp_path / "step-2")).read_metadata().state_dict_metadata
+    codes = [k for k in saved if k.startswith("optim.state.") and k.endswith(".exp_avg")]
+    assert codes and any(saved[k].properties.dtype == torch.uint8 for k in codes)
+    assert any(k.endswith("exp_avg_sq_scale") for k in saved)
+    resumed = train(blocks_of_256.with_(load=str(tmp_path / "step-2")))
+    assert straight[:2] + resumed == straight  # bit for bit

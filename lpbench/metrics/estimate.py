@@ -3,8 +3,10 @@
 What a rank holds at the peak, the start of the first block's backward (every block's activations
 kept, the head's gradient made), in bytes:
 
-* parameters: FP32 master weights of what trains (a LoRA base in BF16, or quantized), FP32 gradients,
-  AdamW's two FP32 states, each divided by FSDP's shards and TP's ranks;
+* parameters: the master weights of what trains (FP32, or BF16 with ``--master-weights bf16``; a LoRA base in
+  BF16, or quantized), gradients in the weights' dtype, AdamW's two states (:func:`state_bytes`), each divided by
+  FSDP's shards and TP's ranks; none of the three with ``--offload-optimizer`` (on the CPU, with FSDP2's BF16
+  gathers on the GPU);
 * weight copies: what a block's backward reuses from its forward (the quantized dgrad copy of each
   quantized linear's weight, whole under FSDP; without FSDP autocast's BF16 cast of every other
   linear weight), the weight cache under gradient accumulation (FP8 codes in both layouts, or BF16),
@@ -21,6 +23,7 @@ NCCL buffers or allocator fragmentation. Not modelled: the torchao backend, pipe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from lpbench.models.registry import ModelConfig
@@ -49,6 +52,25 @@ def code_bytes(recipe: Recipe) -> float:
     if not recipe.quantized:
         return 2.0
     return 1.0 + ((1 / recipe.block) if recipe.block else 0.0)
+
+
+STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4 / 256, "8bit": 1.0 + 4 / 256}  # per moment, with scales
+
+
+def blockwise(shape: tuple[int, ...]) -> bool:
+    """Whether a trained tensor's fp8/8bit states are stored blockwise (``train/optim.py: quantizes``)."""
+    return len(shape) >= 2 and shape[-1] % 256 == 0 and math.prod(shape) >= 4096
+
+
+def state_bytes(states: str, shapes: list[tuple[int, ...]]) -> float:
+    """Bytes of AdamW's two moments for trained tensors of ``shapes`` stored as ``states``: FP32 (8 per element),
+    BF16 (4), or one byte per element and an FP32 scale per 256 (fp8, 8bit) for the blockwise tensors, FP32 for
+    the others."""
+    total = 0.0
+    for shape in shapes:
+        n = math.prod(shape)
+        total += 2 * (STATE_BYTES[states] if states in ("fp32", "bf16") or blockwise(shape) else 4.0) * n
+    return total
 
 
 def block_bytes_per_token(
@@ -125,12 +147,17 @@ def estimate(
     compiled: bool = True,
     cuda: bool = True,
     nvfp4_bf16_copies: bool = False,
+    master_weights: str = "fp32",
+    optimizer_states: str = "fp32",
+    offload_optimizer: bool = False,
 ) -> Estimate:
     """The predicted peak of one rank (module doc); ``m``'s parameters counted on a meta-device model.
 
     ``compiled``: blocks (and, with one process or DDP, the head) compiled; ``cuda``: FSDP gathers the
     weights in BF16, so the residual stream is BF16 (else FP32, as the embeddings' output);
     ``nvfp4_bf16_copies``: NVFP4 emulated on a GPU, whose activation copies are BF16 values.
+    ``master_weights``, ``optimizer_states``, ``offload_optimizer``: the run's settings of the same names (one
+    process only offloads: FSDP2 on one rank, so its gathers are counted as FSDP's).
     """
     from lpbench.models.decoder import build_model
 
@@ -141,7 +168,7 @@ def estimate(
         + sum(p.numel() for n, p in model.layers.named_parameters() if ".experts." in n)
     ) / m.n_layers
     rest = sum(p.numel() for p in model.parameters()) - block * m.n_layers  # embeddings, final norm, LM head
-    fsdp = fsdp and dp > 1
+    fsdp = (fsdp and dp > 1) or offload_optimizer
     shards = (dp if fsdp else 1) * tp
     quantized_blocks = (
         max(0, m.n_layers - recipe.first_bf16_layers - recipe.last_bf16_layers) if recipe.quantized else 0
@@ -157,14 +184,18 @@ def estimate(
             else 2.0 * m.n_layers
         )
         parts["frozen base"] = stored * linear + 2.0 * (block - linear) * m.n_layers + 4.0 * rest
+        states = 8.0 * trainable  # the adapters' states: FP32 (no blockwise states counted)
     else:
         trainable = block * m.n_layers + rest
-    parts["master weights (fp32)"] = 4.0 * trainable / shards
-    parts["gradients (fp32)"] = 4.0 * trainable / shards
-    parts["optimizer states (fp32 AdamW)"] = 8.0 * trainable / shards
+        states = state_bytes(optimizer_states, [p.shape for p in model.parameters()])
+    on_gpu = 0.0 if offload_optimizer else 1.0
+    weight = 2.0 if master_weights == "bf16" else 4.0
+    parts[f"master weights ({master_weights})"] = on_gpu * weight * trainable / shards
+    parts[f"gradients ({master_weights})"] = on_gpu * weight * trainable / shards
+    parts[f"optimizer states ({optimizer_states} AdamW)"] = on_gpu * states / shards
     # dgrad copies of the quantized weights (whole, under FSDP); a base stored quantized is read as stored
     held = 0.0 if workload == "lora" and lora_quantized_base else code_bytes(recipe) * linear * quantized_blocks
-    if not fsdp and workload != "lora":
+    if not fsdp and workload != "lora" and master_weights != "bf16":
         held += 2.0 * linear * (m.n_layers - quantized_blocks)  # autocast's BF16 casts of the others
     parts["weight copies held for backward"] = held / tp
     if grad_accum > 1 and workload != "lora":  # FP8 codes in both layouts, or BF16 casts

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from lpbench.config import RunConfig
 from lpbench.metrics.estimate import Estimate, estimate
 from lpbench.metrics.hardware import detect_gpu
@@ -33,6 +35,9 @@ def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compil
         compiled=(cfg.compile if cfg.compile is not None else cuda) if compiled is None else compiled,
         cuda=cuda,
         nvfp4_bf16_copies=cuda and (peaks is None or peaks.fp4 is None),
+        master_weights=cfg.master_weights,
+        optimizer_states=cfg.optimizer_states,
+        offload_optimizer=cfg.offload_optimizer,
     )
 
 
@@ -55,6 +60,12 @@ def suggestions(cfg: RunConfig, capacity: float, gpu: str | None = None) -> list
         tries.append(("--fused-loss", dict(fused_loss=True)))
     if cfg.dp > 1 and not cfg.fsdp and cfg.workload != "lora":
         tries.append(("--fsdp", dict(fsdp=True)))
+    if cfg.optimizer_states not in ("fp8", "8bit"):
+        tries.append(("--optimizer-states 8bit", dict(optimizer_states="8bit")))
+    if cfg.master_weights != "bf16" and get_recipe(cfg.precision).compute_dtype == torch.bfloat16:
+        tries.append(("--master-weights bf16 --optimizer-states 8bit", dict(master_weights="bf16", optimizer_states="8bit")))
+    if cfg.world_size == 1 and not cfg.offload_optimizer and cfg.compile_scope != "model":
+        tries.append(("--offload-optimizer", dict(offload_optimizer=True)))
     if cfg.mbs > 1:
         tries.append((f"--mbs {cfg.mbs // 2}", dict(mbs=cfg.mbs // 2)))
     out = []
