@@ -25,6 +25,7 @@ DEFAULT_PRECISIONS = ("bf16", "fp8-tensorwise", "mxfp8", "nvfp4")  # `lpbench ru
 FSDP_SHARDS = ("zero3", "zero2", "zero1")  # lpbench/parallel/dp.py
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 RECOMPUTES = ("none", "selective", "full")  # lpbench/parallel/recompute.py
+OFFLOAD_NEEDS_GPU = "--offload-optimizer moves AdamW's states from a GPU to the CPU (FSDP2's CPU offload); this run has no GPU"
 MASTER_WEIGHTS = ("fp32", "bf16")  # lpbench/train/optim.py
 OPTIMIZER_STATES = ("fp32", "bf16", "fp8", "8bit")  # lpbench/train/optim.py, lpbench/precision/optim_states.py
 MAX_SIZE = 2**31 - 1  # sizes, counts and steps: what int32 indexing and the data pipeline hold
@@ -769,6 +770,8 @@ class RunConfig:
                 f"--offload-optimizer runs on one GPU; this run has {self.world_size} ranks (shard the states over "
                 "them with --fsdp instead)"
             )
+        if self.offload_optimizer and self.device == "cpu":
+            raise UsageError(OFFLOAD_NEEDS_GPU)
         if self.offload_optimizer and self.compile_scope == "model":
             raise UsageError("--offload-optimizer compiles each block; --compile-scope model does not apply")
 

@@ -25,7 +25,7 @@ def ref_8bit(x: torch.Tensor, signed: bool) -> torch.Tensor:
     """Blockwise dynamic quantization then decoding: per block of 256 along the last dimension, x / absmax (FP32,
     absmax at least 1e-12) to the nearest map entry (a tie to the larger), decoded as entry x absmax (FP32)."""
     qmap = fmt.dynamic_map(signed).numpy().astype(np.float64)
-    rows = x.float().numpy().reshape(-1, 256)
+    rows = x.float().cpu().numpy().reshape(-1, 256)
     out = np.empty_like(rows)
     for r, row in enumerate(rows):
         absmax = np.float32(max(np.abs(row).max(), np.float32(1e-12)))
@@ -33,7 +33,7 @@ def ref_8bit(x: torch.Tensor, signed: bool) -> torch.Tensor:
         dist = np.abs(normed[:, None] - qmap[None, :])  # exact: differences of FP32 values near each other
         nearest = 255 - np.argmin(dist[:, ::-1], axis=1)  # the last of the nearest: ties go to the larger
         out[r] = (qmap[nearest].astype(np.float32) * absmax).astype(np.float32)
-    return torch.from_numpy(out.reshape(x.shape)).float()
+    return torch.from_numpy(out.reshape(x.shape)).float().to(x.device)
 
 
 def ref_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -149,16 +149,20 @@ def test_fp32_weights_and_states_are_torchs_adamw():
     assert all(torch.equal(a.state[p]["exp_avg_sq"], b.state[q]["exp_avg_sq"]) for p, q in zip(ours, theirs))
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("master", ["fp32", "bf16"])
 @pytest.mark.parametrize("states", ["fp32", "bf16", "fp8", "8bit"])
-def test_each_variant_matches_adamw_with_states_through_the_reference(states, master, monkeypatch):
+def test_each_variant_matches_adamw_with_states_through_the_reference(states, master, device, monkeypatch):
     """The reference: torch's single-tensor AdamW in FP32 on the FP32 view of the weights; after each step its
     moments are replaced by what the format stores (reference quantizers) and a BF16 weight by the reference SR
     of the FP32 result with the bits the optimizer drew (recorded)."""
     if states == "fp32" and master == "fp32":
         pytest.skip("torch's AdamW itself: test_fp32_weights_and_states_are_torchs_adamw")
     dtype = torch.bfloat16 if master == "bf16" else torch.float32
-    ours = _params(dtype)
+    ours = [torch.nn.Parameter(p.detach().to(device)) for p in _params(dtype)]
     ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
     opt = _lowp(ours, states)
     reference = torch.optim.AdamW(_groups(ref), lr=1e-2, betas=BETAS, eps=EPS, foreach=False)
@@ -168,7 +172,7 @@ def test_each_variant_matches_adamw_with_states_through_the_reference(states, ma
     order = [i for i, s in enumerate(SHAPES) if len(s) >= 2] + [i for i, s in enumerate(SHAPES) if len(s) < 2]
     for step in range(4):
         for p, q, g in zip(ours, ref, _grads(step)):
-            p.grad, q.grad = g.to(dtype), g.to(dtype).float()
+            p.grad, q.grad = g.to(device, dtype), g.to(device, dtype).float()
         drawn.clear()
         opt.step()
         reference.step()
@@ -178,7 +182,8 @@ def test_each_variant_matches_adamw_with_states_through_the_reference(states, ma
             st["exp_avg_sq"].copy_(ref_states(st["exp_avg_sq"], states, signed=False))
             if master == "bf16":
                 bits = drawn[order.index(i)].flatten().tolist()
-                q.data = torch.tensor([ref_sr(v, r) for v, r in zip(q.flatten().tolist(), bits)]).reshape(q.shape)
+                sr = [ref_sr(v, r) for v, r in zip(q.flatten().tolist(), bits)]
+                q.data = torch.tensor(sr, device=device).reshape(q.shape)
         for p, q in zip(ours, ref):
             assert p.dtype == dtype and torch.equal(p.float(), q), (states, master, step, p.shape)
     for p, q in zip(ours, ref):  # the stored moments decode to the reference's
@@ -308,6 +313,7 @@ def test_fsdp2_shards_match_one_process(states, master, spawn_ranks, tmp_path):
         (["--master-weights", "fp16"], "unknown --master-weights 'fp16'"),
         (["--master-weights", "bf16", "--precision", "fp32"], "--master-weights bf16 needs a recipe that computes in BF16"),
         (["--offload-optimizer", "--nproc-per-node", "2"], "--offload-optimizer runs on one GPU"),
+        (["--offload-optimizer", "--device", "cpu"], "this run has no GPU"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(flags, message, tmp_path):
@@ -387,3 +393,35 @@ def test_a_run_with_bf16_weights_and_8bit_states_resumes_exactly(blocks_of_256, 
     assert any(k.endswith("exp_avg_sq_scale") for k in saved)
     resumed = train(blocks_of_256.with_(load=str(tmp_path / "step-2")))
     assert straight[:2] + resumed == straight  # bit for bit
+
+
+def test_offload_needs_a_gpu(blocks_of_256, monkeypatch):
+    import lpbench.train.loop as loop
+    from lpbench.errors import UsageError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UsageError, match="this run has no GPU"):
+        loop.train(blocks_of_256.with_(device="auto", offload_optimizer=True), log=lambda line: None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("master,states", [("fp32", "fp32"), ("bf16", "8bit")])
+def test_offloaded_optimizer_trains_like_the_gpu_one_in_less_gpu_memory(master, states, blocks_of_256, tmp_path):
+    """FSDP2 on one rank with CPU offload: the same losses up to FSDP2's BF16 embeddings (autocast keeps them FP32)
+    and the CPU's optimizer arithmetic, less GPU memory, and an exact resume."""
+    import lpbench.train.loop as loop
+
+    cfg = blocks_of_256.with_(device="cuda", compile=False, master_weights=master, optimizer_states=states, steps=6)
+
+    def train(c):
+        result = loop.train(c, log=lambda line: None)
+        assert result.status == "ok", result.error
+        return result
+
+    on_gpu, offloaded = train(cfg), train(cfg.with_(offload_optimizer=True))
+    a, b = [s["loss"] for s in on_gpu.steps], [s["loss"] for s in offloaded.steps]
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-2
+    assert offloaded.metrics["peak_mem_allocated_gb"] < on_gpu.metrics["peak_mem_allocated_gb"]
+    saving = train(cfg.with_(offload_optimizer=True, save_every=3, save_dir=str(tmp_path)))
+    resumed = train(cfg.with_(offload_optimizer=True, load=str(tmp_path / "step-3")))
+    assert [s["loss"] for s in saving.steps[3:]] == [s["loss"] for s in resumed.steps]
