@@ -809,13 +809,14 @@ class RunConfig:
         return f.metadata.get("default_text") or _shown(f.default)
 
     def header(self) -> str:
-        """What the run's log header adds to the settings: each default that followed other settings, and the
-        FLOP formula of its TFLOP/s and MFU: ``gbs 16 (default: MBS x DP) | TFLOP/s by the megatron formula``."""
+        """What the run's log header adds to the settings: each default that followed other settings, the FLOP
+        formula of its TFLOP/s and MFU, and the optimizer's precision: ``gbs 16 (default: MBS x DP) | TFLOP/s by
+        the megatron formula | AdamW: fp32 master weights, fp32 states``."""
         parts = [
             f"{name.replace('_', ' ')} {getattr(self, name)} (default: {self.default_text(name)})"
             for name in self.derived
         ]
-        return " | ".join([*parts, self.optimizer_text(), f"TFLOP/s by the {self.flops_formula} formula"])
+        return " | ".join([*parts, f"TFLOP/s by the {self.flops_formula} formula", self.optimizer_text()])
 
     def optimizer_text(self) -> str:
         """The optimizer as the run header states it: ``AdamW: fp32 master weights, 8bit states, offloaded to
