@@ -25,7 +25,9 @@ DEFAULT_PRECISIONS = ("bf16", "fp8-tensorwise", "mxfp8", "nvfp4")  # `lpbench ru
 FSDP_SHARDS = ("zero3", "zero2", "zero1")  # lpbench/parallel/dp.py
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 RECOMPUTES = ("none", "selective", "full")  # lpbench/parallel/recompute.py
-OFFLOAD_NEEDS_GPU = "--offload-optimizer moves AdamW's states from a GPU to the CPU (FSDP2's CPU offload); this run has no GPU"
+OFFLOAD_NEEDS_GPU = (
+    "--offload-optimizer moves AdamW's states from a GPU to the CPU (FSDP2's CPU offload); this run has no GPU"
+)
 MASTER_WEIGHTS = ("fp32", "bf16")  # lpbench/train/optim.py
 OPTIMIZER_STATES = ("fp32", "bf16", "fp8", "8bit")  # lpbench/train/optim.py, lpbench/precision/optim_states.py
 MAX_SIZE = 2**31 - 1  # sizes, counts and steps: what int32 indexing and the data pipeline hold
@@ -823,7 +825,6 @@ class RunConfig:
         CPU``."""
         offload = ", offloaded to CPU" if self.offload_optimizer else ""
         return f"AdamW: {self.master_weights} master weights, {self.optimizer_states} states{offload}"
-
 
 
 def spread(base: RunConfig, lists: dict[str, list]) -> list[RunConfig]:

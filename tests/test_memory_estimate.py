@@ -185,7 +185,9 @@ def test_optimizer_states_and_master_weights_counted_by_hand(states, per_matrix_
 
 def test_offloaded_optimizer_leaves_the_gathered_bf16_blocks_on_the_gpu():
     e = estimate(WIDE, get_recipe("bf16"), seq_len=4, mbs=1, offload_optimizer=True, optimizer_states="8bit")
-    assert e.parts["master weights (fp32)"] == e.parts["gradients (fp32)"] == e.parts["optimizer states (8bit AdamW)"] == 0
+    assert (
+        e.parts["master weights (fp32)"] == e.parts["gradients (fp32)"] == e.parts["optimizer states (8bit AdamW)"] == 0
+    )
     assert e.parts["FSDP gathered weights"] == 2 * (2 * WIDE_BLOCK + WIDE_REST)  # in use, prefetched, and the root
 
 
@@ -194,5 +196,8 @@ def test_memory_suggests_the_optimizer_settings_for_one_gpu(capsys):
     assert main([*argv, "--recompute", "full", "--fused-loss"]) == 1
     out = capsys.readouterr().out
     assert "--master-weights bf16 --optimizer-states 8bit" in out or "--offload-optimizer" in out
-    assert main([*argv, "--recompute", "full", "--fused-loss", "--master-weights", "bf16", "--optimizer-states", "8bit"]) == 0
+    assert (
+        main([*argv, "--recompute", "full", "--fused-loss", "--master-weights", "bf16", "--optimizer-states", "8bit"])
+        == 0
+    )
     assert "fits h100" in capsys.readouterr().out

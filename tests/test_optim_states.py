@@ -102,7 +102,12 @@ def test_fp8_states_match_the_reference():
 
 def test_bf16_stochastic_rounding_is_the_definition_and_unbiased():
     g = torch.Generator().manual_seed(2)
-    x = torch.cat([torch.randn(500, generator=g) * 10.0 ** torch.randint(-30, 30, (500,), generator=g), torch.tensor([0.0, -0.0, 3.0])])
+    x = torch.cat(
+        [
+            torch.randn(500, generator=g) * 10.0 ** torch.randint(-30, 30, (500,), generator=g),
+            torch.tensor([0.0, -0.0, 3.0]),
+        ]
+    )
     bits = torch.randint(0, 1 << 16, x.shape, generator=g, dtype=torch.int32)
     got = fmt.bf16_stochastic_round(x, bits)
     assert got.dtype == torch.bfloat16
@@ -131,7 +136,10 @@ def _grads(step: int):
 
 
 def _groups(params):
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1}, {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
 
 
 def _lowp(params, states, lr=1e-2):
@@ -228,7 +236,10 @@ def test_state_dict_round_trips_and_resumes_exactly(states):
     b.load_state_dict(saved)
     for key, value in saved["state"][0].items():  # codes stay codes (torch casts states to the weight's dtype)
         now = b.state[resumed[0]][key]
-        assert now.dtype == value.dtype and torch.equal(now.view(torch.uint8) if now.element_size() == 1 else now, value.view(now.dtype).view(torch.uint8) if now.element_size() == 1 else value)
+        assert now.dtype == value.dtype and torch.equal(
+            now.view(torch.uint8) if now.element_size() == 1 else now,
+            value.view(now.dtype).view(torch.uint8) if now.element_size() == 1 else value,
+        )
     for step in range(2, 4):
         for p, q, g in zip(straight, resumed, _grads(step)):
             p.grad, q.grad = g.bfloat16(), g.bfloat16()
@@ -311,7 +322,10 @@ def test_fsdp2_shards_match_one_process(states, master, spawn_ranks, tmp_path):
     [
         (["--optimizer-states", "4bit"], "unknown --optimizer-states '4bit'"),
         (["--master-weights", "fp16"], "unknown --master-weights 'fp16'"),
-        (["--master-weights", "bf16", "--precision", "fp32"], "--master-weights bf16 needs a recipe that computes in BF16"),
+        (
+            ["--master-weights", "bf16", "--precision", "fp32"],
+            "--master-weights bf16 needs a recipe that computes in BF16",
+        ),
         (["--offload-optimizer", "--nproc-per-node", "2"], "--offload-optimizer runs on one GPU"),
         (["--offload-optimizer", "--device", "cpu"], "this run has no GPU"),
     ],
@@ -336,8 +350,19 @@ def test_converge_takes_lists_of_states_and_master_weights(tmp_path):
     from lpbench.config import run_labels
 
     args = build_parser().parse_args(
-        ["converge", "--precision", "fp8-tensorwise", "--optimizer-states", "bf16,fp32", "--master-weights", "bf16",
-         "--tokens", "4096", "--results", str(tmp_path)]
+        [
+            "converge",
+            "--precision",
+            "fp8-tensorwise",
+            "--optimizer-states",
+            "bf16,fp32",
+            "--master-weights",
+            "bf16",
+            "--tokens",
+            "4096",
+            "--results",
+            str(tmp_path),
+        ]
     )
     configs, _ = build_configs(args)
     assert [(c.precision, c.optimizer_states, c.master_weights) for c in configs] == [
@@ -356,7 +381,10 @@ def test_run_spreads_the_lists_over_runs():
     args = build_parser().parse_args(["run", "--precision", "bf16,fp8-tensorwise", "--optimizer-states", "8bit,fp8"])
     configs = configs_from_args(args)
     assert [(c.precision, c.optimizer_states) for c in configs] == [
-        ("bf16", "8bit"), ("bf16", "fp8"), ("fp8-tensorwise", "8bit"), ("fp8-tensorwise", "fp8")
+        ("bf16", "8bit"),
+        ("bf16", "fp8"),
+        ("fp8-tensorwise", "8bit"),
+        ("fp8-tensorwise", "fp8"),
     ]
 
 
@@ -370,8 +398,16 @@ def blocks_of_256(monkeypatch):
     from lpbench.config import RunConfig
 
     return RunConfig(
-        model="test-optim", seq_len=16, mbs=2, gbs=2, steps=4, warmup_steps=1, precision="bf16", device="cpu",
-        master_weights="bf16", optimizer_states="8bit",
+        model="test-optim",
+        seq_len=16,
+        mbs=2,
+        gbs=2,
+        steps=4,
+        warmup_steps=1,
+        precision="bf16",
+        device="cpu",
+        master_weights="bf16",
+        optimizer_states="8bit",
     )
 
 

@@ -43,7 +43,11 @@ def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int
     data: list[float] = []
     non_sign_bits = total_bits - 1
     for i in range(max_exponent_bits):
-        n = 2 ** (i + non_sign_bits - max_exponent_bits) + 1 if signed else 2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1
+        n = (
+            2 ** (i + non_sign_bits - max_exponent_bits) + 1
+            if signed
+            else 2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1
+        )
         grid = torch.linspace(0.1, 1, n)
         means = ((grid[:-1] + grid[1:]) / 2.0).tolist()
         data += [10 ** (-(max_exponent_bits - 1) + i) * m for m in means]

@@ -63,7 +63,9 @@ def suggestions(cfg: RunConfig, capacity: float, gpu: str | None = None) -> list
     if cfg.optimizer_states not in ("fp8", "8bit"):
         tries.append(("--optimizer-states 8bit", dict(optimizer_states="8bit")))
     if cfg.master_weights != "bf16" and get_recipe(cfg.precision).compute_dtype == torch.bfloat16:
-        tries.append(("--master-weights bf16 --optimizer-states 8bit", dict(master_weights="bf16", optimizer_states="8bit")))
+        tries.append(
+            ("--master-weights bf16 --optimizer-states 8bit", dict(master_weights="bf16", optimizer_states="8bit"))
+        )
     if cfg.world_size == 1 and not cfg.offload_optimizer and cfg.compile_scope != "model":
         tries.append(("--offload-optimizer", dict(offload_optimizer=True)))
     if cfg.mbs > 1:

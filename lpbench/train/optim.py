@@ -58,7 +58,12 @@ def quantizes(p: torch.Tensor, states: str) -> bool:
     """Whether ``p``'s states are stored blockwise (``fp8``, ``8bit``): a matrix of at least
     :data:`MIN_QUANTIZED` elements whose (local) last dimension holds whole blocks, so that no block spans
     two rows or two shards; the others keep FP32 states. The same answer on every rank of a layout."""
-    return states in ("fp8", "8bit") and p.ndim >= 2 and p.numel() >= MIN_QUANTIZED and _local(p).shape[-1] % fmt.BLOCK == 0
+    return (
+        states in ("fp8", "8bit")
+        and p.ndim >= 2
+        and p.numel() >= MIN_QUANTIZED
+        and _local(p).shape[-1] % fmt.BLOCK == 0
+    )
 
 
 def _offset(p: torch.Tensor) -> tuple[int, ...]:
@@ -176,7 +181,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 stored.copy_(value)  # BF16: round to nearest even
             return
         codes, scales = (
-            fmt.quantize_8bit(value, signed=key == "exp_avg") if stored.dtype == torch.uint8 else fmt.quantize_e4m3(value)
+            fmt.quantize_8bit(value, signed=key == "exp_avg")
+            if stored.dtype == torch.uint8
+            else fmt.quantize_e4m3(value)
         )
         stored.copy_(codes)
         scale.copy_(scales)
@@ -206,7 +213,9 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, fused: bool) -> torc
         for same in by_kind(chosen)
     ]
     if cfg.optimizer_states != "fp32" or any(p.dtype != torch.float32 for p in params):
-        return LowPrecisionAdamW(groups, lr=cfg.peak_lr, weight_decay=cfg.weight_decay, states=cfg.optimizer_states, seed=cfg.seed)
+        return LowPrecisionAdamW(
+            groups, lr=cfg.peak_lr, weight_decay=cfg.weight_decay, states=cfg.optimizer_states, seed=cfg.seed
+        )
     return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=BETAS, eps=EPS, fused=fused or None)
 
 
