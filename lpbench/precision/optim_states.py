@@ -72,7 +72,16 @@ def _thresholds(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 QMAP_SIGNED = dynamic_map(signed=True)
 QMAP_UNSIGNED = dynamic_map(signed=False)
-_THRESHOLDS = {True: _thresholds(QMAP_SIGNED), False: _thresholds(QMAP_UNSIGNED)}
+_TABLES: dict[tuple[bool, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(map, thresholds, exact) of the signed or unsigned map on ``device``, copied there once."""
+    key = (signed, device)
+    if key not in _TABLES:
+        qmap = QMAP_SIGNED if signed else QMAP_UNSIGNED
+        _TABLES[key] = tuple(t.to(device) for t in (qmap, *_thresholds(qmap)))
+    return _TABLES[key]
 
 
 def blocks_of(x: torch.Tensor) -> torch.Tensor:
@@ -86,8 +95,7 @@ def quantize_8bit(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Te
     rows = blocks_of(x)
     absmax = rows.abs().amax(dim=1).clamp(min=MIN_ABSMAX)
     normed = rows / absmax[:, None]
-    t, exact = _THRESHOLDS[signed]
-    t, exact = t.to(x.device), exact.to(x.device)
+    _, t, exact = _tables(signed, x.device)
     below = torch.searchsorted(t, normed, side="left", out_int32=True)  # thresholds strictly below
     at = t[below.clamp(max=t.numel() - 1)] == normed
     codes = below + (at & exact[below.clamp(max=t.numel() - 1)] & (below < t.numel())).int()
@@ -96,7 +104,7 @@ def quantize_8bit(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Te
 
 def dequantize_8bit(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """FP32 values: ``map[code] * absmax`` of the code's block."""
-    qmap = (QMAP_SIGNED if signed else QMAP_UNSIGNED).to(codes.device)
+    qmap = _tables(signed, codes.device)[0]
     rows = qmap[blocks_of(codes).int()] * absmax.reshape(-1, 1)
     return rows.reshape(codes.shape)
 

@@ -100,6 +100,10 @@ def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
         f"predicted peak: {est.gb:.1f} GB per GPU",
     ]
     lines += [f"  {name:<36} {size / 2**30:8.2f} GB" for name, size in est.parts.items() if size]
+    if cfg.offload_optimizer:  # what FSDP2's CPU offload holds in host memory instead
+        kept = predict(cfg.with_(offload_optimizer=False), gpu).parts
+        host = sum(v for k, v in kept.items() if k.startswith(("master weights", "gradients", "optimizer states")))
+        lines.append(f"  on the CPU (pinned): weights, gradients, optimizer states {host / 2**30:.1f} GB")
     cap = capacity_gb(gpu)
     if cap is None:
         return lines, None
