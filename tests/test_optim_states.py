@@ -461,3 +461,19 @@ def test_offloaded_optimizer_trains_like_the_gpu_one_in_less_gpu_memory(master, 
     saving = train(cfg.with_(offload_optimizer=True, save_every=3, save_dir=str(tmp_path)))
     resumed = train(cfg.with_(offload_optimizer=True, load=str(tmp_path / "step-3")))
     assert [s["loss"] for s in saving.steps[3:]] == [s["loss"] for s in resumed.steps]
+
+
+def test_sweep_keys_make_a_grid_and_bad_values_leave_no_run():
+    from lpbench.bench.sweep_spec import expand
+    from lpbench.errors import UsageError
+
+    spec = {"name": "t", "model": "tiny", "precision": ["bf16", "fp8-tensorwise"], "optimizer_states": ["fp32", "8bit"]}
+    runs = expand({**spec, "master-weights": "bf16", "offload_optimizer": "off"}).runs
+    assert [(r.config.precision, r.config.optimizer_states, r.config.master_weights) for r in runs] == [
+        ("bf16", "fp32", "bf16"),
+        ("bf16", "8bit", "bf16"),
+        ("fp8-tensorwise", "fp32", "bf16"),
+        ("fp8-tensorwise", "8bit", "bf16"),
+    ]
+    with pytest.raises(UsageError, match="unknown --optimizer-states '4bit'"):
+        expand({**spec, "optimizer_states": ["4bit"]})
