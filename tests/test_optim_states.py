@@ -477,3 +477,52 @@ def test_sweep_keys_make_a_grid_and_bad_values_leave_no_run():
     ]
     with pytest.raises(UsageError, match="unknown --optimizer-states '4bit'"):
         expand({**spec, "optimizer_states": ["4bit"]})
+
+
+LOOP_SCENARIOS = {"fsdp": dict(fsdp=True), "ddp": dict()}
+
+
+def _loop_worker(rank, port, out):
+    import os
+
+    import lpbench.train.loop as loop
+    from lpbench.config import RunConfig
+    from lpbench.models.registry import MODELS, ModelConfig
+    from lpbench.parallel.env import shutdown
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    MODELS["test-optim"] = ModelConfig("test-optim", 2, 256, 256, 4, 2, 512, max_seq_len=64)
+    base = RunConfig(
+        model="test-optim",
+        seq_len=16,
+        mbs=1,
+        gbs=2,
+        steps=4,
+        warmup_steps=1,
+        precision="bf16",
+        device="cpu",
+        master_weights="bf16",
+        optimizer_states="8bit",
+    )
+    results = {}
+    for name, kw in LOOP_SCENARIOS.items():
+        cfg = base.with_(**kw).with_world(2)
+        folder = os.path.join(out, name)
+        runs = [
+            loop.train(c, log=lambda line: None)
+            for c in (cfg, cfg.with_(save_every=2, save_dir=folder), cfg.with_(load=folder + "/step-2"))
+        ]
+        results[name] = [[(s["loss"], s["grad_norm"]) for s in r.steps] for r in runs]
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
+    shutdown()
+
+
+def test_two_ranks_with_bf16_weights_and_8bit_states_save_and_resume_exactly(spawn_ranks, tmp_path):
+    """FSDP2 and DDP on two gloo ranks through the training loop and distributed checkpoints."""
+    for rank in spawn_ranks(_loop_worker, 2, tmp_path):
+        for name in LOOP_SCENARIOS:
+            straight, saving, resumed = rank[name]
+            assert len(straight) == 4 and saving == straight and saving[:2] + resumed == straight, name

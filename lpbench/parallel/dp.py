@@ -68,14 +68,16 @@ def apply_fsdp(
     return root
 
 
-def one_rank_mesh(device_type: str) -> DeviceMesh:
-    """A device mesh of this process alone, for FSDP2 in one process (``--offload-optimizer``); starts a process
-    group of one if there is none, on an in-process store (no network). On CUDA the group holds NCCL and gloo, so
-    that collectives on the offloaded (CPU) gradients, such as the clipping norm's, run too."""
+def one_rank_mesh(device: torch.device) -> DeviceMesh:
+    """A device mesh of this process alone on ``device``, for FSDP2 in one process (``--offload-optimizer``);
+    starts a process group of one if there is none, on an in-process store (no network). On CUDA the group holds
+    NCCL and gloo, so that collectives on the offloaded (CPU) gradients, such as the clipping norm's, run too."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the mesh's device
     if not dist.is_initialized():
-        backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return init_device_mesh(device_type, (1,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
 
 
 def apply_ddp(

@@ -65,9 +65,7 @@ def parallelize(
             compile_blocks(model, head=not cfg.offload_optimizer)
         if cfg.offload_optimizer:  # FSDP2 on a mesh of one, its shards (the whole weights) on the CPU: torchtitan's
             dtype = compute_dtype if device.type == "cuda" else None
-            model = apply_fsdp(
-                model, one_rank_mesh(device.type), dtype, reduce_dtype(cfg.grad_reduce_dtype), offload=True
-            )
+            model = apply_fsdp(model, one_rank_mesh(device), dtype, reduce_dtype(cfg.grad_reduce_dtype), offload=True)
         return Parallelized(model, torch.compile(model) if whole else model, dims, None, 0)
     meshes = dims.mesh(device.type)
     if dims.tp_enabled:
