@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 from lpbench.models.registry import ModelConfig
+from lpbench.precision.optim_states import BLOCK, blockwise
 from lpbench.precision.quantize import Scaling
 from lpbench.precision.recipes import Recipe
 
@@ -54,12 +55,7 @@ def code_bytes(recipe: Recipe) -> float:
     return 1.0 + ((1 / recipe.block) if recipe.block else 0.0)
 
 
-STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4 / 256, "8bit": 1.0 + 4 / 256}  # per moment, with scales
-
-
-def blockwise(shape: tuple[int, ...]) -> bool:
-    """Whether a trained tensor's fp8/8bit states are stored blockwise (``train/optim.py: quantizes``)."""
-    return len(shape) >= 2 and shape[-1] % 256 == 0 and math.prod(shape) >= 4096
+STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4 / BLOCK, "8bit": 1.0 + 4 / BLOCK}  # per moment, with scales
 
 
 def state_bytes(states: str, shapes: list[tuple[int, ...]]) -> float:
@@ -69,7 +65,7 @@ def state_bytes(states: str, shapes: list[tuple[int, ...]]) -> float:
     total = 0.0
     for shape in shapes:
         n = math.prod(shape)
-        total += 2 * (STATE_BYTES[states] if states in ("fp32", "bf16") or blockwise(shape) else 4.0) * n
+        total += 2 * (STATE_BYTES[states] if states in ("fp32", "bf16") or blockwise(tuple(shape)) else 4.0) * n
     return total
 
 

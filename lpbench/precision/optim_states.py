@@ -24,6 +24,8 @@ definitions).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lpbench.precision.formats import E4M3
@@ -31,6 +33,18 @@ from lpbench.precision.quantize import quantize_fp8
 
 BLOCK = 256  # elements per scale, along the last dimension (torchao's AdamW8bit and AdamWFp8)
 MIN_ABSMAX = 1e-12  # an all-zero block divides by this, not by 0
+MIN_BLOCKWISE = 4096  # smaller tensors keep FP32 states (bitsandbytes' and torchao's rule)
+
+
+def blockwise(shape: tuple[int, ...], numel: int | None = None) -> bool:
+    """Whether a tensor of (local) ``shape`` (``numel`` elements in all, if sharded) has its fp8/8bit states
+    stored blockwise: a matrix of at least :data:`MIN_BLOCKWISE` elements whose last dimension holds whole
+    blocks, so that no block spans two rows (or two shards of rows); others keep FP32 states."""
+    return (
+        len(shape) >= 2
+        and (numel if numel is not None else math.prod(shape)) >= MIN_BLOCKWISE
+        and shape[-1] % BLOCK == 0
+    )
 
 
 def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:

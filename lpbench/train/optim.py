@@ -26,7 +26,6 @@ from lpbench.config import RunConfig
 from lpbench.precision import optim_states as fmt
 
 BETAS, EPS = (0.9, 0.95), 1e-8
-MIN_QUANTIZED = 4096  # smaller tensors keep FP32 states (bitsandbytes' and torchao's rule)
 CHUNK = 1 << 24  # elements updated at once: bounds the FP32 temporaries of a large tensor
 
 
@@ -55,15 +54,9 @@ def _like(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...]) -> torch
 
 
 def quantizes(p: torch.Tensor, states: str) -> bool:
-    """Whether ``p``'s states are stored blockwise (``fp8``, ``8bit``): a matrix of at least
-    :data:`MIN_QUANTIZED` elements whose (local) last dimension holds whole blocks, so that no block spans
-    two rows or two shards; the others keep FP32 states. The same answer on every rank of a layout."""
-    return (
-        states in ("fp8", "8bit")
-        and p.ndim >= 2
-        and p.numel() >= MIN_QUANTIZED
-        and _local(p).shape[-1] % fmt.BLOCK == 0
-    )
+    """Whether ``p``'s states are ``fp8`` or ``8bit`` codes (:func:`lpbench.precision.optim_states.blockwise` of its
+    local part; the whole tensor's size decides, so every rank of a layout answers alike)."""
+    return states in ("fp8", "8bit") and fmt.blockwise(tuple(_local(p).shape), p.numel())
 
 
 def _offset(p: torch.Tensor) -> tuple[int, ...]:
@@ -102,7 +95,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         state = self.state[p]
         state["step"] = torch.tensor(0.0)
         local = _local(p)
-        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+        for key in ("exp_avg", "exp_avg_sq"):
             if quantizes(p, self.states):
                 dtype = torch.uint8 if self.states == "8bit" else torch.float8_e4m3fn
                 scales = (*local.shape[:-1], local.shape[-1] // fmt.BLOCK)
