@@ -389,26 +389,29 @@ def test_run_spreads_the_lists_over_runs():
 
 
 # ---------------------------------------------------------------- a run, saved and resumed
+WIDE = ("test-optim", 2, 256, 256, 4, 2, 512)  # 2 blocks of width 256: every matrix holds whole blocks of 256
+WIDE_RUN = dict(
+    model="test-optim",
+    seq_len=16,
+    mbs=2,
+    gbs=2,
+    steps=4,
+    warmup_steps=1,
+    precision="bf16",
+    device="cpu",
+    master_weights="bf16",
+    optimizer_states="8bit",
+)
+
+
 @pytest.fixture
 def blocks_of_256(monkeypatch):
-    """A 2-block model whose matrices hold whole blocks of 256 (so fp8/8bit states are quantized)."""
+    """A run of a model whose matrices hold whole blocks of 256 (so fp8/8bit states are quantized)."""
+    from lpbench.config import RunConfig
     from lpbench.models.registry import MODELS, ModelConfig
 
-    monkeypatch.setitem(MODELS, "test-optim", ModelConfig("test-optim", 2, 256, 256, 4, 2, 512, max_seq_len=64))
-    from lpbench.config import RunConfig
-
-    return RunConfig(
-        model="test-optim",
-        seq_len=16,
-        mbs=2,
-        gbs=2,
-        steps=4,
-        warmup_steps=1,
-        precision="bf16",
-        device="cpu",
-        master_weights="bf16",
-        optimizer_states="8bit",
-    )
+    monkeypatch.setitem(MODELS, "test-optim", ModelConfig(*WIDE, max_seq_len=64))
+    return RunConfig(**WIDE_RUN)
 
 
 def test_a_run_with_bf16_weights_and_8bit_states_resumes_exactly(blocks_of_256, tmp_path):
@@ -494,19 +497,8 @@ def _loop_worker(rank, port, out):
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(1)
-    MODELS["test-optim"] = ModelConfig("test-optim", 2, 256, 256, 4, 2, 512, max_seq_len=64)
-    base = RunConfig(
-        model="test-optim",
-        seq_len=16,
-        mbs=1,
-        gbs=2,
-        steps=4,
-        warmup_steps=1,
-        precision="bf16",
-        device="cpu",
-        master_weights="bf16",
-        optimizer_states="8bit",
-    )
+    MODELS["test-optim"] = ModelConfig(*WIDE, max_seq_len=64)
+    base = RunConfig(**{**WIDE_RUN, "mbs": 1})
     results = {}
     for name, kw in LOOP_SCENARIOS.items():
         cfg = base.with_(**kw).with_world(2)
