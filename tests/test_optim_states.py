@@ -457,13 +457,18 @@ def test_offloaded_optimizer_trains_like_the_gpu_one_in_less_gpu_memory(master, 
         assert result.status == "ok", result.error
         return result
 
-    on_gpu, offloaded = train(cfg), train(cfg.with_(offload_optimizer=True))
-    a, b = [s["loss"] for s in on_gpu.steps], [s["loss"] for s in offloaded.steps]
-    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-2
-    assert offloaded.metrics["peak_mem_allocated_gb"] < on_gpu.metrics["peak_mem_allocated_gb"]
-    saving = train(cfg.with_(offload_optimizer=True, save_every=3, save_dir=str(tmp_path)))
-    resumed = train(cfg.with_(offload_optimizer=True, load=str(tmp_path / "step-3")))
-    assert [s["loss"] for s in saving.steps[3:]] == [s["loss"] for s in resumed.steps]
+    try:
+        on_gpu, offloaded = train(cfg), train(cfg.with_(offload_optimizer=True))
+        a, b = [s["loss"] for s in on_gpu.steps], [s["loss"] for s in offloaded.steps]
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-2
+        assert offloaded.metrics["peak_mem_allocated_gb"] < on_gpu.metrics["peak_mem_allocated_gb"]
+        saving = train(cfg.with_(offload_optimizer=True, save_every=3, save_dir=str(tmp_path)))
+        resumed = train(cfg.with_(offload_optimizer=True, load=str(tmp_path / "step-3")))
+        assert [s["loss"] for s in saving.steps[3:]] == [s["loss"] for s in resumed.steps]
+    finally:
+        from lpbench.parallel.env import shutdown
+
+        shutdown()  # the one-rank process group the offloaded runs started
 
 
 def test_sweep_keys_make_a_grid_and_bad_values_leave_no_run():
