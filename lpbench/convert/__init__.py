@@ -7,6 +7,10 @@ compiled code sees the converted model; ``owned``: the parameters no data-parall
 may start now) and ``after_evaluate``. The trainer calls :class:`Converters`' hooks, never a converter's
 internals.
 
+A model converted on the meta device (one process) is then materialized block by block
+(:func:`lpbench.parallel.plan.materialize`): ``after_materialize`` runs on each block once it holds its values,
+before the next block exists, for what needs values (LoRA's adapters drawn, frozen bases quantized).
+
 The run's converters, in order (:func:`converters_for`): SwiGLU's kernel, LoRA adapters (:mod:`.lora`), the precision
 recipe (:mod:`.quantize`, or torchao's linears, :mod:`.torchao`), frozen quantized bases, the weight cache
 (:mod:`.weight_cache`) and the experts' FP32 gradient buffers (:mod:`.main_grads`).
@@ -18,7 +22,7 @@ import torch
 from torch import nn
 
 from lpbench.convert import main_grads, weight_cache
-from lpbench.convert.lora import apply_lora
+from lpbench.convert.lora import apply_lora, init_adapters
 from lpbench.convert.quantize import apply_recipe, store_frozen_quantized
 from lpbench.models.decoder import MLP
 from lpbench.models.moe import Experts, silu_mul
@@ -30,6 +34,7 @@ class Converter:
     module doc); every hook is a no-op unless overridden."""
 
     def convert(self, model: nn.Module) -> None: ...
+    def after_materialize(self, name: str, block: nn.Module) -> None: ...
     def attach(self, model: nn.Module, optimizer, owned: list[nn.Parameter]) -> None: ...
     def after_backward(self) -> None: ...
     def after_optimizer_step(self, prefetch: bool) -> None: ...
@@ -56,9 +61,16 @@ class LoRA(Converter):
 
     def convert(self, model):
         c = self.cfg
+        self.generator = None  # on the meta device: the adapters are drawn block by block, once allocated
         self.info = apply_lora(
             model, c.lora_rank, c.lora_alpha, c.lora_targets, base_dtype=self.recipe.compute_dtype, seed=c.seed
         )
+
+    def after_materialize(self, name, block):
+        if self.generator is None:  # seeded as apply_lora's, drawn in the same order
+            device = next(block.parameters()).device
+            self.generator = torch.Generator(device=device).manual_seed(self.cfg.seed)
+        init_adapters(block, self.generator)
 
 
 class Quantize(Converter):
@@ -76,7 +88,11 @@ class FrozenQuantized(Converter):
     """Frozen quantized bases stored quantized once (LoRA's ``--lora-base-storage quantized``)."""
 
     def convert(self, model):
-        self.names = store_frozen_quantized(model)
+        meta = next(model.parameters()).is_meta  # then each block once it holds its values
+        self.names = [] if meta else store_frozen_quantized(model)
+
+    def after_materialize(self, name, block):
+        self.names += store_frozen_quantized(block, prefix=f"{name}.")
 
 
 class WeightCache(Converter):
@@ -139,6 +155,9 @@ class Converters(list):
 
     def convert(self, model):
         self._each("convert", model)
+
+    def after_materialize(self, name, block):
+        self._each("after_materialize", name, block)
 
     def attach(self, model, optimizer, owned):
         self._each("attach", model, optimizer, owned)

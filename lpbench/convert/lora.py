@@ -61,8 +61,13 @@ class LoRALinear(nn.Module):
         self.lora_a = nn.Parameter(torch.empty(rank, self.in_features, device=device, dtype=adapter_dtype))
         self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, device=device, dtype=adapter_dtype))
         if device.type != "meta":
-            with torch.no_grad():  # nn.Linear's default init (as PEFT), on a seeded generator
-                nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5), generator=generator)
+            self.reset_parameters(generator)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """A as nn.Linear's default init (as PEFT), drawn from ``generator``; B zeros."""
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5), generator=generator)
+        self.lora_b.zero_()
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's contribution ``scaling · (x Aᵀ) Bᵀ``."""
@@ -105,9 +110,14 @@ class ExpertLoRA(nn.Module):
             torch.zeros(n_experts, self.out_features, rank, device=weight.device, dtype=adapter_dtype)
         )
         if weight.device.type != "meta":
-            with torch.no_grad():  # each expert's A as LoRALinear draws it
-                for a in self.lora_a:
-                    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            self.reset_parameters(generator)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Each expert's A as :class:`LoRALinear` draws it, in turn from ``generator``; B zeros."""
+        for a in self.lora_a:
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        self.lora_b.zero_()
 
     def delta(self, x: torch.Tensor, groups) -> torch.Tensor:
         """``scaling · (x_e A_eᵀ) B_eᵀ`` for every expert's rows of the sorted buffer ``x`` (``groups``)."""
@@ -200,6 +210,14 @@ def apply_lora(
         "alpha": alpha,
         "targets": sorted(names),
     }
+
+
+def init_adapters(module: nn.Module, generator: torch.Generator) -> None:
+    """Draw the adapters of ``module`` (e.g. one block of a model LoRA was applied to on the meta device, once
+    allocated) from ``generator`` in module order: drawn block after block from one generator seeded as
+    ``apply_lora``'s, they equal the adapters it draws on a materialized model."""
+    for _, m in lora_modules(module):
+        m.reset_parameters(generator)
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear | ExpertLoRA]]:

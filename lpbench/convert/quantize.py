@@ -117,15 +117,15 @@ def quantize_experts(experts: Experts, recipe: Recipe, native: bool) -> None:
     experts.set_tp(experts.tp)
 
 
-def store_frozen_quantized(model: nn.Module) -> list[str]:
+def store_frozen_quantized(model: nn.Module, prefix: str = "") -> list[str]:
     """Replace every QuantizedLinear whose weight is frozen by its :class:`FrozenQuantizedLinear`
-    (the high-precision weight is freed once nothing else holds it); returns their names."""
+    (the high-precision weight is freed once nothing else holds it); returns their names (after ``prefix``)."""
     names = []
     for name, mod in list(model.named_modules()):
         if isinstance(mod, QuantizedLinear) and not mod.weight.requires_grad:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, FrozenQuantizedLinear.from_linear(mod))
-            names.append(name)
+            names.append(prefix + name)
     return names
 
 

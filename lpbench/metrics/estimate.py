@@ -1,24 +1,26 @@
 """Predicted peak memory per GPU of one training run, counted from first principles (docs/memory.md).
 
-What a rank holds at the peak, the start of the first block's backward (every block's activations
-kept, the head's gradient made), in bytes:
+The peak of a step is the largest of three moments, each the sum of what is live then, in bytes:
 
-* parameters: the master weights of what trains (FP32, or BF16 with ``--master-weights bf16``; a LoRA base in
-  BF16, or quantized), gradients in the weights' dtype, AdamW's two states (:func:`state_bytes`), each divided by
-  FSDP's shards and TP's ranks; none of the three with ``--offload-optimizer`` (on the CPU, with FSDP2's BF16
-  gathers on the GPU);
-* weight copies: what a block's backward reuses from its forward (the quantized dgrad copy of each
-  quantized linear's weight, whole under FSDP; without FSDP autocast's BF16 cast of every other
-  linear weight), the weight cache under gradient accumulation (FP8 codes in both layouts, or BF16),
-  and under FSDP the BF16 weights gathered: two blocks (in use, prefetched) and the root's;
-* activations: bytes per token of one block (:func:`block_bytes_per_token`, tensor by tensor) times
-  its tokens (MBS x seq / TP), over the blocks as ``--recompute`` keeps them, plus one block's
-  whole activations while it is recomputed;
-* the head: logits and their gradients (none with the chunked ``--fused-loss``).
+* the loss's backward (the usual peak): every block's activations as ``--recompute`` keeps them
+  (:func:`block_bytes_per_token`, tensor by tensor, times MBS x seq / TP), the head's logit tensors, the
+  weight copies the blocks' backward reuses, and no gradient yet (the optimizer sets them to None), but
+  with gradient accumulation the earlier micro-batches' (FSDP: unsharded, in the reduction dtype);
+* the last block's rerun (when it is recomputed): the same without the head, with that block's whole
+  activations and the LM head's gradient;
+* the end of the backward: every gradient, in the master weights' dtype, no activation; under FSDP the
+  root's gradients still unsharded beside their reduce-scatter input.
+
+Live throughout: the master weights of what trains (FP32, or BF16 with ``--master-weights bf16``; a LoRA
+base in BF16, or quantized), AdamW's two states (:func:`state_bytes`), each divided by FSDP's shards and
+TP's ranks; with ``--offload-optimizer`` neither they nor the sharded gradients are on the GPU (FSDP2 keeps
+them on the CPU; its BF16 gathers stay on the GPU); the weight cache under gradient accumulation; under
+FSDP the BF16 weights gathered: two blocks (in use, prefetched) and the root's. The build's peak
+(:func:`build_peak`: streamed, one block at a time) is estimated apart.
 
 A model (shapes only) built on the meta device gives the parameter counts; the rest are formulas, so
 this runs without a GPU. It counts tensors, as ``torch.cuda.max_memory_allocated`` does: no CUDA context,
-NCCL buffers or allocator fragmentation. Not modelled: the torchao backend, pipeline stages.
+NCCL buffers or allocator fragmentation. Not modelled: the torchao backend, pipeline stages, DDP's buckets.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ GB = 1024**3  # as metrics/memory.py reports measured peaks
 
 @dataclass
 class Estimate:
-    parts: dict[str, float] = field(default_factory=dict)  # name -> bytes per GPU
+    parts: dict[str, float] = field(default_factory=dict)  # name -> bytes per GPU, live at the peak
+    when: str = ""  # the moment of the step's peak
+    build: float = 0.0  # bytes at the build's peak
 
     @property
     def total(self) -> float:
@@ -44,7 +48,16 @@ class Estimate:
 
     @property
     def gb(self) -> float:
+        """The run's peak: the step's or, if higher, the build's."""
+        return max(self.total, self.build) / GB
+
+    @property
+    def step_gb(self) -> float:
         return self.total / GB
+
+    @property
+    def build_gb(self) -> float:
+        return self.build / GB
 
 
 def code_bytes(recipe: Recipe) -> float:
@@ -143,6 +156,7 @@ def estimate(
     compiled: bool = True,
     cuda: bool = True,
     nvfp4_bf16_copies: bool = False,
+    reduce_bytes: int = 4,
     master_weights: str = "fp32",
     optimizer_states: str = "fp32",
     offload_optimizer: bool = False,
@@ -151,9 +165,12 @@ def estimate(
 
     ``compiled``: blocks (and, with one process or DDP, the head) compiled; ``cuda``: FSDP gathers the
     weights in BF16, so the residual stream is BF16 (else FP32, as the embeddings' output);
-    ``nvfp4_bf16_copies``: NVFP4 emulated on a GPU, whose activation copies are BF16 values.
-    ``master_weights``, ``optimizer_states``, ``offload_optimizer``: the run's settings of the same names (one
-    process only offloads: FSDP2 on one rank, so its gathers are counted as FSDP's).
+    ``nvfp4_bf16_copies``: NVFP4 emulated on a GPU, whose activation copies are BF16 values;
+    ``reduce_bytes``: the bytes of FSDP's gradient reduction dtype (``--grad-reduce-dtype``), in which it
+    accumulates unsharded gradients between micro-batches; ``master_weights``, ``optimizer_states``,
+    ``offload_optimizer``: the run's settings of the same names (one process only offloads: FSDP2 on one
+    rank, so its gathers are counted as FSDP's). The estimate's ``parts`` are what is live at the peak,
+    ``when`` names that moment, ``build`` is the streamed build's peak (:func:`build_peak`).
     """
     from lpbench.models.decoder import build_model
 
@@ -164,56 +181,163 @@ def estimate(
         + sum(p.numel() for n, p in model.layers.named_parameters() if ".experts." in n)
     ) / m.n_layers
     rest = sum(p.numel() for p in model.parameters()) - block * m.n_layers  # embeddings, final norm, LM head
+    head = m.vocab_size * m.dim  # the LM head's (or the tied embeddings') weight
     fsdp = (fsdp and dp > 1) or offload_optimizer
     shards = (dp if fsdp else 1) * tp
+    lora = workload == "lora"
     quantized_blocks = (
         max(0, m.n_layers - recipe.first_bf16_layers - recipe.last_bf16_layers) if recipe.quantized else 0
     )
-    parts: dict[str, float] = {}
-    if workload == "lora":  # frozen base in the compute dtype or quantized; adapters trained in FP32
+    checkpointed = range(0, m.n_layers, recompute_every) if recompute != "none" else range(0)
+    held: dict[str, float] = {}  # live through the step
+    if lora:  # frozen base in the compute dtype or quantized; adapters trained in FP32
         q, kv, up = m.n_heads * m.hd, m.n_kv_heads * m.hd, (2 if m.gated else 1) * m.ffn_dim
         ins_outs = (m.dim + q + 2 * kv) + (q + m.dim) + (m.dim + up) + (m.ffn_dim + m.dim)  # qkv, o, mlp
         trainable = lora_rank * ins_outs * m.n_layers
-        stored = (
-            code_bytes(recipe) * quantized_blocks + 2.0 * (m.n_layers - quantized_blocks)
-            if lora_quantized_base
-            else 2.0 * m.n_layers
-        )
-        parts["frozen base"] = stored * linear + 2.0 * (block - linear) * m.n_layers + 4.0 * rest
+        held["frozen base"] = frozen_base_bytes(m, recipe, linear, block, rest, lora_quantized_base)
         states = 8.0 * trainable  # the adapters' states: FP32 (no blockwise states counted)
     else:
         trainable = block * m.n_layers + rest
         states = state_bytes(optimizer_states, [p.shape for p in model.parameters()])
-    on_gpu = 0.0 if offload_optimizer else 1.0
-    weight = 2.0 if master_weights == "bf16" else 4.0
-    parts[f"master weights ({master_weights})"] = on_gpu * weight * trainable / shards
-    parts[f"gradients ({master_weights})"] = on_gpu * weight * trainable / shards
-    parts[f"optimizer states ({optimizer_states} AdamW)"] = on_gpu * states / shards
-    # dgrad copies of the quantized weights (whole, under FSDP); a base stored quantized is read as stored
-    held = 0.0 if workload == "lora" and lora_quantized_base else code_bytes(recipe) * linear * quantized_blocks
-    if not fsdp and workload != "lora" and master_weights != "bf16":
-        held += 2.0 * linear * (m.n_layers - quantized_blocks)  # autocast's BF16 casts of the others
-    parts["weight copies held for backward"] = held / tp
-    if grad_accum > 1 and workload != "lora":  # FP8 codes in both layouts, or BF16 casts
-        parts["weight cache (per optimizer step)"] = 2.0 * linear * (quantized_blocks or m.n_layers) / tp
+    on_gpu = 0.0 if offload_optimizer else 1.0  # master weights, sharded gradients, states
+    weight = 2.0 if master_weights == "bf16" else 4.0  # the master weights' and their gradients' bytes
+    held[f"master weights ({master_weights})"] = on_gpu * weight * trainable / shards
+    held[f"optimizer states ({optimizer_states} AdamW)"] = on_gpu * states / shards
+    # the weight cache (gradient accumulation; plain, unsharded linears only): FP8 codes in both layouts of the
+    # fused tensorwise / delayed linears, a BF16 cast of the 16-bit ones; a cached linear's backward reads it
+    cached = grad_accum > 1 and cuda and not fsdp and tp == 1 and not lora
+    fp8_cached = recipe.scaling in (Scaling.TENSOR, Scaling.DELAYED)
+    bf16_blocks = m.n_layers - quantized_blocks
+    if cached:
+        held["weight cache (per optimizer step)"] = (
+            2.0 * linear * (bf16_blocks + (quantized_blocks if fp8_cached else 0))
+        )
     if fsdp:  # the block in use and the prefetched next, and the root's (embeddings, head) until the backward ends
-        parts["FSDP gathered weights"] = 2.0 * (2 * block + rest) / tp
+        held["FSDP gathered weights"] = 2.0 * (2 * block + rest) / tp
+    # copies of the weights a block's backward reuses, held by each block whose forward is kept: the quantized
+    # dgrad copy (a LoRA base stored quantized is read as stored), without FSDP autocast's BF16 cast of the
+    # others. A compiled block that is recomputed keeps neither (its rerun makes them again), nor does a
+    # cached linear (its backward reads the cache)
+    kept_blocks = m.n_layers - (len(checkpointed) if compiled else 0)
+    per_quantized = 0.0 if (lora and lora_quantized_base) or (cached and fp8_cached) else code_bytes(recipe)
+    per_bf16 = 0.0 if fsdp or lora or cached or master_weights == "bf16" else 2.0  # BF16 weights: no cast
+    copies = linear * (per_quantized * quantized_blocks + per_bf16 * bf16_blocks) * kept_blocks / m.n_layers / tp
     tokens = mbs * seq_len / tp  # tensor parallelism splits the features (sequence parallelism the rest)
-    checkpointed = len(range(0, m.n_layers, recompute_every)) if recompute != "none" else 0
     per = dict(
         compiled=compiled,
         residual_bytes=2 if fsdp and cuda else 4,
         bf16_copies=nvfp4_bf16_copies and recipe.scaling is Scaling.NVFP4,
-        lora=workload == "lora",
+        lora=lora,
     )
-    kept = block_bytes_per_token(m, recipe, "none", **per)
-    parts[f"activations ({recompute})"] = tokens * (
-        block_bytes_per_token(m, recipe, recompute, **per) * checkpointed + kept * (m.n_layers - checkpointed)
+    kept = block_bytes_per_token(m, recipe, "none", **per) * tokens
+    saved = block_bytes_per_token(m, recipe, recompute, **per) * tokens if checkpointed else kept
+    activations = saved * len(checkpointed) + kept * (m.n_layers - len(checkpointed))
+    # gradient accumulation: the earlier micro-batches' gradients, FSDP's unsharded in its reduction dtype
+    accumulated = (reduce_bytes / tp if fsdp else weight / shards) * trainable if grad_accum > 1 else 0.0
+    grads = {"accumulated gradients": accumulated} if accumulated else {}
+    # the head's backward, eager: log-softmax's FP32 output, its gradient and the FP32 logits' gradient (then
+    # the BF16 one, once the first two are freed); compiled (one process or DDP): the BF16 logits and their
+    # FP32 gradient; chunked (--fused-loss, only where the head is a plain local linear): :func:`chunked_loss_bytes`
+    per_logit = 6 if compiled and not fsdp and tp == 1 else 12
+    if fused_loss and not fsdp and tp == 1:
+        logits = chunked_loss_bytes(m, mbs * seq_len, cuda=cuda, trains_head=not lora)
+    else:
+        logits = mbs * seq_len * m.vocab_size * per_logit / tp
+    phases = {
+        "the loss's backward": {
+            **held,
+            **grads,
+            "weight copies held for backward": copies,
+            f"activations ({recompute})": activations,
+            "logits and loss": logits,
+        }
+    }
+    if (m.n_layers - 1) in checkpointed:  # the last block's rerun: its whole activations again, the head's gradient
+        head_grad = 0.0 if accumulated or lora else (2.0 / tp if fsdp else weight / shards) * head
+        phases["the last block's rerun"] = {
+            **held,
+            **grads,
+            "gradients so far (LM head)": head_grad,
+            "weight copies held for backward": copies,
+            f"activations ({recompute})": activations,
+            "one block recomputed": kept,
+        }
+    # the end of the backward: every gradient; under FSDP the root's (embeddings, head) still unsharded, in the
+    # compute dtype, beside its reduce-scatter input in the reduction dtype, every block resharded
+    if fsdp and not lora:
+        phases["the end of the backward"] = {
+            **{k: v for k, v in held.items() if k != "FSDP gathered weights"},
+            f"gradients ({master_weights})": on_gpu * weight * (trainable - rest) / shards,
+            "the root's gradients (unsharded, reduce-scatter input)": (2.0 + reduce_bytes) * rest / tp,
+        }
+    else:
+        phases["the end of the backward"] = {
+            **held,
+            f"gradients ({master_weights})": on_gpu * weight * trainable / shards,
+        }
+    when = max(phases, key=lambda k: sum(phases[k].values()))
+    build = build_peak(m, recipe, linear, block, rest, lora=lora, quantized_base=lora_quantized_base, shards=shards)
+    return Estimate({k: v for k, v in phases[when].items() if v}, when=when, build=build)
+
+
+def chunked_loss_bytes(m: ModelConfig, tokens: int, *, cuda: bool, trains_head: bool) -> float:
+    """What the chunked LM head + cross-entropy (``models/fused_loss.py``) holds at its peak, in its forward: the
+    input's BF16 gradient, one chunk's FP32 logits, their exponentials and softmax (12 bytes a logit), and on
+    CUDA, for a trained head, the BF16 gradient of every logit (its weight gradient is one GEMM over them)."""
+    from lpbench.models.fused_loss import CHUNK_ELEMENTS
+
+    chunk = min(tokens, max(1, CHUNK_ELEMENTS["cuda" if cuda else "cpu"] // m.vocab_size)) * m.vocab_size
+    every = 2.0 * tokens * m.vocab_size if cuda and trains_head else 0.0
+    return 2.0 * tokens * m.dim + 12.0 * chunk + every
+
+
+def frozen_base_bytes(
+    m: ModelConfig, recipe: Recipe, linear: float, block: float, rest: float, quantized_base: bool
+) -> float:
+    """A LoRA run's frozen base: the block linears in BF16 or stored quantized (blocks the recipe keeps in
+    BF16 stay BF16), the blocks' norms in BF16, the embeddings, final norm and head as built (FP32)."""
+    quantized_blocks = (
+        max(0, m.n_layers - recipe.first_bf16_layers - recipe.last_bf16_layers) if recipe.quantized else 0
     )
-    if checkpointed:
-        parts["one block recomputed"] = tokens * kept
-    # the head: eager, log-softmax's FP32 output, its gradient and the logits' (FP32, then BF16); compiled
-    # (one process or DDP): the BF16 logits and their FP32 gradient; chunked: one chunk's
-    head = 6 if compiled and not fsdp and tp == 1 else 14
-    parts["logits and loss"] = 0.0 if fused_loss else mbs * seq_len * m.vocab_size * head / tp
-    return Estimate(parts)
+    # E2M1 codes are stored two to a byte (precision/frozen.py)
+    codes = code_bytes(recipe) - (0.5 if recipe.quantized and recipe.element_format("weight").dtype is None else 0)
+    stored = codes * quantized_blocks + 2.0 * (m.n_layers - quantized_blocks) if quantized_base else 2.0 * m.n_layers
+    if quantized_base and recipe.quantized and not shared_weight_copy(recipe):
+        stored += codes * quantized_blocks  # W and Wᵀ each quantized along their own rows
+    return stored * linear + 2.0 * (block - linear) * m.n_layers + 4.0 * rest
+
+
+def shared_weight_copy(recipe: Recipe) -> bool:
+    """Whether one quantized copy of a weight serves fprop and dgrad (``precision/frozen.py``)."""
+    f, d = recipe.operand("weight", "fprop"), recipe.operand("weight", "dgrad")
+    return f == d and f.block[0] == f.block[1]
+
+
+def build_peak(
+    m: ModelConfig,
+    recipe: Recipe,
+    linear: float,
+    block: float,
+    rest: float,
+    *,
+    lora: bool,
+    quantized_base: bool,
+    shards: int = 1,
+) -> float:
+    """The build's peak. Streamed (``parallel/plan.py: materialize``; a LoRA run on one process, any other run):
+    the model's FP32 parameters (sharded: this rank's) and one parameter's FP32 values drawn whole; for LoRA,
+    everything outside the blocks (FP32), the blocks converted before, and the block being converted: its
+    BF16 parameters and, for a base stored quantized, its largest weight's quantization (``quantize``, FP8
+    scalings: the scaled and the saturated FP32 values and the codes, 9 bytes an element; MX and NVFP4 also
+    the FP32 copy and the scales spread per element, 13), else that weight's FP32 values; or, if more, the first moment: the embeddings allocated and drawn (FP32 values).
+    A LoRA run on several ranks builds its model whole in FP32 first."""
+    largest = m.ffn_dim * (2 if m.gated else 1) * m.dim * max(1, m.n_experts)  # a block's
+    whole = 4.0 * (block * m.n_layers + rest)
+    if not lora:  # the embeddings' values are drawn whole too, but before any block
+        return whole / shards + 4.0 * max(largest, m.vocab_size * m.dim)
+    done = frozen_base_bytes(m, recipe, linear, block, rest, quantized_base)
+    fp8 = recipe.scaling in (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW, Scaling.BLOCK)
+    quantizing = (9.0 if fp8 else 13.0) * largest if quantized_base and recipe.quantized else 4.0 * largest
+    if shards > 1:
+        return whole + quantizing
+    return max(done + 2.0 * block + quantizing, 4.0 * rest + 4.0 * m.vocab_size * m.dim)

@@ -205,32 +205,15 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02, write=None) -> None:
-        """GPT-2 style init: N(0, std), residual output projections scaled by 1/sqrt(2L).
-
-        Every parameter's full values are drawn in turn from one generator seeded with ``seed``,
-        then stored by ``write(name, param, values)`` (default: copied), so a sharded model
-        can keep its shard of the same values (:func:`lpbench.parallel.plan.materialize`).
-        """
-        device = next(self.parameters()).device
-        gen = torch.Generator(device=device).manual_seed(seed)
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, p in self.named_parameters():
-            # stacked expert weights whole: all experts (EP), their whole FFN width (TP)
-            stacked = name.endswith((".experts.gate_up", ".experts.up", ".experts.down"))
-            shape = expert_shape(self.cfg, name.rpartition(".")[2]) if stacked else p.shape
-            full = torch.empty(shape, dtype=p.dtype, device=device)
-            if p.ndim == 1:
-                full.fill_(1.0 if name.endswith("weight") else 0.0)
-            else:
-                full.normal_(
-                    0.0,
-                    out_std if name.endswith(("attn.o.weight", "down.weight", "experts.down")) else std,
-                    generator=gen,
-                )
+        """GPT-2 style init (:func:`initial_values`): every parameter's full values drawn in turn from one
+        generator seeded with ``seed``, then stored by ``write(name, param, values)`` (default: copied), so a
+        sharded model can keep its shard of the same values (:func:`lpbench.parallel.plan.materialize`)."""
+        params = dict(self.named_parameters())
+        for name, full in initial_values(self.cfg, seed, next(self.parameters()).device, std):
             if write is None:
-                p.copy_(full)
+                params[name].copy_(full)
             else:
-                write(name, p, full)
+                write(name, params[name], full)
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
@@ -348,6 +331,30 @@ def count_active_parameters(model: nn.Module) -> int:
             per_expert = sum(p.numel() for p in m.experts.parameters()) // m.experts.n_experts
             idle += (m.n_experts - m.top_k) * per_expert
     return count_parameters(model) - idle
+
+
+def initial_values(cfg: ModelConfig, seed: int, device: torch.device | str, std: float = 0.02):
+    """Yield ``(name, values)`` for every parameter of ``Decoder(cfg)`` in its order (tied weights once), each
+    drawn whole when it is reached: N(0, std), residual output projections N(0, std / sqrt(2L)), norms' weights
+    1 and biases 0, from one generator on ``device`` seeded with ``seed``, in the construction dtype.
+
+    Stacked expert weights are drawn whole (all experts: EP; their whole FFN width: TP). The same sequence
+    fills an eager model, a sharded one and one materialized block by block."""
+    with torch.device("meta"):
+        shapes = Decoder(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out_std = std / math.sqrt(2 * cfg.n_layers)
+    for name, p in shapes.named_parameters():
+        stacked = name.endswith((".experts.gate_up", ".experts.up", ".experts.down"))
+        shape = expert_shape(cfg, name.rpartition(".")[2]) if stacked else p.shape
+        full = torch.empty(shape, dtype=p.dtype, device=device)
+        if p.ndim == 1:
+            full.fill_(1.0 if name.endswith("weight") else 0.0)
+        else:
+            full.normal_(
+                0.0, out_std if name.endswith(("attn.o.weight", "down.weight", "experts.down")) else std, generator=gen
+            )
+        yield name, full
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "meta", seed: int = 0) -> Decoder:

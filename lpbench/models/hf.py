@@ -27,6 +27,7 @@ RoPE type, missing tensor, wrong shape) raises :class:`lpbench.errors.UsageError
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -415,65 +416,98 @@ def safetensors_files(path: PathLike) -> list[Path]:
 # --------------------------------------------------------------------------- load
 
 
-@torch.no_grad()
-def load_hf_weights(model: Decoder, path: PathLike) -> Decoder:
-    """Fill ``model``'s parameters from the safetensors files of checkpoint folder ``path``.
+def _read_error(f: Path, exc: BaseException) -> UsageError:
+    return UsageError(f"{f}: not a readable safetensors file: {exc}")
 
-    Each HF tensor is copied into its rows of the lpbench parameter (cast to the parameter's
-    dtype and device); every expected tensor must be present with its exact shape.
+
+def hf_values(path: PathLike, cfg: ModelConfig, device: torch.device | str = "cpu"):
+    """Yield ``(lpbench parameter name, full values)`` from checkpoint folder ``path``, in ``Decoder(cfg)``'s
+    parameter order (:func:`lpbench.models.decoder.initial_values`' order), each assembled (fused QKV and
+    gate+up rows, stacked experts) in the construction dtype on ``device`` when it is reached: only that
+    parameter's tensors are read (``safe_open`` maps the files; a tensor's bytes are read when it is taken).
+
+    Every problem is found before the first value: unexpected, missing or duplicated tensors, wrong shapes
+    or non-floating-point dtypes (from the files' headers), unreadable files.
     """
     from safetensors import SafetensorError, safe_open
 
-    cfg = model.cfg
     wmap = hf_weight_map(cfg)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    covered = {lp.partition("[")[0] for lp, _, _ in wmap.values()}
-    expected_params = {n for n in params if not (cfg.tie_embeddings and n == "lm_head.weight")}
-    if covered != expected_params:  # the model is not a plain Decoder (LoRA wrappers ...)
+    sources: dict[str, list[tuple[str, int | None, int | None, str]]] = {}  # param -> (HF key, rows, index)
+    for key, (lp, lo, hi) in wmap.items():
+        base, _, index = lp.partition("[")
+        sources.setdefault(base, []).append((key, lo, hi, index[:-1]))
+    with contextlib.ExitStack() as stack:
+        where: dict[str, tuple[Path, object]] = {}
+        unexpected: list[str] = []
+        for f in safetensors_files(path):
+            try:
+                fh = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+                keys = list(fh.keys())
+            except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+                raise _read_error(f, exc) from None
+            for key in keys:
+                if key not in wmap:
+                    if not (key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and cfg.tie_embeddings)):
+                        unexpected.append(key)
+                    continue
+                if key in where:
+                    raise UsageError(f"{f.name}: tensor {key} appears in more than one file")
+                where[key] = (f, fh)
+        if unexpected:
+            raise UsageError(
+                f"{path}: unexpected tensor(s) {', '.join(unexpected[:4])}"
+                f"{' ...' if len(unexpected) > 4 else ''} for a {cfg.family} model"
+            )
+        missing = [k for k in wmap if k not in where]
+        if missing:
+            raise UsageError(f"{path}: missing tensor(s) {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+        with torch.device("meta"):
+            shapes = dict(Decoder(cfg).named_parameters())
+        for name, srcs in sources.items():  # headers: shape and dtype of every tensor, before any is read
+            for key, lo, hi, index in srcs:
+                f, fh = where[key]
+                try:
+                    piece = fh.get_slice(key)
+                    shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+                except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+                    raise _read_error(f, exc) from None
+                dst = shapes[name][int(index)] if index else shapes[name]
+                dst = dst if lo is None else dst[lo:hi]
+                if not dtype.startswith(("F", "BF")):
+                    raise UsageError(f"{f.name}: tensor {key} holds {dtype.lower()}, not floating-point weights")
+                if shape != tuple(dst.shape):
+                    raise UsageError(
+                        f"{f.name}: tensor {key} has shape {shape}, expected {tuple(dst.shape)} from config.json"
+                    )
+        for name, p in shapes.items():
+            full = torch.empty(p.shape, dtype=p.dtype, device=device)
+            for key, lo, hi, index in sources[name]:
+                f, fh = where[key]
+                try:
+                    t = fh.get_tensor(key)
+                except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+                    raise _read_error(f, exc) from None
+                dst = full[int(index)] if index else full
+                (dst if lo is None else dst[lo:hi]).copy_(t)
+                del t
+            yield name, full
+
+
+@torch.no_grad()
+def load_hf_weights(model: Decoder, path: PathLike) -> Decoder:
+    """Fill ``model``'s parameters from the safetensors files of checkpoint folder ``path`` (:func:`hf_values`:
+    one parameter's tensors read at a time, cast to the parameter's dtype and device); every expected tensor
+    must be present with its exact shape."""
+    cfg = model.cfg
+    params = dict(model.named_parameters())
+    covered = {lp.partition("[")[0] for lp, _, _ in hf_weight_map(cfg).values()}
+    if covered != set(params):  # the model is not a plain Decoder (LoRA wrappers ...)
         raise UsageError(
             f"{cfg.name}: cannot load HF weights into this model: parameters "
-            f"{sorted(expected_params ^ covered)[:4]} do not match a Llama/Qwen3 layout"
+            f"{sorted(set(params) ^ covered)[:4]} do not match a Llama/Qwen3 layout"
         )
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    for f in safetensors_files(path):
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as fh:
-                for key in fh.keys():
-                    if key not in wmap:
-                        if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and cfg.tie_embeddings):
-                            continue
-                        unexpected.append(key)
-                        continue
-                    lp, lo, hi = wmap[key]
-                    dst = _param_view(params, lp) if lo is None else _param_view(params, lp)[lo:hi]
-                    t = fh.get_tensor(key)
-                    if not t.dtype.is_floating_point:
-                        raise UsageError(
-                            f"{f.name}: tensor {key} holds {str(t.dtype).replace('torch.', '')}, "
-                            "not floating-point weights"
-                        )
-                    if tuple(t.shape) != tuple(dst.shape):
-                        raise UsageError(
-                            f"{f.name}: tensor {key} has shape {tuple(t.shape)}, expected "
-                            f"{tuple(dst.shape)} from config.json"
-                        )
-                    if key in loaded:
-                        raise UsageError(f"{f.name}: tensor {key} appears in more than one file")
-                    dst.copy_(t)
-                    loaded.add(key)
-        except UsageError:
-            raise
-        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise UsageError(f"{f}: not a readable safetensors file: {exc}") from None
-    if unexpected:
-        raise UsageError(
-            f"{path}: unexpected tensor(s) {', '.join(unexpected[:4])}"
-            f"{' ...' if len(unexpected) > 4 else ''} for a {cfg.family} model"
-        )
-    missing = [k for k in wmap if k not in loaded]
-    if missing:
-        raise UsageError(f"{path}: missing tensor(s) {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    for name, full in hf_values(path, cfg):
+        params[name].copy_(full)
     return model
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lpbench.config import RunConfig
+from lpbench.models.decoder import initial_values
 from lpbench.models.moe import Experts, moe_layers
 from lpbench.parallel.dims import Meshes, ParallelDims
 from lpbench.parallel.dp import apply_ddp, apply_fsdp, one_rank_mesh, reduce_dtype
@@ -109,13 +110,22 @@ def compile_blocks(model: nn.Module, head: bool) -> None:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate a meta-device model (sharded or not) on ``device`` and initialise it as ``build_model`` would.
+def materialize(
+    model: nn.Module, device: torch.device, seed: int, *, values=None, names=None, after_block=None
+) -> None:
+    """Allocate a meta-device model (sharded or not) on ``device`` and fill it as ``build_model`` would.
 
-    ``Decoder.init_weights`` draws every parameter whole, in order, from one seeded generator;
-    each rank keeps its shard of those values (rows of TP-fused weights interleaved as
-    ``apply_tp`` stores them), so the gathered weights equal a single process's bit for bit.
-    Buffers start at zero, but delayed scaling's scales at 1.0. A model not on the meta device is left as it is.
+    ``values`` yields ``(name, full tensor)`` in the plain decoder's parameter order (default:
+    ``initial_values``: one seeded generator, each parameter drawn whole in turn); ``names`` maps a
+    parameter's current name to that name where a converter renamed it (LoRA's ``.base``). Each rank keeps
+    its shard of those values (rows of TP-fused weights interleaved as ``apply_tp`` stores them), so the
+    gathered weights equal a single process's bit for bit. Buffers start at zero, but delayed scaling's
+    scales at 1.0. Parameters ``values`` does not name (LoRA's adapters) are left to ``after_block``.
+
+    Unsharded, the model is allocated part by part: first everything outside ``model.layers``, then each
+    block in turn, and ``after_block(name, block)`` runs once a block holds its values, before the next
+    exists (a LoRA base is quantized there, so the whole high-precision model never exists at once).
+    Sharded (FSDP2's DTensors), it is allocated whole. A model not on the meta device is left as it is.
     """
     if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         return
@@ -123,19 +133,30 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             owners.setdefault(id(p), []).append((module, name))
-    model.to_empty(device=device)
-    for places in owners.values():  # to_empty may give each module its own copy: tie shared parameters again
-        for module, name in places[1:]:
-            setattr(module, name, getattr(*places[0]))
-    for buffer in model.buffers():
-        buffer.zero_()
-    for module in model.modules():
-        if isinstance(module, DelayedScaling):  # scales start at 1.0
-            module.reset_delayed_state()
+    ties = [places for places in owners.values() if len(places) > 1]  # holding no other module: blocks are freed
+    del owners
     splits = {name: m.tp_shard for name, m in model.named_modules() if getattr(m, "tp_shard", None) is not None}
     experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
+    current = {old: new for new, old in (names or {}).items()}
+    blocks = {f"layers.{i}": block for i, block in enumerate(model.layers)}
 
-    def write(name: str, param: torch.Tensor, full: torch.Tensor) -> None:
+    def allocate(modules: list[nn.Module], recurse: bool = True) -> None:
+        for module in modules:
+            module.to_empty(device=device, recurse=recurse)
+        for places in ties:  # to_empty may give each module its own copy: tie shared parameters again
+            first = getattr(*places[0])
+            if not first.is_meta:
+                for module, name in places[1:]:
+                    setattr(module, name, first)
+        for module in modules:
+            for buffer in module.buffers(recurse=recurse):
+                buffer.zero_()
+            for sub in module.modules() if recurse else [module]:
+                if isinstance(sub, DelayedScaling):  # scales start at 1.0
+                    sub.reset_delayed_state()
+
+    def write(name: str, full: torch.Tensor) -> None:
+        param = model.get_parameter(name)
         owner = experts.get(name.rpartition(".")[0])
         if owner is not None:  # expert parallelism: this rank's experts; tensor parallelism: their slices
             full = full[owner.first : owner.first + owner.n_experts]
@@ -149,4 +170,23 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
             param = param.to_local()
         param.copy_(full)
 
-    model.init_weights(seed, write=write)
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    if sharded:
+        allocate([model])
+    else:  # the embeddings, final norm and head; each block when its first value comes
+        allocate([model], recurse=False)
+        allocate([m for m in model.children() if m is not model.layers])
+    if values is None:
+        values = initial_values(model.cfg, seed, device)
+    open_block = None
+    for name, full in values:
+        name = current.get(name, name)
+        block = ".".join(name.split(".")[:2]) if name.startswith("layers.") else None
+        if block != open_block and open_block is not None and after_block is not None:
+            after_block(open_block, blocks[open_block])
+        if block is not None and block != open_block and not sharded:
+            allocate([blocks[block]])
+        open_block = block
+        write(name, full)
+    if open_block is not None and after_block is not None:
+        after_block(open_block, blocks[open_block])

@@ -167,6 +167,12 @@ def _block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return x.abs().reshape(m // br, br, k // bc, bc).amax(dim=(1, 3))
 
 
+def _times_blocks(x: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``x * _expand(s, block)`` without the per-element copy of ``s`` (broadcast over each block)."""
+    (m, k), (br, bc) = x.shape, block
+    return (x.reshape(m // br, br, k // bc, bc) * s[:, None, :, None]).reshape(m, k)
+
+
 def _expand(s: torch.Tensor, block: tuple[int, int], shape: torch.Size | None = None) -> torch.Tensor:
     """Per-block values to per-element values (shape [rows, cols]; cut to ``shape`` if given)."""
     out = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
@@ -235,7 +241,9 @@ def quantize_fp8(
     if encode_scale is None:
         amax = all_reduce_max(amax, amax_group)
     enc = fp8_encode_scale(amax, fmt, pow2=pow2) if encode_scale is None else encode_scale.float().expand_as(amax)
-    codes = encode(x * _expand(enc, blk), fmt, stochastic=stochastic, generator=generator, noise=noise)
+    scaled = _times_blocks(x, enc, blk)
+    del x  # an FP32 copy of a 16-bit input: freed before the cast's own copies (a frozen weight's build peak)
+    codes = encode(scaled, fmt, stochastic=stochastic, generator=generator, noise=noise)
     return QTensor(codes, fp8_decode_scale(enc, amax), blk, fmt)
 
 

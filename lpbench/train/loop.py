@@ -128,6 +128,7 @@ class Run:
     loss_group: object  # the ranks whose losses are averaged (None: one)
     loss_ranks: int
     keep_unsharded: bool  # FSDP zero1: parameters stay unsharded between micro-batches
+    build_peak: float | None  # GB: the peak memory of building it (None: unknown)
 
 
 def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
@@ -156,11 +157,14 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
         cpu_note = f" | {threads.configure()} | {gemm.describe()}"
         result.env.update(cpu_threads=torch.get_num_threads(), cpu_gemm_route=gemm.route())
 
+    memory.reset_peak(device)  # the build's peak from here
     torch.manual_seed(cfg.seed)
-    meta = world.size > 1 and cfg.workload != "lora"  # no full copy per rank: parallelize shards, then allocates
+    # on the meta device: one process materializes it block by block once converted (prepare_model), several
+    # ranks once sharded (parallelize); a LoRA run on several ranks, or one from --hf-checkpoint, builds whole
+    meta = world.size == 1 or (cfg.workload != "lora" and not cfg.hf_checkpoint)
     model = (
         load_hf_checkpoint(cfg.hf_checkpoint, device=device)
-        if cfg.hf_checkpoint
+        if cfg.hf_checkpoint and not meta
         else build_model(model_cfg, device="meta" if meta else device, seed=cfg.seed)
     )
     n_params = count_parameters(model)
@@ -180,6 +184,7 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
     optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda" and not cfg.offload_optimizer)
     converters.attach(model, optimizer, params if world.size == 1 else spread[0])
     scheduler = build_scheduler(optimizer, cfg)
+    build_peak = memory.peak_gb(device)
     memory.reset_peak(device)  # after building, sharding and initialising the model
     splits = build_data(cfg, model_cfg)
     if splits.vocab_size > model_cfg.vocab_size:
@@ -216,11 +221,13 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
         loss_group=loss_group,
         loss_ranks=par.dims.dp * par.dims.cp,
         keep_unsharded=par.dims.fsdp_enabled and cfg.fsdp_shard == "zero1",
+        build_peak=build_peak,
     )
 
 
-def log_header(run: Run) -> float:
-    """The run's first log lines (what runs, how, on what layout); returns the predicted peak memory (GB per GPU)."""
+def log_header(run: Run) -> tuple[float, float]:
+    """The run's first log lines (what runs, how, on what layout); returns the predicted peak memory (GB per GPU)
+    of the steps and of the build."""
     cfg, log, par, info = run.cfg, run.log, run.par, run.precision_info
     kernels = f" kernels {', '.join(info['kernels'])}" if info.get("kernels") else ""
     log(
@@ -232,11 +239,11 @@ def log_header(run: Run) -> float:
         f"seq {cfg.seq_len} | peak LR {cfg.peak_lr:g} | {run.splits.source}"
     )
     log(f"lpbench: {cfg.header()}")
-    predicted = memory_plan.predict(
-        cfg, run.result.env.get("gpu"), cuda=run.device.type == "cuda", compiled=run.use_compile
-    ).gb
+    plan = memory_plan.predict(cfg, run.result.env.get("gpu"), cuda=run.device.type == "cuda", compiled=run.use_compile)
+    built = "n/a" if run.build_peak is None else f"{run.build_peak:.1f} GB"
     log(
-        f"lpbench: predicted peak memory {predicted:.1f} GB per GPU | recompute {cfg.recompute}"
+        f"lpbench: predicted peak memory {plan.step_gb:.1f} GB per GPU (build {plan.build_gb:.1f} GB predicted, "
+        f"{built} measured) | recompute {cfg.recompute}"
         f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}"
     )
     if info.get("why_emulated"):
@@ -258,7 +265,7 @@ def log_header(run: Run) -> float:
             f"x tp {cfg.tp}{' + sequence parallel' if cfg.tp > 1 and cfg.sequence_parallel else ''}"
             f"{f' | experts over ep {cfg.ep} ranks' if cfg.ep > 1 else ''}"
         )
-    return predicted
+    return plan.step_gb, plan.build_gb
 
 
 def micro_batches(run: Run) -> torch.Tensor:
@@ -314,7 +321,7 @@ def train(
     log, device, world, par, result = run.log, run.device, run.world, run.par, run.result
     if not world.is_main:
         on_step = None
-    predicted = log_header(run)
+    predicted, predicted_build = log_header(run)
     tokens_per_step = cfg.gbs * cfg.seq_len
     checkpointer = Checkpointer(cfg, par.module, run.optimizer, run.scheduler, run.data, device, log)
     start, result.history = checkpointer.resume()  # 0, [] without --load
@@ -410,6 +417,9 @@ def train(
         result.metrics["profile"] = profile
     result.metrics.update(_max_over_ranks(memory.summary(device), device))
     result.metrics["predicted_peak_gb"] = predicted
+    result.metrics["predicted_build_peak_gb"] = predicted_build
+    if run.build_peak is not None:
+        result.metrics["build_peak_gb"] = all_reduce([run.build_peak], "max", device)[0]
     measured = result.metrics.get("peak_mem_allocated_gb")
     if measured is not None and device.type == "cuda":
         log(

@@ -35,6 +35,7 @@ def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compil
         compiled=(cfg.compile if cfg.compile is not None else cuda) if compiled is None else compiled,
         cuda=cuda,
         nvfp4_bf16_copies=cuda and (peaks is None or peaks.fp4 is None),
+        reduce_bytes=2 if cfg.grad_reduce_dtype == "bf16" else 4,
         master_weights=cfg.master_weights,
         optimizer_states=cfg.optimizer_states,
         offload_optimizer=cfg.offload_optimizer,
@@ -98,11 +99,16 @@ def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
         f"dp {cfg.dp}{' (fsdp)' if cfg.fsdp else ''} x tp {cfg.tp} | recompute {cfg.recompute}"
         f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}",
         f"predicted peak: {est.gb:.1f} GB per GPU",
+        f"  at {est.when} ({est.total / 2**30:.1f} GB; the build's peak {est.build_gb:.1f} GB):",
     ]
     lines += [f"  {name:<36} {size / 2**30:8.2f} GB" for name, size in est.parts.items() if size]
     if cfg.offload_optimizer:  # what FSDP2's CPU offload holds in host memory instead
-        kept = predict(cfg.with_(offload_optimizer=False), gpu).parts
-        host = sum(v for k, v in kept.items() if k.startswith(("master weights", "gradients", "optimizer states")))
+        kept = predict(cfg.with_(offload_optimizer=False), gpu).parts  # gradients: as many bytes as the weights
+        host = sum(
+            v * (2 if k.startswith("master weights") else 1)
+            for k, v in kept.items()
+            if k.startswith(("master weights", "optimizer states"))
+        )
         lines.append(f"  on the CPU (pinned): weights, gradients, optimizer states {host / 2**30:.1f} GB")
     cap = capacity_gb(gpu)
     if cap is None:

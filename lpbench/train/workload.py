@@ -33,7 +33,9 @@ from lpbench.config import RunConfig
 from lpbench.data.loader import build_dataset
 from lpbench.data.sft import build_sft_dataset
 from lpbench.metrics.flops import flops_per_token, lora_flops_per_token, packed_flops_per_token
+from lpbench.models.hf import hf_values
 from lpbench.models.registry import ModelConfig
+from lpbench.parallel.plan import materialize
 from lpbench.convert import Converters, FrozenQuantized, LoRA, Quantize, converters_for
 from lpbench.precision.recipes import Recipe
 
@@ -42,9 +44,19 @@ def prepare_model(
     model: nn.Module, cfg: RunConfig, recipe: Recipe, *, device: torch.device, emulate: bool | str, use_compile: bool
 ) -> tuple[Converters, dict, dict]:
     """The run's converters (:func:`lpbench.convert.converters_for`) applied to ``model``: ``(converters, the
-    recipe's result of apply_recipe, metrics)``."""
+    recipe's result of apply_recipe, metrics)``.
+
+    A model on the meta device in a one-process run is then materialized on ``device`` block by block
+    (:func:`lpbench.parallel.plan.materialize`, the converters' ``after_materialize`` on each block): its
+    initial weights, or ``--hf-checkpoint``'s read one block at a time, equal an eager build's bit for bit.
+    Several ranks materialize in ``parallelize``, after sharding."""
     converters = converters_for(cfg, recipe, device, emulate, use_compile)
+    plain = {id(p): name for name, p in model.named_parameters()}
     converters.convert(model)
+    if cfg.world_size == 1 and next(model.parameters()).is_meta:
+        renamed = {name: plain[id(p)] for name, p in model.named_parameters() if plain.get(id(p), name) != name}
+        values = hf_values(cfg.hf_checkpoint, model.cfg, device) if cfg.hf_checkpoint else None
+        materialize(model, device, cfg.seed, values=values, names=renamed, after_block=converters.after_materialize)
     metrics = {
         "workload": cfg.workload,
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
