@@ -246,6 +246,16 @@ class RunConfig:
             layout=True,
         ),
     )
+    ep_chunks: int = field(
+        default=1,
+        metadata=arg(
+            "with --ep: split each rank's experts into this many groups whose all-to-all runs asynchronously "
+            "beside the other groups' expert GEMMs (grouped BF16/FP32 and FP8 row-/tensor-wise experts; "
+            "bit-identical to 1, no overlap)",
+            section="parallel",
+            layout=True,
+        ),
+    )
     dp: int = field(
         default=1,
         metadata=arg(
@@ -693,6 +703,8 @@ class RunConfig:
             raise UsageError(f"--ep and --moe-*-loss-coeff apply to mixture-of-experts models; {self.model} is dense")
         if self.ep < 1 or model.n_experts % self.ep:  # the layout's rules: lpbench.parallel.dims.ParallelDims
             raise UsageError(f"--ep {self.ep} must divide {self.model}'s {model.n_experts} experts")
+        if self.ep_chunks < 1 or (self.ep_chunks > 1 and self.ep == 1):
+            raise UsageError(f"--ep-chunks {self.ep_chunks} needs --ep > 1 and is at least 1")
         if self.ep > 1 and self.workload == "lora":
             raise UsageError("--ep > 1 does not train LoRA adapters: use --ep 1")
         if self.tp > 1 and self.sequence_parallel and self.seq_len % self.tp:

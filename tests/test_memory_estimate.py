@@ -125,6 +125,31 @@ def test_gradient_accumulation_holds_the_earlier_micro_batches_gradients_and_the
     assert "weight copies held for backward" not in fp8.parts
 
 
+def test_fsdp_shard_modes_keep_their_gathered_blocks_and_fp8_all_gather_its_shard_codes():
+    four = ModelConfig("hand4", 4, 8, 16, 2, 1, 32, head_dim=4)  # 4 blocks of 592, the same root
+    r, root = get_recipe("fp8-tensorwise"), PARAMS - BLOCK
+    gathered = {}
+    for shard in ("zero3", "zero2", "zero1"):
+        e = estimate(four, r, seq_len=64, mbs=1, dp=4, fsdp=True, grad_accum=2, fsdp_shard=shard)
+        assert e.when == "the loss's backward"
+        gathered[shard] = e.parts["FSDP gathered weights"]
+    assert gathered == {
+        "zero3": 2 * (2 * BLOCK + root),
+        "zero2": 2 * (4 * BLOCK + root),
+        "zero1": 2 * (4 * BLOCK + root),
+    }
+    codes = estimate(HAND, r, seq_len=64, mbs=1, dp=4, fsdp=True, fsdp_fp8_all_gather=True).parts
+    assert codes["FP8 all-gather shard codes"] == LINEARS / 4  # one byte a weight element, a quarter each
+
+
+def test_experts_under_ep_accumulate_their_own_gradients_under_fsdp():
+    moe = ModelConfig("hand-moe", 1, 8, 16, 2, 1, 32, head_dim=4, n_experts=4, top_k=2)
+    experts = 4 * (32 * 8 + 8 * 16)  # 4 experts: gate_up [32, 8], down [8, 16]
+    whole = sum(p.numel() for p in build_model(moe, device="meta").parameters())
+    e = estimate(moe, get_recipe("bf16"), seq_len=64, mbs=1, dp=4, fsdp=True, grad_accum=2, ep=4)
+    assert e.parts["accumulated gradients"] == 4 * (whole - experts) + 4 * experts / 4  # FSDP's whole, EP's own
+
+
 def test_lora_base_stored_quantized_is_its_codes_and_adapters_keep_bf16_inputs():
     e = estimate(
         HAND,

@@ -41,6 +41,15 @@ SCENARIOS = {
             for dp in ("fsdp", "ddp")
         },
         "ep2-fsdp-ga-fp32": dict(model=MOE.name, ep=2, mbs=2, fsdp=True),
+        # --ep-chunks: the all-to-all of each expert group beside the others' GEMMs (unchunked twin: same name less -chunks)
+        "ep2-fsdp-chunks-fp32": dict(model=MOE.name, ep=2, mbs=4, fsdp=True, ep_chunks=2),
+        "ep2-ddp-chunks-bf16": dict(model=MOE.name, ep=2, mbs=4, precision="bf16", ep_chunks=2),
+        "ep2-fsdp-ga-chunks-fp32": dict(model=MOE.name, ep=2, mbs=2, fsdp=True, ep_chunks=2),
+        "ep2-ddp-chunks-fp8-rowwise": dict(model=MOE.name, ep=2, mbs=4, precision="fp8-rowwise", ep_chunks=2),
+        "ep2-fsdp-chunks-fp8-tensorwise": dict(
+            model=MOE.name, ep=2, mbs=4, precision="fp8-tensorwise", fsdp=True, ep_chunks=2
+        ),
+        "ep2-ddp-chunks-fp8-delayed": dict(model=MOE.name, ep=2, mbs=4, precision="fp8-delayed", ep_chunks=2),
         **{f"fsdp-ga-{s}": dict(mbs=1, fsdp=True, fsdp_shard=s) for s in ("zero3", "zero2", "zero1")},
         "fsdp-bf16-reduce": dict(mbs=4, fsdp=True, grad_reduce_dtype="bf16"),
         "ddp-bf16-reduce": dict(mbs=4, grad_reduce_dtype="bf16"),
@@ -63,7 +72,14 @@ def _count_fsdp_collectives():
     """Count FSDP2's all-gathers and gradient reductions (its internal collectives, by call)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
 
-    counts = {"all_gather": 0, "reduce": 0}
+    counts = {"all_gather": 0, "reduce": 0, "a2a_async": 0}
+    real_a2a = torch.distributed.all_to_all_single
+
+    def a2a(*args, **kw):
+        counts["a2a_async"] += bool(kw.get("async_op"))
+        return real_a2a(*args, **kw)
+
+    torch.distributed.all_to_all_single = a2a
     for name, key in (("foreach_all_gather", "all_gather"), ("foreach_reduce", "reduce")):
         real = getattr(group, name)
 
@@ -91,7 +107,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     counts = _count_fsdp_collectives()
     results = {}
     for name, kw in SCENARIOS[world].items():
-        counts.update(all_gather=0, reduce=0)
+        counts.update(all_gather=0, reduce=0, a2a_async=0)
         try:
             r = loop.train(BASE.with_(**kw).with_world(world), log=lambda line: None)
         except Exception as exc:  # noqa: BLE001 -- the test names the failure
@@ -165,6 +181,24 @@ def test_expert_parallel_with_gradient_accumulation_under_fsdp(world2, reference
     _same_training(world2[0]["ep2-fsdp-ga-fp32"], reference["moe-fp32"])
 
 
+@pytest.mark.parametrize("name", [n for n in SCENARIOS[2] if "-chunks" in n])
+def test_ep_chunks_are_bit_identical_to_one_exchange(world2, reference, name):
+    run, twin = world2[0][name], world2[0][name.replace("-chunks", "")]
+    assert run["status"] == "ok", run.get("error")
+    assert (run["loss"], run["grad_norm"]) == (twin["loss"], twin["grad_norm"])  # exactly
+    kw = SCENARIOS[2][name]
+    if kw.get("precision") == "fp8-delayed":  # per-expert dense GEMMs with their histories (Looped): unchunked
+        assert run["collectives"]["a2a_async"] == twin["collectives"]["a2a_async"] == 0
+        return
+    precision = kw.get("precision", "fp32")
+    tolerance = {"fp32": (), "bf16": (2e-3, 2e-2)}.get(precision, (5e-3, 5e-2))  # as the unchunked test's
+    _same_training(run, reference[f"moe-{precision}"], *tolerance)
+    micro = 8 // (2 * kw["mbs"])
+    # 2 steps x micro-batches x 2 MoE layers x (2 groups dispatched + 2 combined) x (forward, backward)
+    assert run["collectives"]["a2a_async"] == 2 * micro * 2 * 4 * 2
+    assert twin["collectives"]["a2a_async"] == 0
+
+
 def test_expert_parallel_logs_tokens_per_rank_and_their_imbalance(world2):
     m = world2[0]["ep2-ddp-fp32"]["metrics"]
     routed = sum(sum(layer) for layer in m["tokens_per_expert"])
@@ -184,9 +218,10 @@ def test_fsdp_shard_modes_gather_less_and_reduce_once_per_step(world2):
     """GBS 8 = 4 micro-batches of 1 per rank, 2 steps (8 blocks + the root: 9 FSDP groups)."""
     gathers = {s: world2[0][f"fsdp-ga-{s}"]["collectives"]["all_gather"] for s in ("zero3", "zero2", "zero1")}
     reduces = {s: world2[0][f"fsdp-ga-{s}"]["collectives"]["reduce"] for s in ("zero3", "zero2", "zero1")}
-    assert gathers["zero3"] > gathers["zero2"] > gathers["zero1"]
-    assert gathers["zero1"] == 2 * 9  # once per group and step
-    assert gathers["zero2"] == 2 * 4 * 9  # once per group and micro-batch
+    # a step: blocks twice a micro-batch (the last once), or once a micro-batch, or once; the root once
+    assert gathers["zero3"] == 2 * (4 * (2 * 7 + 1) + 1)
+    assert gathers["zero2"] == 2 * (4 * 8 + 1)
+    assert gathers["zero1"] == 2 * 9
     assert set(reduces.values()) == {2 * 9}  # once per group and step in every mode
 
 
@@ -236,6 +271,7 @@ def test_hsdp_mesh_replicates_across_and_shards_within(world4):
         (["--model", "tiny-moe", "--ep", "4", "--nproc-per-node", "2"], "--ep 4 must divide the data-parallel size 2"),
         (["--model", "tiny-moe", "--ep", "2", "--tp", "2", "--nproc-per-node", "4"], "--tp and --ep do not combine"),
         (["--pp", "0"], "--pp must be positive"),
+        (["--ep-chunks", "2", "--nproc-per-node", "2"], "--ep-chunks 2 needs --ep > 1"),
     ],
 )
 def test_impossible_layouts_exit_2_with_one_line(argv, message, capsys, tmp_path):
@@ -299,6 +335,26 @@ def test_tiny_moe_runs_expert_parallel_under_fsdp_from_the_command_line(tmp_path
     m = json.loads(metrics)
     assert (m["ep"], m["fsdp"]) == (2, 2)
     assert sum(m["ep_tokens_per_rank"]) == 2 * 8 * 32 * 2 * 4  # steps x GBS x seq x top-k x layers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dp", ["--fsdp", "--no-fsdp"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8-rowwise"])
+def test_ep_chunks_are_bit_identical_on_nccl(tmp_path, dp, precision):
+    """On CUDA the experts' grouped GEMMs (BF16, FP8 row-wise; their FP32 gradient buffers under accumulation)
+    run each group of experts apart, with NCCL's asynchronous all-to-alls: --ep-chunks 2 trains as 1, bit for bit."""
+    losses = {}
+    for chunks in ("1", "2"):
+        results = tmp_path / chunks
+        argv = ["run", "--model", "tiny-moe", "--ep", "2", dp, "--nproc-per-node", "2", "--precision", precision]
+        argv += ["--seq-len", "256", "--mbs", "2", "--gbs", "16", "--steps", "4", "--warmup-steps", "1"]
+        argv += ["--ep-chunks", chunks, "--results", str(results)]
+        out = subprocess.run([sys.executable, "-m", "lpbench", *argv], capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        with sqlite3.connect(results / "results.db") as db:
+            losses[chunks] = db.execute("SELECT step, loss, grad_norm FROM steps ORDER BY step").fetchall()
+    assert len(losses["1"]) == 4 and losses["2"] == losses["1"]
 
 
 _MIXED_STEP = """

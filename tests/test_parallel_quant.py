@@ -36,6 +36,15 @@ FSDP_RUNS = {
     for p in ("fp8-tensorwise", "fp8-delayed")
     for ag in (False, True)
 }
+FSDP_RUNS.update(  # gradient accumulation: 4 micro-batches a step
+    {
+        f"fp8-tensorwise{'-fp8ag' if ag else ''}-ga-{shard}": dict(
+            precision="fp8-tensorwise", fsdp=True, mbs=1, fsdp_fp8_all_gather=ag, fsdp_shard=shard
+        )
+        for ag in (False, True)
+        for shard in ("zero3", "zero1")
+    }
+)
 
 
 def _fp32_compute(name: str):
@@ -226,8 +235,15 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     for name in MOE_TRAIN_RECIPES:
         r = loop.train(BASE.with_(model=MOE.name, precision=name, tp=2).with_world(2), log=lambda line: None)
         results[f"tp-moe-{name}"] = {"loss": [s["loss"] for s in r.steps], "status": r.status}
-    gathered = []
+    gathered, casts = [], []
     pre = fp8_allgather.Fp8AllGatherWeight.fsdp_pre_all_gather
+    cast = fp8_allgather.quantize
+
+    def counted_cast(*args, **kw):
+        casts.append(1)
+        return cast(*args, **kw)
+
+    fp8_allgather.quantize = counted_cast
 
     def spy(self, mesh, outer_size, outer_stride, module, mp_policy):  # FSDP reads the signature
         inputs, metadata = pre(self, mesh, outer_size, outer_stride, module, mp_policy)
@@ -237,12 +253,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     fp8_allgather.Fp8AllGatherWeight.fsdp_pre_all_gather = spy
     for name, kw in FSDP_RUNS.items():
         gathered.clear()
+        casts.clear()
         r = loop.train(BASE.with_(**kw).with_world(2), log=lambda line: None)
         results[name] = {
             "loss": [s["loss"] for s in r.steps],
             "grad_norm": [s["grad_norm"] for s in r.steps],
             "status": r.status,
             "gathered": gathered[:],
+            "casts": len(casts),
         }
     try:
         loop.train(BASE.with_(precision="fp8-blockwise", tp=2).with_world(2), log=lambda line: None)
@@ -343,9 +361,21 @@ def test_fsdp_fp8_all_gather_gives_the_same_training(world2, name):
     assert plain["status"] == fp8["status"] == "ok"
     assert fp8["loss"] == plain["loss"] and fp8["grad_norm"] == plain["grad_norm"]  # the very same codes
     assert plain["gathered"] == []
-    # tiny: 8 blocks x 4 quantized linears, gathered in forward and again for backward, 1 byte per element
-    assert len(fp8["gathered"]) == 3 * 8 * 4 * 2
+    # tiny: 8 blocks x 4 quantized linears, gathered in forward and again for backward (the last block once),
+    # 1 byte per element, cast once per step
+    assert len(fp8["gathered"]) == 3 * 4 * (2 * 7 + 1)
     assert all(inputs == [["torch.float8_e4m3fn", 1]] for inputs in fp8["gathered"])
+    assert fp8["casts"] == 3 * 8 * 4 and plain["casts"] == 0
+
+
+@pytest.mark.parametrize("shard", ["zero3", "zero1"])
+def test_fsdp_fp8_all_gather_casts_once_per_step_under_gradient_accumulation(world2, shard):
+    plain, fp8 = world2[0][f"fp8-tensorwise-ga-{shard}"], world2[0][f"fp8-tensorwise-fp8ag-ga-{shard}"]
+    assert plain["status"] == fp8["status"] == "ok"
+    assert fp8["loss"] == plain["loss"] and fp8["grad_norm"] == plain["grad_norm"]
+    gathers = {"zero3": 4 * (2 * 7 + 1), "zero1": 8}[shard]  # a step: 4 micro-batches x 15, or each block once
+    assert len(fp8["gathered"]) == 3 * 4 * gathers  # 3 steps, 4 quantized linears a block
+    assert fp8["casts"] == 3 * 8 * 4  # each of the 32 quantized linears once a step
 
 
 def test_an_fp8_all_gather_weight_is_checkpointed_as_a_plain_tensor(tmp_path):

@@ -51,3 +51,25 @@ def test_totals_gaps_and_busy_time_count_the_device_only():
     ]
     assert trace.busy_ms(EVENTS) == pytest.approx((400 - 100 - 20 - 50) / 1e3)
     assert trace.gaps([]) == [] and trace.busy_ms([]) == 0.0
+
+
+def test_exposed_comm_is_nccl_time_no_compute_kernel_overlapped():
+    events = [
+        _x("kernel", "gemm", 0, 100),
+        _x("kernel", "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 50, 130),  # 50-180
+        _x("kernel", "gemm", 150, 100),  # 150-250: hides 150-180
+        _x("kernel", "cast", 160, 40),  # a second compute stream inside the first: counted once
+        _x("cpu_op", "nccl:all_gather", 0, 1000),  # host time is not device time
+        _x("kernel", "ncclKernel_ReduceScatter_RING_LL_Sum_float", 300, 50),  # 300-350, nothing beside it
+        _x("kernel", "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 320, 100),  # 320-420, overlapping the one before
+        _x("gpu_memcpy", "Memcpy DtoD", 400, 10),  # hides 400-410
+    ]
+    comm_ms, exposed_ms = trace.exposed_comm(events)
+    assert comm_ms == pytest.approx((130 + 120) / 1e3)  # the union 50-180, 300-420
+    assert exposed_ms == pytest.approx((50 + 100 + 10) / 1e3)  # 100-150, 300-400, 410-420
+    assert trace.exposed_comm(EVENTS) == (0.0, 0.0)  # no communication kernel
+
+
+def test_comm_fully_under_compute_is_not_exposed():
+    events = [_x("kernel", "gemm", 0, 500), _x("kernel", "ncclDevKernel_AllGather", 100, 200)]
+    assert trace.exposed_comm(events) == (pytest.approx(0.2), 0.0)

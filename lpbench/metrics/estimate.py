@@ -5,7 +5,8 @@ The peak of a step is the largest of three moments, each the sum of what is live
 * the loss's backward (the usual peak): every block's activations as ``--recompute`` keeps them
   (:func:`block_bytes_per_token`, tensor by tensor, times MBS x seq / TP), the head's logit tensors, the
   weight copies the blocks' backward reuses, and no gradient yet (the optimizer sets them to None), but
-  with gradient accumulation the earlier micro-batches' (FSDP: unsharded, in the reduction dtype);
+  with gradient accumulation the earlier micro-batches' (FSDP: unsharded, in the reduction dtype; experts
+  under ``--ep``, which FSDP leaves alone, their own, in the master weights' dtype);
 * the last block's rerun (when it is recomputed): the same without the head, with that block's whole
   activations and the LM head's gradient;
 * the end of the backward: every gradient, in the master weights' dtype, no activation; under FSDP the
@@ -15,7 +16,9 @@ Live throughout: the master weights of what trains (FP32, or BF16 with ``--maste
 base in BF16, or quantized), AdamW's two states (:func:`state_bytes`), each divided by FSDP's shards and
 TP's ranks; with ``--offload-optimizer`` neither they nor the sharded gradients are on the GPU (FSDP2 keeps
 them on the CPU; its BF16 gathers stay on the GPU); the weight cache under gradient accumulation; under
-FSDP the BF16 weights gathered: two blocks (in use, prefetched) and the root's. The build's peak
+FSDP the BF16 weights gathered: two blocks (in use, prefetched) and the root's, or every block's
+(``--fsdp-shard`` zero2/zero1 keep them to the backward), and with ``--fsdp-fp8-all-gather`` each
+quantized weight's FP8 shard codes, kept for the optimizer step. The build's peak
 (:func:`build_peak`: streamed, one block at a time) is estimated apart.
 
 A model (shapes only) built on the meta device gives the parameter counts; the rest are formulas, so
@@ -157,6 +160,9 @@ def estimate(
     cuda: bool = True,
     nvfp4_bf16_copies: bool = False,
     reduce_bytes: int = 4,
+    ep: int = 1,
+    fsdp_shard: str = "zero3",
+    fsdp_fp8_all_gather: bool = False,
     master_weights: str = "fp32",
     optimizer_states: str = "fp32",
     offload_optimizer: bool = False,
@@ -167,10 +173,11 @@ def estimate(
     weights in BF16, so the residual stream is BF16 (else FP32, as the embeddings' output);
     ``nvfp4_bf16_copies``: NVFP4 emulated on a GPU, whose activation copies are BF16 values;
     ``reduce_bytes``: the bytes of FSDP's gradient reduction dtype (``--grad-reduce-dtype``), in which it
-    accumulates unsharded gradients between micro-batches; ``master_weights``, ``optimizer_states``,
-    ``offload_optimizer``: the run's settings of the same names (one process only offloads: FSDP2 on one
-    rank, so its gathers are counted as FSDP's). The estimate's ``parts`` are what is live at the peak,
-    ``when`` names that moment, ``build`` is the streamed build's peak (:func:`build_peak`).
+    accumulates unsharded gradients between micro-batches; ``ep``, ``fsdp_shard``, ``fsdp_fp8_all_gather``,
+    ``master_weights``, ``optimizer_states``, ``offload_optimizer``: the run's settings of the same names (one
+    process only offloads: FSDP2 on one rank, so its gathers are counted as FSDP's). The estimate's ``parts``
+    are what is live at the peak, ``when`` names that moment, ``build`` is the streamed build's peak
+    (:func:`build_peak`).
     """
     from lpbench.models.decoder import build_model
 
@@ -212,8 +219,11 @@ def estimate(
         held["weight cache (per optimizer step)"] = (
             2.0 * linear * (bf16_blocks + (quantized_blocks if fp8_cached else 0))
         )
-    if fsdp:  # the block in use and the prefetched next, and the root's (embeddings, head) until the backward ends
-        held["FSDP gathered weights"] = 2.0 * (2 * block + rest) / tp
+    if fsdp:  # the block in use and the prefetched next (zero3), or every block (zero2/zero1), and the root's
+        gathered = m.n_layers if fsdp_shard in ("zero2", "zero1") else 2
+        held["FSDP gathered weights"] = 2.0 * (gathered * block + rest) / tp
+        if fsdp_fp8_all_gather:  # each quantized weight's shard as FP8 codes, one byte, until the optimizer step
+            held["FP8 all-gather shard codes"] = linear * quantized_blocks / shards
     # copies of the weights a block's backward reuses, held by each block whose forward is kept: the quantized
     # dgrad copy (a LoRA base stored quantized is read as stored), without FSDP autocast's BF16 cast of the
     # others. A compiled block that is recomputed keeps neither (its rerun makes them again), nor does a
@@ -233,7 +243,16 @@ def estimate(
     saved = block_bytes_per_token(m, recipe, recompute, **per) * tokens if checkpointed else kept
     activations = saved * len(checkpointed) + kept * (m.n_layers - len(checkpointed))
     # gradient accumulation: the earlier micro-batches' gradients, FSDP's unsharded in its reduction dtype
-    accumulated = (reduce_bytes / tp if fsdp else weight / shards) * trainable if grad_accum > 1 else 0.0
+    experts = sum(p.numel() for n, p in model.layers.named_parameters() if ".experts." in n) if ep > 1 else 0
+    accumulated = (
+        (
+            reduce_bytes / tp * (trainable - experts) + weight * experts / ep / tp
+            if fsdp
+            else weight / shards * trainable
+        )
+        if grad_accum > 1
+        else 0.0
+    )
     grads = {"accumulated gradients": accumulated} if accumulated else {}
     # the head's backward, eager: log-softmax's FP32 output, its gradient and the FP32 logits' gradient (then
     # the BF16 one, once the first two are freed); compiled (one process or DDP): the BF16 logits and their

@@ -1,15 +1,18 @@
 """Chrome traces of profiled steps (``--profile-steps``, :class:`lpbench.metrics.profile.StepProfiler`) read back:
-the device's kernels, their time by name, and the gaps between them where the GPU ran nothing. The benchmark
-scripts that explain a step (``benchmarks/step_table.py``, ``benchmarks/moe.py``) build on these."""
+the device's kernels, their time by name, the gaps between them where the GPU ran nothing, and the communication
+kernels' time that no compute kernel overlapped (:func:`exposed_comm`). The benchmark scripts that explain a step
+(``benchmarks/step_table.py``, ``benchmarks/moe.py``, ``benchmarks/scale.py``) build on these."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # what occupies the GPU
+COMM = re.compile(r"nccl", re.IGNORECASE)  # NCCL's kernels (ncclDevKernel_*, ncclKernel_*): collectives on the GPU
 
 
 def read(path: str | Path) -> list[dict]:
@@ -52,3 +55,43 @@ def busy_ms(events: list[dict]) -> float:
         return 0.0
     span = max(e["ts"] + e["dur"] for e in dev) - dev[0]["ts"]
     return (span - sum(e["ts"] - start for start, _, e in gaps(events))) / 1e3
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint (start, end) intervals covering the same time as ``spans``."""
+    out: list[list[float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted, disjoint interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def exposed_comm(events: list[dict]) -> tuple[float, float]:
+    """(ms in which a communication kernel ran, ms of that in which no other device event ran).
+
+    Communication: device events named like NCCL's kernels (:data:`COMM`); every other kernel, copy and memset
+    is compute. The second figure is what the step waited on communication with the GPU otherwise idle (the
+    union of the communication spans less its intersection with the union of the compute spans). An NCCL
+    kernel runs from its launch until the slowest rank joins, so waiting for another rank counts as
+    communication too.
+    """
+    comm, compute = [], []
+    for e in device_events(events):
+        (comm if COMM.search(e["name"]) else compute).append((e["ts"], e["ts"] + e["dur"]))
+    comm, compute = _union(comm), _union(compute)
+    busy = sum(b - a for a, b in comm)
+    return busy / 1e3, (busy - _overlap(comm, compute)) / 1e3

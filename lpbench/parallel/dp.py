@@ -3,10 +3,14 @@
 FSDP2 under gradient accumulation communicates as ``--fsdp-shard`` says (:data:`lpbench.config.FSDP_SHARDS`):
 gradients are reduce-scattered once per optimizer step in every mode (``set_requires_gradient_sync(False)``
 on all but the last micro-batch, :func:`grad_sync`); parameters are all-gathered for each micro-batch's
-forward and again for its backward (``zero3``), once per micro-batch and kept from forward to backward
+forward and again for its backward (``zero3``; but the last block, whose backward starts right after its
+forward, keeps its parameters, as torchtitan does), once per micro-batch and kept from forward to backward
 (``zero2``: ``reshard_after_forward=False``), or once per optimizer step and kept unsharded until the last
 micro-batch's backward (``zero1``: also ``set_reshard_after_backward(False)`` on the others). Each block
 prefetches the next block's all-gather in forward and the previous block's in backward (explicit prefetch).
+The root group (embeddings, final norm, LM head), gathered at the start of a forward with no compute to hide
+under, stays gathered from the first micro-batch to the last one's backward in every mode (it is gathered at
+the peak of memory, the start of the backward, anyway).
 """
 
 from __future__ import annotations
@@ -52,14 +56,10 @@ def apply_fsdp(
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     ignored = set(expert_params(model)[0]) or None  # expert parallel: each rank's own experts
     blocks = list(model.layers)
-    for block in blocks:
+    for i, block in enumerate(blocks):
+        reshard = shard == "zero3" and i < len(blocks) - 1  # the last block's backward follows its forward
         fully_shard(
-            block,
-            mesh=mesh,
-            mp_policy=mp,
-            offload_policy=policy,
-            ignored_params=ignored,
-            reshard_after_forward=shard == "zero3",
+            block, mesh=mesh, mp_policy=mp, offload_policy=policy, ignored_params=ignored, reshard_after_forward=reshard
         )
     root = fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy, ignored_params=ignored)
     for before, after in zip(blocks, blocks[1:]):
@@ -121,14 +121,13 @@ def grad_sync(model: nn.Module, enabled: bool, keep_unsharded: bool = False):
     """Reduce gradients across data-parallel ranks in this forward/backward only if ``enabled``.
 
     Non-final micro-batches of gradient accumulation run with ``enabled=False`` (DDP ``no_sync``,
-    FSDP2 ``set_requires_gradient_sync``), so each step communicates gradients once. With
-    ``keep_unsharded`` (``--fsdp-shard zero1``) FSDP2 also keeps the parameters gathered after those
-    micro-batches' backward, so the next forward gathers nothing.
+    FSDP2 ``set_requires_gradient_sync``), so each step communicates gradients once. FSDP2 keeps the root
+    group's parameters gathered after those micro-batches' backward, and with ``keep_unsharded``
+    (``--fsdp-shard zero1``) every group's, so the next forward does not gather them again.
     """
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
-        if keep_unsharded:
-            model.set_reshard_after_backward(enabled)
+        model.set_reshard_after_backward(enabled, recurse=keep_unsharded)
         yield
     else:
         with model.no_sync() if isinstance(model, DDP) and not enabled else nullcontext():

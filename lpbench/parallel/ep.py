@@ -8,6 +8,15 @@ rank the rows of its experts (``all_to_all_single``: counts, then rows), runs it
 what it received (sorted by local expert, :mod:`lpbench.precision.grouped`) and sends the results
 back the same way before the combine.
 
+Overlap (``--ep-chunks C``): a rank's experts are split into C contiguous groups; every group's rows are sent
+at once, asynchronously, and each group's experts run as soon as its rows arrived, while the later groups' rows
+and the earlier groups' results are still in flight (in backward the same, the engine running the nodes in
+reverse). Each expert still receives all its rows in the same order, and the other groups' experts get none in
+that call (a zero gradient, added exactly), so the result is bit-identical to C = 1 where the experts' kernel
+computes each expert apart (:data:`CHUNKABLE`: the compute-dtype grouped GEMMs, and the FP8 row-/tensor-wise
+ones, whose scales are per token, per expert row, per expert, per expert and column); the per-expert dense
+GEMMs (``Looped``: delayed scaling's histories, the block formats) run unchunked.
+
 Gradients: an expert's weight gradient sums the losses of every rank of its group (their tokens
 reached it through the exchange), each loss already the mean over that rank's batch; so it is
 summed over the replicas of the expert (the same expert in the other groups) and divided by the
@@ -24,8 +33,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lpbench.models.moe import MoE
-from lpbench.precision.grouped import Looped
+from lpbench.models.moe import GroupedMM, MoE
+from lpbench.precision.grouped import GroupedBf16, GroupedFp8, Looped
+
+# experts' kernels that compute each expert apart (FP8: scales per token, per expert, per expert and column):
+# --ep-chunks applies
+CHUNKABLE = (GroupedMM, GroupedBf16, GroupedFp8)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -46,11 +59,64 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+class _Start(torch.autograd.Function):
+    """``_AllToAll`` started asynchronously: returns the (unfilled) output; :class:`_Wait` completes it.
+    In backward the reverse exchange is waited for here, after :class:`_Wait`'s backward started it."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group, pending: list):
+        ctx.group, ctx.pending = group, pending
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        pending.append(dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=True))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        work, back = ctx.pending.pop()
+        work.wait()
+        return back, None, None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    """Wait for the exchange :class:`_Start` began (forward); start the reverse exchange (backward), whose result
+    :class:`_Start`'s backward returns as the gradient of its input once it waited for it."""
+
+    @staticmethod
+    def forward(ctx, out, send: list[int], recv: list[int], group, pending: list):
+        ctx.send, ctx.recv, ctx.group, ctx.pending = send, recv, group, pending
+        pending.pop().wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # the gradient of x, filled by the exchange, is handed over in ``pending``
+        back = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        work = dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group, async_op=True)
+        ctx.pending.append((work, back))
+        return grad, None, None, None, None
+
+
+def _exchange_async(x: torch.Tensor, send: list[int], recv: list[int], group):
+    """Start ``_AllToAll.apply(x, send, recv, group)``; the returned ``finish()`` waits for it and gives its value
+    (in backward the reverse exchange runs between the two nodes)."""
+    pending: list = []
+    out = _Start.apply(x, send, recv, group, pending)
+    return lambda: _Wait.apply(out, send, recv, group, pending)
+
+
 class ExpertParallel:
     """One MoE layer's place in its expert-parallel group (see the module doc)."""
 
-    def __init__(self, group, size: int, rank: int, n_local: int):
+    def __init__(self, group, size: int, rank: int, n_local: int, chunks: int = 1, experts: nn.Module | None = None):
         self.group, self.size, self.rank, self.n_local = group, size, rank, n_local
+        self.chunks = min(chunks, n_local)  # groups of local experts exchanged apart (--ep-chunks)
+        self.experts = experts  # the layer's Experts: whether its kernel computes each expert apart
+
+    def chunkable(self) -> bool:
+        """Whether the experts' kernel (chosen by the converters, possibly after apply_ep) computes each expert apart."""
+        e = self.experts
+        if e is None or e.tp is not None or len(e.adapters):
+            return False
+        return type(e.gemm) in CHUNKABLE
 
     @torch.compiler.disable  # split sizes are host values: never specialised and recompiled on them
     def exchange(self, xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, run) -> torch.Tensor:
@@ -59,6 +125,8 @@ class ExpertParallel:
         send_counts = counts.view(self.size, self.n_local)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        if self.chunks > 1 and self.chunkable():
+            return self._chunked(xs, send_counts, recv_counts, run)
         send = send_counts.sum(1).tolist()
         recv = recv_counts.sum(1).tolist()
         xr = _AllToAll.apply(xs, send, recv, self.group)
@@ -67,10 +135,36 @@ class ExpertParallel:
         yr = run(xr[order], local[order], self.n_local)[order.argsort()]
         return _AllToAll.apply(yr, recv, send, self.group)
 
+    def _chunked(self, xs, send_counts, recv_counts, run) -> torch.Tensor:
+        """:meth:`exchange` with the local experts in ``self.chunks`` groups, each group's exchange overlapping
+        the others' experts (module doc)."""
+        sends, recvs = send_counts.tolist(), recv_counts.tolist()  # [rank][local expert]
+        bounds = [self.n_local * c // self.chunks for c in range(self.chunks + 1)]
+        spans = list(zip(bounds, bounds[1:]))
+        starts, at = [], 0  # starts[r][e]: first row of (rank r, local expert e) in xs
+        for row in sends:
+            starts.append([at + sum(row[:e]) for e in range(self.n_local + 1)])
+            at += sum(row)
+        pieces = [[xs[starts[r][a] : starts[r][b]] for r in range(self.size)] for a, b in spans]
+        send = [[starts[r][b] - starts[r][a] for r in range(self.size)] for a, b in spans]
+        recv = [[sum(recvs[r][a:b]) for r in range(self.size)] for a, b in spans]
+        arrive = [_exchange_async(torch.cat(p), s, r, self.group) for p, s, r in zip(pieces, send, recv)]
+        back = []
+        for (a, b), finish, s, r in zip(spans, arrive, send, recv):
+            xr = finish()
+            ids = torch.arange(a, b, device=xs.device).repeat(self.size)
+            local = ids.repeat_interleave(recv_counts[:, a:b].flatten())
+            order = local.argsort(stable=True)
+            yr = run(xr[order], local[order], self.n_local)[order.argsort()]
+            back.append(_exchange_async(yr, r, s, self.group))
+        ys = [finish().split(s) for finish, s in zip(back, send)]  # [chunk][rank]
+        return torch.cat([ys[c][r] for r in range(self.size) for c in range(self.chunks)])
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
+
+def apply_ep(model: nn.Module, mesh: DeviceMesh, chunks: int = 1) -> None:
     """Keep this rank's experts of every MoE layer of a meta-device ``model`` (before it is materialised);
-    ``mesh``: the expert-parallel group."""
+    ``mesh``: the expert-parallel group; ``chunks``: ``--ep-chunks`` (applies to :data:`CHUNKABLE` kernels only,
+    judged when the layer runs)."""
     ep, rank = mesh.size(), mesh.get_local_rank()
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         experts = moe.experts
@@ -82,7 +176,7 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
         if isinstance(experts.gemm, Looped):
             experts.gemm.narrow(n_local * rank, n_local)
         experts.n_experts, experts.first = n_local, n_local * rank
-        moe.ep = ExpertParallel(mesh.get_group(), ep, rank, n_local)
+        moe.ep = ExpertParallel(mesh.get_group(), ep, rank, n_local, chunks, experts)
 
 
 def _split_layers(model: nn.Module) -> list[tuple[MoE, object]]:

@@ -72,7 +72,7 @@ def parallelize(
     if dims.tp_enabled:
         apply_tp(model, meshes["tp"], cfg.sequence_parallel)
     if dims.ep_enabled:
-        apply_ep(model, meshes["ep"])
+        apply_ep(model, meshes["ep"], cfg.ep_chunks)
     for moe in moe_layers(model):  # the load-balancing loss counts the tokens of every data-parallel rank
         moe.count_group = meshes.group("dp")
     if not dims.fsdp_enabled:

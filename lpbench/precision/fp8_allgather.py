@@ -17,6 +17,11 @@ are all-reduced (MAX) over the FSDP mesh, and over the TP group when TP splits t
 The gathered codes are therefore exactly the codes the quantized linear would compute from the
 whole weight in ``param_dtype``; the linear uses the gathered :class:`Fp8Weight` for fprop and
 its transpose for dgrad instead of quantizing again (:func:`gathered`).
+
+A shard is cast once per optimizer step (the weight cache's rule): its codes and scale are kept
+until any optimizer's ``step()`` (a global step post-hook), so the re-gathers of ``--fsdp-shard``
+zero3/zero2 and of every micro-batch of gradient accumulation send the same codes without casting
+or all-reducing an amax again. A delayed-scaling linear still records the weight's amax at each use.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.distributed.tensor import DTensor
 
 from lpbench.precision.quantize import Scaling, all_reduce_max, fp8_encode_scale, quantize
@@ -45,6 +51,16 @@ _KEEP_SUBCLASS = {
     aten.alias.default,
 }
 _VIEWS = {aten.view.default, aten.as_strided.default, aten.detach.default, aten.alias.default}
+_steps = [0, None]  # optimizer steps taken in this process (a cast is reused only within one), the hook's handle
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _steps[0] += 1
+
+
+def _watch_optimizer_steps() -> None:
+    if _steps[1] is None:
+        _steps[1] = register_optimizer_step_post_hook(_count_step)
 
 
 class Fp8AllGatherWeight(torch.Tensor):
@@ -87,7 +103,12 @@ class Fp8AllGatherWeight(torch.Tensor):
         return self._tensor.__reduce_ex__(protocol)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """This shard's E4M3 codes under the whole weight's scale; metadata: (decode scale, amax)."""
+        """This shard's E4M3 codes under the whole weight's scale; metadata: (decode scale, amax). Cast once per
+        optimizer step (module doc)."""
+        _watch_optimizer_steps()
+        cached = getattr(self, "_cast", None)
+        if cached is not None and cached[0] == _steps[0]:
+            return cached[1]
         w = self._tensor.detach()
         if mp_policy.param_dtype is not None:
             w = w.to(mp_policy.param_dtype)  # what the linear would quantize without FP8 all-gather
@@ -100,7 +121,8 @@ class Fp8AllGatherWeight(torch.Tensor):
         else:
             enc = fp8_encode_scale(amax, spec.fmt, pow2=spec.pow2)
         q = quantize(w, spec, encode_scale=enc)
-        return (q.codes,), (q.scale.reshape(()), amax)
+        self._cast = (_steps[0], ((q.codes,), (q.scale.reshape(()), amax)))
+        return self._cast[1]
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (codes,), (dec, amax) = all_gather_outputs, metadata
