@@ -113,7 +113,7 @@ def sized_to_data(cfg, explicit: dict):
 def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     """Validated configs, one per precision, for ``world_size`` ranks (default: this launch's)."""
     from lpbench.bench.recommended import recommended_defaults
-    from lpbench.config import DEFAULT_PRECISIONS, RunConfig, config_kwargs
+    from lpbench.config import DEFAULT_PRECISIONS, RunConfig, config_kwargs, fact, flag_fields, spread
     from lpbench.models.hf import hf_label
     from lpbench.parallel.launch import planned_world
     from lpbench.bench.runner import validated
@@ -153,12 +153,17 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     precisions = args.precision or DEFAULT_PRECISIONS
     if len(precisions) > 1 and (args.save_dir or args.load):
         raise UsageError(f"--save-dir and --load take a single --precision, not {','.join(precisions)}")
-    return [validated(base.with_(precision=p)) for p in precisions]
+    lists = {f.name: getattr(args, f.name, None) for f in flag_fields() if fact(f, "many")}
+    configs = spread(base, {**lists, "precision": list(precisions)})
+    if len(configs) > len(precisions) and (args.save_dir or args.load):
+        raise UsageError("--save-dir and --load take one run, not a comma-separated list of settings")
+    return [validated(cfg) for cfg in configs]
 
 
 def cmd_run(args) -> int:
     from lpbench.bench.progress import RunsProgress, next_command, step_costs
     from lpbench.bench.runner import execute, record
+    from lpbench.config import run_labels
     from lpbench.bench.store import open_store
     from lpbench.report.tables import summary_rows, to_json, to_rich
     from lpbench.parallel.env import detect_world, shutdown
@@ -182,7 +187,7 @@ def cmd_run(args) -> int:
     group = uuid.uuid4().hex[:12]
     statuses = []
     with RunsProgress(
-        console, [(cfg.precision, cfg.steps) for cfg in configs], step_costs(configs), enabled=is_main
+        console, list(zip(run_labels(configs), (cfg.steps for cfg in configs))), step_costs(configs), enabled=is_main
     ) as progress:
         for i, cfg in enumerate(configs):
             progress.start(i)

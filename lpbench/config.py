@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
+
+import torch
 
 from lpbench.errors import UsageError
 from lpbench.metrics.flops import FORMULAS
@@ -22,6 +25,11 @@ DEFAULT_PRECISIONS = ("bf16", "fp8-tensorwise", "mxfp8", "nvfp4")  # `lpbench ru
 FSDP_SHARDS = ("zero3", "zero2", "zero1")  # lpbench/parallel/dp.py
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 RECOMPUTES = ("none", "selective", "full")  # lpbench/parallel/recompute.py
+OFFLOAD_NEEDS_GPU = (
+    "--offload-optimizer moves AdamW's states from a GPU to the CPU (FSDP2's CPU offload); this run has no GPU"
+)
+MASTER_WEIGHTS = ("fp32", "bf16")  # lpbench/train/optim.py
+OPTIMIZER_STATES = ("fp32", "bf16", "fp8", "8bit")  # lpbench/train/optim.py, lpbench/precision/optim_states.py
 MAX_SIZE = 2**31 - 1  # sizes, counts and steps: what int32 indexing and the data pipeline hold
 MAX_SEED = 2**63 - 1  # torch, numpy and random all take a seed below 2**63
 SECTIONS = ("model", "precision", "parallel", "data", "optim", "observe", "other")  # --help groups, in order
@@ -410,6 +418,43 @@ class RunConfig:
         default=0.1, metadata=arg("AdamW's decoupled weight decay of the weight matrices", section="optim")
     )
     grad_clip: float = field(default=1.0, metadata=arg("clip the gradients' global norm to this", section="optim"))
+    master_weights: str = field(
+        default="fp32",
+        metadata=arg(
+            "dtype of the trained weights AdamW updates: fp32, or bf16 (the AdamW update computed in FP32 and "
+            "rounded stochastically to BF16, from a seeded generator); comma-separated: one run each",
+            metavar="|".join(MASTER_WEIGHTS),
+            many=True,
+            section="optim",
+            resume=True,
+            converge=True,
+        ),
+    )
+    optimizer_states: str = field(
+        default="fp32",
+        metadata=arg(
+            "how AdamW stores its two moments: fp32, bf16, fp8 (E4M3, one FP32 scale per 256 elements) or 8bit "
+            "(blockwise dynamic quantization, 256 per block, as bitsandbytes and torchao's AdamW8bit); fp8 and 8bit "
+            "apply to matrices whose last dimension is a multiple of 256 (the rest stay fp32); comma-separated: one "
+            "run each",
+            metavar="|".join(OPTIMIZER_STATES),
+            many=True,
+            section="optim",
+            resume=True,
+            converge=True,
+        ),
+    )
+    offload_optimizer: bool = field(
+        default=False,
+        metadata=arg(
+            "one GPU: keep the weights, gradients and AdamW states on the CPU and step there (FSDP2's "
+            "CPUOffloadPolicy on a one-rank mesh, as torchtitan does); the GPU holds the BF16 weights of the "
+            "blocks in use",
+            section="optim",
+            resume=True,
+            layout=True,
+        ),
+    )
 
     # --- observe: what is measured and kept, not what is trained (most are out of the run key)
     warmup_steps: int | None = field(
@@ -706,6 +751,7 @@ class RunConfig:
             raise UsageError(f"unknown --recompute {self.recompute!r}; valid: {', '.join(RECOMPUTES)}")
         if self.recompute_every < 1:
             raise UsageError(f"--recompute-every must be >= 1, got {self.recompute_every}")
+        self._validate_optimizer()
         if self.lr is not None and self.lr <= 0:
             raise UsageError(f"--lr must be positive, got {self.lr}")
         if self.eval_every < 0 or self.eval_batches < 0:
@@ -726,6 +772,24 @@ class RunConfig:
         if not 1 <= first <= last <= self.steps:
             raise UsageError(f"--profile-steps {self.profile_steps}: need 1 <= A <= B <= --steps ({self.steps})")
         return self
+
+    def _validate_optimizer(self) -> None:
+        for name, valid in (("master_weights", MASTER_WEIGHTS), ("optimizer_states", OPTIMIZER_STATES)):
+            if getattr(self, name) not in valid:
+                raise UsageError(
+                    f"unknown --{name.replace('_', '-')} {getattr(self, name)!r}; valid: {', '.join(valid)}"
+                )
+        if self.master_weights == "bf16" and get_recipe(self.precision).compute_dtype != torch.bfloat16:
+            raise UsageError(f"--master-weights bf16 needs a recipe that computes in BF16, not {self.precision}")
+        if self.offload_optimizer and self.world_size > 1:
+            raise UsageError(
+                f"--offload-optimizer runs on one GPU; this run has {self.world_size} ranks (shard the states over "
+                "them with --fsdp instead)"
+            )
+        if self.offload_optimizer and self.device == "cpu":
+            raise UsageError(OFFLOAD_NEEDS_GPU)
+        if self.offload_optimizer and self.compile_scope == "model":
+            raise UsageError("--offload-optimizer compiles each block; --compile-scope model does not apply")
 
     def with_world(self, world_size: int, dp: int | None = None) -> "RunConfig":
         """This config on ``world_size`` ranks: DP = world / (TP x PP x CP) (``dp``, if given, must agree)."""
@@ -761,13 +825,40 @@ class RunConfig:
         return f.metadata.get("default_text") or _shown(f.default)
 
     def header(self) -> str:
-        """What the run's log header adds to the settings: each default that followed other settings, and the
-        FLOP formula of its TFLOP/s and MFU: ``gbs 16 (default: MBS x DP) | TFLOP/s by the megatron formula``."""
+        """What the run's log header adds to the settings: each default that followed other settings, the FLOP
+        formula of its TFLOP/s and MFU, and the optimizer's precision: ``gbs 16 (default: MBS x DP) | TFLOP/s by
+        the megatron formula | AdamW: fp32 master weights, fp32 states``."""
         parts = [
             f"{name.replace('_', ' ')} {getattr(self, name)} (default: {self.default_text(name)})"
             for name in self.derived
         ]
-        return " | ".join([*parts, f"TFLOP/s by the {self.flops_formula} formula"])
+        return " | ".join([*parts, f"TFLOP/s by the {self.flops_formula} formula", self.optimizer_text()])
+
+    def optimizer_text(self) -> str:
+        """The optimizer as the run header states it: ``AdamW: fp32 master weights, 8bit states, offloaded to
+        CPU``."""
+        offload = ", offloaded to CPU" if self.offload_optimizer else ""
+        return f"AdamW: {self.master_weights} master weights, {self.optimizer_states} states{offload}"
+
+
+def spread(base: RunConfig, lists: dict[str, list]) -> list[RunConfig]:
+    """One config per combination of the ``many`` settings' values in ``lists`` (name -> values; a setting not
+    there keeps ``base``'s), the first setting's values outermost: ``--precision a,b --optimizer-states x,y`` is
+    a/x, a/y, b/x, b/y."""
+    names = [f.name for f in fields(RunConfig) if fact(f, "many") and lists.get(f.name)]
+    combos = itertools.product(*(lists[n] for n in names))
+    return [base.with_(**dict(zip(names, values))) for values in combos] or [base]
+
+
+def run_labels(configs: list[RunConfig]) -> list[str]:
+    """Each config's precision, with the other ``many`` settings that differ between ``configs``:
+    ``fp8-tensorwise, optimizer-states bf16``."""
+    varying = [
+        f.name
+        for f in fields(RunConfig)
+        if fact(f, "many") and f.name != "precision" and len({getattr(c, f.name) for c in configs}) > 1
+    ]
+    return [", ".join([c.precision, *(f"{n.replace('_', '-')} {getattr(c, n)}" for n in varying)]) for c in configs]
 
 
 def run_key(settings: dict) -> str:

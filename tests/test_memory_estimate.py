@@ -340,3 +340,50 @@ def test_a_lora_build_peaks_at_the_embeddings_where_they_outweigh_the_blocks():
     e = estimate(wide, get_recipe("fp8-tensorwise"), seq_len=4, mbs=1, workload="lora", lora_quantized_base=True)
     rest = 2 * 4096 * 8 + 8
     assert e.build == 4 * rest + 4 * 4096 * 8  # the FP32 embeddings and their values drawn whole
+
+
+# 1 block, D 256, F 256, 2 heads of 128, 1 KV head, vocabulary 32: every matrix holds whole blocks of 256
+WIDE = ModelConfig("wide", 1, 256, 256, 2, 1, 32, head_dim=128)
+# matrices (blockwise fp8/8bit states): embeddings 32x256 = 8192, qkv 512x256 = 131072, o 65536, gate_up 131072,
+# down 65536, LM head 8192: 409600; vectors (FP32 states): 3 norms of 256 = 768
+MATRICES, VECTORS = 409600, 768
+WIDE_BLOCK, WIDE_REST = 256 + 131072 + 65536 + 256 + 131072 + 65536, 8192 + 256 + 8192
+
+
+@pytest.mark.parametrize(
+    "states,per_matrix_element",
+    [("fp32", 8), ("bf16", 4), ("fp8", 2 + 2 * 4 / 256), ("8bit", 2 + 2 * 4 / 256)],
+)
+def test_optimizer_states_and_master_weights_counted_by_hand(states, per_matrix_element):
+    e = estimate(WIDE, get_recipe("bf16"), seq_len=4, mbs=1, compiled=False, cuda=False, optimizer_states=states)
+    vector_bytes = 8 if states in ("fp8", "8bit") else per_matrix_element  # too small for blocks: FP32
+    assert e.parts[f"optimizer states ({states} AdamW)"] == per_matrix_element * MATRICES + vector_bytes * VECTORS
+    assert e.parts["master weights (fp32)"] == 4 * (MATRICES + VECTORS)
+    b = estimate(WIDE, get_recipe("bf16"), seq_len=4, mbs=1, compiled=False, cuda=False, master_weights="bf16")
+    assert b.when == "the end of the backward"  # 4 tokens: the gradients outweigh the activations
+    assert b.parts["master weights (bf16)"] == b.parts["gradients (bf16)"] == 2 * (MATRICES + VECTORS)
+    # 4096 tokens: the peak is the loss's backward, where the blocks hold autocast's BF16 casts of FP32 weights
+    long = dict(seq_len=4096, mbs=1, compiled=False, cuda=False)
+    fp32, bf16 = (estimate(WIDE, get_recipe("bf16"), master_weights=w, **long) for w in ("fp32", "bf16"))
+    assert fp32.when == bf16.when == "the loss's backward"
+    assert fp32.parts["weight copies held for backward"] == 2 * (WIDE_BLOCK - 2 * 256)  # the block's linears
+    assert "weight copies held for backward" not in bf16.parts  # BF16 weights: autocast makes no copies
+
+
+def test_offloaded_optimizer_leaves_the_gathered_bf16_blocks_on_the_gpu():
+    e = estimate(WIDE, get_recipe("bf16"), seq_len=4, mbs=1, offload_optimizer=True, optimizer_states="8bit")
+    assert not [k for k in e.parts if k.startswith(("master weights", "gradients", "optimizer states"))], e.parts
+    assert estimate(WIDE, get_recipe("bf16"), seq_len=4, mbs=1, optimizer_states="8bit").parts["master weights (fp32)"]
+    assert e.parts["FSDP gathered weights"] == 2 * (2 * WIDE_BLOCK + WIDE_REST)  # in use, prefetched, and the root
+
+
+def test_memory_suggests_the_optimizer_settings_for_one_gpu(capsys):
+    argv = ["memory", "--model", "llama3-8b", "--seq-len", "8192", "--mbs", "1", "--precision", "bf16", "--gpu", "h100"]
+    assert main([*argv, "--recompute", "full", "--fused-loss"]) == 1
+    out = capsys.readouterr().out
+    assert "--master-weights bf16 --optimizer-states 8bit" in out or "--offload-optimizer" in out
+    assert (
+        main([*argv, "--recompute", "full", "--fused-loss", "--master-weights", "bf16", "--optimizer-states", "8bit"])
+        == 0
+    )
+    assert "fits h100" in capsys.readouterr().out

@@ -26,7 +26,17 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from lpbench.config import DEFAULT_PRECISIONS, RunConfig, add_config_args, config_kwargs, settings
+from lpbench.config import (
+    DEFAULT_PRECISIONS,
+    RunConfig,
+    add_config_args,
+    config_kwargs,
+    fact,
+    flag_fields,
+    run_labels,
+    settings,
+    spread,
+)
 from lpbench.console import csv_list
 from lpbench.errors import UsageError
 from lpbench.paths import check_dir, check_file, write_file
@@ -51,10 +61,12 @@ class Outcome:
     verdict: str = ""
     steps: list[dict] = field(default_factory=list)
     seed: int | None = None  # set on a --noise-seeds run of the reference
+    name: str = ""  # the run's label (run_labels) when it differs from the precision
 
     @property
     def label(self) -> str:
-        return self.precision if self.seed is None else f"{self.precision} @ seed {self.seed}"
+        name = self.name or self.precision
+        return name if self.seed is None else f"{name} @ seed {self.seed}"
 
     @property
     def status_text(self) -> str:
@@ -139,9 +151,11 @@ def outcome_of(result) -> Outcome:
     )
 
 
-def run_name(cfg: RunConfig, reference_seed: int) -> str:
-    """A run's folder under --save-dir and --load: its recipe, ``-seedN`` for a noise-seed run."""
-    return cfg.precision if cfg.seed == reference_seed else f"{cfg.precision}-seed{cfg.seed}"
+def run_name(cfg: RunConfig, reference_seed: int, label: str | None = None) -> str:
+    """A run's folder under --save-dir and --load: its recipe (its label, ``fp8-tensorwise-optimizer-states-bf16``,
+    where runs of one recipe differ in other settings), ``-seedN`` for a noise-seed run."""
+    name = (label or cfg.precision).replace(", ", "-").replace(" ", "-")
+    return name if cfg.seed == reference_seed else f"{name}-seed{cfg.seed}"
 
 
 def with_checkpoints(configs: list[RunConfig], args) -> list[RunConfig]:
@@ -149,8 +163,8 @@ def with_checkpoints(configs: list[RunConfig], args) -> list[RunConfig]:
     from lpbench.bench.runner import validated
 
     out = []
-    for cfg in configs:
-        name = run_name(cfg, configs[0].seed)
+    for cfg, label in zip(configs, run_labels(configs)):
+        name = run_name(cfg, configs[0].seed, label)
         if args.save_every or args.save_dir:
             cfg = cfg.with_(save_every=args.save_every or 0, save_dir=args.save_dir and str(Path(args.save_dir) / name))
         if args.load:
@@ -245,7 +259,8 @@ def build_configs(args) -> tuple[list[RunConfig], list[str]]:
             f"validation: {n * args.mbs} held-out sequences of {args.seq_len} tokens "
             f"(of {len(splits.valid)} in the split) every {eval_every} steps and at step {steps}"
         )
-    configs = [base.with_(precision=p).validate() for p in names]
+    lists = {f.name: getattr(args, f.name, None) for f in flag_fields(settings("converge")) if fact(f, "many")}
+    configs = [cfg.validate() for cfg in spread(base, {**lists, "precision": names})]
     configs += [configs[0].with_(seed=base.seed + i) for i in range(1, args.noise_seeds + 1)]
     return with_checkpoints(configs, args), lines
 
@@ -282,7 +297,8 @@ def cmd_converge(args) -> int:
     store = open_store(args.results)
     group = uuid.uuid4().hex[:12]
     outcomes = []
-    labels = [cfg.precision if cfg.seed == first.seed else f"{cfg.precision} @ seed {cfg.seed}" for cfg in configs]
+    names = run_labels(configs)
+    labels = [name if cfg.seed == first.seed else f"{name} @ seed {cfg.seed}" for name, cfg in zip(names, configs)]
     with RunsProgress(
         console, [(label, cfg.steps) for label, cfg in zip(labels, configs)], step_costs(configs)
     ) as progress:
@@ -292,6 +308,7 @@ def cmd_converge(args) -> int:
             progress.finish(i, result.status)
             outcome = outcome_of(result)
             outcome.seed = cfg.seed if cfg.seed != first.seed else None
+            outcome.name = names[i]
             outcomes.append(outcome)
             metrics = dict(
                 result.metrics,
@@ -307,7 +324,7 @@ def cmd_converge(args) -> int:
                 highlight=False,
             )
     metric = judge(outcomes, tolerances)
-    ref = precision_name(outcomes[0].precision)
+    ref = outcomes[0].name if outcomes[0].name != outcomes[0].precision else precision_name(outcomes[0].precision)
     table = Table(title=Text(f"lpbench converge {group}: {first.label}, {tokens:,} tokens per recipe"))
     window = min(TRAIN_WINDOW, first.steps)
     for col in (

@@ -136,6 +136,16 @@ class MainGrads(Converter):
         )
 
 
+class BF16Weights(Converter):
+    """``--master-weights bf16``: every trained parameter stored in BF16 (no FP32 copy anywhere); the optimizer
+    rounds its FP32 update stochastically (``train/optim.py``). Frozen weights are left as they are."""
+
+    def convert(self, model):
+        for p in model.parameters():
+            if p.requires_grad and p.dtype == torch.float32:
+                p.data = p.data.to(torch.bfloat16)
+
+
 class Converters(list):
     """A run's converters, in order: each hook calls theirs."""
 
@@ -179,6 +189,8 @@ def converters_for(cfg, recipe, device: torch.device, emulate: bool | str, use_c
     out.append(Quantize(recipe, device, emulate, cfg.backend))
     if lora and cfg.lora_base_storage == "quantized":
         out.append(FrozenQuantized())
+    if cfg.master_weights == "bf16":
+        out.append(BF16Weights())
     if cfg.grad_accum > 1 and not (use_compile and cfg.compile_scope == "model"):
         out += [WeightCache(bf16=recipe.compute_dtype == torch.bfloat16), MainGrads()]
     return out

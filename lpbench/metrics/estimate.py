@@ -6,14 +6,16 @@ The peak of a step is the largest of three moments, each the sum of what is live
   (:func:`block_bytes_per_token`, tensor by tensor, times MBS x seq / TP), the head's logit tensors, the
   weight copies the blocks' backward reuses, and no gradient yet (the optimizer sets them to None), but
   with gradient accumulation the earlier micro-batches' (FSDP: unsharded, in the reduction dtype; experts
-  under ``--ep``, which FSDP leaves alone, their own, in FP32);
+  under ``--ep``, which FSDP leaves alone, their own, in the master weights' dtype);
 * the last block's rerun (when it is recomputed): the same without the head, with that block's whole
   activations and the LM head's gradient;
-* the end of the backward: every FP32 gradient, no activation; under FSDP the root's gradients still
-  unsharded beside their reduce-scatter input.
+* the end of the backward: every gradient, in the master weights' dtype, no activation; under FSDP the
+  root's gradients still unsharded beside their reduce-scatter input.
 
-Live throughout: FP32 master weights of what trains (a LoRA base in BF16, or quantized), AdamW's two FP32
-states, each divided by FSDP's shards and TP's ranks; the weight cache under gradient accumulation; under
+Live throughout: the master weights of what trains (FP32, or BF16 with ``--master-weights bf16``; a LoRA
+base in BF16, or quantized), AdamW's two states (:func:`state_bytes`), each divided by FSDP's shards and
+TP's ranks; with ``--offload-optimizer`` neither they nor the sharded gradients are on the GPU (FSDP2 keeps
+them on the CPU; its BF16 gathers stay on the GPU); the weight cache under gradient accumulation; under
 FSDP the BF16 weights gathered: two blocks (in use, prefetched) and the root's, or every block's
 (``--fsdp-shard`` zero2/zero1 keep them to the backward), and with ``--fsdp-fp8-all-gather`` each
 quantized weight's FP8 shard codes, kept for the optimizer step. The build's peak
@@ -26,9 +28,11 @@ NCCL buffers or allocator fragmentation. Not modelled: the torchao backend, pipe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from lpbench.models.registry import ModelConfig
+from lpbench.precision.optim_states import BLOCK, blockwise
 from lpbench.precision.quantize import Scaling
 from lpbench.precision.recipes import Recipe
 
@@ -82,6 +86,20 @@ def stored_bytes(recipe: Recipe) -> float:
         scale = 1.0 / b if recipe.scaling in (Scaling.MX, Scaling.NVFP4) else 0.0
     copies = 1 if recipe.scaling.per_tensor or recipe.weight_block_2d else 2
     return copies * (code + scale)
+
+
+STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4 / BLOCK, "8bit": 1.0 + 4 / BLOCK}  # per moment, with scales
+
+
+def state_bytes(states: str, shapes: list[tuple[int, ...]]) -> float:
+    """Bytes of AdamW's two moments for trained tensors of ``shapes`` stored as ``states``: FP32 (8 per element),
+    BF16 (4), or one byte per element and an FP32 scale per 256 (fp8, 8bit) for the blockwise tensors, FP32 for
+    the others."""
+    total = 0.0
+    for shape in shapes:
+        n = math.prod(shape)
+        total += 2 * (STATE_BYTES[states] if states in ("fp32", "bf16") or blockwise(tuple(shape)) else 4.0) * n
+    return total
 
 
 def block_bytes_per_token(
@@ -162,6 +180,9 @@ def estimate(
     ep: int = 1,
     fsdp_shard: str = "zero3",
     fsdp_fp8_all_gather: bool = False,
+    master_weights: str = "fp32",
+    optimizer_states: str = "fp32",
+    offload_optimizer: bool = False,
 ) -> Estimate:
     """The predicted peak of one rank (module doc); ``m``'s parameters counted on a meta-device model.
 
@@ -169,9 +190,11 @@ def estimate(
     weights in BF16, so the residual stream is BF16 (else FP32, as the embeddings' output);
     ``nvfp4_bf16_copies``: NVFP4 emulated on a GPU, whose activation copies are BF16 values;
     ``reduce_bytes``: the bytes of FSDP's gradient reduction dtype (``--grad-reduce-dtype``), in which it
-    accumulates unsharded gradients between micro-batches; ``ep``, ``fsdp_shard``, ``fsdp_fp8_all_gather``: the
-    flags (module doc). The estimate's ``parts`` are what is live at
-    the peak, ``when`` names that moment, ``build`` is the streamed build's peak (:func:`build_peak`).
+    accumulates unsharded gradients between micro-batches; ``ep``, ``fsdp_shard``, ``fsdp_fp8_all_gather``,
+    ``master_weights``, ``optimizer_states``, ``offload_optimizer``: the run's settings of the same names (one
+    process only offloads: FSDP2 on one rank, so its gathers are counted as FSDP's). The estimate's ``parts``
+    are what is live at the peak, ``when`` names that moment, ``build`` is the streamed build's peak
+    (:func:`build_peak`).
     """
     from lpbench.models.decoder import build_model
 
@@ -183,7 +206,7 @@ def estimate(
     ) / m.n_layers
     rest = sum(p.numel() for p in model.parameters()) - block * m.n_layers  # embeddings, final norm, LM head
     head = m.vocab_size * m.dim  # the LM head's (or the tied embeddings') weight
-    fsdp = fsdp and dp > 1
+    fsdp = (fsdp and dp > 1) or offload_optimizer
     shards = (dp if fsdp else 1) * tp
     lora = workload == "lora"
     quantized_blocks = (
@@ -196,10 +219,14 @@ def estimate(
         ins_outs = (m.dim + q + 2 * kv) + (q + m.dim) + (m.dim + up) + (m.ffn_dim + m.dim)  # qkv, o, mlp
         trainable = lora_rank * ins_outs * m.n_layers
         held["frozen base"] = frozen_base_bytes(m, recipe, linear, block, rest, lora_quantized_base) / shards
+        states = 8.0 * trainable  # the adapters' states: FP32 (no blockwise states counted)
     else:
         trainable = block * m.n_layers + rest
-    held["master weights (fp32)"] = 4.0 * trainable / shards
-    held["optimizer states (fp32 AdamW)"] = 8.0 * trainable / shards
+        states = state_bytes(optimizer_states, [p.shape for p in model.parameters()])
+    on_gpu = 0.0 if offload_optimizer else 1.0  # master weights, sharded gradients, states
+    weight = 2.0 if master_weights == "bf16" else 4.0  # the master weights' and their gradients' bytes
+    held[f"master weights ({master_weights})"] = on_gpu * weight * trainable / shards
+    held[f"optimizer states ({optimizer_states} AdamW)"] = on_gpu * states / shards
     # the weight cache (gradient accumulation; plain, unsharded linears only): FP8 codes in both layouts of the
     # fused tensorwise / delayed linears, a BF16 cast of the 16-bit ones; a cached linear's backward reads it
     cached = grad_accum > 1 and cuda and not fsdp and tp == 1 and not lora
@@ -224,7 +251,7 @@ def estimate(
     # cached linear (its backward reads the cache)
     kept_blocks = m.n_layers - (len(checkpointed) if compiled else 0)
     per_quantized = 0.0 if (lora and lora_quantized_base) or (cached and fp8_cached) else code_bytes(recipe)
-    per_bf16 = 0.0 if fsdp or lora or cached else 2.0
+    per_bf16 = 0.0 if fsdp or lora or cached or master_weights == "bf16" else 2.0  # BF16 weights: no cast
     copies = linear * (per_quantized * quantized_blocks + per_bf16 * bf16_blocks) * kept_blocks / m.n_layers / tp
     tokens = mbs * seq_len / tp  # tensor parallelism splits the features (sequence parallelism the rest)
     per = dict(
@@ -239,7 +266,11 @@ def estimate(
     # gradient accumulation: the earlier micro-batches' gradients, FSDP's unsharded in its reduction dtype
     experts = sum(p.numel() for n, p in model.layers.named_parameters() if ".experts." in n) if ep > 1 else 0
     accumulated = (
-        (reduce_bytes / tp * (trainable - experts) + 4.0 * experts / ep / tp if fsdp else 4.0 / shards * trainable)
+        (
+            reduce_bytes / tp * (trainable - experts) + weight * experts / ep / tp
+            if fsdp
+            else weight / shards * trainable
+        )
         if grad_accum > 1
         else 0.0
     )
@@ -262,7 +293,7 @@ def estimate(
         }
     }
     if (m.n_layers - 1) in checkpointed:  # the last block's rerun: its whole activations again, the head's gradient
-        head_grad = 0.0 if accumulated or lora else (2.0 / tp if fsdp else 4.0 / shards) * head
+        head_grad = 0.0 if accumulated or lora else (2.0 / tp if fsdp else weight / shards) * head
         phases["the last block's rerun"] = {
             **held,
             **grads,
@@ -276,11 +307,14 @@ def estimate(
     if fsdp and not lora:
         phases["the end of the backward"] = {
             **{k: v for k, v in held.items() if k != "FSDP gathered weights"},
-            "gradients (fp32)": 4.0 * (trainable - rest) / shards,
+            f"gradients ({master_weights})": on_gpu * weight * (trainable - rest) / shards,
             "the root's gradients (unsharded, reduce-scatter input)": (2.0 + reduce_bytes) * rest / tp,
         }
     else:
-        phases["the end of the backward"] = {**held, "gradients (fp32)": 4.0 * trainable / shards}
+        phases["the end of the backward"] = {
+            **held,
+            f"gradients ({master_weights})": on_gpu * weight * trainable / shards,
+        }
     when = max(phases, key=lambda k: sum(phases[k].values()))
     build = build_peak(m, recipe, linear, block, rest, lora=lora, quantized_base=lora_quantized_base, shards=shards)
     return Estimate({k: v for k, v in phases[when].items() if v}, when=when, build=build)

@@ -24,11 +24,13 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import _compress_hook
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -47,14 +49,18 @@ def apply_fsdp(
     param_dtype: torch.dtype | None,
     grad_dtype: torch.dtype = torch.float32,
     shard: str = "zero3",
+    offload: bool = False,
 ) -> nn.Module:
     """FSDP2: one ``fully_shard`` group per transformer block and one for the root (embeddings, head).
 
     ``mesh``: 1-D (shard over it) or 2-D (HSDP: replicas over dim 0, shards over dim 1). Parameters
     are all-gathered in ``param_dtype`` (the recipe's compute dtype on CUDA) and gradients reduced
-    in ``grad_dtype``; the sharded master weights stay FP32. ``shard``: see the module doc.
+    in ``grad_dtype``; the sharded master weights keep their dtype. ``shard``: see the module doc.
+    ``offload``: the sharded weights, their gradients and so the optimizer's states and step live on the CPU
+    (``CPUOffloadPolicy``); each group's weights are copied to the device for its all-gather.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=grad_dtype)
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     ignored = set(expert_params(model)[0]) or None  # expert parallel: each rank's own experts
     blocks = list(model.layers)
     units = []  # per block: the modules FSDP all-gathers for it (the block, its stored codes)
@@ -63,13 +69,27 @@ def apply_fsdp(
         codes = [m for m in block.modules() if isinstance(m, FrozenQuantizedLinear)]
         if codes:  # as bytes: no parameter dtype (see the module doc)
             fully_shard(codes, mesh=mesh, mp_policy=MixedPrecisionPolicy(), reshard_after_forward=reshard)
-        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored, reshard_after_forward=reshard)
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp, offload_policy=policy, ignored_params=ignored, reshard_after_forward=reshard
+        )
         units.append([block, *codes[:1]])
-    root = fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+    root = fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy, ignored_params=ignored)
     for before, after in zip(units, units[1:]):
         before[0].set_modules_to_forward_prefetch(after)
         after[0].set_modules_to_backward_prefetch(before)
     return root
+
+
+def one_rank_mesh(device: torch.device) -> DeviceMesh:
+    """A device mesh of this process alone on ``device``, for FSDP2 in one process (``--offload-optimizer``);
+    starts a process group of one if there is none, on an in-process store (no network). On CUDA the group holds
+    NCCL and gloo, so that collectives on the offloaded (CPU) gradients, such as the clipping norm's, run too."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the mesh's device
+    if not dist.is_initialized():
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
 
 
 def apply_ddp(

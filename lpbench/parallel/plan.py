@@ -4,7 +4,8 @@ The layout and every group come from :class:`lpbench.parallel.dims.ParallelDims`
 (torchtitan's): tensor parallel on the ``tp`` mesh, expert parallel (``--ep``, the experts of each
 MoE layer spread over data-parallel ranks, :mod:`lpbench.parallel.ep`), activation recomputation
 (``--recompute``, :mod:`lpbench.parallel.recompute`), ``torch.compile``, then
-FSDP2 (``fsdp`` mesh: 1-D, or 2-D for HSDP) or DDP (``dp_replicate`` mesh) over the other weights. A model built on the meta device (no memory) is sharded first, then
+FSDP2 (``fsdp`` mesh: 1-D, or 2-D for HSDP) or DDP (``dp_replicate`` mesh) over the other weights; one process
+with ``--offload-optimizer`` is FSDP2 on a mesh of one with CPU offload. A model built on the meta device (no memory) is sharded first, then
 allocated and initialised (:func:`materialize`: after FSDP, else before DDP, which needs the
 values): every rank keeps its shard of the very weights a single process would build from the
 same seed, so all layouts start from identical weights.
@@ -24,7 +25,7 @@ from lpbench.config import RunConfig
 from lpbench.models.decoder import initial_values
 from lpbench.models.moe import Experts, moe_layers
 from lpbench.parallel.dims import Meshes, ParallelDims
-from lpbench.parallel.dp import apply_ddp, apply_fsdp, reduce_dtype
+from lpbench.parallel.dp import apply_ddp, apply_fsdp, one_rank_mesh, reduce_dtype
 from lpbench.parallel.ep import apply_ep
 from lpbench.parallel.recompute import apply_recompute
 from lpbench.precision.delayed import DelayedScaling
@@ -62,7 +63,10 @@ def parallelize(
         materialize(model, device, cfg.seed)
         apply_recompute(model, cfg.recompute, cfg.recompute_every)
         if by_block:
-            compile_blocks(model, head=True)
+            compile_blocks(model, head=not cfg.offload_optimizer)
+        if cfg.offload_optimizer:  # FSDP2 on a mesh of one, its shards (the whole weights) on the CPU: torchtitan's
+            dtype = compute_dtype if device.type == "cuda" else None
+            model = apply_fsdp(model, one_rank_mesh(device), dtype, reduce_dtype(cfg.grad_reduce_dtype), offload=True)
         return Parallelized(model, torch.compile(model) if whole else model, dims, None, 0)
     meshes = dims.mesh(device.type)
     if dims.tp_enabled:

@@ -187,6 +187,18 @@ def _loss_sem(r: dict) -> float:
     return sem if _finite(sem) else 0.0
 
 
+def optimizer_label(cfg: dict) -> str:
+    """A run's optimizer settings that differ from FP32 AdamW on the GPU, as its precision cell adds them:
+    ``(bf16 weights, 8bit states, offloaded)``; "" for the defaults."""
+    parts = [
+        f"{cfg[key]} {what}"
+        for key, what in (("master_weights", "weights"), ("optimizer_states", "states"))
+        if cfg.get(key, "fp32") != "fp32"
+    ]
+    parts += ["offloaded"] if cfg.get("offload_optimizer") else []
+    return f"({', '.join(parts)})" if parts else ""
+
+
 def summary_rows(runs: list[dict]) -> list[dict]:
     """Flatten stored runs into table rows with speedup and loss delta vs the group's baseline."""
     baselines = _baselines(runs)
@@ -209,6 +221,7 @@ def summary_rows(runs: list[dict]) -> list[dict]:
                 "workload": r.get("workload"),
                 "model": r.get("model"),
                 "precision": r.get("precision"),
+                "optimizer": optimizer_label(cfg),
                 "backend": r.get("backend"),
                 "path": r.get("path"),
                 "why_emulated": metrics.get("why_emulated"),
@@ -441,7 +454,7 @@ def to_rich(rows: list[dict], title: str | None = None, width: int | None = None
         ("steps", "steps", 8, lambda r: str(r.get("steps"))),
     ]
     head = [
-        ("precision", "precision", 10, lambda r: str(r.get("precision"))),
+        ("precision", "precision", 10, lambda r: " ".join(filter(None, (str(r.get("precision")), r.get("optimizer"))))),
         ("path", "path", 8, lambda r: str(r.get("path") or "-")),
     ]
     if cpu_like:

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch._dynamo
 
-from lpbench.config import RunConfig
+from lpbench.config import OFFLOAD_NEEDS_GPU, RunConfig
 from lpbench.errors import UsageError
 from lpbench import threads
 from lpbench.metrics import memory
@@ -136,6 +136,8 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
     scheduler and data. Bad configs raise UsageError before any work."""
     cfg.validate()
     device = resolve_device(cfg.device)
+    if cfg.offload_optimizer and device.type != "cuda":
+        raise UsageError(OFFLOAD_NEEDS_GPU)
     world = init_distributed(device.type)
     if cfg.world_size != world.size:
         raise UsageError(
@@ -179,7 +181,7 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
     params = [p for p in par.module.parameters() if p.requires_grad]
     spread = expert_params(par.module)[0]  # expert parallel (or TP-split experts): each rank's own experts
     spread = (spread, par.meshes.group("ep" if par.dims.ep_enabled else "tp") if spread else None)
-    optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda")
+    optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda" and not cfg.offload_optimizer)
     converters.attach(model, optimizer, params if world.size == 1 else spread[0])
     scheduler = build_scheduler(optimizer, cfg)
     build_peak = memory.peak_gb(device)

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from lpbench.config import RunConfig
 from lpbench.metrics.estimate import Estimate, estimate
 from lpbench.metrics.hardware import detect_gpu
@@ -37,6 +39,9 @@ def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compil
         ep=cfg.ep,
         fsdp_shard=cfg.fsdp_shard,
         fsdp_fp8_all_gather=cfg.fsdp_fp8_all_gather,
+        master_weights=cfg.master_weights,
+        optimizer_states=cfg.optimizer_states,
+        offload_optimizer=cfg.offload_optimizer,
     )
 
 
@@ -59,6 +64,14 @@ def suggestions(cfg: RunConfig, capacity: float, gpu: str | None = None) -> list
         tries.append(("--fused-loss", dict(fused_loss=True)))
     if cfg.dp > 1 and not cfg.fsdp and cfg.workload != "lora":
         tries.append(("--fsdp", dict(fsdp=True)))
+    if cfg.optimizer_states not in ("fp8", "8bit"):
+        tries.append(("--optimizer-states 8bit", dict(optimizer_states="8bit")))
+    if cfg.master_weights != "bf16" and get_recipe(cfg.precision).compute_dtype == torch.bfloat16:
+        tries.append(
+            ("--master-weights bf16 --optimizer-states 8bit", dict(master_weights="bf16", optimizer_states="8bit"))
+        )
+    if cfg.world_size == 1 and not cfg.offload_optimizer and cfg.compile_scope != "model":
+        tries.append(("--offload-optimizer", dict(offload_optimizer=True)))
     if cfg.mbs > 1:
         tries.append((f"--mbs {cfg.mbs // 2}", dict(mbs=cfg.mbs // 2)))
     out = []
@@ -92,6 +105,14 @@ def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
         f"  at {est.when} ({est.total / 2**30:.1f} GB; the build's peak {est.build_gb:.1f} GB):",
     ]
     lines += [f"  {name:<36} {size / 2**30:8.2f} GB" for name, size in est.parts.items() if size]
+    if cfg.offload_optimizer:  # what FSDP2's CPU offload holds in host memory instead
+        kept = predict(cfg.with_(offload_optimizer=False), gpu).parts  # gradients: as many bytes as the weights
+        host = sum(
+            v * (2 if k.startswith("master weights") else 1)
+            for k, v in kept.items()
+            if k.startswith(("master weights", "optimizer states"))
+        )
+        lines.append(f"  on the CPU (pinned): weights, gradients, optimizer states {host / 2**30:.1f} GB")
     cap = capacity_gb(gpu)
     if cap is None:
         return lines, None

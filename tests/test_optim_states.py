@@ -1,0 +1,525 @@
+"""Optimizer-state and master-weight precision: the formats against references written from their definitions,
+the low-precision AdamW against torch's AdamW with its states passed through those references, resume, FSDP2."""
+
+import copy
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lpbench.precision import optim_states as fmt
+from lpbench.precision.formats import E4M3, round_to_format
+from lpbench.train.optim import BETAS, EPS, LowPrecisionAdamW, quantizes
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = [(16, 256), (8, 512), (10, 100), (32,)]  # quantized, quantized, not a whole block, a vector
+
+
+# ---------------------------------------------------------------- references, from the definitions
+def ref_8bit(x: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Blockwise dynamic quantization then decoding: per block of 256 along the last dimension, x / absmax (FP32,
+    absmax at least 1e-12) to the nearest map entry (a tie to the larger), decoded as entry x absmax (FP32)."""
+    qmap = fmt.dynamic_map(signed).numpy().astype(np.float64)
+    rows = x.float().cpu().numpy().reshape(-1, 256)
+    out = np.empty_like(rows)
+    for r, row in enumerate(rows):
+        absmax = np.float32(max(np.abs(row).max(), np.float32(1e-12)))
+        normed = (row / absmax).astype(np.float32).astype(np.float64)
+        dist = np.abs(normed[:, None] - qmap[None, :])  # exact: differences of FP32 values near each other
+        nearest = 255 - np.argmin(dist[:, ::-1], axis=1)  # the last of the nearest: ties go to the larger
+        out[r] = (qmap[nearest].astype(np.float32) * absmax).astype(np.float32)
+    return torch.from_numpy(out.reshape(x.shape)).float().to(x.device)
+
+
+def ref_fp8(x: torch.Tensor) -> torch.Tensor:
+    """E4M3 with one scale per block of 256: encode scale 448 / amax (correctly rounded FP32; 1 for a zero
+    block), elements x * scale rounded to nearest even and saturated, decoded as code x (1 / scale)."""
+    rows = x.float().reshape(-1, 256)
+    amax = rows.abs().amax(dim=1, keepdim=True)
+    enc = torch.where(amax > 0, (448.0 / amax.double()).float(), torch.ones_like(amax))
+    dec = (1.0 / enc.double()).float()
+    return (round_to_format(rows * enc, E4M3) * dec).reshape(x.shape)
+
+
+def ref_sr(x: float, r: int) -> float:
+    """FP32 -> BF16 stochastic rounding of one value with 16 random bits ``r``: away from zero when r < the
+    lower 16 bits of x, else truncated."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    out = (bits & 0xFFFF0000) + (0x10000 if r < (bits & 0xFFFF) else 0)
+    return struct.unpack("<f", struct.pack("<I", out))[0]
+
+
+def ref_states(t: torch.Tensor, states: str, signed: bool) -> torch.Tensor:
+    """A moment after being stored: FP32 as is, BF16 rounded to nearest, fp8/8bit through the references."""
+    if states == "bf16":
+        return t.bfloat16().float()
+    if states in ("fp8", "8bit") and t.ndim >= 2 and t.numel() >= 4096 and t.shape[-1] % 256 == 0:
+        return ref_fp8(t) if states == "fp8" else ref_8bit(t, signed)
+    return t
+
+
+# ---------------------------------------------------------------- the formats
+def test_dynamic_maps_are_bitsandbytes_maps():
+    signed, unsigned = fmt.dynamic_map(True), fmt.dynamic_map(False)
+    for qmap in (signed, unsigned):
+        assert qmap.shape == (256,) and bool((qmap[1:] > qmap[:-1]).all())  # 256 distinct values, sorted
+        assert qmap.max() == 1.0 and 0.0 in qmap.tolist()
+    assert unsigned.min() == 0.0 and -0.993 < signed.min() < -0.992  # 0.1 .. 1 grid of 64: last mean 0.99297
+    assert (signed > 0).sum() == 128 and (signed < 0).sum() == 127  # +1 has no negative twin
+    assert float(signed[signed > 0].min()) == pytest.approx(0.55e-6)  # 10**-6 x the one mean of exponent 0
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_8bit_quantizer_matches_the_reference(signed):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 512, generator=g) * torch.logspace(-6, 2, 12)[:, None]
+    x[3] = 0.0  # an all-zero block
+    if not signed:
+        x = x.square()
+    qmap = fmt.dynamic_map(signed)
+    x[5, :256] = qmap[torch.randint(0, 256, (256,), generator=g)]  # map entries
+    x[5, 0] = 1.0
+    x[6, :255] = ((qmap[:-1].double() + qmap[1:].double()) / 2).float()  # midpoints (ties where representable)
+    x[6, 255] = 1.0  # absmax 1: the quotients are these values
+    codes, absmax = fmt.quantize_8bit(x, signed)
+    assert codes.dtype == torch.uint8 and absmax.shape == (12, 2)
+    assert torch.equal(fmt.dequantize_8bit(codes, absmax, signed), ref_8bit(x, signed))
+
+
+def test_fp8_states_match_the_reference():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 768, generator=g) * torch.logspace(-8, 3, 6)[:, None]
+    x[2] = 0.0
+    codes, scale = fmt.quantize_e4m3(x)
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (6, 3)
+    assert torch.equal(fmt.dequantize_e4m3(codes, scale), ref_fp8(x))
+
+
+def test_bf16_stochastic_rounding_is_the_definition_and_unbiased():
+    g = torch.Generator().manual_seed(2)
+    x = torch.cat(
+        [
+            torch.randn(500, generator=g) * 10.0 ** torch.randint(-30, 30, (500,), generator=g),
+            torch.tensor([0.0, -0.0, 3.0]),
+        ]
+    )
+    bits = torch.randint(0, 1 << 16, x.shape, generator=g, dtype=torch.int32)
+    got = fmt.bf16_stochastic_round(x, bits)
+    assert got.dtype == torch.bfloat16
+    assert [struct.pack("<f", v) for v in got.float().tolist()] == [
+        struct.pack("<f", ref_sr(v, r)) for v, r in zip(x.tolist(), bits.tolist())
+    ]
+    # over all 2**16 random values the mean is the FP32 value exactly: each rounds up with probability frac / 2**16
+    for v in (1.0 + 2**-9 + 2**-20, -7.3e-5, 3.0e30):
+        every = fmt.bf16_stochastic_round(torch.full((1 << 16,), v), torch.arange(1 << 16, dtype=torch.int32))
+        assert every.double().mean().item() == torch.tensor(v).item()
+        assert len(set(every.float().tolist())) == 2  # only the two neighbours
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 3.3895314e38])
+    out = fmt.bf16_stochastic_round(special, torch.zeros(4, dtype=torch.int32)).float()
+    assert out[0] == float("inf") and out[1] == float("-inf") and out[2].isnan() and out[3] == 3.3895314e38
+
+
+# ---------------------------------------------------------------- the optimizer
+def _params(dtype=torch.float32, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dtype)) for s in SHAPES]
+
+
+def _grads(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=g) * 10.0 ** (step % 3 - 2) for s in SHAPES]
+
+
+def _groups(params):
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def _lowp(params, states, lr=1e-2):
+    return LowPrecisionAdamW(_groups(params), lr=lr, weight_decay=0.1, states=states, seed=7)
+
+
+def test_fp32_weights_and_states_are_torchs_adamw():
+    ours, theirs = _params(), _params()
+    a, b = _lowp(ours, "fp32"), torch.optim.AdamW(_groups(theirs), lr=1e-2, betas=BETAS, eps=EPS, foreach=False)
+    for step in range(4):
+        for p, q, g in zip(ours, theirs, _grads(step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step(), b.step()
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
+    assert all(torch.equal(a.state[p]["exp_avg_sq"], b.state[q]["exp_avg_sq"]) for p, q in zip(ours, theirs))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+@pytest.mark.parametrize("states", ["fp32", "bf16", "fp8", "8bit"])
+def test_each_variant_matches_adamw_with_states_through_the_reference(states, master, device, monkeypatch):
+    """The reference: torch's single-tensor AdamW in FP32 on the FP32 view of the weights; after each step its
+    moments are replaced by what the format stores (reference quantizers) and a BF16 weight by the reference SR
+    of the FP32 result with the bits the optimizer drew (recorded)."""
+    if states == "fp32" and master == "fp32":
+        pytest.skip("torch's AdamW itself: test_fp32_weights_and_states_are_torchs_adamw")
+    dtype = torch.bfloat16 if master == "bf16" else torch.float32
+    ours = [torch.nn.Parameter(p.detach().to(device)) for p in _params(dtype)]
+    ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt = _lowp(ours, states)
+    reference = torch.optim.AdamW(_groups(ref), lr=1e-2, betas=BETAS, eps=EPS, foreach=False)
+    drawn = []
+    real = fmt.random_bits
+    monkeypatch.setattr(fmt, "random_bits", lambda *a: drawn.append(real(*a)) or drawn[-1])
+    order = [i for i, s in enumerate(SHAPES) if len(s) >= 2] + [i for i, s in enumerate(SHAPES) if len(s) < 2]
+    for step in range(4):
+        for p, q, g in zip(ours, ref, _grads(step)):
+            p.grad, q.grad = g.to(device, dtype), g.to(device, dtype).float()
+        drawn.clear()
+        opt.step()
+        reference.step()
+        for i, q in enumerate(ref):
+            st = reference.state[q]
+            st["exp_avg"].copy_(ref_states(st["exp_avg"], states, signed=True))
+            st["exp_avg_sq"].copy_(ref_states(st["exp_avg_sq"], states, signed=False))
+            if master == "bf16":
+                bits = drawn[order.index(i)].flatten().tolist()
+                sr = [ref_sr(v, r) for v, r in zip(q.flatten().tolist(), bits)]
+                q.data = torch.tensor(sr, device=device).reshape(q.shape)
+        for p, q in zip(ours, ref):
+            assert p.dtype == dtype and torch.equal(p.float(), q), (states, master, step, p.shape)
+    for p, q in zip(ours, ref):  # the stored moments decode to the reference's
+        st = opt.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = opt._decode(st[key], st.get(f"{key}_scale"), key)
+            assert torch.equal(value, reference.state[q][key]), (key, p.shape)
+        expected = torch.uint8 if states == "8bit" else torch.float8_e4m3fn
+        if quantizes(p, states):
+            assert st["exp_avg"].dtype == expected and st["exp_avg_scale"].shape == (*p.shape[:-1], p.shape[-1] // 256)
+    if states == "8bit":  # one byte per element of the two matrices, FP32 for the others
+        stored = sum(st["exp_avg"].element_size() * st["exp_avg"].numel() for st in opt.state.values())
+        assert stored == 16 * 256 + 8 * 512 + 4 * (10 * 100 + 32)
+
+
+def test_sr_draws_depend_on_seed_step_and_parameter_and_replay():
+    def run(seed):
+        ps = _params(torch.bfloat16)
+        opt = LowPrecisionAdamW(_groups(ps), lr=1e-3, weight_decay=0.1, states="fp32", seed=seed)
+        for step in range(3):
+            for p, g in zip(ps, _grads(step)):
+                p.grad = g.bfloat16()
+            opt.step()
+        return ps
+
+    a, b, c = run(1), run(1), run(2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+@pytest.mark.parametrize("states", ["bf16", "fp8", "8bit"])
+def test_state_dict_round_trips_and_resumes_exactly(states):
+    """Save after 2 steps, load into a fresh optimizer, 2 more steps: the uninterrupted run's weights and states."""
+    straight, resumed = _params(torch.bfloat16), _params(torch.bfloat16)
+    a, b = _lowp(straight, states), _lowp(resumed, states)
+    for step in range(2):
+        for p, q, g in zip(straight, resumed, _grads(step)):
+            p.grad, q.grad = g.bfloat16(), g.bfloat16()
+        a.step(), b.step()
+    saved = copy.deepcopy(b.state_dict())
+    b = _lowp(resumed, states, lr=0.5)  # a new optimizer: everything comes from the state dict
+    b.load_state_dict(saved)
+    for key, value in saved["state"][0].items():  # codes stay codes (torch casts states to the weight's dtype)
+        now = b.state[resumed[0]][key]
+        assert now.dtype == value.dtype and torch.equal(
+            now.view(torch.uint8) if now.element_size() == 1 else now,
+            value.view(now.dtype).view(torch.uint8) if now.element_size() == 1 else value,
+        )
+    for step in range(2, 4):
+        for p, q, g in zip(straight, resumed, _grads(step)):
+            p.grad, q.grad = g.bfloat16(), g.bfloat16()
+        a.step(), b.step()
+    assert all(torch.equal(p, q) for p, q in zip(straight, resumed))
+
+
+def test_lr_zero_step_changes_no_weight():
+    """``torch.distributed.checkpoint`` makes an empty optimizer's states with one step at LR 0."""
+    ps = _params(torch.bfloat16)
+    before = [p.detach().clone() for p in ps]
+    opt = _lowp(ps, "8bit", lr=0.0)
+    for p, g in zip(ps, _grads(0)):
+        p.grad = g.bfloat16()
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, before))
+
+
+# ---------------------------------------------------------------- FSDP2 on 2 gloo ranks
+FSDP_SHAPES = [(6, 512), (5, 256), (512,), (3, 100)]  # uneven rows across 2 ranks; a 1-D and a partial-block one
+
+
+def _fsdp_worker(rank, states, master, port, out):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2,))
+    dtype = torch.bfloat16 if master == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(5)
+    full = [(torch.randn(s, generator=g) * 0.1).to(dtype) for s in FSDP_SHAPES]
+    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full]
+    opt = LowPrecisionAdamW([{"params": params, "weight_decay": 0.1}], lr=1e-2, weight_decay=0.1, states=states, seed=7)
+    for step in range(3 if master == "fp32" else 1):
+        gg = torch.Generator().manual_seed(50 + step)
+        for p in params:
+            p.grad = distribute_tensor(torch.randn(p.shape, generator=gg).to(dtype), mesh, [Shard(0)])
+        opt.step()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(torch.nn.ParameterList(params), opt)  # the states as DCP sees them
+    kinds = sorted({type(v).__name__ for st in sd["state"].values() for k, v in st.items() if k != "step"})
+    result = {"weights": [p.full_tensor().float().tolist() for p in params], "state_kinds": kinds}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("states,master", [("8bit", "fp32"), ("fp8", "fp32"), ("bf16", "fp32"), ("8bit", "bf16")])
+def test_fsdp2_shards_match_one_process(states, master, spawn_ranks, tmp_path):
+    """FP32 weights, 3 steps: bit for bit (every block lies within a row, and FSDP2 splits rows). BF16 weights: each
+    rank draws its own part's random bits, so after a step each weight is one of the two BF16 neighbours of the FP32
+    result the single process rounded: within one BF16 ulp of its weight."""
+    ranks = spawn_ranks(_fsdp_worker, 2, tmp_path, states, master)
+    dtype = torch.bfloat16 if master == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dtype)) for s in FSDP_SHAPES]
+    opt = LowPrecisionAdamW([{"params": params, "weight_decay": 0.1}], lr=1e-2, weight_decay=0.1, states=states, seed=7)
+    for step in range(3 if master == "fp32" else 1):
+        gg = torch.Generator().manual_seed(50 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gg).to(dtype)
+        opt.step()
+    assert ranks[0]["state_kinds"] == ["DTensor"]  # sharded states: each rank saves its own
+    for r in ranks:
+        for got, p in zip(r["weights"], params):
+            got = torch.tensor(got)
+            if master == "fp32":
+                assert torch.equal(got, p.float())
+            else:
+                big = torch.maximum(got.abs(), p.float().abs())
+                ulp = torch.ldexp(torch.ones(()), torch.frexp(big).exponent - 8)  # BF16: 8 significant bits
+                assert bool(((got - p.float()).abs() <= ulp).all())
+
+
+# ---------------------------------------------------------------- the command line
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--optimizer-states", "4bit"], "unknown --optimizer-states '4bit'"),
+        (["--master-weights", "fp16"], "unknown --master-weights 'fp16'"),
+        (
+            ["--master-weights", "bf16", "--precision", "fp32"],
+            "--master-weights bf16 needs a recipe that computes in BF16",
+        ),
+        (["--offload-optimizer", "--nproc-per-node", "2"], "--offload-optimizer runs on one GPU"),
+        (["--offload-optimizer", "--device", "cpu"], "this run has no GPU"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line(flags, message, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "lpbench", "run", "--dry-run", *flags],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_converge_takes_lists_of_states_and_master_weights(tmp_path):
+    from lpbench.bench.converge import build_configs, run_name
+    from lpbench.cli import build_parser
+    from lpbench.config import run_labels
+
+    args = build_parser().parse_args(
+        [
+            "converge",
+            "--precision",
+            "fp8-tensorwise",
+            "--optimizer-states",
+            "bf16,fp32",
+            "--master-weights",
+            "bf16",
+            "--tokens",
+            "4096",
+            "--results",
+            str(tmp_path),
+        ]
+    )
+    configs, _ = build_configs(args)
+    assert [(c.precision, c.optimizer_states, c.master_weights) for c in configs] == [
+        ("fp8-tensorwise", "bf16", "bf16"),
+        ("fp8-tensorwise", "fp32", "bf16"),
+    ]
+    assert len({c.key() for c in configs}) == 2  # in the run key
+    assert run_labels(configs) == ["fp8-tensorwise, optimizer-states bf16", "fp8-tensorwise, optimizer-states fp32"]
+    assert run_name(configs[0], configs[0].seed, run_labels(configs)[0]) == "fp8-tensorwise-optimizer-states-bf16"
+    assert "AdamW: bf16 master weights, bf16 states" in configs[0].header()
+
+
+def test_run_spreads_the_lists_over_runs():
+    from lpbench.cli import build_parser, configs_from_args
+
+    args = build_parser().parse_args(["run", "--precision", "bf16,fp8-tensorwise", "--optimizer-states", "8bit,fp8"])
+    configs = configs_from_args(args)
+    assert [(c.precision, c.optimizer_states) for c in configs] == [
+        ("bf16", "8bit"),
+        ("bf16", "fp8"),
+        ("fp8-tensorwise", "8bit"),
+        ("fp8-tensorwise", "fp8"),
+    ]
+
+
+# ---------------------------------------------------------------- a run, saved and resumed
+WIDE = ("test-optim", 2, 256, 256, 4, 2, 512)  # 2 blocks of width 256: every matrix holds whole blocks of 256
+WIDE_RUN = dict(
+    model="test-optim",
+    seq_len=16,
+    mbs=2,
+    gbs=2,
+    steps=4,
+    warmup_steps=1,
+    precision="bf16",
+    device="cpu",
+    master_weights="bf16",
+    optimizer_states="8bit",
+)
+
+
+@pytest.fixture
+def blocks_of_256(monkeypatch):
+    """A run of a model whose matrices hold whole blocks of 256 (so fp8/8bit states are quantized)."""
+    from lpbench.config import RunConfig
+    from lpbench.models.registry import MODELS, ModelConfig
+
+    monkeypatch.setitem(MODELS, "test-optim", ModelConfig(*WIDE, max_seq_len=64))
+    return RunConfig(**WIDE_RUN)
+
+
+def test_a_run_with_bf16_weights_and_8bit_states_resumes_exactly(blocks_of_256, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    import lpbench.train.loop as loop
+
+    def train(cfg):
+        result = loop.train(cfg, log=lambda line: None)
+        assert result.status == "ok"
+        return [(s["loss"], s["grad_norm"]) for s in result.steps]
+
+    straight = train(blocks_of_256)
+    assert train(blocks_of_256.with_(save_every=2, save_dir=str(tmp_path))) == straight
+    saved = FileSystemReader(str(tmp_path / "step-2")).read_metadata().state_dict_metadata
+    codes = [k for k in saved if k.startswith("optim.state.") and k.endswith(".exp_avg")]
+    assert codes and any(saved[k].properties.dtype == torch.uint8 for k in codes)
+    assert any(k.endswith("exp_avg_sq_scale") for k in saved)
+    resumed = train(blocks_of_256.with_(load=str(tmp_path / "step-2")))
+    assert straight[:2] + resumed == straight  # bit for bit
+
+
+def test_offload_needs_a_gpu(blocks_of_256, monkeypatch):
+    import lpbench.train.loop as loop
+    from lpbench.errors import UsageError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UsageError, match="this run has no GPU"):
+        loop.train(blocks_of_256.with_(device="auto", offload_optimizer=True), log=lambda line: None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("master,states", [("fp32", "fp32"), ("bf16", "8bit")])
+def test_offloaded_optimizer_trains_like_the_gpu_one_in_less_gpu_memory(master, states, blocks_of_256, tmp_path):
+    """FSDP2 on one rank with CPU offload: the same losses up to FSDP2's BF16 embeddings (autocast keeps them FP32)
+    and the CPU's optimizer arithmetic, less GPU memory, and an exact resume."""
+    import lpbench.train.loop as loop
+
+    cfg = blocks_of_256.with_(device="cuda", compile=False, master_weights=master, optimizer_states=states, steps=6)
+
+    def train(c):
+        result = loop.train(c, log=lambda line: None)
+        assert result.status == "ok", result.error
+        return result
+
+    try:
+        on_gpu, offloaded = train(cfg), train(cfg.with_(offload_optimizer=True))
+        a, b = [s["loss"] for s in on_gpu.steps], [s["loss"] for s in offloaded.steps]
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-2
+        assert offloaded.metrics["peak_mem_allocated_gb"] < on_gpu.metrics["peak_mem_allocated_gb"]
+        saving = train(cfg.with_(offload_optimizer=True, save_every=3, save_dir=str(tmp_path)))
+        resumed = train(cfg.with_(offload_optimizer=True, load=str(tmp_path / "step-3")))
+        assert [s["loss"] for s in saving.steps[3:]] == [s["loss"] for s in resumed.steps]
+    finally:
+        from lpbench.parallel.env import shutdown
+
+        shutdown()  # the one-rank process group the offloaded runs started
+
+
+def test_sweep_keys_make_a_grid_and_bad_values_leave_no_run():
+    from lpbench.bench.sweep_spec import expand
+    from lpbench.errors import UsageError
+
+    spec = {"name": "t", "model": "tiny", "precision": ["bf16", "fp8-tensorwise"], "optimizer_states": ["fp32", "8bit"]}
+    runs = expand({**spec, "master-weights": "bf16", "offload_optimizer": "off"}).runs
+    assert [(r.config.precision, r.config.optimizer_states, r.config.master_weights) for r in runs] == [
+        ("bf16", "fp32", "bf16"),
+        ("bf16", "8bit", "bf16"),
+        ("fp8-tensorwise", "fp32", "bf16"),
+        ("fp8-tensorwise", "8bit", "bf16"),
+    ]
+    with pytest.raises(UsageError, match="unknown --optimizer-states '4bit'"):
+        expand({**spec, "optimizer_states": ["4bit"]})
+
+
+LOOP_SCENARIOS = {"fsdp": dict(fsdp=True), "ddp": dict()}
+
+
+def _loop_worker(rank, port, out):
+    import os
+
+    import lpbench.train.loop as loop
+    from lpbench.config import RunConfig
+    from lpbench.models.registry import MODELS, ModelConfig
+    from lpbench.parallel.env import shutdown
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    MODELS["test-optim"] = ModelConfig(*WIDE, max_seq_len=64)
+    base = RunConfig(**{**WIDE_RUN, "mbs": 1})
+    results = {}
+    for name, kw in LOOP_SCENARIOS.items():
+        cfg = base.with_(**kw).with_world(2)
+        folder = os.path.join(out, name)
+        runs = [
+            loop.train(c, log=lambda line: None)
+            for c in (cfg, cfg.with_(save_every=2, save_dir=folder), cfg.with_(load=folder + "/step-2"))
+        ]
+        results[name] = [[(s["loss"], s["grad_norm"]) for s in r.steps] for r in runs]
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
+    shutdown()
+
+
+def test_two_ranks_with_bf16_weights_and_8bit_states_save_and_resume_exactly(spawn_ranks, tmp_path):
+    """FSDP2 and DDP on two gloo ranks through the training loop and distributed checkpoints."""
+    for rank in spawn_ranks(_loop_worker, 2, tmp_path):
+        for name in LOOP_SCENARIOS:
+            straight, saving, resumed = rank[name]
+            assert len(straight) == 4 and saving == straight and saving[:2] + resumed == straight, name
