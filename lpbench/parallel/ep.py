@@ -182,9 +182,9 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, chunks: int = 1) -> None:
 def _split_layers(model: nn.Module) -> list[tuple[MoE, object]]:
     """MoE layers whose experts differ across ranks, with the group holding the parts (expert or tensor parallel)."""
     return [
-        (m, m.ep.group if m.ep is not None else m.experts.tp.group)
+        (m, m.ep.group if m.ep is not None else m.experts.gemm.tp.group)
         for m in model.modules()
-        if isinstance(m, MoE) and (m.ep is not None or m.experts.tp is not None)
+        if isinstance(m, MoE) and (m.ep is not None or m.experts.gemm.tp is not None)
     ]
 
 
