@@ -100,7 +100,7 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         glob = self._get(f"{name}_global") if f"{name}_global" in self._layout else None
         if gemm == "fprop" or not self.shared:
             return QTensor(codes, self._get(f"{name}_scale"), block, fmt, glob)
-        codes = codes.t().contiguous() if self.native else codes.t()  # torch._scaled_mm wants row-major operands
+        codes = self.kernel.stored_t(codes)
         return QTensor(codes, self._get(f"{name}_scale").t(), (block[1], block[0]), fmt, glob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
