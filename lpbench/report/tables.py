@@ -231,7 +231,6 @@ def summary_rows(runs: list[dict]) -> list[dict]:
             {
                 "id": r.get("id"),
                 "group_id": r.get("group_id"),
-                "group_differs": differences_text(differs[run_group(r)]),
                 "workload": r.get("workload"),
                 "model": r.get("model"),
                 "precision": r.get("precision"),
@@ -284,6 +283,7 @@ def summary_rows(runs: list[dict]) -> list[dict]:
                 "lora_base_storage": cfg.get("lora_base_storage"),
                 "lora_stored_quantized": metrics.get("lora_stored_quantized"),
                 "steps": cfg.get("steps"),
+                "group_differs": differences_text(differs[run_group(r)]),  # from the other groups' runs
                 "flops_formula": metrics.get("flops_formula") or cfg.get("flops_formula"),
                 **{f"profile_{k}": v for k, v in (metrics.get("profile") or {}).items()},  # --profile-steps
             }
