@@ -355,43 +355,25 @@ def _fmt(codes: torch.Tensor):
 def _weight_fprop(w: torch.Tensor, recipe, split=None) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 codes [E, N, K] and decode scales [E, N] of stacked weights ``w`` for the forward GEMM."""
     spec = recipe.operand("weight", "fprop")
-    return _fprop_codes(w, spec, _amax_group(split, "weight", "fprop", spec))
+    return _stacked_codes(w, spec, _amax_group(split, "weight", "fprop", spec))
 
 
 def _weight_dgrad(w: torch.Tensor, recipe, split=None) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 codes [E, K, N] and decode scales [E, K] of ``wᵀ`` for the data-gradient GEMM (scaled along N)."""
     spec = recipe.operand("weight", "dgrad")
-    return _dgrad_codes(w, spec, _amax_group(split, "weight", "dgrad", spec))
+    return _stacked_codes(w.transpose(1, 2), spec, _amax_group(split, "weight", "dgrad", spec))
 
 
-def _fprop_codes(w: torch.Tensor, spec, amax_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _stacked_codes(w: torch.Tensor, spec, amax_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 codes [E, N, K] and decode scales [E, N] of stacked ``w`` [E, N, K] (a view too), scaled along K."""
     E, N, K = w.shape
-    wq, sw = _group_fp8(
-        w.reshape(E * N, K),
-        spec,
-        torch.arange(E, device=w.device).repeat_interleave(N),
-        E,
-        block=N,
-        amax_group=amax_group,
-    )
+    group = torch.arange(E, device=w.device).repeat_interleave(N)
+    wq, sw = _group_fp8(w.reshape(E * N, K), spec, group, E, block=N, amax_group=amax_group)
     return wq.view(E, N, K), sw.view(E, N)
 
 
-def _dgrad_codes(w: torch.Tensor, spec, amax_group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    E, N, K = w.shape
-    wtq, swt = _group_fp8(
-        w.transpose(1, 2).reshape(E * K, N),
-        spec,
-        torch.arange(E, device=w.device).repeat_interleave(K),
-        E,
-        block=K,
-        amax_group=amax_group,
-    )
-    return wtq.view(E, K, N), swt.view(E, K)
-
-
 def _codes(w: torch.Tensor, fprop, dgrad) -> tuple[torch.Tensor, ...]:
-    return (*_fprop_codes(w, fprop), *_dgrad_codes(w, dgrad))
+    return (*_stacked_codes(w, fprop), *_stacked_codes(w.transpose(1, 2), dgrad))
 
 
 # One graph per weight shape (static; an expert stack has two, gate_up and down): inductor fuses each copy's
@@ -412,7 +394,7 @@ def weight_codes(w: torch.Tensor, recipe, split=None) -> tuple[torch.Tensor, ...
     with torch.autocast(w.device.type, enabled=False):
         if w.is_cuda and all(g is None for g in groups):
             return _compiled_codes(w, fprop, dgrad)
-        return (*_fprop_codes(w, fprop, groups[0]), *_dgrad_codes(w, dgrad, groups[1]))
+        return (*_stacked_codes(w, fprop, groups[0]), *_stacked_codes(w.transpose(1, 2), dgrad, groups[1]))
 
 
 class _Fp8GroupedFn(torch.autograd.Function):
