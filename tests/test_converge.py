@@ -322,6 +322,8 @@ def test_a_resumed_converge_continues_exactly(tmp_path, capsys):
         "384",
         "--eval-every",
         "2",
+        "--eval-batches",
+        "2",
     ] + SMALL
     straight, partial = tmp_path / "straight", tmp_path / "partial"
     main(argv + ["--results", str(tmp_path / "r1"), "--save-every", "3", "--save-dir", str(straight)])

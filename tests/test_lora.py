@@ -14,7 +14,15 @@ from lpbench.metrics.flops import (
     tflops_per_gpu,
 )
 from lpbench.models import MODELS, build_model
-from lpbench.convert.lora import ExpertLoRA, LoRALinear, apply_lora, lora_parameters, lora_state_dict, merge_lora
+from lpbench.convert.lora import (
+    ExpertLoRA,
+    LoRAExperts,
+    LoRALinear,
+    apply_lora,
+    lora_parameters,
+    lora_state_dict,
+    merge_lora,
+)
 from lpbench.models.decoder import expand_targets
 
 TINY = dataclasses.replace(MODELS["tiny"], n_layers=2, vocab_size=256)
@@ -117,7 +125,7 @@ def test_targets():
         for m in ("attn.o", "mlp.experts.gate_up", "mlp.experts.down")
     ]
     assert not moe.layers[0].mlp.router.weight.requires_grad and not moe.layers[0].mlp.experts.down.requires_grad
-    assert moe.layers[0].mlp.experts.adapters["down"].lora_b.shape == (2, TINY.dim, 2)
+    assert moe.layers[0].mlp.experts.gemm.adapters["down"].lora_b.shape == (2, TINY.dim, 2)
     nogated = build_model(dataclasses.replace(TINY, activation="gelu"), device="cpu", seed=0)
     assert apply_lora(nogated, rank=2, targets="mlp")["adapted"][:2] == ["layers.0.mlp.up", "layers.0.mlp.down"]
 
@@ -148,12 +156,12 @@ def test_moe_adapters_train_alone_and_merge_into_the_experts():
     base = snapshot(model)
     train_steps(model)
     experts = model.layers[0].mlp.experts
-    assert experts.adapters["gate_up"].lora_b.abs().sum() > 0  # the expert adapters learned
+    assert experts.gemm.adapters["gate_up"].lora_b.abs().sum() > 0  # the expert adapters learned
     assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if "lora_" not in n)
     with torch.no_grad():
         adapted = model(X)
         merged = merge_lora(model)(X)
-    assert not lora_parameters(model) and not len(experts.adapters)
+    assert not lora_parameters(model) and not isinstance(experts.gemm, LoRAExperts)
     assert not torch.equal(experts.gate_up, base["layers.0.mlp.experts.gate_up"])
     torch.testing.assert_close(merged, adapted, rtol=1e-4, atol=1e-4)
 

@@ -66,7 +66,7 @@ def test_buffers_hold_the_accumulated_gradient(name, device):
     exact = name != "bf16" and device == "cpu"
     for n in WEIGHTS:
         got, want = getattr(fused.experts, n).grad, getattr(plain.experts, n).grad
-        assert got is fused.experts.main_grads[n]
+        assert got is fused.experts.gemm.main_grads[n]
         assert not want[3].any() and not got[3].any()  # the idle expert
         if exact:
             assert torch.equal(got, want), n
@@ -88,12 +88,12 @@ def test_the_optimizer_step_zeroes_the_buffers():
     _micro_batches(moe, [torch.randn(2, 24, CFG.dim).abs()], "cpu")
     grads.expose()
     before = moe.experts.down.detach().clone()
-    want = before.add(moe.experts.main_grads["down"], alpha=-0.1)
+    want = before.add(moe.experts.gemm.main_grads["down"], alpha=-0.1)
     opt.step()
     assert torch.equal(moe.experts.down.detach(), want)  # the step read the buffer as the gradient
-    assert all(not b.any() for b in moe.experts.main_grads.values())
+    assert all(not b.any() for b in moe.experts.gemm.main_grads.values())
     grads.remove()
-    assert moe.experts.main_grads == {}
+    assert moe.experts.gemm.main_grads == {}
 
 
 def test_only_owned_grouped_experts_get_buffers():

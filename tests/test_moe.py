@@ -324,7 +324,7 @@ def test_cached_weight_codes_give_the_uncached_numbers(monkeypatch, device):
     assert weight_cache.install(moe, torch.optim.AdamW(moe.parameters())) is not None
     uncached = run(plain)
     first, second = run(moe), run(moe)
-    assert set(moe.experts.weight_codes) == {"gate_up", "down"} and len(made) == 2
+    assert set(moe.experts.gemm.codes) == {"gate_up", "down"} and len(made) == 2
     assert same(first, uncached) and same(second, uncached)
     with torch.no_grad():
         for m in (moe, plain):

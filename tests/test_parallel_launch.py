@@ -74,9 +74,26 @@ def test_invalid_parallel_sizes_exit_2_before_launching(argv, message, capsys, t
     assert not (tmp_path / "results.db").exists()
 
 
+def _gbs(n: int) -> list[str]:
+    """TINY with global batch ``n``: one micro-batch per rank and step (no accumulation to wait for)."""
+    at = TINY.index("--gbs") + 1
+    return [*TINY[:at], str(n), *TINY[at + 1 :]]
+
+
 def test_nproc_per_node_relaunches_through_torchrun_and_rank0_reports(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "lpbench", "run", *TINY, "--nproc-per-node", "2", "--fsdp", "--results", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "lpbench",
+            "run",
+            *_gbs(4),
+            "--nproc-per-node",
+            "2",
+            "--fsdp",
+            "--results",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -98,9 +115,10 @@ def test_the_same_command_runs_as_one_srun_task_per_gpu(tmp_path):
         port = s.getsockname()[1]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "lpbench", "run", *TINY, "--tp", "2", "--results", str(tmp_path)],
+            [sys.executable, "-m", "lpbench", "run", *_gbs(2), "--tp", "2", "--results", str(tmp_path)],
             env={
                 **os.environ,
+                "OMP_NUM_THREADS": "1",  # two ranks on the CI's two cores
                 "SLURM_PROCID": str(r),
                 "SLURM_LOCALID": str(r),
                 "SLURM_JOB_ID": "7",

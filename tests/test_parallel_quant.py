@@ -154,7 +154,7 @@ def _expert_errors(name: str, no_reduce: bool = False) -> dict:
             mpatch.setattr(grouped, "_amax_group", lambda *args: None)
             mpatch.setattr(QuantizedGemms, "_tp_group", lambda self, role: None)
         want, got = run(ref), run(split)
-        want = {k: split.tp.local(k, v) if k in ("gate_up", "down") else v for k, v in want.items()}
+        want = {k: split.gemm.tp.local(k, v) if k in ("gate_up", "down") else v for k, v in want.items()}
         errors = {k: float((got[k] - v).abs().max() / v.abs().max()) for k, v in want.items()}
         if install(split, torch.optim.SGD(split.parameters())) is not None:  # FP8 grouped: codes cached
             errors["cached"] = all(torch.equal(a, got[k]) for k, a in run(split).items())

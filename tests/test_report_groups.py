@@ -55,9 +55,18 @@ def test_report_tables_show_group_steps_and_when(tmp_path, capsys):
     assert main(["report", "--results", str(tmp_path / "a"), "--results", str(tmp_path / "b")]) == 0
     md = capsys.readouterr().out
     header = next(line for line in md.splitlines() if line.startswith("| "))
-    assert "Steps" in header and "Group (when, UTC)" in header
+    assert "Steps" in header and "Group (when, UTC): what differs" in header
     assert "aaaa (" in md and "bbbb (" in md
     assert "| 10 |" in md and "| 20 |" in md
+    cells = {c.strip() for line in md.splitlines() for c in line.split("|")}
+    assert {c.split(": ", 1)[-1] for c in cells if c.startswith(("aaaa (", "bbbb ("))} == {"steps=10", "steps=20"}
+
+
+def test_report_table_of_one_group_names_no_difference(tmp_path, capsys):
+    _two_databases(tmp_path)
+    assert main(["report", "--results", str(tmp_path / "a")]) == 0
+    md = capsys.readouterr().out
+    assert "aaaa (" in md and "steps=" not in md
 
 
 def test_report_list_names_what_differs(tmp_path, capsys):

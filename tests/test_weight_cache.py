@@ -162,7 +162,7 @@ def test_the_optimizer_step_alone_makes_linears_and_experts_stale(fused_on_cpu, 
     got, opt_cached = _train(cached, cached=True)
     assert fused_on_cpu.count("weight") == 2 * 3 + 3 and len(made) == 2 * 3  # uncached: every micro-batch
     _assert_trained_alike(got, want, cached, plain)
-    assert not cached[1].experts.weight_codes  # the last step dropped them: stale codes are not held
+    assert not cached[1].experts.gemm.codes  # the last step dropped them: stale codes are not held
 
 
 def test_training_loop_refills_after_the_optimizer_step_without_changing_training(fused_on_cpu, monkeypatch, tmp_path):
@@ -250,7 +250,7 @@ def test_bf16_weights_cast_once_per_step_train_exactly_like_autocast(bf16_on_cpu
     want, opt_plain = _train(plain, cached=False)
     got, opt_cached = _train(cached, cached=True)
     assert cached[0].bf16_weight.dtype == torch.bfloat16
-    assert set(cached[1].experts.weight_codes) == set()  # the last step dropped the experts' copies
+    assert set(cached[1].experts.gemm.codes) == set()  # the last step dropped the experts' copies
     _assert_trained_alike(got, want, cached, plain, opt_plain, opt_cached)
 
 

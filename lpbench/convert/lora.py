@@ -193,7 +193,7 @@ class LoRALinear(nn.Module):
 
 class ExpertLoRA(nn.Module):
     """One adapter per expert of a stacked expert weight [E, out, in]: expert e adds ``scaling · (x Aₑᵀ) Bₑᵀ``
-    to its tokens' projection (registered in ``Experts.adapters`` under the weight's name)."""
+    to its tokens' projection (in :class:`LoRAExperts`' ``adapters`` under the weight's name)."""
 
     def __init__(
         self,
@@ -235,6 +235,44 @@ class ExpertLoRA(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={self.lora_a.shape[0]}, rank={self.rank}, alpha={self.alpha:g}, adapters={self.lora_a.dtype}"
+
+
+class LoRAExperts(nn.Module):
+    """The experts' kernel with LoRA (``Experts.gemm``): the projection of the kernel under it (``base``: the model's,
+    the recipe's or torchao's) plus, for each adapted weight, its :class:`ExpertLoRA` (``adapters``)."""
+
+    tp = None  # tensor parallelism does not split expert adapters (lpbench.parallel.tp refuses)
+
+    def __init__(self, base):
+        super().__init__()
+        self.base, self.adapters = base, nn.ModuleDict()
+
+    @property
+    def name(self) -> str:
+        return self.base.name
+
+    @property
+    def recipe(self):
+        return self.base.recipe
+
+    def forward(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups) -> torch.Tensor:
+        y = self.base(experts, name, x, w, groups)
+        if name in self.adapters:
+            y = y + self.adapters[name].delta(x, groups).to(y.dtype)
+        return y
+
+
+def base_kernel(experts: Experts):
+    """The kernel that runs ``experts``' own weights (under LoRA's)."""
+    return experts.gemm.base if isinstance(experts.gemm, LoRAExperts) else experts.gemm
+
+
+def set_kernel(experts: Experts, kernel) -> None:
+    """Make ``kernel`` the one that runs ``experts``' own weights (under LoRA's, if it has adapters)."""
+    if isinstance(experts.gemm, LoRAExperts):
+        experts.gemm.base = kernel
+    else:
+        experts.gemm = kernel
 
 
 def _is_linear(mod: nn.Module) -> bool:
@@ -289,7 +327,9 @@ def apply_lora(
             if isinstance(mod, Experts):  # stacked experts: an adapter per expert for each targeted weight
                 for wname, w in mod.named_parameters(recurse=False):
                     if wname in names:
-                        mod.adapters[wname] = ExpertLoRA(w, rank, alpha, adapter_dtype, gen)
+                        if not isinstance(mod.gemm, LoRAExperts):
+                            mod.gemm = LoRAExperts(mod.gemm)
+                        mod.gemm.adapters[wname] = ExpertLoRA(w, rank, alpha, adapter_dtype, gen)
                         adapted.append(f"layers.{i}.{name}.{wname}")
                 continue
             leaf = name.rpartition(".")[2]
@@ -345,14 +385,18 @@ def merge_lora(model: nn.Module) -> nn.Module:
     base weight's dtype. ``requires_grad`` flags are left as they are (the base stays frozen).
     """
     for name, mod in lora_modules(model):
-        if isinstance(mod, ExpertLoRA):  # name: <experts>.adapters.<weight>
-            experts_name, _, wname = name.rpartition(".adapters.")
+        if isinstance(mod, ExpertLoRA):  # name: <experts>.gemm.adapters.<weight>
+            experts_name, _, wname = name.rpartition(".gemm.adapters.")
             experts = model.get_submodule(experts_name)
             w = getattr(experts, wname)
             if hasattr(w, "full_tensor") or w.is_meta:
                 raise UsageError(f"{name}: cannot merge into a sharded or meta weight; gather it first")
             w.copy_((w.float() + mod.delta_weight().to(w.device)).to(w.dtype))
-            del experts.adapters[wname]
+            del experts.gemm.adapters[wname]
+            if not len(experts.gemm.adapters):
+                base = experts.gemm.base
+                del experts.gemm  # a module's slot: a plain kernel cannot be assigned over it
+                experts.gemm = base
             continue
         base, delta = mod.base, mod.delta_weight()
         if hasattr(base, "merge_lora_delta"):  # a base that stores its weight quantized

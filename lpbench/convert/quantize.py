@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lpbench.convert.lora import set_kernel
 from lpbench.errors import UsageError
 from lpbench.models.moe import Experts
 from lpbench.precision import fp8_allgather
@@ -113,8 +114,9 @@ def apply_recipe(
 
 def quantize_experts(experts: Experts, recipe: Recipe, native: bool) -> None:
     """Give ``experts`` the kernel of ``recipe`` (:func:`lpbench.precision.grouped.experts_kernel`)."""
-    experts.gemm = experts_kernel(recipe, native, (experts.in_name, "down"), experts.n_experts, experts.down.device)
-    experts.set_tp(experts.tp)
+    set_kernel(
+        experts, experts_kernel(recipe, native, (experts.in_name, "down"), experts.n_experts, experts.down.device)
+    )
 
 
 def store_frozen_quantized(model: nn.Module, prefix: str = "") -> list[str]:

@@ -25,6 +25,7 @@ import importlib.util
 import torch
 from torch import nn
 
+from lpbench.convert.lora import set_kernel
 from lpbench.errors import UsageError
 from lpbench.models.moe import Experts, GroupedMM
 from lpbench.precision.capability import EMULATE_ALWAYS, FORCED
@@ -229,7 +230,7 @@ def apply(model: nn.Module, recipe: Recipe, device: torch.device, candidates: li
         config = dataclasses.replace(config, emulate=kind == "emulated")
         convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: id(mod) in ids)
         for name, mod in experts:
-            mod.gemm = TorchaoGrouped()
+            set_kernel(mod, TorchaoGrouped())
             result["quantized"].append(name)
         result["kernels"] = ["Float8Linear"] + (["TorchaoGrouped"] if experts else [])
         return result

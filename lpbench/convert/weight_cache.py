@@ -10,10 +10,10 @@ runs the optimizer. What it holds:
 * fused FP8 tensorwise / delayed linears (:func:`eligible`): buffers ``fp8_weight`` [N, K], ``fp8_weight_t``
   [K, N], ``fp8_weight_scale``, filled by the linear's own cast (``kernels/fp8_linear.py: cache_weight``);
 * FP8 grouped experts (:func:`grouped_eligible`): each weight's forward and data-gradient codes
-  (``precision/grouped.py: weight_codes``) in ``experts.weight_codes``, dropped at the step;
+  (``precision/grouped.py: weight_codes``) in their kernel's ``codes``, dropped at the step;
 * the 16-bit linears and experts autocast would cast every micro-batch (:func:`bf16_eligible`: the decoder's
   ``Linear`` and BF16 experts with FP32 CUDA weights, which get the ``GroupedBf16`` kernel): a BF16 copy,
-  ``bf16_weight`` or ``experts.weight_codes[name]``, taken through ``lpbench.gemm.cast_once``, as Megatron's
+  ``bf16_weight`` or the experts' kernel's ``codes[name]``, taken through ``lpbench.gemm.cast_once``, as Megatron's
   BF16 parameters are cast once per step.
 
 The codes are those the uncached forward computes, so tensor-wise and row-wise scaling and BF16 train
@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lpbench.convert.lora import base_kernel
 from lpbench.models.moe import Experts, GroupedMM
 from lpbench.precision.grouped import GroupedBf16, GroupedFp8, weight_codes
 from lpbench.precision.kernels.fp8_linear import cache_weight
@@ -71,7 +72,7 @@ def grouped_eligible(mod: nn.Module) -> bool:
     """Whether ``mod`` is an MoE layer's experts whose plain weights the FP8 grouped GEMMs quantize."""
     return (
         isinstance(mod, Experts)
-        and isinstance(mod.gemm, GroupedFp8)
+        and isinstance(base_kernel(mod), GroupedFp8)
         and all(type(getattr(mod, name)) is nn.Parameter for name in (mod.in_name, "down"))
     )
 
@@ -88,7 +89,7 @@ class WeightCache:
         ]
         for m in self.experts:
             if type(m.gemm) is GroupedMM:  # the kernel that takes the BF16 copy
-                m.gemm = GroupedBf16()
+                m.gemm = GroupedBf16(m.gemm.tp)
         for m in self.bf16_linears:
             m.register_buffer("bf16_weight", m.weight.detach().to(torch.bfloat16), persistent=False)
         for m in self.linears:
@@ -110,7 +111,7 @@ class WeightCache:
         """Mark every weight stale (the optimizer's step post-hook)."""
         self.versions = [None] * len(self.weights)
         for m in self.experts:  # not held past the step
-            m.weight_codes.clear()
+            base_kernel(m).codes.clear()
 
     def refresh(self, *_) -> None:
         """Cast the stale weights (the model's forward pre-hook; the training loop calls it after the optimizer
@@ -123,10 +124,10 @@ class WeightCache:
                         m.bf16_weight.copy_(w)
                 elif name == "weight":
                     cache_weight(m)
-                elif m.gemm.recipe is None:  # BF16 grouped experts
-                    m.weight_codes[name] = w.detach().to(torch.bfloat16)
+                elif (kernel := base_kernel(m)).recipe is None:  # BF16 grouped experts
+                    kernel.codes[name] = w.detach().to(torch.bfloat16)
                 else:
-                    m.weight_codes[name] = weight_codes(w.detach(), m.gemm.recipe, m.split(name))
+                    kernel.codes[name] = weight_codes(w.detach(), kernel.recipe, kernel.split(name, w))
                 self.versions[i] = w._version
 
     def remove(self) -> None:
@@ -139,7 +140,7 @@ class WeightCache:
         for m in self.bf16_linears:
             delattr(m, "bf16_weight")
         for m in self.experts:
-            m.weight_codes.clear()
+            base_kernel(m).codes.clear()
 
 
 def install(model: nn.Module, optimizer: torch.optim.Optimizer, bf16: bool = True) -> WeightCache | None:

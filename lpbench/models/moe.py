@@ -25,10 +25,9 @@ token counts and loss values in ``stats`` for the log.
 Dispatch: every (token, expert) pair sorted by expert (stable, so tokens keep their order) into
 the padded buffer of :class:`Groups`; no token is dropped. Expert
 parallelism (``ep``, :mod:`lpbench.parallel.ep`) exchanges the sorted pairs all-to-all between the
-sort and the GEMMs, and back before the combine. Tensor parallelism (``Experts.tp``, set by
-:func:`lpbench.parallel.tp.apply_tp`) gives every rank all experts' slices of the FFN width: the
-same tokens in, partial outputs summed over the group; quantized experts quantize their slices as the
-whole weights (:meth:`Experts.split`, the TP-split dense linear's rule).
+sort and the GEMMs, and back before the combine. Tensor parallelism (:func:`lpbench.parallel.tp.apply_tp`)
+gives every rank all experts' slices of the FFN width and tells the experts' kernel (``GroupedMM.tp``):
+the same tokens in, partial outputs summed over the group.
 """
 
 from __future__ import annotations
@@ -135,15 +134,21 @@ def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torc
 
 class GroupedMM:
     """The experts' default kernel: both projections by :func:`grouped_matmul` in the compute dtype. A kernel
-    (``Experts.gemm``) has a ``name``, its ``recipe`` (None here), ``__call__`` and ``set_tp``."""
+    (``Experts.gemm``) has a ``name``, its ``recipe`` (None here), ``tp`` (how tensor parallelism split the
+    weights, given by ``set_tp``; None without) and ``__call__(experts, name, x, w, groups)``."""
 
-    name, recipe = "GroupedMM", None
+    name, recipe, tp = "GroupedMM", None, None
 
     def __call__(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
         return grouped_matmul(x, w.to(x.dtype), groups)
 
-    def set_tp(self, experts) -> None:
-        """Nothing to hold."""
+    def set_tp(self, tp, experts) -> None:
+        """Hold ``tp`` (an ``lpbench.parallel.tp.ExpertsTP``; ``experts``' weights already split)."""
+        self.tp = tp
+
+    def split(self, name: str, w: torch.Tensor):
+        """How TP split stacked weight ``name`` (a :class:`lpbench.parallel.tp.TPShard`), or None."""
+        return None if self.tp is None else self.tp.shard(name, w.shape)
 
 
 def route(logits: torch.Tensor, top_k: int, router: str, norm_topk: bool = True):
@@ -204,7 +209,7 @@ class Experts(nn.Module):
     """E expert MLPs as stacked weights: ``gate_up`` [E, 2F, D] (or ``up`` [E, F, D]) and ``down`` [E, D, F].
 
     ``forward(x, groups)`` takes the expert-sorted buffer. Both projections run through one kernel, ``gemm``
-    (``lpbench.convert.quantize`` gives the recipe's; by default the GEMMs run in the autocast dtype).
+    (``lpbench.convert`` gives the recipe's, LoRA's or a cache's; by default the GEMMs run in the autocast dtype).
     Under expert parallelism a rank holds experts ``[first, first + len)`` of the model's E.
     """
 
@@ -216,35 +221,12 @@ class Experts(nn.Module):
         setattr(self, self.in_name, nn.Parameter(torch.empty(E, (2 if cfg.gated else 1) * Fd, D)))
         self.down = nn.Parameter(torch.empty(E, D, Fd))
         self.gemm = GroupedMM()  # the kernel of both projections: gemm(self, name, x, weight, groups)
-        self.tp = None  # lpbench.parallel.tp.ExpertsTP: this rank's slice of every expert's FFN width
-        self.adapters = nn.ModuleDict()  # LoRA: weight name -> lpbench.convert.lora.ExpertLoRA
-        self.weight_codes: dict = {}  # this step's FP8 codes (FP8 grouped) or BF16 copy of each weight (weight_cache)
-        self.main_grads: dict = {}  # FP32 buffers the weight gradients are added into (convert.main_grads)
-
-    def set_tp(self, tp) -> None:
-        """Hold ``tp``'s slices (an ExpertsTP; the weights already split): every expert's quantized GEMMs
-        quantize their slice as the whole weight, as a split dense linear's do (``tp_shard``)."""
-        self.tp = tp
-        self.gemm.set_tp(self)
-
-    def split(self, name: str):
-        """How TP split stacked weight ``name`` (a :class:`lpbench.parallel.tp.TPShard`), or None."""
-        return None if self.tp is None else self.tp.shard(name, getattr(self, name).shape)
-
-    def _project(self, name: str, x: torch.Tensor, groups: Groups) -> torch.Tensor:
-        y = self.gemm(self, name, x, getattr(self, name), groups)
-        if name in self.adapters:
-            y = y + self.adapters[name].delta(x, groups).to(y.dtype)
-        return y
 
     def forward(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        if self.tp is not None:
-            x = self.tp.enter(x)
-        h = self.act(self._project(self.in_name, x, groups))
-        y = self._project("down", h, groups)
-        return y if self.tp is None else self.tp.leave(y)
+        h = self.act(self.gemm(self, self.in_name, x, getattr(self, self.in_name), groups))
+        return self.gemm(self, "down", h, self.down, groups)
 
 
 class MoE(nn.Module):

@@ -34,11 +34,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lpbench.models.moe import GroupedMM, MoE
-from lpbench.precision.grouped import GroupedBf16, GroupedFp8, Looped
+from lpbench.precision.grouped import EmulatedGroupedFp8, GroupedBf16, GroupedFp8, Looped
 
 # experts' kernels that compute each expert apart (FP8: scales per token, per expert, per expert and column):
 # --ep-chunks applies
-CHUNKABLE = (GroupedMM, GroupedBf16, GroupedFp8)
+CHUNKABLE = (GroupedMM, GroupedBf16, GroupedFp8, EmulatedGroupedFp8)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -114,9 +114,7 @@ class ExpertParallel:
     def chunkable(self) -> bool:
         """Whether the experts' kernel (chosen by the converters, possibly after apply_ep) computes each expert apart."""
         e = self.experts
-        if e is None or e.tp is not None or len(e.adapters):
-            return False
-        return type(e.gemm) in CHUNKABLE
+        return e is not None and e.gemm.tp is None and type(e.gemm) in CHUNKABLE  # LoRA's kernel is not
 
     @torch.compiler.disable  # split sizes are host values: never specialised and recompiled on them
     def exchange(self, xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, run) -> torch.Tensor:
@@ -182,9 +180,9 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, chunks: int = 1) -> None:
 def _split_layers(model: nn.Module) -> list[tuple[MoE, object]]:
     """MoE layers whose experts differ across ranks, with the group holding the parts (expert or tensor parallel)."""
     return [
-        (m, m.ep.group if m.ep is not None else m.experts.tp.group)
+        (m, m.ep.group if m.ep is not None else m.experts.gemm.tp.group)
         for m in model.modules()
-        if isinstance(m, MoE) and (m.ep is not None or m.experts.tp is not None)
+        if isinstance(m, MoE) and (m.ep is not None or m.experts.gemm.tp is not None)
     ]
 
 

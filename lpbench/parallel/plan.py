@@ -160,8 +160,8 @@ def materialize(
         owner = experts.get(name.rpartition(".")[0])
         if owner is not None:  # expert parallelism: this rank's experts; tensor parallelism: their slices
             full = full[owner.first : owner.first + owner.n_experts]
-            if owner.tp is not None:
-                full = owner.tp.local(name.rpartition(".")[2], full)
+            if owner.gemm.tp is not None:
+                full = owner.gemm.tp.local(name.rpartition(".")[2], full)
         split = splits.get(name.rpartition(".")[0])
         if split is not None and split.dim == 0 and len(split.sections) > 1:
             full = interleave(full, split.sections, split.size)

@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lpbench.convert.lora import LoRAExperts
 from lpbench.errors import UsageError
 from lpbench.gemm import AllReduce, GradAllReduce
 
@@ -76,7 +77,7 @@ class TPShard:
 
 @dataclass(frozen=True)
 class ExpertsTP:
-    """One MoE layer's experts split over a tensor-parallel group (``Experts.tp``; see the module doc).
+    """One MoE layer's experts split over a tensor-parallel group (their kernel's ``tp``; see the module doc).
 
     Rank r holds, for every expert, the r-th of ``size`` chunks of the FFN width: rows
     ``[gate_r; up_r]`` of ``gate_up`` (``up_r`` of ``up``) and columns r of ``down``.
@@ -87,11 +88,16 @@ class ExpertsTP:
     size: int
 
     @torch.compiler.disable
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        return GradAllReduce.apply(x, self.group)
+    def enter_hook(self, experts: nn.Module, args: tuple) -> tuple:
+        """The experts' forward pre-hook: their input in the compute dtype, its gradient summed over the group."""
+        x, *rest = args
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return GradAllReduce.apply(x, self.group), *rest
 
     @torch.compiler.disable
-    def leave(self, y: torch.Tensor) -> torch.Tensor:
+    def leave_hook(self, experts: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
+        """The experts' forward hook: their partial outputs summed over the group."""
         return AllReduce.apply(y, self.group)
 
     def shard(self, name: str, local_shape: torch.Size) -> TPShard:
@@ -112,12 +118,14 @@ class ExpertsTP:
 
 def _shard_experts(experts: nn.Module, shard: ExpertsTP) -> None:
     """Replace ``experts``' stacked weights by this rank's parts (meta tensors stay meta)."""
-    if len(experts.adapters):
+    if isinstance(experts.gemm, LoRAExperts):
         raise UsageError("--tp does not split LoRA adapters of MoE experts: use --tp 1, or --lora-targets qkv,o")
     for name, p in list(experts.named_parameters(recurse=False)):
         local = shard.local(name, p.detach())
         setattr(experts, name, nn.Parameter(local if p.is_meta else local.clone(), requires_grad=p.requires_grad))
-    experts.set_tp(shard)
+    experts.gemm.set_tp(shard, experts)
+    experts.register_forward_pre_hook(shard.enter_hook)
+    experts.register_forward_hook(shard.leave_hook)
 
 
 def interleave(t: torch.Tensor, sections: list[int] | tuple[int, ...], tp: int) -> torch.Tensor:

@@ -144,7 +144,7 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         q = self._stored("w" if gemm == "fprop" or self.shared else "wt")
         if gemm == "fprop" or not self.shared:
             return q
-        codes = q.codes.t().contiguous() if self.native else q.codes.t()  # torch._scaled_mm wants row-major operands
+        codes = self.kernel.stored_t(q.codes)
         return QTensor(codes, q.scale.t(), (q.block[1], q.block[0]), q.fmt, q.global_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ stacked ``[E, N, K]``), each expert's tokens getting the numbers the dense linea
 
 * compute dtype with the weight cache's BF16 copy or an FP32 gradient buffer (:class:`GroupedBf16`): the
   model's own grouped GEMM (:func:`lpbench.models.moe.grouped_matmul`) around them.
-* FP8 row-wise and tensor-wise (:class:`GroupedFp8`, :func:`fp8_grouped`): hand-written because torch has the GEMM
+* FP8 row-wise and tensor-wise (:class:`GroupedFp8`, :class:`EmulatedGroupedFp8`): hand-written because torch has the GEMM
   (``torch._scaled_grouped_mm``, Hopper) but not the quantization of grouped operands: rows are
   quantized per token, the weights per expert row; tensor-wise takes one scale per expert's
   tokens; the weight gradient quantizes along each expert's tokens (one scale per expert and
@@ -34,41 +34,62 @@ from lpbench.precision.kernels import grouped_mm
 from lpbench.precision.kernels.fp8_group import group_amax, group_cast
 from lpbench.precision.quantize import Scaling, all_reduce_max, fp8_decode_scale, fp8_encode_scale
 
-GROUPED_FP8_SCALINGS = (Scaling.ROW, Scaling.TENSOR)  # FP8 scalings with a grouped GEMM (fp8_grouped)
+GROUPED_FP8_SCALINGS = (Scaling.ROW, Scaling.TENSOR)  # FP8 scalings with a grouped GEMM (GroupedFp8)
 
 
 class GroupedBf16(GroupedMM):
-    """The compute-dtype grouped GEMMs with the weight cache's BF16 copy and the FP32 gradient buffer."""
+    """The compute-dtype grouped GEMMs with the weight cache's BF16 copy of each weight (``codes``) and the FP32
+    buffers its gradient is added into (``main_grads``)."""
 
     name = "GroupedBf16"
 
+    def __init__(self, tp=None):
+        self.tp, self.codes, self.main_grads = tp, {}, {}
+
     def __call__(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
-        main_grad, cached = experts.main_grads.get(name), experts.weight_codes.get(name)
+        main_grad, cached = self.main_grads.get(name), self.codes.get(name)
         return grouped_linear(
             x, w, groups, cached if main_grad is not None else gemm.cast_once(w, cached, x), main_grad
         )
 
 
 class GroupedFp8(GroupedMM):
-    """The experts' kernel for FP8 row-wise / tensor-wise recipes (:func:`fp8_grouped`); with the experts' weight
-    codes (the weight cache's), TP slice and FP32 gradient buffer (main grads) where they have them."""
+    """The experts' kernel for FP8 row-wise / tensor-wise recipes on the device's grouped FP8 GEMMs
+    (:class:`_Fp8GroupedFn`), with each weight's codes this optimizer step (``codes``, the weight cache's) and the FP32
+    buffers its gradient is added into (``main_grads``) where the converters give them."""
 
-    name = "GroupedFp8"
+    name, native = "GroupedFp8", True
+    wgrad_dtype = torch.bfloat16  # the grouped FP8 GEMM's only output, as the dense native GEMM's
 
-    def __init__(self, recipe, native: bool):
-        self.recipe, self.native = recipe, native
+    def __init__(self, recipe):
+        self.recipe, self.codes, self.main_grads = recipe, {}, {}
 
     def __call__(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
-        return fp8_grouped(
-            x,
-            w,
-            groups,
-            self.recipe,
-            self.native,
-            experts.weight_codes.get(name),
-            experts.split(name),
-            experts.main_grads.get(name),
-        )
+        return _Fp8GroupedFn.apply(x, w, groups, self, name, *self.codes.get(name, (None,) * 4))
+
+    def scaled(self, a, sa, b, sb, groups: Groups, fast_accum: bool, out_dtype) -> torch.Tensor:
+        """:func:`_scaled_grouped` of FP8 codes on the device's GEMMs."""
+        return _scaled_grouped(a, sa, b, sb, groups, fast_accum, out_dtype)
+
+    def add_wgrad(self, out, a, sa, b, sb, groups: Groups, fast_accum: bool) -> None:
+        """``out[e] += a_e · b_eᵀ`` of FP8 codes (:func:`add_wgrad`'s layout): on Hopper in the GEMM's epilogue."""
+        if grouped_mm.takes_wgrad_into(a, b, out):
+            grouped_mm.wgrad_into(out, a, b, groups.offs, sa, sb, fast_accum)
+        else:
+            _accumulate(out, self.scaled(a, sa, b, sb, groups, fast_accum, self.wgrad_dtype))
+
+
+class EmulatedGroupedFp8(GroupedFp8):
+    """:class:`GroupedFp8` with every GEMM emulated per expert exactly as the dense linear's emulation (FP32
+    products of the decoded codes)."""
+
+    native, wgrad_dtype = False, torch.float32
+
+    def scaled(self, a, sa, b, sb, groups: Groups, fast_accum: bool, out_dtype) -> torch.Tensor:
+        return _emulated_scaled_grouped(a, sa, b, sb, groups, out_dtype)
+
+    def add_wgrad(self, out, a, sa, b, sb, groups: Groups, fast_accum: bool) -> None:
+        _accumulate(out, self.scaled(a, sa, b, sb, groups, fast_accum, self.wgrad_dtype))
 
 
 class Looped(torch.nn.ModuleDict):
@@ -76,7 +97,7 @@ class Looped(torch.nn.ModuleDict):
     (:func:`looped`; per weight name a list of :class:`lpbench.precision.linear.ExpertGemms`, which hold their
     delayed-scaling state)."""
 
-    name = "Looped"
+    name, tp = "Looped", None
 
     def __init__(self, recipe, native: bool, names, n_experts: int, device):
         from lpbench.precision.linear import ExpertGemms
@@ -84,16 +105,17 @@ class Looped(torch.nn.ModuleDict):
         super().__init__(
             {name: torch.nn.ModuleList(ExpertGemms(recipe, native, device) for _ in range(n_experts)) for name in names}
         )
-        self.recipe, self.native = recipe, native
+        self.recipe = recipe
 
     def forward(self, experts, name: str, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
         return looped(x, w, groups, self[name])
 
-    def set_tp(self, experts) -> None:
+    def set_tp(self, tp, experts) -> None:
         """Every expert's GEMMs quantize their TP slice as the whole weight, as a split dense linear's do."""
+        self.tp = tp
         for name, gemms in self.items():
             for g in gemms:
-                g.tp_shard = experts.split(name)
+                g.tp_shard = tp.shard(name, getattr(experts, name).shape)
 
     def narrow(self, start: int, length: int) -> None:
         """Keep experts ``[start, start + length)`` (expert parallelism)."""
@@ -103,11 +125,12 @@ class Looped(torch.nn.ModuleDict):
 
 
 def experts_kernel(recipe, native: bool, names, n_experts: int, device):
-    """The experts' kernel of a quantized ``recipe``, chosen once: :class:`GroupedFp8` for the FP8 scalings with a
+    """The experts' kernel of a quantized ``recipe``, chosen once: :class:`GroupedFp8` (:class:`EmulatedGroupedFp8`
+    where emulated) for the FP8 scalings with a
     grouped GEMM (torch's native one takes E4M3 operands only, so E5M2 gradients run natively per expert), else
     :class:`Looped`."""
     if recipe.scaling in GROUPED_FP8_SCALINGS and not (native and recipe.grad_format != "e4m3"):
-        return GroupedFp8(recipe, native)
+        return GroupedFp8(recipe) if native else EmulatedGroupedFp8(recipe)
     return Looped(recipe, native, names, n_experts, device)
 
 
@@ -162,29 +185,16 @@ def _(out, grad):
     return None
 
 
-def add_wgrad(
-    out: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    groups: Groups,
-    sa=None,
-    sb=None,
-    native: bool = True,
-    fast: bool = False,
-) -> None:
+def add_wgrad(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, groups: Groups) -> None:
     """``out[e] += a_e · b_eᵀ`` over each expert's rows (the weight gradient into its FP32 buffer ``out`` [E, M, N]):
-    ``a`` [M, rows] and ``b`` [N, rows] in the compute dtype, or FP8 codes with decode scales ``sa`` [E, M] and ``sb``
-    [E, N] (native: the device's FP8 GEMMs, else emulated). On Hopper lpbench's grouped GEMM adds its FP32 product
-    in its epilogue (:func:`kernels.grouped_mm.wgrad_into`; ``benchmarks/grouped_gemm.py`` measures it against
-    casting and adding the BF16 output). Elsewhere the GEMM's output is added (:func:`_accumulate`)."""
-    if (sa is None or native) and grouped_mm.takes_wgrad_into(a, b, out):
-        grouped_mm.wgrad_into(out, a, b, groups.offs, sa, sb, fast)
-    elif sa is None:
-        _accumulate(out, _hp_wgrad(a.t(), b.t(), groups))
+    ``a`` [M, rows] and ``b`` [N, rows] in the compute dtype (FP8 codes: :meth:`GroupedFp8.add_wgrad`). On Hopper
+    lpbench's grouped GEMM adds its FP32 product in its epilogue (:func:`kernels.grouped_mm.wgrad_into`;
+    ``benchmarks/grouped_gemm.py`` measures it against casting and adding the BF16 output). Elsewhere the GEMM's
+    output is added (:func:`_accumulate`)."""
+    if grouped_mm.takes_wgrad_into(a, b, out):
+        grouped_mm.wgrad_into(out, a, b, groups.offs, None, None, False)
     else:
-        _accumulate(
-            out, _scaled_grouped(a, sa, b, sb, groups, native, fast, torch.bfloat16 if native else torch.float32)
-        )
+        _accumulate(out, _hp_wgrad(a.t(), b.t(), groups))
 
 
 def _group_fp8(
@@ -283,42 +293,40 @@ def _amax_group(split, role: str, gemm: str, spec):
     return split.group if spec.block[dim] is None else None
 
 
-def _scaled_grouped(a, sa, b, sb, groups: Groups, native: bool, fast_accum: bool, out_dtype) -> torch.Tensor:
-    """Grouped ``a · bᵀ`` of FP8 codes with FP32 decode scales applied to the output.
+def _scaled_grouped(a, sa, b, sb, groups: Groups, fast_accum: bool, out_dtype) -> torch.Tensor:
+    """Grouped ``a · bᵀ`` of FP8 codes with FP32 decode scales applied to the output, on the device's GEMMs.
 
     2-D × 3-D (forward, data gradient): a [rows, K], sa [rows], b [E, N, K], sb [E, N] -> [rows, N].
     2-D × 2-D (weight gradient; ``b`` 2-D): a [N, rows], sa [E, N], b [K, rows], sb [E, K] -> [E, N, K],
     each expert reducing over its own rows.
-    Natively ``torch._scaled_grouped_mm``, or lpbench's kernel where it is the faster (:mod:`kernels.grouped_mm`:
-    precise accumulation of small experts).
+    ``torch._scaled_grouped_mm``, or lpbench's kernel where it is the faster (:mod:`kernels.grouped_mm`:
+    precise accumulation of small experts); :func:`_emulated_scaled_grouped` gives the same products emulated.
     """
     wgrad = b.dim() == 2
-    if native:
-        if grouped_mm.takes(a, b, fast_accum, out_dtype):
-            y = grouped_mm.grouped_mm(a, b, sa, sb, groups.offs)
-            return y if wgrad else groups.clear_tail(y)
-        if wgrad:
-            return torch._scaled_grouped_mm(
-                a,
-                b.t(),
-                sa.reshape(-1).contiguous(),
-                sb.reshape(-1).contiguous(),
-                offs=groups.offs,
-                out_dtype=out_dtype,
-                use_fast_accum=fast_accum,
-            )
-        return groups.clear_tail(
-            torch._scaled_grouped_mm(
-                a,
-                b.transpose(1, 2),
-                sa.contiguous(),
-                sb.contiguous(),
-                offs=groups.offs,
-                out_dtype=out_dtype,
-                use_fast_accum=fast_accum,
-            )
+    if grouped_mm.takes(a, b, fast_accum, out_dtype):
+        y = grouped_mm.grouped_mm(a, b, sa, sb, groups.offs)
+        return y if wgrad else groups.clear_tail(y)
+    if wgrad:
+        return torch._scaled_grouped_mm(
+            a,
+            b.t(),
+            sa.reshape(-1).contiguous(),
+            sb.reshape(-1).contiguous(),
+            offs=groups.offs,
+            out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
         )
-    return _emulated_scaled_grouped(a, sa, b, sb, groups, out_dtype)
+    return groups.clear_tail(
+        torch._scaled_grouped_mm(
+            a,
+            b.transpose(1, 2),
+            sa.contiguous(),
+            sb.contiguous(),
+            offs=groups.offs,
+            out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
+        )
+    )
 
 
 @torch.compiler.disable
@@ -347,43 +355,25 @@ def _fmt(codes: torch.Tensor):
 def _weight_fprop(w: torch.Tensor, recipe, split=None) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 codes [E, N, K] and decode scales [E, N] of stacked weights ``w`` for the forward GEMM."""
     spec = recipe.operand("weight", "fprop")
-    return _fprop_codes(w, spec, _amax_group(split, "weight", "fprop", spec))
+    return _stacked_codes(w, spec, _amax_group(split, "weight", "fprop", spec))
 
 
 def _weight_dgrad(w: torch.Tensor, recipe, split=None) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 codes [E, K, N] and decode scales [E, K] of ``wᵀ`` for the data-gradient GEMM (scaled along N)."""
     spec = recipe.operand("weight", "dgrad")
-    return _dgrad_codes(w, spec, _amax_group(split, "weight", "dgrad", spec))
+    return _stacked_codes(w.transpose(1, 2), spec, _amax_group(split, "weight", "dgrad", spec))
 
 
-def _fprop_codes(w: torch.Tensor, spec, amax_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _stacked_codes(w: torch.Tensor, spec, amax_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 codes [E, N, K] and decode scales [E, N] of stacked ``w`` [E, N, K] (a view too), scaled along K."""
     E, N, K = w.shape
-    wq, sw = _group_fp8(
-        w.reshape(E * N, K),
-        spec,
-        torch.arange(E, device=w.device).repeat_interleave(N),
-        E,
-        block=N,
-        amax_group=amax_group,
-    )
+    group = torch.arange(E, device=w.device).repeat_interleave(N)
+    wq, sw = _group_fp8(w.reshape(E * N, K), spec, group, E, block=N, amax_group=amax_group)
     return wq.view(E, N, K), sw.view(E, N)
 
 
-def _dgrad_codes(w: torch.Tensor, spec, amax_group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    E, N, K = w.shape
-    wtq, swt = _group_fp8(
-        w.transpose(1, 2).reshape(E * K, N),
-        spec,
-        torch.arange(E, device=w.device).repeat_interleave(K),
-        E,
-        block=K,
-        amax_group=amax_group,
-    )
-    return wtq.view(E, K, N), swt.view(E, K)
-
-
 def _codes(w: torch.Tensor, fprop, dgrad) -> tuple[torch.Tensor, ...]:
-    return (*_fprop_codes(w, fprop), *_dgrad_codes(w, dgrad))
+    return (*_stacked_codes(w, fprop), *_stacked_codes(w.transpose(1, 2), dgrad))
 
 
 # One graph per weight shape (static; an expert stack has two, gate_up and down): inductor fuses each copy's
@@ -395,7 +385,7 @@ _compiled_codes = torch.compile(_codes, dynamic=False, fullgraph=True)
 @torch.no_grad()
 def weight_codes(w: torch.Tensor, recipe, split=None) -> tuple[torch.Tensor, ...]:
     """(forward codes, scales, data-gradient codes, scales) of stacked weights ``w`` (under TP this rank's
-    slice, ``split`` its TPShard): what :func:`fp8_grouped` computes on every call, computed once to be
+    slice, ``split`` its TPShard): what :class:`GroupedFp8` computes on every call, computed once to be
     reused while ``w`` does not change. On CUDA by one compiled graph (the same ops, so the same codes and
     scales bit for bit: amaxes are exact in any order, the scales divide in FP64, the casts saturate and
     round to nearest even); eagerly elsewhere and where an amax is all-reduced over a TP group."""
@@ -404,85 +394,66 @@ def weight_codes(w: torch.Tensor, recipe, split=None) -> tuple[torch.Tensor, ...
     with torch.autocast(w.device.type, enabled=False):
         if w.is_cuda and all(g is None for g in groups):
             return _compiled_codes(w, fprop, dgrad)
-        return (*_fprop_codes(w, fprop, groups[0]), *_dgrad_codes(w, dgrad, groups[1]))
+        return (*_stacked_codes(w, fprop, groups[0]), *_stacked_codes(w.transpose(1, 2), dgrad, groups[1]))
 
 
 class _Fp8GroupedFn(torch.autograd.Function):
+    """:class:`GroupedFp8`'s projection ``name``: x in the compute dtype, w the master weight (its TP slice quantized
+    as the whole weight, :func:`_amax_group`), ``wq, sw, wtq, swt`` its :func:`weight_codes` or None (quantized in
+    this call); the weight gradient is added into the kernel's ``main_grads[name]`` where it has one, and ``w``
+    then gets none."""
+
     @staticmethod
-    def forward(ctx, x, w, groups: Groups, recipe, native: bool, split, main_grad, wq, sw, wtq, swt):
-        E = w.shape[0]
+    def forward(ctx, x, w, groups: Groups, kernel, name: str, wq, sw, wtq, swt):
+        E, recipe, split = w.shape[0], kernel.recipe, kernel.split(name, w)
         with torch.autocast(x.device.type, enabled=False):
             spec = recipe.operand("input", "fprop")
             xq, sx = _group_fp8(x, spec, groups.row_group, E, amax_group=_amax_group(split, "input", "fprop", spec))
             if wq is None:
                 wq, sw = _weight_fprop(w, recipe, split)
-            y = _scaled_grouped(xq, sx, wq, sw, groups, native, recipe.fast_accum_fprop, x.dtype)
+            y = kernel.scaled(xq, sx, wq, sw, groups, recipe.fast_accum_fprop, x.dtype)
         ctx.save_for_backward(x, w, *((wtq, swt) if wtq is not None else ()))
-        ctx.groups, ctx.recipe, ctx.native, ctx.split, ctx.main_grad = groups, recipe, native, split, main_grad
+        ctx.groups, ctx.kernel, ctx.split, ctx.main_grad = groups, kernel, split, kernel.main_grads.get(name)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w, *dgrad_codes = ctx.saved_tensors
-        groups, recipe, native, split = ctx.groups, ctx.recipe, ctx.native, ctx.split
-        E = w.shape[0]
-        gid = groups.row_group
+        groups, kernel, split = ctx.groups, ctx.kernel, ctx.split
+        recipe, E = kernel.recipe, w.shape[0]
         dx = dw = None
         with torch.autocast(dy.device.type, enabled=False):
             dgrad_spec = recipe.operand("grad", "dgrad") if ctx.needs_input_grad[0] else None
             wgrad_spec = recipe.operand("grad", "wgrad") if ctx.needs_input_grad[1] else None
-            dgrad_op, wgrad_op = _grad_codes(dy, dgrad_spec, wgrad_spec, gid, E, split)
+            dgrad_op, wgrad_op = _grad_codes(dy, dgrad_spec, wgrad_spec, groups.row_group, E, split)
             if ctx.needs_input_grad[0]:
                 wtq, swt = dgrad_codes or _weight_dgrad(w, recipe, split)
-                dx = _scaled_grouped(*dgrad_op, wtq, swt, groups, native, recipe.fast_accum_grads, x.dtype)
+                dx = kernel.scaled(*dgrad_op, wtq, swt, groups, recipe.fast_accum_grads, x.dtype)
             if ctx.needs_input_grad[1]:
                 dw = _fp8_wgrad(ctx, dy, x, w, wgrad_op, wgrad_spec)
-        return dx, dw, None, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def _fp8_wgrad(ctx, dy, x, w, wgrad_op, wgrad_spec):
     """:class:`_Fp8GroupedFn`'s weight gradient in ``w``'s dtype, or None: added into ``ctx.main_grad``."""
-    groups, native, recipe, main_grad = ctx.groups, ctx.native, ctx.recipe, ctx.main_grad
+    groups, kernel, main_grad = ctx.groups, ctx.kernel, ctx.main_grad
     if wgrad_spec is None:  # weight gradient in the compute dtype
         if main_grad is None:
             return _hp_wgrad(dy, x, groups).to(w.dtype)
         add_wgrad(main_grad, dy.t(), x.t(), groups)
         return None
-    spec_x = recipe.operand("input", "wgrad")
+    spec_x, fast = kernel.recipe.operand("input", "wgrad"), kernel.recipe.fast_accum_grads
     xqt, sx = _group_codes_t(x, spec_x, groups.row_group, w.shape[0], _amax_group(ctx.split, "input", "wgrad", spec_x))
     if main_grad is not None:
-        add_wgrad(main_grad, wgrad_op[0], xqt, groups, wgrad_op[1], sx, native, recipe.fast_accum_grads)
+        kernel.add_wgrad(main_grad, wgrad_op[0], wgrad_op[1], xqt, sx, groups, fast)
         return None
-    # FP32 when emulated; natively BF16 (the only output the grouped FP8 GEMM has, as the dense native GEMM's BF16
-    # output)
-    dw = _scaled_grouped(
-        *wgrad_op, xqt, sx, groups, native, recipe.fast_accum_grads, torch.bfloat16 if native else torch.float32
-    )
-    return dw.to(w.dtype)
+    return kernel.scaled(*wgrad_op, xqt, sx, groups, fast, kernel.wgrad_dtype).to(w.dtype)
 
 
 @torch.compiler.disable
 def _hp_wgrad(dy: torch.Tensor, x: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Every expert's ``dy_eᵀ · x_e`` in the compute dtype with FP32 accumulation, as the dense linear."""
     return torch.stack([hp_mm(dy[s : s + c].t(), x[s : s + c].t(), x.dtype) for s, c in groups.host])
-
-
-def fp8_grouped(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    groups: Groups,
-    recipe,
-    native: bool,
-    codes: tuple | None = None,
-    split=None,
-    main_grad: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """FP8 row-wise / tensor-wise grouped ``x_e · w_eᵀ`` (x in the compute dtype, w the master weight);
-    ``codes``: :func:`weight_codes` of ``w`` (else ``w`` is quantized in this call); ``split``: ``w``'s
-    :class:`lpbench.parallel.tp.TPShard` when it is a tensor-parallel slice (each operand's slice then
-    quantized as the whole operand, :func:`_amax_group`); ``main_grad``: the FP32 buffer ``w``'s gradient is
-    added into (:func:`add_wgrad`), ``w`` itself then gets none."""
-    return _Fp8GroupedFn.apply(x, w, groups, recipe, native, split, main_grad, *(codes or (None,) * 4))
 
 
 @torch.compiler.disable

@@ -128,9 +128,21 @@ class Emulated:
 
     ``operands`` gives ``t`` quantized as operand ``role`` of ``gemm`` if ``row`` and its transposed copy if
     ``col`` (wgrad's of X and dY; dgrad's Wᵀ of the weight), None for a copy not asked for. ``takes`` is the
-    kernel's shape check; where it fails the module runs ``fallback``."""
+    kernel's shape check; where it fails the module runs ``fallback``. ``token_multiple``: what the wgrad GEMM's
+    token dim is zero-padded to; :meth:`fp4_operand` and :meth:`stored_t` shape the NVFP4 quantizer's copies and a
+    stored weight's transposed codes as the GEMM reads them."""
 
-    name, native, fallback = "Emulated", False, None
+    name, native, fallback, token_multiple = "Emulated", False, None, 1
+
+    @staticmethod
+    def fp4_operand(copy, block: int):
+        """The fused NVFP4 quantizer's copy (``kernels/nvfp4.py``) as this kernel's operand: its BF16 values."""
+        return copy
+
+    @staticmethod
+    def stored_t(codes: torch.Tensor) -> torch.Tensor:
+        """Stored codes transposed for the GEMM (a view)."""
+        return codes.t()
 
     @staticmethod
     def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -153,7 +165,21 @@ class Emulated:
         return mm_fp32(va, vb) * sa * (sb.t() if sb.dim() else sb)
 
 
-class NativeScaledMM(Emulated):
+class Native(Emulated):
+    """What every native kernel shares: codes and scales as operands (token dim in multiples of 16, row-major)."""
+
+    name, native, token_multiple = "Native", True, 16
+
+    @staticmethod
+    def fp4_operand(copy, block: int):
+        return None if copy is None else QTensor(copy.codes, copy.scale, (1, block), E2M1, copy.global_scale)
+
+    @staticmethod
+    def stored_t(codes: torch.Tensor) -> torch.Tensor:
+        return codes.t().contiguous()  # torch._scaled_mm wants row-major operands
+
+
+class NativeScaledMM(Native):
     """FP8 tensorwise / delayed / row-wise GEMMs by ``torch._scaled_mm`` (``fast_accum``: Hopper's fast mode)."""
 
     name, native = "NativeScaledMM", True
@@ -163,7 +189,7 @@ class NativeScaledMM(Emulated):
         return _scaled_mm(a, b, fast_accum).float()
 
 
-class NativeBlockwise(Emulated):
+class NativeBlockwise(Native):
     """FP8 1x128 / 128x128 blockwise GEMMs by ``F.scaled_mm``, for shapes it takes
     (:func:`lpbench.precision.capability.blockwise_shape`); emulated otherwise."""
 
@@ -176,7 +202,7 @@ class NativeBlockwise(Emulated):
         return _blockwise_mm_op(a.codes, a.scale.float().contiguous(), b.codes, b.scale.float().contiguous()).float()
 
 
-class NativeBlockScaled(Emulated):
+class NativeBlockScaled(Native):
     """MXFP8 / NVFP4 GEMMs by ``F.scaled_mm`` on compute capability 10.x (``kernels/block_scaled.py``), for operands
     it takes; emulated otherwise."""
 
@@ -187,7 +213,7 @@ class NativeBlockScaled(Emulated):
         return block_scaled.mm(a, b).float() if block_scaled.takes(a, b) else Emulated.gemm(a, b)
 
 
-class FusedFp8(Fused, Emulated):
+class FusedFp8(Fused, Native):
     """The fused FP8 tensorwise / delayed linear (``kernels/fp8_linear.py``) for calls whose GEMM dims are
     multiples of 16; :class:`NativeScaledMM` for the others."""
 
@@ -363,12 +389,7 @@ class QuantizedGemms(DelayedScaling):
                     stochastic=recipe.operand(role, gemm).stochastic,
                     with_codes=self.native,
                 )
-                if not self.native:
-                    return copies
-                return tuple(
-                    None if c is None else QTensor(c.codes, c.scale, (1, nvfp4.BLOCK), E2M1, c.global_scale)
-                    for c in copies
-                )
+                return tuple(self.kernel.fp4_operand(c, nvfp4.BLOCK) for c in copies)
         spec_col = recipe.operand(role, "wgrad")
         return (
             self._quantize(t, role, gemm, encode_scale) if row else None,
@@ -397,7 +418,7 @@ class QuantizedGemms(DelayedScaling):
 
     def _wgrad_layout(self, t: torch.Tensor, spec: QSpec) -> torch.Tensor:
         """[tokens, C] → [C, tokens'] for the wgrad GEMM: zero-pad, transpose, optional RHT."""
-        multiple = math.lcm(spec.block[1] or 1, RHT_SIZE if self.recipe.rht_wgrad else 1, 16 if self.native else 1)
+        multiple = math.lcm(spec.block[1] or 1, RHT_SIZE if self.recipe.rht_wgrad else 1, self.kernel.token_multiple)
         t = F.pad(t, (0, 0, 0, -t.shape[0] % multiple)).t()
         return apply_rht(t, self.recipe.rht_signs) if self.recipe.rht_wgrad else t
 

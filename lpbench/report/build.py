@@ -9,7 +9,17 @@ from pathlib import Path
 
 from lpbench.errors import UsageError
 from lpbench.paths import check_dir, check_file, write_file
-from lpbench.report.tables import md_escape, summary_rows, time_to_train_tables, to_csv, to_json, workload_tables
+from lpbench.report.tables import (
+    differences_text,
+    group_differences,
+    md_escape,
+    run_group,
+    summary_rows,
+    time_to_train_tables,
+    to_csv,
+    to_json,
+    workload_tables,
+)
 
 
 def select_runs(runs: list[dict], groups: list[str] | None) -> list[dict]:
@@ -46,37 +56,27 @@ def _when(r: dict) -> str:
 def group_list(runs: list[dict]) -> list[dict]:
     """One entry per ``lpbench run`` invocation or sweep: id, when it started, its runs, precisions,
     models, database, and the settings in which it differs from the other groups."""
-    from dataclasses import fields
-
-    from lpbench.config import RunConfig, fact
-
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((r.get("results"), r.get("sweep_id") or r.get("group_id")), []).append(r)
-    ignore = {"precision", *(f.name for f in fields(RunConfig) if not fact(f, "key"))}  # how a run is observed
-    settings = [
-        {k: v for k, v in (members[0].get("config") or {}).items() if k not in ignore} for members in groups.values()
+        groups.setdefault(run_group(r), []).append(r)
+    differs = group_differences(runs)
+    return [
+        {
+            "group": gid,
+            "kind": "sweep" if members[0].get("sweep_id") else "run",
+            "when": min(_when(r) for r in members),
+            "runs": len(members),
+            "precisions": list(dict.fromkeys(r.get("precision") for r in members)),
+            "models": list(dict.fromkeys(r.get("model") for r in members)),
+            "statuses": {
+                st: sum(r.get("status") == st for r in members)
+                for st in dict.fromkeys(r.get("status") for r in members)
+            },
+            "results": results,
+            "differs": differs[results, gid],
+        }
+        for (results, gid), members in groups.items()
     ]
-    differ = sorted({k for s in settings for k in s if len({json.dumps(t.get(k), default=str) for t in settings}) > 1})
-    out = []
-    for ((results, gid), members), s in zip(groups.items(), settings):
-        out.append(
-            {
-                "group": gid,
-                "kind": "sweep" if members[0].get("sweep_id") else "run",
-                "when": min(_when(r) for r in members),
-                "runs": len(members),
-                "precisions": list(dict.fromkeys(r.get("precision") for r in members)),
-                "models": list(dict.fromkeys(r.get("model") for r in members)),
-                "statuses": {
-                    st: sum(r.get("status") == st for r in members)
-                    for st in dict.fromkeys(r.get("status") for r in members)
-                },
-                "results": results,
-                "differs": {k: s.get(k) for k in differ},
-            }
-        )
-    return out
 
 
 def print_group_list(groups: list[dict], as_json: bool) -> None:
@@ -101,7 +101,7 @@ def print_group_list(groups: list[dict], as_json: bool) -> None:
             Text(f"{g['runs']}\n{status}"),
             Text(", ".join(map(str, g["precisions"]))),
             Text(", ".join(map(str, g["models"]))),
-            Text(", ".join(f"{k}={v}" for k, v in g["differs"].items()) or "-"),
+            Text(differences_text(g["differs"]) or "-"),
         )
     console.print(table)
 

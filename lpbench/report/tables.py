@@ -81,6 +81,31 @@ def layout_keys(numbers_only: bool = False) -> tuple[str, ...]:
     return tuple(f.name for f in fields(RunConfig) if fact(f, "layout") and (not numbers_only or field_type(f) is int))
 
 
+def run_group(r: dict) -> tuple:
+    """A run's group: its database and its ``lpbench run`` invocation or sweep."""
+    return r.get("results"), r.get("sweep_id") or r.get("group_id")
+
+
+def group_differences(runs: list[dict]) -> dict[tuple, dict]:
+    """Per :func:`run_group`, the settings in which its runs differ from the other groups' (precision and the
+    settings of how a run is observed, ``arg(key=False)``, aside), from each group's first run."""
+    from dataclasses import fields
+
+    from lpbench.config import RunConfig, fact
+
+    ignore = {"precision", *(f.name for f in fields(RunConfig) if not fact(f, "key"))}
+    settings = {}
+    for r in runs:
+        settings.setdefault(run_group(r), {k: v for k, v in (r.get("config") or {}).items() if k not in ignore})
+    values = list(settings.values())
+    differ = sorted({k for s in values for k in s if len({json.dumps(t.get(k), default=str) for t in values}) > 1})
+    return {g: {k: s.get(k) for k in differ} for g, s in settings.items()}
+
+
+def differences_text(differs: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in differs.items())
+
+
 def system_name(gpu: str | None) -> str:
     """Short GPU name for tables ('H100 SXM'), 'CPU' when the run had no GPU."""
     if not gpu:
@@ -201,7 +226,7 @@ def optimizer_label(cfg: dict) -> str:
 
 def summary_rows(runs: list[dict]) -> list[dict]:
     """Flatten stored runs into table rows with speedup and loss delta vs the group's baseline."""
-    baselines = _baselines(runs)
+    baselines, differs = _baselines(runs), group_differences(runs)
     rows = []
     for r in runs:
         tps = r.get("tokens_per_sec_per_gpu")
@@ -271,6 +296,7 @@ def summary_rows(runs: list[dict]) -> list[dict]:
                 "lora_base_storage": cfg.get("lora_base_storage"),
                 "lora_stored_quantized": metrics.get("lora_stored_quantized"),
                 "steps": cfg.get("steps"),
+                "group_differs": differences_text(differs[run_group(r)]),  # from the other groups' runs
                 "flops_formula": metrics.get("flops_formula") or cfg.get("flops_formula"),
                 **{f"profile_{k}": v for k, v in (metrics.get("profile") or {}).items()},  # --profile-steps
             }
@@ -331,7 +357,7 @@ def quantizes(precision: str | None) -> str:
         "block": f"1x{r.block} blocks" + (f" (W {r.block}x{r.block})" if r.weight_block_2d else ""),
         "mx": f"1x{r.block} blocks, E8M0 scales",
         "nvfp4": f"1x{r.block} blocks" + (f" (W {r.block}x{r.block})" if r.weight_block_2d else "") + ", E4M3 scales",
-    }[r.scaling.value]
+    }.get(r.scaling.value, r.scaling.value)
     extra = ["wgrad BF16"] if r.wgrad_bf16 else []
     extra += ["RHT wgrad"] if r.rht_wgrad else []
     extra += ["SR grads"] if r.stochastic_grads else []
@@ -673,7 +699,7 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
             *(["FSDP"] if show_fsdp else []),
             "GA",
             "Steps",
-            "Group (when, UTC)",
+            "Group (when, UTC): what differs",
         ]
         tflops = tflops_header(mine, "Model TFLOP / sec / GPU")
         metric_cols = [
@@ -739,7 +765,8 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                         ),
                         str(r.get("grad_accum") or ""),
                         str(r.get("steps") or ""),
-                        f"{r.get('sweep_id') or r.get('group_id') or '-'} ({when})",
+                        f"{r.get('sweep_id') or r.get('group_id') or '-'} ({when})"
+                        + (f": {r['group_differs']}" if r.get("group_differs") else ""),
                     ]
                 else:
                     cfg_cells = [""] * len(config_cols)
