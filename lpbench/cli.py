@@ -437,7 +437,9 @@ def cmd_slurm(args) -> int:
         raise UsageError("leave --nproc-per-node out of the run flags: the script launches the processes")
     run_parser = Parser(prog="lpbench slurm ... -- <lpbench run flags>")
     add_run_args(run_parser)
-    configs_from_args(run_parser.parse_args(run_args), world_size=args.nodes * args.gpus_per_node)
+    parsed = run_parser.parse_args(run_args)
+    cfg = configs_from_args(parsed, world_size=args.nodes * args.gpus_per_node)[0]
+    run_args += layout_flags(parsed, cfg)
     script = sbatch_script(
         run_args,
         nodes=args.nodes,
@@ -456,6 +458,25 @@ def cmd_slurm(args) -> int:
         f"submit it with: sbatch {shlex.quote(args.output)}"
     )
     return 0
+
+
+SLURM_LAYOUT = ("tp", "pp", "vp", "pp_schedule", "cp", "ep")  # written out when --gpu chose them (those RunConfig has)
+
+
+def layout_flags(args, cfg) -> list[str]:
+    """With ``--gpu``: the recommended layout's flags that the run flags left to the row, so the script states
+    the layout it runs (and a later change of the table changes no written script)."""
+    from lpbench.config import config_kwargs
+
+    if args.gpu is None:
+        return []
+    explicit = config_kwargs(args)
+    return [
+        part
+        for name in SLURM_LAYOUT
+        if name not in explicit and getattr(cfg, name, None) is not None
+        for part in (f"--{name.replace('_', '-')}", str(getattr(cfg, name)))
+    ]
 
 
 def add_slurm_parser(sub) -> None:

@@ -274,7 +274,14 @@ class RunConfig:
     )
     cp: int = field(
         default=1,
-        metadata=arg("context-parallel size (not supported yet: 1 only)", section="parallel", resume=True, layout=True),
+        metadata=arg(
+            "context-parallel size: each sequence split over this many ranks (2 x CP chunks, rank i holding chunks "
+            "i and 2CP-1-i), attention over the whole sequence's keys (all-gathered), weights sharded with FSDP "
+            "over the CP ranks too; pretraining of dense models",
+            section="parallel",
+            resume=True,
+            layout=True,
+        ),
     )
     dp_replicate: int = field(
         default=1,
@@ -665,6 +672,33 @@ class RunConfig:
         if self.tp > 1 and self.backend != "lpbench":
             raise UsageError("--tp with --workload lora splits lpbench's linears only: use --backend lpbench")
 
+    def _validate_cp(self, model) -> None:
+        """Context parallelism's rules (:mod:`lpbench.parallel.cp`); one line each."""
+        if self.cp == 1:
+            return
+        chunks, block = 2 * self.cp, get_recipe(self.precision).block
+        if self.seq_len % chunks:
+            raise UsageError(
+                f"--cp {self.cp} cuts each sequence into {chunks} chunks: --seq-len {self.seq_len} must be divisible "
+                f"by {chunks}"
+            )
+        if block and self.seq_len // chunks % block:
+            raise UsageError(
+                f"--cp {self.cp}: each chunk of {self.seq_len // chunks} tokens must hold whole {block}-token "
+                f"blocks of {self.precision}: --seq-len must be a multiple of {chunks * block}"
+            )
+        if self.tp > 1 and self.sequence_parallel and self.seq_len // self.cp % self.tp:
+            raise UsageError(
+                f"sequence parallelism needs each CP rank's {self.seq_len // self.cp} tokens divisible by --tp "
+                f"{self.tp} (or --no-sequence-parallel)"
+            )
+        if self.workload != "pretrain":
+            raise UsageError(f"--cp supports pretraining only: packed {self.workload}'s document masks are not split")
+        if model.n_experts:
+            raise UsageError(f"--cp does not support mixture-of-experts models yet ({self.model}): use --cp 1")
+        if self.backend != "lpbench":
+            raise UsageError(f"--cp needs --backend lpbench: {self.backend}'s linears reduce no amaxes over CP")
+
     def validate(self) -> "RunConfig":
         if self.num_layers is not None and self.hf_checkpoint is not None:
             raise UsageError("--num-layers cuts a zoo model; a --hf-checkpoint keeps its own blocks")
@@ -679,7 +713,7 @@ class RunConfig:
             raise UsageError(f"--seed must be >= 0, got {self.seed}")
         model = self.model_config()
         get_recipe(self.precision)
-        for name in ("seq_len", "mbs", "gbs", "steps", "dp", "tp", "log_interval"):
+        for name in ("seq_len", "mbs", "gbs", "steps", "dp", "tp", "cp", "log_interval"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.warmup_steps < 0:
@@ -716,6 +750,7 @@ class RunConfig:
             )
         if self.seq_len > model.max_seq_len:
             raise UsageError(f"--seq-len {self.seq_len} exceeds {self.model}'s limit of {model.max_seq_len}")
+        self._validate_cp(model)
         from lpbench.convert.quantize import BACKENDS
 
         if self.backend not in BACKENDS:
@@ -744,8 +779,8 @@ class RunConfig:
             )
         if self.compile_scope not in COMPILE_SCOPES:
             raise UsageError(f"unknown --compile-scope {self.compile_scope!r}; valid: {', '.join(COMPILE_SCOPES)}")
-        if self.compile_scope == "model" and (self.fsdp or self.tp > 1):
-            raise UsageError("--compile-scope model needs one process or DDP; FSDP and TP compile each block")
+        if self.compile_scope == "model" and (self.fsdp or self.tp > 1 or self.cp > 1):
+            raise UsageError("--compile-scope model needs one process or DDP; FSDP, TP and CP compile each block")
         self._validate_workload()
         if self.recompute not in RECOMPUTES:
             raise UsageError(f"unknown --recompute {self.recompute!r}; valid: {', '.join(RECOMPUTES)}")

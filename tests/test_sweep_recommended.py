@@ -1,5 +1,6 @@
 """Recommended configs (lpbench/configs/recommended_model_configs.csv) and `lpbench run --gpu`."""
 
+import dataclasses
 import sys
 
 import pytest
@@ -31,13 +32,14 @@ def test_the_csv_has_nemos_columns_and_every_row_is_a_sound_config():
         assert r.seq_len <= model.max_seq_len, r
         assert r.num_gpus % (r.tp * r.pp * r.cp) == 0, r
         assert r.gbs % (r.mbs * r.dp) == 0, r  # whole gradient accumulation under NeMo's DP
-        if r.pp > 1 or r.cp > 1:  # refused before any RunConfig is built (check_runnable)
-            with pytest.raises(UsageError, match="lpbench does not implement yet"):
-                rc.check_runnable(r)
+        cfg = RunConfig(
+            model=r.name, seq_len=r.seq_len, mbs=r.mbs, gbs=r.gbs, tp=r.tp, pp=r.pp, cp=r.cp, ep=r.ep, dp=r.dp
+        )
+        if r.cp > 1 and model.n_experts:  # not yet: CP with MoE layers (docs/context-parallel.md)
+            with pytest.raises(UsageError, match="--cp does not support mixture-of-experts models yet"):
+                cfg.validate()
             continue
-        RunConfig(
-            model=r.name, seq_len=r.seq_len, mbs=r.mbs, gbs=r.gbs, tp=r.tp, ep=r.ep, dp=r.dp
-        ).validate()  # TP divides heads, EP the experts and DP
+        cfg.validate()  # TP divides heads, EP the experts and DP; CP's chunks the sequence
     # every zoo model (the CPU presets on "cpu") has pretraining rows on every GPU type
     for name in MODELS:
         systems = {r.system for r in rows if r.name == name and r.task == "pretrain"}
@@ -153,26 +155,44 @@ def test_run_takes_its_defaults_from_the_recommended_config(capsys):
     assert (cfg.seq_len, cfg.mbs, cfg.gbs) == (d.seq_len, d.mbs, d.gbs)
 
 
-@pytest.mark.parametrize(
-    "model,gpu,n,missing",
-    [
-        ("llama3-8b", "h100", 8, "needs context parallelism (CP 2)"),  # not DP 8 with CP dropped
-        ("llama3-70b", "h100", 64, "needs pipeline parallelism (PP 8)"),  # not TP 4 x DP 16, which cannot fit
-        ("mixtral-8x7b", "h100", 64, "needs pipeline parallelism (PP 4)"),
-        ("llama3.1-405b", "b200", 128, "needs pipeline parallelism (PP 8) and context parallelism (CP 2)"),
-    ],
-)
-def test_rows_needing_missing_parallel_dimensions_are_refused(model, gpu, n, missing, capsys, tmp_path):
-    argv = ["run", "--model", model, "--gpu", gpu, "--num-gpus", str(n), "--results", str(tmp_path)]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert missing in err and "lpbench does not implement yet" in err and len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "results.db").exists()
+def test_a_row_gives_its_whole_layout():
+    """The defaults from a row: every parallel size it names, as RunConfig's keys (DP follows the world)."""
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    d = rc.run_defaults(rc.lookup("llama3-8b", "h100", 8))  # NeMo's H100 8B row: CP 2
+    assert (d["tp"], d["pp"], d["cp"], d["ep"], d["seq_len"], d["mbs"], d["gbs"]) == (1, 1, 2, 1, 8192, 1, 128)
+    d = rc.run_defaults(rc.lookup("llama3.1-405b", "b200", 128))
+    assert (d["tp"], d["pp"], d["cp"]) == (4, 8, 2)
+    if not {"vp", "pp_schedule"} <= fields:
+        pytest.skip("RunConfig has no vp / pp_schedule yet (the pipeline-parallel branch adds them)")
+    assert (d["vp"], d["pp_schedule"]) == (8, "interleaved-1f1b")
+    assert "pp_schedule" not in rc.run_defaults(rc.lookup("llama3-8b", "h100", 8))  # VP 1: the default schedule
+
+
+def test_a_context_parallel_row_runs_its_layout(capsys):
+    (cfg,) = _configs(["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "8", "--nproc-per-node", "8"])
+    assert (cfg.cp, cfg.tp, cfg.dp, cfg.seq_len, cfg.grad_accum) == (2, 1, 4, 8192, 32)
+    assert "runs as seq_len 8192, MBS 1, GBS 128, TP 1, CP 2, DP 4, GA 32 on 8 process(es)" in capsys.readouterr().err
+    # on 4 GPUs: CP 2 x DP 2, the row beside it
+    (cfg,) = _configs(["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "8", "--nproc-per-node", "4"])
+    assert (cfg.cp, cfg.dp, cfg.grad_accum) == (2, 2, 64)
+    assert "TP 1, CP 2, DP 2, GA 64 on 4 process(es) (the row: 8 GPUs, DP 4" in capsys.readouterr().err
+
+
+def test_num_layers_cuts_the_model_so_a_layout_fits_and_the_label_says_so(capsys):
+    argv = ["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "8", "--nproc-per-node", "2", "--num-layers", "4"]
+    (cfg,) = _configs(argv)
+    assert (cfg.cp, cfg.dp, cfg.label) == (2, 1, "llama3-8b@4L")
+    assert "(fp8 row, nemo-25.04); the model cut to its first 4 blocks (--num-layers); runs as" in (
+        capsys.readouterr().err
+    )
 
 
 def test_every_runnable_row_prints_the_layout_it_builds(capsys):
+    from lpbench.parallel import dims
+
+    not_yet = getattr(dims, "NOT_YET", {})
     for r in rc.load():
-        if r.pp > 1 or r.cp > 1 or r.task != "pretrain":
+        if r.task != "pretrain" or any(getattr(r, k) > 1 for k in not_yet) or (r.cp > 1 and r.ep > 1):
             continue
         (cfg,) = configs_from_args(
             build_parser().parse_args(
@@ -182,9 +202,10 @@ def test_every_runnable_row_prints_the_layout_it_builds(capsys):
         )
         err = capsys.readouterr().err
         ep = f", EP {cfg.ep}" if cfg.ep > 1 else ""
+        more = "".join(f", {k.upper()} {getattr(r, k)}" for k in ("pp", "vp", "cp") if getattr(r, k) > 1)
         assert (
-            f"TP {cfg.tp}, DP {cfg.dp}{' (FSDP)' if cfg.fsdp else ''}{ep}, GA {cfg.grad_accum} on {r.num_gpus} "
-            f"process(es); TFLOP/s by the {cfg.flops_formula} formula"
+            f"TP {cfg.tp}{more}, DP {cfg.dp}{' (FSDP)' if cfg.fsdp else ''}{ep}, GA {cfg.grad_accum} on "
+            f"{r.num_gpus} process(es); TFLOP/s by the {cfg.flops_formula} formula"
         ) in err, (r, err)
         assert (
             cfg.flops_formula
@@ -192,14 +213,14 @@ def test_every_runnable_row_prints_the_layout_it_builds(capsys):
                 r.source.split("-")[0]
             ]
         ), r
-        assert (cfg.tp, cfg.dp, cfg.ep, cfg.grad_accum) == (r.tp, r.dp, r.ep, r.grad_accum)
+        assert (cfg.tp, cfg.pp, cfg.cp, cfg.dp, cfg.ep, cfg.grad_accum) == (r.tp, r.pp, r.cp, r.dp, r.ep, r.grad_accum)
 
 
-def test_sweep_refuses_rows_needing_missing_dimensions():
+def test_sweep_runs_a_rows_layout():
     from lpbench.bench.sweep_spec import expand
 
-    with pytest.raises(UsageError, match="no valid run .*needs context parallelism"):
-        expand({"model": "llama3-8b", "gpu": "h100", "num_gpus": 8, "precision": "bf16"})
+    sweep = expand({"model": "llama3-8b", "gpu": "h100", "num_gpus": 8, "precision": "bf16"})
+    assert sweep.runs[0].config.cp == 2 and "TP 1, CP 2, DP 4, GA 32" in sweep.runs[0].recommended
     sweep = expand({"model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "precision": "bf16"})
     assert sweep.runs[0].recommended.endswith(
         "runs as seq_len 4096, MBS 2, GBS 64, TP 2, DP 8, GA 4 on 16 process(es); "
@@ -235,6 +256,7 @@ def test_slurm_checks_the_recommended_config_against_the_jobs_world(tmp_path, ca
         == 0
     )
     assert "TP 4, DP 2, GA 64 on 8 process(es)" in capsys.readouterr().err and script.exists()
+    assert "--tp 4 --pp 1" in script.read_text()  # the row's layout written out
     script.unlink()
     assert (
         main(
@@ -257,7 +279,8 @@ def test_slurm_checks_the_recommended_config_against_the_jobs_world(tmp_path, ca
         )
         == 2
     )
-    assert "uses TP 4, but this launch has 6 process(es)" in capsys.readouterr().err and not script.exists()
+    assert "uses TP 4 = 4 ranks, but this launch has 6 process(es)" in capsys.readouterr().err
+    assert not script.exists()
 
 
 @pytest.mark.parametrize(
@@ -266,7 +289,8 @@ def test_slurm_checks_the_recommended_config_against_the_jobs_world(tmp_path, ca
         (["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "16"], "GPU counts with one: 8"),
         (["--model", "llama3-8b", "--num-gpus", "8"], "--num-gpus selects a recommended config and needs --gpu"),
         (["--model", "llama3-8b", "--gpu", "tpu"], "no recommended configs for GPU 'tpu'"),
-        (["--model", "qwen3-14b", "--gpu", "h100"], "uses TP 4, but this launch has 1 process(es): start 8"),
+        (["--model", "qwen3-14b", "--gpu", "h100"], "uses TP 4 = 4 ranks, but this launch has 1 process(es): start 8"),
+        (["--model", "llama3-8b", "--gpu", "h100"], "uses TP 1 x CP 2 = 2 ranks, but this launch has 1 process(es)"),
     ],
 )
 def test_run_rejects_missing_combinations_with_one_line(argv, message, capsys, tmp_path):

@@ -6,9 +6,10 @@ cp,ep,vp,mbs,gbs`` plus ``fsdp`` and ``source`` (where the row comes from; READM
 "Recommended configs" explains each source). ``dtype`` lists the precision classes the row
 serves (``bf16/fp8`` where the published BF16 and FP8 configs are the same), ``source`` its
 sources joined by ``+``. ``lookup`` finds the row for a model on a GPU type and count;
-``run_defaults`` turns it into RunConfig keyword arguments. A row that needs a parallel
-dimension lpbench does not implement (pipeline, context or expert parallelism) is refused by
-``check_runnable`` rather than run in another layout than the one it names.
+``run_defaults`` turns it into RunConfig keyword arguments: the row's whole layout (TP, PP, VP, CP,
+EP; DP follows from the launch's world size), never another layout than the one it names. On fewer
+GPUs than the row's, ``--num-layers`` may cut the model so the layout fits (the run's label then says
+``@NL``); a layout the launch cannot hold is refused in one line.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ CSV_NAME = "recommended_model_configs.csv"
 INT_FIELDS = ("num_gpus", "seq_len", "tp", "pp", "cp", "ep", "vp", "mbs", "gbs", "fsdp")
 # Row fields a RunConfig may take (passed on only where RunConfig has a field of that name).
 RUN_FIELDS = ("seq_len", "mbs", "gbs", "tp", "pp", "cp", "ep", "vp", "fsdp")
-# The table's parallel dimensions beyond TP and DP: (column, name). Those RunConfig has no field for, or
-# lpbench.parallel.dims.NOT_YET, are not implemented yet, and a row that needs one is refused (check_runnable).
-PARALLEL_DIMS = (("pp", "pipeline"), ("cp", "context"), ("ep", "expert"))
+# What a printed layout marks when a flag set it instead of the row
+FLAG_FIELDS = ("seq_len", "mbs", "gbs", "tp", "pp", "vp", "cp", "ep", "fsdp", "flops_formula")
 
 
 @dataclass(frozen=True)
@@ -104,31 +104,26 @@ class Recommended:
     def title(self) -> str:
         return f"{self.name} {self.task} on {self.num_gpus}x {self.system} ({self.dtype} row, {self.source})"
 
-    def describe(self, world: int | None = None, **ran) -> str:
-        """The layout that runs on ``world`` processes (default: the row's GPU count).
+    def describe(self, world: int | None = None, num_layers: int | None = None, **ran) -> str:
+        """The layout that runs on ``world`` processes (default: the row's GPU count), on the model cut to
+        ``num_layers`` blocks if given.
 
-        ``ran``: seq_len / mbs / gbs / tp / ep / fsdp / flops_formula values set by flags instead of the row,
-        marked so.
+        ``ran``: :data:`FLAG_FIELDS` values set by flags instead of the row, marked so.
         """
         world = world or self.num_gpus
-        v = {
-            "seq_len": self.seq_len,
-            "mbs": self.mbs,
-            "gbs": self.gbs,
-            "tp": self.tp,
-            "ep": self.ep,
-            "fsdp": bool(self.fsdp),
-            "flops_formula": self.formula,
-        }
+        v = {k: getattr(self, k) for k in FLAG_FIELDS if k not in ("fsdp", "flops_formula")}
+        v.update(fsdp=bool(self.fsdp), flops_formula=self.formula)
         changed = {k for k, x in ran.items() if x is not None and x != v.get(k)}
         v.update({k: ran[k] for k in changed})
-        dp = max(1, world // v["tp"])
+        dp = max(1, world // (v["tp"] * v["pp"] * v["cp"]))
         mark = lambda k: " (flag)" if k in changed else ""  # noqa: E731
-        ep = f", EP {v['ep']}{mark('ep')}" if v["ep"] > 1 else ""
+        dims = lambda *ks: "".join(f", {k.upper()} {v[k]}{mark(k)}" for k in ks if v[k] > 1)  # noqa: E731
+        model = f"; the model cut to its first {num_layers} blocks (--num-layers)" if num_layers is not None else ""
         text = (
-            f"{self.title()}; runs as seq_len {v['seq_len']}{mark('seq_len')}, MBS {v['mbs']}{mark('mbs')}, "
-            f"GBS {v['gbs']}{mark('gbs')}, TP {v['tp']}{mark('tp')}, DP {dp}{' (FSDP)' if v['fsdp'] else ''}"
-            f"{ep}, GA {max(1, v['gbs'] // (v['mbs'] * dp))} on {world} process(es)"
+            f"{self.title()}{model}; runs as seq_len {v['seq_len']}{mark('seq_len')}, MBS {v['mbs']}{mark('mbs')}, "
+            f"GBS {v['gbs']}{mark('gbs')}, TP {v['tp']}{mark('tp')}{dims('pp', 'vp', 'cp')}, "
+            f"DP {dp}{' (FSDP)' if v['fsdp'] else ''}{dims('ep')}, GA {max(1, v['gbs'] // (v['mbs'] * dp))} "
+            f"on {world} process(es)"
         )
         if world != self.num_gpus:
             text += (
@@ -137,24 +132,6 @@ class Recommended:
             )
         published = SOURCES[self.sources[0]].formula and f", as {self.sources[0]}'s table counts"
         return text + f"; TFLOP/s by the {v['flops_formula']} formula{mark('flops_formula') or published or ''}"
-
-
-def check_runnable(rec: Recommended) -> None:
-    """Refuse a row whose layout needs a parallel dimension lpbench does not implement yet."""
-    from lpbench.config import RunConfig
-    from lpbench.parallel.dims import NOT_YET
-
-    implemented = {f.name for f in fields(RunConfig)} - set(NOT_YET)  # fields that only refuse > 1 so far
-    missing = [
-        f"{name} parallelism ({col.upper()} {getattr(rec, col)})"
-        for col, name in PARALLEL_DIMS
-        if getattr(rec, col) > 1 and col not in implemented
-    ]
-    if missing:
-        raise UsageError(
-            f"the recommended config for {rec.title()} needs {' and '.join(missing)}, which lpbench "
-            f"does not implement yet; set --seq-len/--mbs/--gbs/--tp yourself instead of --gpu"
-        )
 
 
 @lru_cache(maxsize=1)
@@ -215,17 +192,18 @@ def lookup(
 
 def run_defaults(rec: Recommended) -> dict:
     """RunConfig keyword arguments from a recommended row (the fields RunConfig has), with the FLOP formula
-    its table was published with."""
+    its table was published with; with virtual stages NeMo's interleaved 1F1B schedule (``pp_schedule``)."""
     from lpbench.config import RunConfig
 
-    return {
-        **{
-            f.name: bool(getattr(rec, f.name)) if isinstance(f.default, bool) else getattr(rec, f.name)
-            for f in fields(RunConfig)
-            if f.name in RUN_FIELDS
-        },  # e.g. fsdp: 0/1 -> flag
-        "flops_formula": rec.formula,
-    }
+    names = {f.name for f in fields(RunConfig)}
+    out = {
+        f.name: bool(getattr(rec, f.name)) if isinstance(f.default, bool) else getattr(rec, f.name)
+        for f in fields(RunConfig)
+        if f.name in RUN_FIELDS
+    }  # e.g. fsdp: 0/1 -> flag
+    if rec.vp > 1 and "pp_schedule" in names:
+        out["pp_schedule"] = "interleaved-1f1b"
+    return {**out, "flops_formula": rec.formula}
 
 
 def recommended_defaults(
@@ -250,14 +228,17 @@ def recommended_defaults(
     if gpu is None:
         return {}
     rec = lookup(model, gpu, num_gpus, task=workload, precision=precision)
-    check_runnable(rec)
     filled = {k: v for k, v in run_defaults(rec).items() if k not in explicit}
-    if "tp" in filled and world % rec.tp:
+    layout = {k: explicit.get(k, getattr(rec, k)) for k in ("tp", "pp", "cp")}
+    ranks = layout["tp"] * layout["pp"] * layout["cp"]
+    if any(k in filled for k in layout) and world % ranks:
+        used = " x ".join(f"{k.upper()} {n}" for k, n in layout.items() if n > 1 or k == "tp")
         raise UsageError(
-            f"the recommended config for {rec.name} on {rec.num_gpus}x {rec.system} uses TP {rec.tp}, "
+            f"the recommended config for {rec.name} on {rec.num_gpus}x {rec.system} uses {used} = {ranks} ranks, "
             f"but this launch has {world} process(es): start {rec.num_gpus} "
-            f"(--nproc-per-node {rec.num_gpus}, torchrun or srun) or pass --tp"
+            f"(--nproc-per-node {rec.num_gpus}, torchrun or srun) or pass --tp/--pp/--cp"
         )
-    ran = {k: explicit[k] for k in ("seq_len", "mbs", "gbs", "tp", "ep", "fsdp", "flops_formula") if k in explicit}
-    print(f"lpbench: recommended config: {rec.describe(world, **ran)}", file=sys.stderr)
+    ran = {k: explicit[k] for k in FLAG_FIELDS if k in explicit}
+    text = rec.describe(world, explicit.get("num_layers"), **ran)
+    print(f"lpbench: recommended config: {text}", file=sys.stderr)
     return filled

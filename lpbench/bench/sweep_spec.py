@@ -257,7 +257,7 @@ def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
         kwargs["model"] = hf_label(kwargs["hf_checkpoint"])
     rec_text = None
     if settings.get("gpu"):
-        from lpbench.bench.recommended import check_runnable, lookup, run_defaults
+        from lpbench.bench.recommended import FLAG_FIELDS, lookup, run_defaults
 
         rec = lookup(
             settings.get("model", RunConfig().model),
@@ -265,13 +265,12 @@ def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
             settings.get("num_gpus"),
             task=settings.get("workload", "pretrain"),
         )
-        check_runnable(rec)
-        ran = {k: kwargs.get(k) for k in ("seq_len", "mbs", "gbs", "tp", "ep", "fsdp", "flops_formula")}
+        ran = {k: kwargs.get(k) for k in FLAG_FIELDS}
         for k, v in run_defaults(rec).items():
             if k not in kwargs:
                 kwargs[k] = settings[k] = v
         settings.setdefault("num_gpus", rec.num_gpus)
-        rec_text = rec.describe(settings["num_gpus"], **ran)
+        rec_text = rec.describe(settings["num_gpus"], kwargs.get("num_layers"), **ran)
     cfg = RunConfig(**kwargs)
     num_gpus = settings.get("num_gpus")
     if num_gpus is not None:

@@ -15,6 +15,12 @@ skips masked blocks) and ``"sdpa"`` (SDPA with a boolean [B, 1, S, S] mask; O(SÂ
 every device and torch >= 2.10); ``"auto"`` picks flex on CUDA and SDPA elsewhere, because flex
 on CPU has no backward (torch 2.10-2.13) and runs unfused outside torch.compile.
 Without ``doc_ids`` attention is plain causal SDPA, as before.
+
+Context parallelism sets ``context_parallel`` on the decoder and its attentions
+(:mod:`lpbench.parallel.cp`): the input is then this rank's chunks of each sequence, whose places in
+the whole sequence (``positions``) give RoPE and learned positions, attention runs over the whole
+sequence's keys (``attention``), and the loss is this rank's share of the whole sequence's mean
+(``label_count``).
 """
 
 from __future__ import annotations
@@ -118,6 +124,8 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
+    context_parallel = None  # lpbench.parallel.cp.ContextParallel: attention over the CP group's keys
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.hd
@@ -136,7 +144,9 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         gqa = self.n_kv != self.n_heads
-        if mask is None:
+        if mask is None and self.context_parallel is not None:
+            out = self.context_parallel.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gqa)
+        elif mask is None:
             out = gemm.attention(
                 q.transpose(1, 2),
                 k.transpose(1, 2),
@@ -191,6 +201,8 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
+    context_parallel = None  # lpbench.parallel.cp.ContextParallel: the input is this rank's part of each sequence
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -223,9 +235,11 @@ class Decoder(nn.Module):
         ``doc_ids`` [B, S] (packed sequences): attention stays inside each run of equal ids and
         positions restart at each run (see the module doc); None: one causal sequence.
         """
-        S = input_ids.shape[1]
+        S, cp = input_ids.shape[1], self.context_parallel
         h = self.tok_embeddings(input_ids)
         rope = mask = positions = None
+        if cp is not None:
+            positions = cp.positions(S, input_ids.device)
         if doc_ids is not None:
             if doc_ids.shape != input_ids.shape:
                 raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must have input_ids' shape {tuple(input_ids.shape)}")
@@ -234,7 +248,7 @@ class Decoder(nn.Module):
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(torch.arange(S, device=input_ids.device) if positions is None else positions)
         else:
-            rope = rope_tables(self.cfg, S, input_ids.device)
+            rope = rope_tables(self.cfg, S if cp is None else S * cp.size, input_ids.device)
             if positions is not None:
                 rope = (rope[0][positions], rope[1][positions])
         for layer in self.layers:
@@ -243,6 +257,11 @@ class Decoder(nn.Module):
 
     def head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Final norm and LM head: logits, or their mean cross-entropy (FP32) with ``labels``."""
+        cp = self.context_parallel
+        if labels is not None and cp is not None:  # this rank's sum over the whole sequences' count, x CP size
+            logits = self.lm_head(self.norm(h)).flatten(0, 1).float()
+            total = F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum")
+            return total * cp.size / cp.label_count(labels)
         if labels is not None and self.fused_loss_scale is not None:
             return linear_cross_entropy(self.norm(h), self.lm_head.weight, labels, self.fused_loss_scale)
         logits = self.lm_head(self.norm(h))

@@ -6,6 +6,9 @@ of them (``dp_replicate = dp``, ``dp_shard = 1``); FSDP2 shards over ``dp_shard 
 ranks and, with ``--dp-replicate N > 1`` (HSDP), keeps N replicas of those shards. Expert parallelism
 borrows ranks from data parallelism: ``ep`` consecutive data-parallel ranks form an expert-parallel
 group, inside one FSDP shard group (``ep`` divides ``dp_shard``) or, under DDP, inside ``dp``.
+Context parallelism (``cp``, :mod:`lpbench.parallel.cp`) always runs under FSDP2, sharded over
+``dp_shard_cp``: its ranks hold one model between them; without ``--fsdp`` the data-parallel ranks
+are replicas of those shards (HSDP, ``dp_replicate = dp``).
 
 One mesh: ``init_device_mesh`` over the dims ``pp, rep, shard, ep, cp, tp`` (outermost first, TP
 ranks adjacent so a TP group stays inside a node; only the dims larger than 1), where
@@ -39,7 +42,7 @@ from lpbench.config import RunConfig
 from lpbench.errors import UsageError
 
 MESH_DIMS = ("pp", "rep", "shard", "ep", "cp", "tp")  # the mesh's own dims, outermost first
-NOT_YET = {"pp": "pipeline parallelism (--pp)", "cp": "context parallelism (--cp)"}
+NOT_YET = {"pp": "pipeline parallelism (--pp)"}
 
 
 @dataclass(frozen=True)
@@ -58,15 +61,16 @@ class ParallelDims:
         for name in ("dp", "dp_replicate", "tp", "pp", "cp", "ep"):
             if getattr(cfg, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-        fsdp = cfg.fsdp and cfg.dp > 1
-        if cfg.dp_replicate > 1 and not fsdp:
+        sharded = cfg.fsdp and cfg.dp > 1
+        fsdp = sharded or cfg.cp > 1  # CP ranks hold one model: FSDP shards it over them (dp_shard_cp)
+        if cfg.dp_replicate > 1 and not sharded:
             raise UsageError(
                 f"--dp-replicate {cfg.dp_replicate} is HSDP's replica count: it needs --fsdp and "
                 "data-parallel ranks (DDP already replicates over all of them)"
             )
         if cfg.dp % cfg.dp_replicate:
             raise UsageError(f"--dp-replicate {cfg.dp_replicate} does not divide the data-parallel size {cfg.dp}")
-        replicate = cfg.dp_replicate if fsdp else cfg.dp
+        replicate = cfg.dp_replicate if sharded else cfg.dp  # CP without --fsdp: DP ranks replicate (HSDP)
         dims = cls(replicate, cfg.dp // replicate, cfg.cp, cfg.tp, cfg.pp, cfg.ep, fsdp)
         dims.validate()
         return dims
@@ -77,7 +81,7 @@ class ParallelDims:
         for name, what in NOT_YET.items():
             if getattr(self, name) > 1:
                 raise UsageError(f"{what} is not supported yet: use --{name} 1")
-        if self.fsdp and self.dp_replicate > 1 and self.dp_shard == 1:
+        if self.fsdp and self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1:
             raise UsageError(
                 f"--dp-replicate {self.dp_replicate} leaves no ranks to shard over (data-parallel size "
                 f"{self.dp}): drop --fsdp for DDP, or use a smaller --dp-replicate"

@@ -2,7 +2,8 @@
 
 The layout and every group come from :class:`lpbench.parallel.dims.ParallelDims`. Order
 (torchtitan's): tensor parallel on the ``tp`` mesh, expert parallel (``--ep``, the experts of each
-MoE layer spread over data-parallel ranks, :mod:`lpbench.parallel.ep`), activation recomputation
+MoE layer spread over data-parallel ranks, :mod:`lpbench.parallel.ep`), context parallel (``--cp``,
+:mod:`lpbench.parallel.cp`: the sequence split over the ``cp`` mesh), activation recomputation
 (``--recompute``, :mod:`lpbench.parallel.recompute`), ``torch.compile``, then
 FSDP2 (``fsdp`` mesh: 1-D, or 2-D for HSDP) or DDP (``dp_replicate`` mesh) over the other weights; one process
 with ``--offload-optimizer`` is FSDP2 on a mesh of one with CPU offload. A model built on the meta device (no memory) is sharded first, then
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lpbench.config import RunConfig
 from lpbench.models.decoder import initial_values
 from lpbench.models.moe import Experts, moe_layers
+from lpbench.parallel.cp import ContextParallel, apply_cp
 from lpbench.parallel.dims import Meshes, ParallelDims
 from lpbench.parallel.dp import apply_ddp, apply_fsdp, one_rank_mesh, reduce_dtype
 from lpbench.parallel.ep import apply_ep
@@ -39,7 +41,12 @@ class Parallelized:
     forward: nn.Module  # what to call: ``module``, or ``module`` compiled
     dims: ParallelDims  # the layout
     meshes: Meshes | None  # its device mesh and named sub-meshes; None for one process
-    dp_rank: int  # which data shard this rank reads (TP ranks of one DP group read the same)
+    dp_rank: int  # which data shard this rank reads (TP and CP ranks of one DP group read the same)
+    context: ContextParallel | None = None  # under CP: this rank's part of each sequence
+
+    def local(self, args: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A micro-batch's model arguments as this rank takes them: under CP, its chunks of each sequence."""
+        return args if self.context is None else self.context.shard(args)
 
 
 def parallelize(
@@ -73,6 +80,7 @@ def parallelize(
         apply_tp(model, meshes["tp"], cfg.sequence_parallel)
     if dims.ep_enabled:
         apply_ep(model, meshes["ep"], cfg.ep_chunks)
+    context = apply_cp(model, meshes.group("cp"), meshes.rank("cp"), dims.cp) if dims.cp_enabled else None
     for moe in moe_layers(model):  # the load-balancing loss counts the tokens of every data-parallel rank
         moe.count_group = meshes.group("dp")
     if not dims.fsdp_enabled:
@@ -97,7 +105,7 @@ def parallelize(
     elif dims.ddp_enabled:
         module = apply_ddp(model, meshes["dp_replicate"], device, reduce_dtype(cfg.grad_reduce_dtype))
     forward = torch.compile(module) if whole else module
-    return Parallelized(module, forward, dims, meshes, meshes.rank("batch"))
+    return Parallelized(module, forward, dims, meshes, meshes.rank("batch"), context)
 
 
 def compile_blocks(model: nn.Module, head: bool) -> None:

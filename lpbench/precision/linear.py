@@ -316,6 +316,7 @@ class QuantizedGemms(DelayedScaling):
     shared with MoE experts (:class:`ExpertGemms`), whose weights are slices of a stacked parameter."""
 
     tp_shard = None  # lpbench.parallel.tp.TPShard when apply_tp split it: its group, split dim, sections
+    cp_shard = None  # lpbench.parallel.cp.ContextParallel under CP: activations and gradients hold its tokens
 
     def _init_gemms(self, recipe: Recipe, native: bool, device, roles=("input", "weight", "grad")) -> None:
         if not recipe.quantized:
@@ -341,29 +342,48 @@ class QuantizedGemms(DelayedScaling):
         tp = self.tp_shard
         return tp.group if tp is not None and role in ("weight", "grad" if tp.dim == 0 else "input") else None
 
+    def _cp(self, role: str):
+        """The CP split of operand ``role``'s tokens (activations and gradients), or None."""
+        return None if role == "weight" else self.cp_shard
+
+    def split(self, role: str) -> bool:
+        """Whether this rank holds only part of operand ``role`` (a TP shard, or its CP share of the tokens)."""
+        return self._tp_group(role) is not None or self._cp(role) is not None
+
     def reduce_amax(self, role: str, amax: torch.Tensor) -> torch.Tensor:
-        """The amax of this rank's part of operand ``role``: under TP, all-reduced to the whole tensor's."""
-        return all_reduce_max(amax, self._tp_group(role))
+        """The amax of this rank's part of operand ``role``: under TP and CP, all-reduced to the whole tensor's."""
+        cp = self._cp(role)
+        return all_reduce_max(amax, (self._tp_group(role), None if cp is None else cp.group))
 
     def _quantize(self, t: torch.Tensor, role: str, gemm: str, encode_scale=None) -> QTensor:
-        """``t`` quantized as operand ``role`` of ``gemm``; a TP shard exactly as in the unsharded tensor.
+        """``t`` quantized as operand ``role`` of ``gemm``; a TP shard or CP share exactly as in the whole tensor.
 
         TP splits dim 1 of the operand where ``gemm`` reduces over the split features (dgrad
-        column-wise, fprop row-wise), else dim 0. Scaling groups spanning that dim take the amax of
-        all shards; stochastic rounding draws for the unsharded operand and keeps this rank's part.
+        column-wise, fprop row-wise), else dim 0; CP splits the tokens (dim 0, dim 1 of wgrad's
+        transposed layout). Scaling groups spanning a split dim take the amax of all parts;
+        stochastic rounding draws for the whole operand and keeps this rank's part.
         """
-        spec, group = self.recipe.operand(role, gemm), self._tp_group(role)
-        if group is None:
+        spec, tp, cp = self.recipe.operand(role, gemm), self.tp_shard, self._cp(role)
+        splits = []  # (dim, group, whole size, this rank's positions along dim)
+        if self._tp_group(role) is not None:
+            dim = 1 if gemm == ("dgrad" if tp.dim == 0 else "fprop") else 0
+            splits.append((dim, tp.group, sum(tp.sections), lambda: tp.index(t.device)))
+        if cp is not None:
+            dim = 1 if gemm == "wgrad" else 0
+            n = t.shape[dim]
+            splits.append((dim, cp.group, n * cp.size, lambda: cp.token_index(n, t.device)))
+        if not splits:
             return quantize(t, spec, encode_scale=encode_scale)
-        tp = self.tp_shard
-        dim = 1 if gemm == ("dgrad" if tp.dim == 0 else "fprop") else 0
         noise = None
         if spec.stochastic:
             shape = list(t.shape)
-            shape[dim] = sum(tp.sections)
-            noise = torch.rand(shape, device=t.device).index_select(dim, tp.index(t.device))
-        spans = spec.scaling is Scaling.NVFP4 or spec.block[dim] is None
-        return quantize(t, spec, encode_scale=encode_scale, noise=noise, amax_group=group if spans else None)
+            for dim, _, whole, _ in splits:
+                shape[dim] = whole
+            noise = torch.rand(shape, device=t.device)
+            for dim, _, _, index in splits:
+                noise = noise.index_select(dim, index())
+        groups = tuple(g for dim, g, _, _ in splits if spec.scaling is Scaling.NVFP4 or spec.block[dim] is None)
+        return quantize(t, spec, encode_scale=encode_scale, noise=noise, amax_group=groups or None)
 
     def _operands(self, t: torch.Tensor, role: str, gemm: str, row: bool, col: bool):
         """``t`` [tokens, C] quantized as operand ``role`` of ``gemm`` if ``row``, and of wgrad
@@ -376,7 +396,7 @@ class QuantizedGemms(DelayedScaling):
         BF16 operands as well: one extra write, left until a Blackwell GPU can measure it).
         """
         recipe, encode_scale = self.recipe, self._delayed_scale(role, t)
-        if recipe.scaling is Scaling.NVFP4 and self._tp_group(role) is None and (row or col):
+        if recipe.scaling is Scaling.NVFP4 and not self.split(role) and (row or col):
             from lpbench.precision.kernels import nvfp4
 
             if recipe.block == nvfp4.BLOCK and capability.nvfp4_kernel(t):

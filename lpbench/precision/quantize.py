@@ -14,8 +14,9 @@ Conventions:
 * a :class:`QTensor` stores *decode* scales: value = code × block scale [× global scale].
 * amax == 0 gives zeros. A scaling group (tensor, row or block) whose amax is NaN or Inf
   gets a NaN scale, so all of it dequantizes to NaN and a NaN guard sees it.
-* a tensor split across ranks (tensor parallelism) is quantized as the whole tensor would be:
-  ``amax_group`` all-reduces (MAX) the amaxes of scaling groups that span the split, and
+* a tensor split across ranks (tensor or context parallelism) is quantized as the whole tensor would be:
+  ``amax_group`` (a group, or a tuple of groups) all-reduces (MAX) the amaxes of scaling groups that span
+  the split, and
   ``noise`` supplies stochastic rounding's uniform draws for this rank's part.
 
 NVFP4 follows Transformer Engine's arithmetic (``NVFP4BlockScaling``: its CUDA quantizers and
@@ -157,9 +158,13 @@ def _pad(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return F.pad(x, (0, cols, 0, rows)) if rows or cols else x
 
 
-def all_reduce_max(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Elementwise max of ``t`` over ``group`` (``t`` itself without one); traceable by torch.compile."""
-    return t if group is None else funcol.wait_tensor(funcol.all_reduce(t, "max", group))
+def all_reduce_max(t: torch.Tensor, group: dist.ProcessGroup | tuple | None) -> torch.Tensor:
+    """Elementwise max of ``t`` over ``group`` (``t`` itself without one; a tuple of groups, None among them
+    skipped: over each in turn, the max over their product); traceable by torch.compile."""
+    for g in group if isinstance(group, tuple) else (group,):
+        if g is not None:
+            t = funcol.wait_tensor(funcol.all_reduce(t, "max", g))
+    return t
 
 
 def _block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -226,7 +231,7 @@ def quantize_fp8(
     stochastic: bool = False,
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
-    amax_group: dist.ProcessGroup | None = None,
+    amax_group: dist.ProcessGroup | tuple | None = None,
 ) -> QTensor:
     """FP8 with FP32 scales: tensorwise, rowwise ``(1, None)`` or blockwise ``(1, 128)`` / ``(128, 128)``.
 
@@ -338,7 +343,7 @@ def quantize_nvfp4(
     stochastic: bool = False,
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
-    amax_group: dist.ProcessGroup | None = None,
+    amax_group: dist.ProcessGroup | tuple | None = None,
 ) -> QTensor:
     """NVFP4: E2M1 elements, E4M3 scale per 1×16 (or 16×16 weight) block, FP32 global scale.
 

@@ -106,7 +106,7 @@ _LABEL_PARTS = [  # (how a comparison group is named, piece by piece)
     ("gpus", lambda r: _devices(r.get("num_gpus") or 1, r["system"])),
     ("seq", lambda r: f"seq {r['seq_len']}"),
     ("batch", lambda r: f"GBS {r['gbs']} MBS {r['mbs']}"),
-    ("layout", lambda r: " ".join(f"{k.upper()}{r[k]}" for k in ("tp", "pp", "cp", "ep") if r.get(k, 1) != 1)),
+    ("layout", lambda r: " ".join(f"{k.upper()}{r[k]}" for k in ("tp", "pp", "vp", "cp", "ep") if r.get(k, 1) != 1)),
     ("group", lambda r: r.get("group_id") or ""),
 ]
 

@@ -38,6 +38,10 @@ COLUMNS = [  # (key, header, format) of the flat table (lpbench run, sweep, --fo
     ("path", "path", "{}"),
     ("batch", "GBS/MBS/seq", "{}"),
     ("num_gpus", "GPUs", "{}"),
+    ("tp", "TP", "{}"),  # NeMo's layout columns
+    ("pp", "PP", "{}"),
+    ("vp", "VP", "{}"),
+    ("cp", "CP", "{}"),
     ("step_time_ms", "step ms (IQR)", "{:.1f}"),
     ("tokens_per_sec_per_gpu", "tokens/s/GPU", "{:,.0f}"),
     ("tflops_per_gpu", "TFLOP/s/GPU", "{:.3g}"),
@@ -287,6 +291,7 @@ def summary_rows(runs: list[dict]) -> list[dict]:
                 "mbs": mbs,
                 "gbs": gbs,
                 "grad_accum": cfg.get("gbs", 0) // max(1, cfg.get("mbs", 1) * cfg.get("dp", 1)) if cfg else None,
+                **{"tp": 1, "pp": 1, "vp": 1, "cp": 1},  # a run stored before a layout setting existed
                 **{k: v for k, v in _layout(r).items()},
                 "peak_mem_reserved_gb": r.get("peak_mem_reserved_gb"),
                 "device_mem_used_gb": r.get("device_mem_used_gb"),
@@ -432,7 +437,9 @@ def to_rich(rows: list[dict], title: str | None = None, width: int | None = None
 
     def layout(r):
         return (
-            " ".join(f"{k.upper()}{_int(r[k])}" for k in ("tp", "pp", "cp", "ep", "dp") if r.get(k, 1) not in (1, None))
+            " ".join(
+                f"{k.upper()}{_int(r[k])}" for k in ("tp", "pp", "vp", "cp", "ep", "dp") if r.get(k, 1) not in (1, None)
+            )
             + (" FSDP" if r.get("fsdp") else "")
             + (" compiled" if r.get("compile") else "")
             or "-"

@@ -263,6 +263,7 @@ def log_header(run: Run) -> tuple[float, float]:
         log(
             f"lpbench: {run.world.size} ranks ({run.world.launcher}) | dp {cfg.dp} ({dp_kind}) "
             f"x tp {cfg.tp}{' + sequence parallel' if cfg.tp > 1 and cfg.sequence_parallel else ''}"
+            f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''}"
             f"{f' | experts over ep {cfg.ep} ranks' if cfg.ep > 1 else ''}"
         )
     return plan.step_gb, plan.build_gb
@@ -274,7 +275,7 @@ def micro_batches(run: Run) -> torch.Tensor:
     cfg = run.cfg
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(cfg.grad_accum):
-        batch = next(run.data).model_args(run.device)
+        batch = run.par.local(next(run.data).model_args(run.device))
         with grad_sync(run.par.module, micro == cfg.grad_accum - 1, run.keep_unsharded):
             with run.autocast:
                 loss = run.par.forward(*batch)  # input_ids, labels[, doc_ids]
@@ -382,7 +383,12 @@ def train(
                 break
             if evaluates:
                 rec["val_loss"] = evaluate(
-                    par.module, run.splits.valid_batches(cfg.mbs, par.dp_rank, cfg.dp), run.n_eval, device, run.autocast
+                    par.module,
+                    run.splits.valid_batches(cfg.mbs, par.dp_rank, cfg.dp),
+                    run.n_eval,
+                    device,
+                    run.autocast,
+                    par.local,
                 )
                 run.converters.after_evaluate()
                 take_moe_stats(par.module)  # the next step's MoE statistics count training forwards only
@@ -434,6 +440,7 @@ def train(
         world_size=world.size,
         dp=cfg.dp,
         tp=cfg.tp,
+        cp=cfg.cp,
         ep=cfg.ep,
         fsdp=cfg.dp if cfg.fsdp else 1,
         dp_replicate=par.dims.dp_replicate,
@@ -522,8 +529,11 @@ def prefetch_weights(step: int, cfg: RunConfig, evaluates: bool, saves: bool) ->
     return step < cfg.steps and not evaluates and not saves
 
 
-def evaluate(module: torch.nn.Module, batches, n_batches: int, device: torch.device, autocast) -> float:
-    """Mean loss per label token over ``n_batches`` micro-batches on every rank, without gradients.
+def evaluate(
+    module: torch.nn.Module, batches, n_batches: int, device: torch.device, autocast, local=lambda args: args
+) -> float:
+    """Mean loss per label token over ``n_batches`` micro-batches on every rank, without gradients
+    (``local``: a batch's model arguments as this rank takes them, :meth:`Parallelized.local`).
 
     Delayed scaling's amax histories and scales (the buffers a forward changes) are restored afterwards:
     evaluating does not change the training that follows (as in TE, whose no-grad forwards update no scale).
@@ -534,8 +544,11 @@ def evaluate(module: torch.nn.Module, batches, n_batches: int, device: torch.dev
     total = count = 0.0
     with torch.no_grad():
         for batch in itertools.islice(batches, n_batches):
-            args = batch.model_args(device)
-            n = int((args[1] >= 0).sum())  # labels; -100 marks tokens without loss
+            whole = batch.model_args(device)
+            args = local(whole)
+            # labels (-100 marks tokens without loss); under CP each rank's loss is its share of the whole sequences'
+            # mean (lpbench.parallel.cp), so it weighs its part of their count
+            n = int((whole[1] >= 0).sum()) * args[1].numel() / whole[1].numel()
             with autocast:
                 total += module(*args).item() * n
             count += n

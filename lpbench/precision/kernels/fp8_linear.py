@@ -74,7 +74,7 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None, amax=Non
         return fp8_cast.cast_transpose(t.detach(), enc, fmt, write_t, amax)
 
     if recipe.scaling is not Scaling.DELAYED:
-        if kernel and out is not None and mod.tp_shard is None:  # eager: three launches
+        if kernel and out is not None and not mod.split(role):  # eager: three launches
             return (*out, fp8_cast.tensorwise_cast_into(t.detach(), fmt, *out))
         if amax is None:
             # the max of the row maxima (the same value, max is exact in any order): inductor fuses a row reduction
@@ -97,7 +97,7 @@ def _quantize(mod, role: str, t: torch.Tensor, write_t: bool, out=None, amax=Non
         qt = fp8_cast.transpose_codes(q) if write_t else q.new_empty((0,))
     else:  # one read of t: both copies and the amax
         q, qt, amax = one_pass(scale)
-    if mod.tp_shard is not None:
+    if mod.split(role):
         amax = mod.reduce_amax(role, amax.amax())
     return q, qt, _record(mod, role, amax, q)
 
@@ -143,7 +143,7 @@ class Fused:
         """:meth:`operands` of the gradient of ``y`` (``role`` "grad") from ``grad``, the gradient of
         ``epilogue.forward(y)``: its codes (delayed) or amax (tensorwise) come out of the epilogue's backward
         kernel, which reads y once (``kernels/swiglu.py``); bit-exact with casting ``epilogue.backward(y, grad)``."""
-        if mod.tp_shard is not None or not epilogue.fuses_cast(y, grad):
+        if mod.split("grad") or not epilogue.fuses_cast(y, grad):
             return Fused.operands(mod, epilogue.backward(y, grad), "grad", "dgrad", row, col)
         fmt = mod.recipe.element_format("grad")
         if mod.recipe.scaling is Scaling.DELAYED:

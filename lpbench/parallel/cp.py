@@ -1,0 +1,129 @@
+"""Context parallelism (``--cp N``): every sequence split over the ``cp`` ranks, attention exact.
+
+Load balance (Megatron's and torchtitan's): the sequence is cut into ``2N`` equal chunks and rank
+``i`` of the CP group holds chunks ``i`` and ``2N-1-i``, so under the causal mask every rank has
+the same attention work. All ranks of one CP group read the same micro-batch
+(:attr:`lpbench.parallel.dims.ParallelDims` gives them one data rank) and keep their chunks
+(:meth:`ContextParallel.shard`); everything but attention is per token and runs on the local
+chunks unchanged. RoPE and learned positions are those of the tokens' places in the whole
+sequence (:meth:`ContextParallel.positions`).
+
+Attention: all-gather of K and V over the CP group, as Llama 3's training did, instead of a ring.
+It works on every device and process-group backend (gloo on CPU included), keeps one SDPA kernel
+per local query chunk (flash or cuDNN on CUDA) and is exact: each query chunk attends to the
+gathered keys up to its own end under a causal mask aligned at the lower right
+(``torch.nn.attention.bias.causal_lower_right``). The gather is autograd-aware
+(``all_gather_tensor_autograd``: the gradients of K and V are reduce-scattered back, summed over
+the ranks whose queries used them). The cost is the gathered K/V of one layer at a time, which GQA
+keeps small; torch's ``context_parallel`` ring attention is CUDA-only and patches SDPA globally,
+so it is not used.
+
+The loss: each rank's cross-entropy sum over its tokens, divided by the whole sequence's label count
+(all-reduced over the CP group) and multiplied by ``N``, so that the average over the CP ranks (FSDP's
+gradient reduction over ``dp_shard_cp``, the logged loss's over ``loss``) is the mean over the
+global tokens. Quantized linears reduce their per-tensor amaxes of activations and gradients (and
+NVFP4's global scales) over the CP group (``cp_shard`` on each
+:class:`lpbench.precision.linear.QuantizedGemms`), so the local chunks quantize as the whole sequence
+would. Packed SFT (document masking) and MoE layers are refused under CP (``RunConfig.validate``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.nn.attention.bias import causal_lower_right
+
+from lpbench import gemm
+from lpbench.models.decoder import Attention
+from lpbench.precision.linear import QuantizedGemms
+
+
+# torch >= 2.11 names it all_gather_single_autograd (and deprecates the older name)
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+class ContextParallel:
+    """One CP group's split of the sequence and its attention; the model's ``context_parallel`` attribute."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+        self.local_len = 0  # tokens per sequence on this rank, as the last forward saw them
+
+    def chunks(self) -> tuple[int, int]:
+        """The indices of this rank's two chunks among the sequence's ``2 × size``."""
+        return self.rank, 2 * self.size - 1 - self.rank
+
+    def index(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """Positions in the whole sequence (``seq_len`` tokens) of this rank's tokens, in local order."""
+        chunk = seq_len // (2 * self.size)
+        return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in self.chunks()])
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Positions in the whole sequence of the ``local_len`` tokens this rank holds (the decoder asks at each
+        forward; the quantizers' :meth:`token_index` follows that length)."""
+        self.local_len = local_len
+        return self.index(local_len * self.size, device)
+
+    def token_index(self, n_tokens: int, device: torch.device) -> torch.Tensor:
+        """Where this rank's ``n_tokens`` flattened tokens ``[B, local_len]`` lie among the whole micro-batch's
+        ``[B, local_len × size]`` (a quantizer's stochastic-rounding draws are made for the whole operand)."""
+        whole = self.local_len * self.size
+        rows = torch.arange(n_tokens // self.local_len, device=device)
+        return (rows[:, None] * whole + self.index(whole, device)).flatten()
+
+    def shard(self, args: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's chunks (along dim 1) of each ``[B, S]`` tensor of a micro-batch."""
+        idx = self.index(args[0].shape[1], args[0].device)
+        return [t.index_select(1, idx) for t in args]
+
+    def label_count(self, labels: torch.Tensor) -> torch.Tensor:
+        """The number of tokens with a label (not -100) in the whole sequences, over the CP group."""
+        n = (labels != -100).sum().float()
+        return funcol.wait_tensor(funcol.all_reduce(n, "sum", self.group))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
+        """Causal attention of this rank's queries ``q`` [B, H, S_local, D] over the whole sequence's keys.
+
+        ``k``, ``v``: this rank's [B, H_kv, S_local, D]; gathered over the group (rank-major, so
+        reordered to sequence order), then each local query chunk ``c`` attends to the first
+        ``(c + 1)`` chunks' keys under a lower-right causal mask."""
+        chunk = q.shape[2] // 2
+        kv = torch.cat([k, v], dim=1).transpose(0, 2).contiguous()  # [S_local, H_kv k + v, B, D]: gathered on dim 0
+        kv = _all_gather(kv, gather_dim=0, group=self.group)
+        kv = kv.index_select(0, self._order(chunk, kv.device)).transpose(0, 2)
+        k, v = kv.split([k.shape[1], v.shape[1]], dim=1)
+        outs = []
+        for n, c in enumerate(self.chunks()):
+            end = (c + 1) * chunk
+            outs.append(
+                gemm.attention(
+                    q[:, :, n * chunk : (n + 1) * chunk],
+                    k[:, :, :end],
+                    v[:, :, :end],
+                    attn_mask=causal_lower_right(chunk, end),
+                    enable_gqa=enable_gqa,
+                )
+            )
+        return torch.cat(outs, dim=2)
+
+    def _order(self, chunk: int, device: torch.device) -> torch.Tensor:
+        """Where each of the sequence's tokens lies in the rank-major gather: rank r holds chunks r and 2N-1-r."""
+        where = torch.empty(2 * self.size, dtype=torch.long)
+        for r in range(self.size):
+            where[r], where[2 * self.size - 1 - r] = 2 * r, 2 * r + 1
+        return (where[:, None] * chunk + torch.arange(chunk)).flatten().to(device)
+
+
+def apply_cp(model: nn.Module, group: dist.ProcessGroup, rank: int, size: int) -> ContextParallel:
+    """Split ``model``'s sequences over ``group``: the decoder's positions, attention and loss, and the amax
+    reductions of its quantized linears."""
+    cp = ContextParallel(group, rank, size)
+    model.context_parallel = cp
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.context_parallel = cp
+        if isinstance(module, QuantizedGemms):
+            module.cp_shard = cp
+    return cp
