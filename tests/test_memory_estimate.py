@@ -150,6 +150,24 @@ def test_experts_under_ep_accumulate_their_own_gradients_under_fsdp():
     assert e.parts["accumulated gradients"] == 4 * (whole - experts) + 4 * experts / 4  # FSDP's whole, EP's own
 
 
+def test_cp_splits_the_tokens_shards_the_weights_and_keeps_the_gathered_kv():
+    e = estimate(HAND, get_recipe("bf16"), seq_len=128, mbs=1, cp=2, compiled=False, cuda=False)
+    assert e.when == "the loss's backward"
+    assert e.parts == {
+        "master weights (fp32)": 4 * PARAMS / 2,  # FSDP over the 2 CP ranks
+        "optimizer states (fp32 AdamW)": 8 * PARAMS / 2,
+        "FSDP gathered weights": 2 * (2 * BLOCK + PARAMS - BLOCK),
+        "activations (none)": 64 * EAGER,  # 128 tokens / CP 2
+        # K and V of the whole sequence: 128 tokens x 1 KV head x 4 dims x 2 (K, V) x 2 bytes, in the one block
+        "gathered K/V (CP)": 128 * 4 * 2 * 2,
+        "logits and loss": 64 * 32 * 12,  # FSDP: the eager head's three FP32 logit tensors
+    }
+    full = estimate(HAND, get_recipe("bf16"), seq_len=128, mbs=1, cp=2, recompute="full", compiled=False, cuda=False)
+    # its one block recomputed: no gathered K/V kept through the loss's backward (its rerun gathers them again)
+    assert full.when == "the loss's backward" and "gathered K/V (CP)" not in full.parts
+    assert "gathered K/V (CP)" not in estimate(HAND, get_recipe("bf16"), seq_len=128, mbs=1).parts
+
+
 def test_lora_base_stored_quantized_is_its_codes_and_adapters_keep_bf16_inputs():
     e = estimate(
         HAND,

@@ -3,7 +3,8 @@
 The peak of a step is the largest of three moments, each the sum of what is live then, in bytes:
 
 * the loss's backward (the usual peak): every block's activations as ``--recompute`` keeps them
-  (:func:`block_bytes_per_token`, tensor by tensor, times MBS x seq / TP), the head's logit tensors, the
+  (:func:`block_bytes_per_token`, tensor by tensor, times MBS x seq / TP / CP; under context parallelism
+  also the whole sequence's K and V each kept block all-gathered), the head's logit tensors, the
   weight copies the blocks' backward reuses, and no gradient yet (the optimizer sets them to None), but
   with gradient accumulation the earlier micro-batches' (FSDP: unsharded, in the reduction dtype; experts
   under ``--ep``, which FSDP leaves alone, their own, in the master weights' dtype);
@@ -13,8 +14,9 @@ The peak of a step is the largest of three moments, each the sum of what is live
   root's gradients still unsharded beside their reduce-scatter input.
 
 Live throughout: the master weights of what trains (FP32, or BF16 with ``--master-weights bf16``; a LoRA
-base in BF16, or quantized), AdamW's two states (:func:`state_bytes`), each divided by FSDP's shards and
-TP's ranks; with ``--offload-optimizer`` neither they nor the sharded gradients are on the GPU (FSDP2 keeps
+base in BF16, or quantized), AdamW's two states (:func:`state_bytes`), each divided by FSDP's shards (the
+data-parallel ranks with ``--fsdp``, times the CP ranks, which always shard) and TP's ranks; with
+``--offload-optimizer`` neither they nor the sharded gradients are on the GPU (FSDP2 keeps
 them on the CPU; its BF16 gathers stay on the GPU); the weight cache under gradient accumulation; under
 FSDP the BF16 weights gathered: two blocks (in use, prefetched) and the root's, or every block's
 (``--fsdp-shard`` zero2/zero1 keep them to the backward), and with ``--fsdp-fp8-all-gather`` each
@@ -165,6 +167,7 @@ def estimate(
     mbs: int,
     dp: int = 1,
     tp: int = 1,
+    cp: int = 1,
     fsdp: bool = False,
     recompute: str = "none",
     recompute_every: int = 1,
@@ -206,8 +209,9 @@ def estimate(
     ) / m.n_layers
     rest = sum(p.numel() for p in model.parameters()) - block * m.n_layers  # embeddings, final norm, LM head
     head = m.vocab_size * m.dim  # the LM head's (or the tied embeddings') weight
-    fsdp = (fsdp and dp > 1) or offload_optimizer
-    shards = (dp if fsdp else 1) * tp
+    sharded = (fsdp and dp > 1) or offload_optimizer  # FSDP over the data-parallel ranks
+    fsdp = sharded or cp > 1
+    shards = (dp if sharded else 1) * cp * tp  # CP ranks shard the weights too (dp_shard_cp)
     lora = workload == "lora"
     quantized_blocks = (
         max(0, m.n_layers - recipe.first_bf16_layers - recipe.last_bf16_layers) if recipe.quantized else 0
@@ -253,7 +257,7 @@ def estimate(
     per_quantized = 0.0 if (lora and lora_quantized_base) or (cached and fp8_cached) else code_bytes(recipe)
     per_bf16 = 0.0 if fsdp or lora or cached or master_weights == "bf16" else 2.0  # BF16 weights: no cast
     copies = linear * (per_quantized * quantized_blocks + per_bf16 * bf16_blocks) * kept_blocks / m.n_layers / tp
-    tokens = mbs * seq_len / tp  # tensor parallelism splits the features (sequence parallelism the rest)
+    tokens = mbs * seq_len / (tp * cp)  # TP splits the features (sequence parallelism the rest), CP the sequence
     per = dict(
         compiled=compiled,
         residual_bytes=2 if fsdp and cuda else 4,
@@ -263,6 +267,8 @@ def estimate(
     kept = block_bytes_per_token(m, recipe, "none", **per) * tokens
     saved = block_bytes_per_token(m, recipe, recompute, **per) * tokens if checkpointed else kept
     activations = saved * len(checkpointed) + kept * (m.n_layers - len(checkpointed))
+    # context parallelism: each block whose forward is kept holds the K and V it all-gathered (BF16)
+    kv_gathered = 2.0 * 2 * m.n_kv_heads * m.hd * mbs * seq_len / tp if cp > 1 else 0.0
     # gradient accumulation: the earlier micro-batches' gradients, FSDP's unsharded in its reduction dtype
     experts = sum(p.numel() for n, p in model.layers.named_parameters() if ".experts." in n) if ep > 1 else 0
     accumulated = (
@@ -282,13 +288,14 @@ def estimate(
     if fused_loss and not fsdp and tp == 1:
         logits = chunked_loss_bytes(m, mbs * seq_len, cuda=cuda, trains_head=not lora)
     else:
-        logits = mbs * seq_len * m.vocab_size * per_logit / tp
+        logits = mbs * seq_len / cp * m.vocab_size * per_logit / tp
     phases = {
         "the loss's backward": {
             **held,
             **grads,
             "weight copies held for backward": copies,
             f"activations ({recompute})": activations,
+            "gathered K/V (CP)": kv_gathered * (m.n_layers - len(checkpointed)),
             "logits and loss": logits,
         }
     }
@@ -300,6 +307,7 @@ def estimate(
             "gradients so far (LM head)": head_grad,
             "weight copies held for backward": copies,
             f"activations ({recompute})": activations,
+            "gathered K/V (CP)": kv_gathered * (m.n_layers - len(checkpointed) + 1),
             "one block recomputed": kept,
         }
     # the end of the backward: every gradient; under FSDP the root's (embeddings, head) still unsharded, in the

@@ -83,12 +83,14 @@ class ContextParallel:
         n = (labels != -100).sum().float()
         return funcol.wait_tensor(funcol.all_reduce(n, "sum", self.group))
 
+    @torch.compiler.disable  # eager inside a compiled block: Dynamo does not trace causal_lower_right's mask type
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
         """Causal attention of this rank's queries ``q`` [B, H, S_local, D] over the whole sequence's keys.
 
         ``k``, ``v``: this rank's [B, H_kv, S_local, D]; gathered over the group (rank-major, so
         reordered to sequence order), then each local query chunk ``c`` attends to the first
-        ``(c + 1)`` chunks' keys under a lower-right causal mask."""
+        ``(c + 1)`` chunks' keys under a lower-right causal mask (on CUDA, flash attention's own
+        bottom-right alignment)."""
         chunk = q.shape[2] // 2
         kv = torch.cat([k, v], dim=1).transpose(0, 2).contiguous()  # [S_local, H_kv k + v, B, D]: gathered on dim 0
         kv = _all_gather(kv, gather_dim=0, group=self.group)

@@ -253,7 +253,7 @@ def log_header(run: Run) -> tuple[float, float]:
     for line in run.converters.log_lines():
         log(line)
     if run.world.size > 1:
-        dp_kind = ("fsdp, fp8 all-gather" if cfg.fsdp_fp8_all_gather else "fsdp") if cfg.fsdp else "ddp"
+        dp_kind = ("fsdp, fp8 all-gather" if cfg.fsdp_fp8_all_gather else "fsdp") if par.dims.fsdp_enabled else "ddp"
         if par.dims.fsdp_enabled:
             dp_kind += f" {cfg.fsdp_shard}" if cfg.fsdp_shard != "zero3" else ""
             if par.dims.hsdp_enabled:

@@ -24,6 +24,7 @@ def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compil
         mbs=cfg.mbs,
         dp=cfg.dp,
         tp=cfg.tp,
+        cp=cfg.cp,
         fsdp=cfg.fsdp,
         recompute=cfg.recompute,
         recompute_every=cfg.recompute_every,
@@ -99,7 +100,8 @@ def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
     est = predict(cfg, gpu)
     lines = [
         f"{cfg.label} {cfg.precision} {cfg.workload} | seq {cfg.seq_len} MBS {cfg.mbs} GA {cfg.grad_accum} | "
-        f"dp {cfg.dp}{' (fsdp)' if cfg.fsdp else ''} x tp {cfg.tp} | recompute {cfg.recompute}"
+        f"dp {cfg.dp}{' (fsdp)' if cfg.fsdp else ''} x tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} | "
+        f"recompute {cfg.recompute}"
         f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}",
         f"predicted peak: {est.gb:.1f} GB per GPU",
         f"  at {est.when} ({est.total / 2**30:.1f} GB; the build's peak {est.build_gb:.1f} GB):",
