@@ -257,7 +257,7 @@ def test_hsdp_mesh_replicates_across_and_shards_within(world4):
     "argv,message",
     [
         (["--pp", "2", "--nproc-per-node", "2"], "pipeline parallelism (--pp) is not supported yet"),
-        (["--cp", "2", "--nproc-per-node", "2"], "context parallelism (--cp) is not supported yet"),
+        (["--cp", "2", "--seq-len", "30", "--nproc-per-node", "2"], "--seq-len 30 must be divisible by 4"),
         (["--dp-replicate", "2", "--nproc-per-node", "2"], "--dp-replicate 2 is HSDP's replica count: it needs --fsdp"),
         (
             ["--dp-replicate", "3", "--fsdp", "--nproc-per-node", "4"],
