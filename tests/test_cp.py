@@ -28,7 +28,9 @@ from lpbench.models.registry import MODELS, ModelConfig
 from lpbench.parallel.env import shutdown
 from lpbench.precision.recipes import RECIPES
 
-BASE = RunConfig(model="tiny", seq_len=64, mbs=4, gbs=4, steps=3, warmup_steps=1, device="cpu")
+BASE = RunConfig(
+    model="tiny", seq_len=64, mbs=4, gbs=4, steps=3, warmup_steps=1, eval_every=3, eval_batches=1, device="cpu"
+)
 TRAIN_RECIPES = ["fp32", "bf16", "fp8-tensorwise", "fp8-delayed", "nvfp4"]
 MODULE_RECIPES = ["fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "nvfp4"]
 ONE_BLOCK = ModelConfig("test-one-block", 1, 128, 256, 4, 2, 256, rope_theta=10_000.0, max_seq_len=128)
@@ -120,6 +122,18 @@ def _checkpoint_runs(out: str) -> dict:
     return {**traces, "folder": os.path.join(folder, "step-2")}
 
 
+def _trained(cfg: RunConfig) -> dict:
+    r = loop.train(cfg, log=lambda line: None)
+    return {
+        "loss": [s["loss"] for s in r.steps],
+        "grad_norm": [s["grad_norm"] for s in r.steps],
+        "val_loss": r.metrics.get("val_loss"),
+        "status": r.status,
+        "error": r.error,
+        "metrics": {k: r.metrics[k] for k in ("dp", "tp", "cp", "fsdp", "world_size")},
+    }
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
@@ -128,18 +142,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     results = {}
     for layout, kw in LAYOUTS[world].items():
         for precision in TRAIN_RECIPES:
-            r = loop.train(BASE.with_(precision=precision, **kw).with_world(world), log=lambda line: None)
-            results[f"{layout}-{precision}"] = {
-                "loss": [s["loss"] for s in r.steps],
-                "grad_norm": [s["grad_norm"] for s in r.steps],
-                "status": r.status,
-                "error": r.error,
-                "metrics": {k: r.metrics[k] for k in ("dp", "tp", "cp", "fsdp", "world_size")},
-            }
+            results[f"{layout}-{precision}"] = _trained(BASE.with_(precision=precision, **kw).with_world(world))
     if world == 4:
         for name in MODULE_RECIPES:
             results[f"module-tp-{name}"] = _module_errors(name, rank, tp=2)
     if world == 2:
+        for mode in ("selective", "full"):
+            cfg = BASE.with_(precision="fp8-delayed", cp=2, recompute=mode).with_world(world)
+            results[f"cp2-{mode}-fp8-delayed"] = _trained(cfg)
         MODELS[ONE_BLOCK.name] = ONE_BLOCK
         for name in MODULE_RECIPES:
             results[f"module-{name}"] = _module_errors(name, rank)
@@ -187,9 +197,11 @@ def test_chunk_attention_equals_causal_attention(device, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 256, 64, generator=gen).to(device, dtype) for h in (8, 2, 2))
     g = torch.randn(2, 8, 256, 64, generator=gen).to(device, dtype)
+    one = cp_module.ContextParallel(None, 0, 1)
+    one.positions(256, device)
     grads = []
     for attend in (
-        lambda q, k, v: cp_module.ContextParallel(None, 0, 1).attention(q, k, v, True),
+        lambda q, k, v: one.attention(q, k, v, True),
         lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
     ):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -232,12 +244,14 @@ def _assert_trains_like_one_process(run: dict, ref, precision: str) -> None:
     loss, norm = [s["loss"] for s in ref.steps], [s["grad_norm"] for s in ref.steps]
     if precision == "fp32":  # summation order only
         assert run["loss"] == pytest.approx(loss, rel=1e-5) and run["grad_norm"] == pytest.approx(norm, rel=1e-4)
+        assert run["val_loss"] == pytest.approx(ref.metrics["val_loss"], rel=1e-5)  # evaluation splits as training
         return
     # same weights: BF16 roundings of sums taken in another order (other GEMM shapes, TP's partial sums), as
     # test_parallel_quant allows TP; then amplified by Adam's first step and quantization (module doc)
     assert run["loss"][0] == pytest.approx(loss[0], rel=5e-4)
     assert run["grad_norm"][0] == pytest.approx(norm[0], rel=1e-2)  # NVFP4 under TP 2 alone: 4e-3 off
     assert run["loss"] == pytest.approx(loss, rel=5e-3)
+    assert run["val_loss"] == pytest.approx(ref.metrics["val_loss"], rel=5e-3)
 
 
 @pytest.mark.parametrize("precision", TRAIN_RECIPES)
@@ -252,6 +266,13 @@ def test_cp2_trains_like_one_process(world2, reference, precision):
 @pytest.mark.parametrize("precision", TRAIN_RECIPES)
 def test_cp2_times_fsdp2_or_tp2_trains_like_one_process(world4, reference, layout, precision):
     _assert_trains_like_one_process(world4[0][f"{layout}-{precision}"], reference[precision], precision)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_under_cp_changes_nothing(world2, mode):
+    run, plain = world2[0][f"cp2-{mode}-fp8-delayed"], world2[0]["cp2-fp8-delayed"]
+    assert run["status"] == "ok", run["error"]
+    assert (run["loss"], run["grad_norm"], run["val_loss"]) == (plain["loss"], plain["grad_norm"], plain["val_loss"])
 
 
 def test_a_cp2_checkpoint_resumes_exactly(world2):

@@ -50,6 +50,7 @@ class ContextParallel:
     def __init__(self, group: dist.ProcessGroup, rank: int, size: int):
         self.group, self.rank, self.size = group, rank, size
         self.local_len = 0  # tokens per sequence on this rank, as the last forward saw them
+        self.masks = ()  # per local query chunk: its lower-right causal mask over the keys up to its end
 
     def chunks(self) -> tuple[int, int]:
         """The indices of this rank's two chunks among the sequence's ``2 × size``."""
@@ -62,8 +63,12 @@ class ContextParallel:
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Positions in the whole sequence of the ``local_len`` tokens this rank holds (the decoder asks at each
-        forward; the quantizers' :meth:`token_index` follows that length)."""
-        self.local_len = local_len
+        forward; the quantizers' :meth:`token_index` follows that length, attention the masks made here: outside
+        any recomputed region, whose dispatch mode cannot create the masks' tensor subclass)."""
+        if local_len != self.local_len:
+            chunk = local_len // 2
+            self.masks = tuple(causal_lower_right(chunk, (c + 1) * chunk) for c in self.chunks())
+            self.local_len = local_len
         return self.index(local_len * self.size, device)
 
     def token_index(self, n_tokens: int, device: torch.device) -> torch.Tensor:
@@ -97,14 +102,14 @@ class ContextParallel:
         kv = kv.index_select(0, self._order(chunk, kv.device)).transpose(0, 2)
         k, v = kv.split([k.shape[1], v.shape[1]], dim=1)
         outs = []
-        for n, c in enumerate(self.chunks()):
+        for n, (c, mask) in enumerate(zip(self.chunks(), self.masks)):
             end = (c + 1) * chunk
             outs.append(
                 gemm.attention(
                     q[:, :, n * chunk : (n + 1) * chunk],
                     k[:, :, :end],
                     v[:, :, :end],
-                    attn_mask=causal_lower_right(chunk, end),
+                    attn_mask=mask,
                     enable_gqa=enable_gqa,
                 )
             )
