@@ -696,6 +696,8 @@ class RunConfig:
             raise UsageError(f"--cp supports pretraining only: packed {self.workload}'s document masks are not split")
         if model.n_experts:
             raise UsageError(f"--cp does not support mixture-of-experts models yet ({self.model}): use --cp 1")
+        if self.pp > 1:
+            raise UsageError("--cp with --pp is not supported yet: a pipeline stage does not split its sequences")
         if self.backend != "lpbench":
             raise UsageError(f"--cp needs --backend lpbench: {self.backend}'s linears reduce no amaxes over CP")
 
