@@ -23,6 +23,7 @@ LORA_BASE_STORAGES = ("bf16", "quantized")
 COMPILE_SCOPES = ("block", "model")  # lpbench/parallel/plan.py
 DEFAULT_PRECISIONS = ("bf16", "fp8-tensorwise", "mxfp8", "nvfp4")  # `lpbench run` and `converge` compare these
 FSDP_SHARDS = ("zero3", "zero2", "zero1")  # lpbench/parallel/dp.py
+PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "zbv")  # lpbench.parallel.pp: torch's classes
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 RECOMPUTES = ("none", "selective", "full")  # lpbench/parallel/recompute.py
 OFFLOAD_NEEDS_GPU = (
@@ -269,7 +270,33 @@ class RunConfig:
     pp: int = field(
         default=1,
         metadata=arg(
-            "pipeline-parallel size (not supported yet: 1 only)", section="parallel", resume=True, layout=True
+            "pipeline-parallel size: the blocks cut into this many stages of consecutive blocks, one per rank "
+            "(embedding with the first, norm and LM head with the last); GBS / (MBS x DP) micro-batches per step",
+            section="parallel",
+            resume=True,
+            layout=True,
+        ),
+    )
+    vp: int = field(
+        default=1,
+        metadata=arg(
+            "virtual pipeline stages per rank (interleaved schedules): --pp x --vp stages, rank r holding stages "
+            "r, r + PP, ...",
+            section="parallel",
+            resume=True,
+            layout=True,
+        ),
+    )
+    pp_schedule: str | None = field(
+        default=None,
+        metadata=arg(
+            "pipeline schedule (torch.distributed.pipelining): 1f1b, interleaved-1f1b, zero-bubble (interleaved, "
+            "backward split into input and weight gradients) or zbv (zero bubble in a V, --vp 2)",
+            "1f1b; interleaved-1f1b with --vp > 1",
+            choices=PP_SCHEDULES,
+            section="parallel",
+            resume=True,
+            layout=True,
         ),
     )
     cp: int = field(
@@ -743,6 +770,15 @@ class RunConfig:
             raise UsageError(f"--ep {self.ep} must divide {self.model}'s {model.n_experts} experts")
         if self.ep_chunks < 1 or (self.ep_chunks > 1 and self.ep == 1):
             raise UsageError(f"--ep-chunks {self.ep_chunks} needs --ep > 1 and is at least 1")
+        if self.pp * self.vp > model.n_layers:  # the layout's other pipeline rules: ParallelDims
+            raise UsageError(
+                f"--pp {self.pp} x --vp {self.vp} = {self.pp * self.vp} pipeline stages need at least as many "
+                f"blocks; {self.label} has {model.n_layers}"
+            )
+        if self.pp > 1 and self.eval_every:
+            raise UsageError("--eval-every with --pp is not supported yet: judge by the training loss (--eval-every 0)")
+        if self.pp > 1 and self.compile_scope == "model":
+            raise UsageError("--compile-scope model compiles one graph; pipeline stages need --compile-scope block")
         if self.ep > 1 and self.workload == "lora":
             raise UsageError("--ep > 1 does not train LoRA adapters: use --ep 1")
         if self.tp > 1 and self.sequence_parallel and self.seq_len % self.tp:

@@ -102,9 +102,9 @@ class WeightCache:
             (m, name) for m in self.experts for name in (m.in_name, "down")
         ]
         self.versions: list[int | None] = [None] * len(self.weights)
-        self.handles = [
-            model.register_forward_pre_hook(self.refresh),
-            optimizer.register_step_post_hook(self.invalidate),
+        roots = getattr(model, "forward_roots", [model])  # a pipeline rank: its stages, each called on its own
+        self.handles = [root.register_forward_pre_hook(self.refresh) for root in roots] + [
+            optimizer.register_step_post_hook(self.invalidate)
         ]
 
     def invalidate(self, *_) -> None:

@@ -214,6 +214,7 @@ class Decoder(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
         self.fused_loss_scale: float | None = None  # set: the loss through linear_cross_entropy (configure_loss)
+        self.seq_shards = 1  # a pipeline stage under sequence parallelism: the hidden states it takes are a shard
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02, write=None) -> None:
@@ -234,9 +235,13 @@ class Decoder(nn.Module):
 
         ``doc_ids`` [B, S] (packed sequences): attention stays inside each run of equal ids and
         positions restart at each run (see the module doc); None: one causal sequence.
+
+        A pipeline stage (``lpbench.parallel.pp``) lacks the modules other stages hold: without
+        ``tok_embeddings`` it takes the hidden states [B, S, D] as ``input_ids``, without ``lm_head`` it
+        returns its hidden states; those of sequence-parallel ranks are their ``seq_shards``-th of the sequence.
         """
-        S, cp = input_ids.shape[1], self.context_parallel
-        h = self.tok_embeddings(input_ids)
+        S, cp = input_ids.shape[1] * (self.seq_shards if self.tok_embeddings is None else 1), self.context_parallel
+        h = input_ids if self.tok_embeddings is None else self.tok_embeddings(input_ids)
         rope = mask = positions = None
         if cp is not None:
             positions = cp.positions(S, input_ids.device)
@@ -245,15 +250,16 @@ class Decoder(nn.Module):
                 raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must have input_ids' shape {tuple(input_ids.shape)}")
             runs, positions = document_runs(doc_ids)
             mask = document_mask(runs)
-        if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(S, device=input_ids.device) if positions is None else positions)
+        if self.cfg.positions == "learned":
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(torch.arange(S, device=h.device) if positions is None else positions)
         else:
             rope = rope_tables(self.cfg, S if cp is None else S * cp.size, input_ids.device)
             if positions is not None:
                 rope = (rope[0][positions], rope[1][positions])
         for layer in self.layers:
             h = layer(h, rope) if mask is None else layer(h, rope, mask)
-        return self.head(h, labels)
+        return h if self.lm_head is None else self.head(h, labels)
 
     def head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Final norm and LM head: logits, or their mean cross-entropy (FP32) with ``labels``."""

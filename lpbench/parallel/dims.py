@@ -40,9 +40,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lpbench.config import RunConfig
 from lpbench.errors import UsageError
+from lpbench.parallel.pp import check_pipeline
 
 MESH_DIMS = ("pp", "rep", "shard", "ep", "cp", "tp")  # the mesh's own dims, outermost first
-NOT_YET = {"pp": "pipeline parallelism (--pp)"}
+NOT_YET: dict[str, str] = {}  # degrees refused for now: name -> what
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class ParallelDims:
             )
         if cfg.dp % cfg.dp_replicate:
             raise UsageError(f"--dp-replicate {cfg.dp_replicate} does not divide the data-parallel size {cfg.dp}")
+        check_pipeline(cfg.pp, cfg.vp, cfg.pp_schedule, cfg.grad_accum)
         replicate = cfg.dp_replicate if sharded else cfg.dp  # CP without --fsdp: DP ranks replicate (HSDP)
         dims = cls(replicate, cfg.dp // replicate, cfg.cp, cfg.tp, cfg.pp, cfg.ep, fsdp)
         dims.validate()

@@ -151,6 +151,7 @@ def clip_grad_norm_(
     max_norm: float,
     optimizer: torch.optim.Optimizer | None = None,
     spread: tuple[list, object] = ([], None),
+    pipeline: tuple[object, dict[int, int], int] | None = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for parameters on several device meshes (and none).
 
@@ -159,6 +160,12 @@ def clip_grad_norm_(
     differ across the ranks of group (expert parallelism), their squares summed over it. Returns
     the global 2-norm, the same on all ranks.
 
+    ``pipeline`` (group, index, n): pipeline parallelism; each rank holds some of the model's n parameters, ``index``
+    maps ``id(p)`` to the parameter's place in the whole model (a parameter not in it, a last stage's copy of
+    a tied embedding, is clipped but not counted). Plain gradients: every parameter's norm is summed into its
+    place over the group and the norm taken over them all, in the whole model's order, as one process takes it;
+    otherwise the per-rank norms' squares are summed over the group.
+
     With a fused ``optimizer`` (torch's fused Adam/AdamW) the gradients are not scaled here:
     the optimizer's next step divides them by ``1 / clip coefficient`` (its ``grad_scale``, the
     hook AMP's GradScaler uses) inside its one kernel, which saves a read and a write of every
@@ -166,7 +173,8 @@ def clip_grad_norm_(
     """
     spread_ids = {id(p) for p in spread[0]}
     groups: dict = {}
-    for p in params:
+    counted = params if pipeline is None else [p for p in params if id(p) in pipeline[1]]
+    for p in counted:
         if p.grad is not None:
             key = "spread" if id(p) in spread_ids else p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             groups.setdefault(key, []).append(p)
@@ -178,9 +186,27 @@ def clip_grad_norm_(
             torch.distributed.all_reduce(n, group=spread[1])
             n = n.sqrt()
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    if pipeline is not None and list(groups) == [None]:  # one process's arithmetic: every norm in its place
+        group, index, n = pipeline
+        each = torch.zeros(n, device=norms[0].device)
+        for p, n in zip(groups[None], torch._foreach_norm([p.grad for p in groups[None]])):
+            each[index[id(p)]] = n
+        torch.distributed.all_reduce(each, group=group)
+        norms = [torch.linalg.vector_norm(each)]
+    elif pipeline is not None:
+        norms = [n.square().sum().reshape(1) for n in norms] or [torch.zeros(1)]
+        total = torch.cat(norms).sum()
+        torch.distributed.all_reduce(total, group=pipeline[0])
+        norms = [total.sqrt()]
     if not norms:
         return torch.zeros(())
     total = torch.stack(norms).square().sum().sqrt() if len(norms) > 1 else norms[0]
+    params_by_mesh = {}
+    for p in params:  # what is clipped: every parameter, counted or not
+        if p.grad is not None:
+            key = "spread" if id(p) in spread_ids else p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            params_by_mesh.setdefault(key, []).append(p)
+    groups = params_by_mesh
     if optimizer is not None and optimizer.defaults.get("fused") and None in groups and len(groups) == 1:
         # torch's clip coefficient, max_norm / (total + 1e-6) clamped to 1, as the divisor 1 / coefficient
         optimizer.grad_scale = ((total.float() + 1e-6) / max_norm).clamp(min=1.0)

@@ -29,6 +29,15 @@ from lpbench.parallel.cp import ContextParallel, apply_cp
 from lpbench.parallel.dims import Meshes, ParallelDims
 from lpbench.parallel.dp import apply_ddp, apply_fsdp, one_rank_mesh, reduce_dtype
 from lpbench.parallel.ep import apply_ep
+from lpbench.parallel.pp import (
+    Pipeline,
+    default_schedule,
+    rank_stages,
+    rank_view,
+    stage_blocks,
+    stage_module,
+    tie_groups,
+)
 from lpbench.parallel.recompute import apply_recompute
 from lpbench.precision.delayed import DelayedScaling
 from lpbench.convert.quantize import apply_fp8_all_gather
@@ -43,6 +52,7 @@ class Parallelized:
     meshes: Meshes | None  # its device mesh and named sub-meshes; None for one process
     dp_rank: int  # which data shard this rank reads (TP and CP ranks of one DP group read the same)
     context: ContextParallel | None = None  # under CP: this rank's part of each sequence
+    pipeline: Pipeline | None = None  # under --pp: this rank's stages and their schedule (``module``: their view)
 
     def local(self, args: list[torch.Tensor]) -> list[torch.Tensor]:
         """A micro-batch's model arguments as this rank takes them: under CP, its chunks of each sequence."""
@@ -76,6 +86,24 @@ def parallelize(
             model = apply_fsdp(model, one_rank_mesh(device), dtype, reduce_dtype(cfg.grad_reduce_dtype), offload=True)
         return Parallelized(model, torch.compile(model) if whole else model, dims, None, 0)
     meshes = dims.mesh(device.type)
+    if dims.pp_enabled:
+        return pipeline(model, cfg, dims, meshes, device, compute_dtype, by_block)
+    module, context = shard(model, cfg, dims, meshes, device, compute_dtype, by_block)
+    forward = torch.compile(module) if whole else module
+    return Parallelized(module, forward, dims, meshes, meshes.rank("batch"), context)
+
+
+def shard(
+    model: nn.Module,
+    cfg: RunConfig,
+    dims: ParallelDims,
+    meshes: Meshes,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    by_block: bool,
+) -> tuple[nn.Module, ContextParallel | None]:
+    """TP, EP, CP, recompute, per-block compile, FSDP2 or DDP on ``model`` (a decoder, or a pipeline stage); returns
+    the module to call (wrapped by DDP, or ``model`` itself) and CP's sequence split."""
     if dims.tp_enabled:
         apply_tp(model, meshes["tp"], cfg.sequence_parallel)
     if dims.ep_enabled:
@@ -87,8 +115,9 @@ def parallelize(
         materialize(model, device, cfg.seed)
     apply_recompute(model, cfg.recompute, cfg.recompute_every)
     if by_block:
-        compile_blocks(model, head=not cfg.fsdp and cfg.tp == 1)
-        if cfg.tp > 1:  # torch 2.13: a compiled block fed a DTensor's own local tensor fails in backward
+        compile_blocks(model, head=not cfg.fsdp and cfg.tp == 1 and model.lm_head is not None)
+        if cfg.tp > 1 and model.tok_embeddings is not None:  # torch 2.13: a compiled block fed a DTensor's own
+            # local tensor fails in backward
             model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
     module = model
     if dims.fsdp_enabled:
@@ -104,8 +133,49 @@ def parallelize(
         materialize(model, device, cfg.seed)
     elif dims.ddp_enabled:
         module = apply_ddp(model, meshes["dp_replicate"], device, reduce_dtype(cfg.grad_reduce_dtype))
-    forward = torch.compile(module) if whole else module
-    return Parallelized(module, forward, dims, meshes, meshes.rank("batch"), context)
+    return module, context
+
+
+def pipeline(
+    model: nn.Module,
+    cfg: RunConfig,
+    dims: ParallelDims,
+    meshes: Meshes,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    by_block: bool,
+) -> Parallelized:
+    """``model`` cut into this rank's pipeline stages (:mod:`lpbench.parallel.pp`), each sharded as a whole model
+    would be (:func:`shard`), and the schedule that runs them."""
+    schedule = cfg.pp_schedule or default_schedule(cfg.vp)
+    n_stages = cfg.pp * cfg.vp
+    blocks = stage_blocks(len(model.layers), n_stages)
+    ids = rank_stages(meshes.rank("pp"), cfg.pp, cfg.vp, schedule)
+    last_rank = next(r for r in range(cfg.pp) if n_stages - 1 in rank_stages(r, cfg.pp, cfg.vp, schedule))
+    tied = model.lm_head.weight is model.tok_embeddings.weight
+    untie = tied and last_rank != 0
+    stages = [stage_module(model, blocks[i], i == 0, i == n_stages - 1, untie) for i in ids]
+    tp_sp = cfg.tp > 1 and cfg.sequence_parallel
+    for stage in stages:  # the hidden states between stages: each TP rank's part of the sequence
+        stage.seq_shards = cfg.tp if tp_sp else 1
+    modules = [shard(stage, cfg, dims, meshes, device, compute_dtype, by_block)[0] for stage in stages]
+    view = rank_view(model, stages)
+    hidden = torch.empty(
+        (cfg.mbs, cfg.seq_len // cfg.tp if tp_sp else cfg.seq_len, model.cfg.dim),
+        dtype=compute_dtype if dims.fsdp_enabled and device.type == "cuda" else torch.float32,
+        device="meta",
+        requires_grad=True,  # the received activations: their gradient goes back to the stage before
+    )
+    ids_example = torch.empty((cfg.mbs, cfg.seq_len), dtype=torch.long, device="meta")
+    loss = torch.empty((), dtype=torch.float32, device="meta")
+    examples = [(ids_example if i == 0 else hidden, loss if i == n_stages - 1 else hidden) for i in ids]
+    tie_group = tie_groups(meshes.world.mesh, cfg.pp, 0, last_rank) if untie else None
+    first = view.tok_embeddings.weight if view.tok_embeddings is not None else None
+    head = view.lm_head.weight if view.lm_head is not None else None
+    run = Pipeline(
+        modules, ids, n_stages, schedule, cfg.grad_accum, device, meshes.group("pp"), examples, tie_group, (first, head)
+    )
+    return Parallelized(view, None, dims, meshes, meshes.rank("batch"), pipeline=run)
 
 
 def compile_blocks(model: nn.Module, head: bool) -> None:
@@ -134,6 +204,8 @@ def materialize(
     block in turn, and ``after_block(name, block)`` runs once a block holds its values, before the next
     exists (a LoRA base is quantized there, so the whole high-precision model never exists at once).
     Sharded (FSDP2's DTensors), it is allocated whole. A model not on the meta device is left as it is.
+    A pipeline stage (:func:`lpbench.parallel.pp.stage_module`) keeps the values of its own parameters (the
+    draws are the whole model's); a last stage's own copy of a tied embedding takes the embedding's.
     """
     if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         return
@@ -146,7 +218,13 @@ def materialize(
     splits = {name: m.tp_shard for name, m in model.named_modules() if getattr(m, "tp_shard", None) is not None}
     experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
     current = {old: new for new, old in (names or {}).items()}
-    blocks = {f"layers.{i}": block for i, block in enumerate(model.layers)}
+    blocks = {f"layers.{i}": block for i, block in model.layers.named_children()}  # a stage's: global indices
+    mine = {name for name, _ in model.named_parameters()}
+    own_head = (  # a last pipeline stage's copy of a tied embedding
+        model.cfg.tie_embeddings
+        and model.lm_head is not None
+        and (model.tok_embeddings is None or model.lm_head.weight is not model.tok_embeddings.weight)
+    )
 
     def allocate(modules: list[nn.Module], recurse: bool = True) -> None:
         for module in modules:
@@ -189,6 +267,10 @@ def materialize(
     open_block = None
     for name, full in values:
         name = current.get(name, name)
+        if own_head and name == "tok_embeddings.weight":
+            write("lm_head.weight", full)
+        if name not in mine:  # a pipeline stage: another stage's parameter
+            continue
         block = ".".join(name.split(".")[:2]) if name.startswith("layers.") else None
         if block != open_block and open_block is not None and after_block is not None:
             after_block(open_block, blocks[open_block])

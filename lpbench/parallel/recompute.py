@@ -144,7 +144,7 @@ def apply_recompute(model: nn.Module, mode: str, every: int = 1) -> int:
         raise ValueError(f"unknown recompute mode {mode!r}; valid: {', '.join(RECOMPUTES)}")
     if mode == "none":
         return 0
-    blocks = [block for i, block in enumerate(model.layers) if i % every == 0]
+    blocks = [block for i, block in model.layers.named_children() if int(i) % every == 0]  # global index
     for block in blocks:
         # MoE routing breaks a compiled block's graph (data-dependent shapes): such a checkpoint runs eagerly
         block.forward = checkpointed(block.forward, mode, eager=any(isinstance(m, MoE) for m in block.modules()))

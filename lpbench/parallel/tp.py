@@ -219,20 +219,23 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
     """
     tp, sp = mesh.size(), sequence_parallel
     seq = Shard(1) if sp else Replicate()
-    tied = model.lm_head.weight is model.tok_embeddings.weight
-    plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
-    }
+    first, last = model.tok_embeddings is not None, model.lm_head is not None  # a pipeline stage may lack either
+    tied = first and last and model.lm_head.weight is model.tok_embeddings.weight
+    plan = {}
+    if first:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if last:
+        plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
     if sp:
-        plan["norm"] = SequenceParallel()
+        if last:
+            plan["norm"] = SequenceParallel()
         if model.pos_embeddings is not None:
             plan["pos_embeddings"] = PrepareModuleOutput(
                 output_layouts=Replicate(),  # [S, D] or [B, S, D]
                 desired_output_layouts=Shard(-2),
             )
     splits = {}
-    for i, block in enumerate(model.layers):
+    for i, block in model.layers.named_children():
         plan.update({f"layers.{i}.{k}": v for k, v in block_plan(block, sp).items()})
         splits.update({f"layers.{i}.{k}": v for k, v in split_linears(block).items()})
     own = {name for name in splits if hasattr(model.get_submodule(name), "split_tp")}  # LoRA wrappers
@@ -247,7 +250,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
     cuts = [
         (name, sections, getattr(model.get_submodule(name), "tp_multiple", 1)) for name, (_, sections) in splits.items()
     ]
-    for i, block in enumerate(model.layers):  # experts: every rank's part of the FFN width, as a dense MLP's
+    for i, block in model.layers.named_children():  # experts: every rank's part of the FFN width, as a dense MLP's
         experts = getattr(block.mlp, "experts", None)
         if experts is not None and experts.gemm.recipe is not None:
             cuts.append((f"layers.{i}.mlp.experts", (experts.down.shape[2],), experts.gemm.recipe.block or 1))

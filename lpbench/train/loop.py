@@ -26,11 +26,12 @@ from lpbench.models.decoder import configure_loss
 from lpbench.models.registry import ModelConfig
 from lpbench.convert import Converters
 from lpbench.models.hf import load_hf_checkpoint
-from lpbench.models.moe import configure_moe, take_moe_stats
+from lpbench.models.moe import configure_moe, moe_layers, take_moe_stats
 from lpbench.parallel.dp import clip_grad_norm_, grad_sync
 from lpbench.parallel.ep import expert_params, sync_expert_grads
 from lpbench.parallel.env import World, all_reduce, init_distributed
 from lpbench.parallel.plan import Parallelized, parallelize
+from lpbench.parallel.pp import bubble_theory
 from lpbench import gemm
 from lpbench.precision.delayed import is_delayed_state
 from lpbench.precision.recipes import get_recipe
@@ -129,6 +130,10 @@ class Run:
     loss_ranks: int
     keep_unsharded: bool  # FSDP zero1: parameters stay unsharded between micro-batches
     build_peak: float | None  # GB: the peak memory of building it (None: unknown)
+    moe_layer_ids: tuple | None = None  # under --pp: the global block indices of this rank's MoE layers, and of all
+    pipeline_index: tuple | None = (
+        None  # under --pp: each trained parameter's place in the whole model, and their count
+    )
 
 
 def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
@@ -141,7 +146,7 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
     world = init_distributed(device.type)
     if cfg.world_size != world.size:
         raise UsageError(
-            f"config is for {cfg.world_size} ranks (dp {cfg.dp} x tp {cfg.tp}) but this job has {world.size}"
+            f"config is for {cfg.world_size} ranks (dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}) but this job has {world.size}"
         )
     if world.size > 1 and device.type == "cuda":
         device = torch.device("cuda", world.cuda_index)
@@ -174,15 +179,18 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
     configure_moe(model, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff, 1.0 / cfg.grad_accum)
     if use_compile:  # runs in one process (several precisions, converge) each get Dynamo's full recompile budget
         torch._dynamo.reset()
+    order = {name: i for i, (name, p) in enumerate((n, p) for n, p in model.named_parameters() if p.requires_grad)}
     par = parallelize(model, cfg, device, recipe.compute_dtype, use_compile)
     fused_loss = configure_loss(model, cfg.fused_loss, 1.0 / cfg.grad_accum)
+    if par.pipeline is not None:  # the stages compute the loss (the last one)
+        fused_loss = any([configure_loss(s, cfg.fused_loss, 1.0 / cfg.grad_accum) for s in par.module.forward_roots])
     workload_metrics["weight_bytes"] = weight_bytes(par.module)
     loss_group = par.meshes.group("loss") if par.meshes else None  # TP ranks hold equal copies: averaged over DP
     params = [p for p in par.module.parameters() if p.requires_grad]
     spread = expert_params(par.module)[0]  # expert parallel (or TP-split experts): each rank's own experts
     spread = (spread, par.meshes.group("ep" if par.dims.ep_enabled else "tp") if spread else None)
     optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda" and not cfg.offload_optimizer)
-    converters.attach(model, optimizer, params if world.size == 1 else spread[0])
+    converters.attach(par.module if par.pipeline else model, optimizer, params if world.size == 1 else spread[0])
     scheduler = build_scheduler(optimizer, cfg)
     build_peak = memory.peak_gb(device)
     memory.reset_peak(device)  # after building, sharding and initialising the model
@@ -192,6 +200,7 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
             f"--data {cfg.data} has a vocabulary of {splits.vocab_size}, larger than "
             f"{cfg.model}'s {model_cfg.vocab_size}"
         )
+    moe_set = set(moe_layers(model))
     return Run(
         cfg=cfg,
         device=device,
@@ -222,6 +231,18 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
         loss_ranks=par.dims.dp * par.dims.cp,
         keep_unsharded=par.dims.fsdp_enabled and cfg.fsdp_shard == "zero1",
         build_peak=build_peak,
+        moe_layer_ids=None
+        if par.pipeline is None
+        else (
+            [int(i) for i, b in par.module.layers.items() if any(m in moe_set for m in b.modules())],
+            [i for i, b in enumerate(model.layers) if any(m in moe_set for m in b.modules())],
+        ),
+        pipeline_index=None
+        if par.pipeline is None
+        else (
+            {id(p): order[n] for n, p in par.module.named_parameters() if n in order and p.requires_grad},
+            len(order),
+        ),
     )
 
 
@@ -265,6 +286,7 @@ def log_header(run: Run) -> tuple[float, float]:
             f"x tp {cfg.tp}{' + sequence parallel' if cfg.tp > 1 and cfg.sequence_parallel else ''}"
             f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''}"
             f"{f' | experts over ep {cfg.ep} ranks' if cfg.ep > 1 else ''}"
+            f"{pipeline_line(run) if par.pipeline is not None else ''}"
         )
     return plan.step_gb, plan.build_gb
 
@@ -284,17 +306,26 @@ def micro_batches(run: Run) -> torch.Tensor:
     return loss_sum
 
 
-def train_step(run: Run, prefetch: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+def pipelined(run: Run, measure: bool = False) -> torch.Tensor:
+    """The step's forward and backward passes under pipeline parallelism: the schedule runs the step's
+    micro-batches through this rank's stages; returns their loss sum on the last stage's rank, zero elsewhere."""
+    batches = [next(run.data).model_args(run.device) for _ in range(run.cfg.grad_accum)]
+    with run.autocast:
+        return run.par.pipeline.step(batches, measure)
+
+
+def train_step(run: Run, prefetch: bool, measure: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One optimizer step: the forward and backward passes, the converters' hooks, expert gradients summed over
     their replicas, the gradient norm clipped, the optimizer and scheduler stepped. ``prefetch``: the converters
-    may start the next step's work (:func:`prefetch_weights`). Returns the micro-batches' loss sum (a tensor,
+    may start the next step's work (:func:`prefetch_weights`); ``measure``: the pipeline measures its bubble. Returns the micro-batches' loss sum (a tensor,
     not synchronised), the gradient norm and the step's learning rate."""
     cfg, par = run.cfg, run.par
-    loss_sum = micro_batches(run)
+    loss_sum = micro_batches(run) if par.pipeline is None else pipelined(run, measure)
     run.converters.after_backward()
     if cfg.ep > 1 or cfg.tp > 1:
         sync_expert_grads(par.module, cfg.dp, par.meshes.group("ep_replicate" if cfg.ep > 1 else "dp"))
-    grad_norm = clip_grad_norm_(run.params, cfg.grad_clip, run.optimizer, run.spread)
+    pipeline = None if par.pipeline is None else (par.meshes.group("pp"), *run.pipeline_index)
+    grad_norm = clip_grad_norm_(run.params, cfg.grad_clip, run.optimizer, run.spread, pipeline)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     lr = run.scheduler.get_last_lr()[0]
@@ -343,7 +374,10 @@ def train(
             profiler.begin(step)
             t0 = time.perf_counter()
             evaluates = bool(run.n_eval) and (step % cfg.eval_every == 0 or step == cfg.steps)
-            loss_sum, grad_norm, lr = train_step(run, prefetch_weights(step, cfg, evaluates, checkpointer.saves(step)))
+            prefetch = prefetch_weights(step, cfg, evaluates, checkpointer.saves(step))
+            loss_sum, grad_norm, lr = train_step(run, prefetch, measure=step == cfg.steps)  # the bubble: last step
+            if par.pipeline is not None:  # the last stage's loss, to every rank
+                torch.distributed.all_reduce(loss_sum, group=par.meshes.group("pp"))
             loss_value = loss_sum.item() / cfg.grad_accum  # synchronises the device
             step_time = time.perf_counter() - t0
             if run.loss_group is not None:  # the global batch's mean
@@ -360,7 +394,7 @@ def train(
                 "tflops_per_gpu": run.fpt * tps / 1e12,
                 "peak_mem_gb": None if peak is None else all_reduce([peak], "max", device)[0],
             }
-            moe = moe_step_stats(par.module, device, world.size, cfg.tp, cfg.ep)
+            moe = moe_step_stats(par.module, device, world.size // cfg.pp, cfg.tp, cfg.ep, run.moe_layer_ids)
             if moe is not None:
                 rec.update(moe["step"])
                 expert_tokens = (
@@ -450,7 +484,30 @@ def train(
         sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel,
         **run.workload_metrics,
     )
+    if par.pipeline is not None:
+        result.metrics.update(pipeline_metrics(run, log))
     return result
+
+
+def pipeline_line(run: Run) -> str:
+    """The log header's pipeline part: stages, the blocks of this rank's stages, schedule, micro-batches."""
+    pipe, cfg = run.par.pipeline, run.cfg
+    return f" | pp {cfg.pp} x vp {cfg.vp} ({pipe.n_stages} stages, {pipe.name}, {pipe.micro_batches} micro-batches)"
+
+
+def pipeline_metrics(run: Run, log: Callable[[str], None]) -> dict:
+    """The pipeline's layout and its bubble: measured on the last step (each rank's idle fraction of the schedule,
+    averaged over the ranks; :class:`lpbench.parallel.pp.BusyClock`), beside the theory (p - 1) / (m * v + p - 1)."""
+    pipe, cfg = run.par.pipeline, run.cfg
+    theory = bubble_theory(cfg.pp, cfg.vp, cfg.grad_accum)
+    out = {"pp": cfg.pp, "vp": cfg.vp, "pp_schedule": pipe.name, "pp_bubble_theory": theory}
+    if pipe.bubble is not None:
+        out["pp_bubble"] = all_reduce([pipe.bubble], "sum", run.device)[0] / run.world.size
+        log(
+            f"lpbench: pipeline bubble {out['pp_bubble']:.1%} measured (last step, mean over ranks), "
+            f"{theory:.1%} in theory ((p-1)/(m*v+p-1), p {cfg.pp}, v {cfg.vp}, m {cfg.grad_accum}, {pipe.name})"
+        )
+    return out
 
 
 def oom_error(cfg: RunConfig, exc: BaseException) -> str:
@@ -459,16 +516,23 @@ def oom_error(cfg: RunConfig, exc: BaseException) -> str:
     return f"{str(exc).splitlines()[0]} ({memory_plan.oom_hint(cfg, gpu)})"
 
 
-def moe_step_stats(module, device, world_size: int, tp: int, ep: int = 1) -> dict | None:
+def moe_step_stats(module, device, world_size: int, tp: int, ep: int = 1, layer_ids=None) -> dict | None:
     """One step's MoE log values (aux and z-loss as the loss sees them: averaged over micro-batches and
     ranks; expert load = the busiest expert's tokens over the mean, worst layer) and per-layer token counts
     (the ``tp`` ranks of a tensor-parallel group route the same tokens: counted once). Under expert
     parallelism also the tokens each expert-parallel rank's experts received (summed over layers and over
-    the expert-parallel groups) and the imbalance: the busiest rank's tokens over the mean, worst layer."""
+    the expert-parallel groups) and the imbalance: the busiest rank's tokens over the mean, worst layer.
+    ``layer_ids`` (pipeline parallelism): the global block indices of this rank's MoE layers and of all of them;
+    every rank counts zero for the other stages' layers, and ``world_size`` is the ranks of one stage."""
     stats = take_moe_stats(module)
     if stats is None:
         return None
     tokens = stats["tokens_per_expert"]
+    if layer_ids is not None:
+        mine, every = layer_ids
+        full = {i: [0] * module.cfg.n_experts for i in every}
+        full.update(zip(mine, tokens))
+        tokens = [full[i] for i in every]
     flat = all_reduce(
         [float(c) for layer in tokens for c in layer] + [stats["aux_loss"], stats["z_loss"]], "sum", device
     )

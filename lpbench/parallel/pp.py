@@ -1,0 +1,280 @@
+"""Pipeline parallelism (``--pp``, ``--vp``, ``--pp-schedule``) on ``torch.distributed.pipelining``.
+
+The decoder's blocks are cut into ``pp × vp`` stages of consecutive blocks: the embedding goes with the
+first stage, the final norm, LM head and loss with the last. Blocks split evenly; where ``pp × vp`` does
+not divide them, the first ``n mod (pp × vp)`` stages take one block more (the last stage, which also
+runs the head and the loss over the vocabulary, gets an extra block only when every stage does).
+
+Stage ``s`` runs on pipeline rank ``s mod pp`` (``1f1b``, ``interleaved-1f1b``, ``zero-bubble``: rank r
+holds stages r, r + pp, ...), or in a V (``zbv``: rank r holds stages r and 2·pp − 1 − r). Each stage
+is a :class:`lpbench.models.decoder.Decoder` that shares the whole model's modules but keeps only its
+own (:func:`stage_module`), so parameter names are the whole model's: a stage's blocks keep their
+global index (``layers.7``), the converters that ran on the whole model (NVFP4's BF16 first and last
+blocks, by global index) stay as they are, and a checkpoint's keys name the same tensors on every
+layout. A rank's stages together are its :func:`rank_view`, the module its optimizer, checkpoint,
+gradient clipping and converters see.
+
+The schedule is torch's (``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``,
+``ScheduleZBVZeroBubble``) with the step's GBS / (MBS × DP) micro-batches. The last stage returns the
+micro-batch's loss (the model's own head, chunked or not); the schedule's loss function divides it by
+the micro-batch count and the gradients are not rescaled afterwards, the arithmetic of the unpipelined
+``(loss / GA).backward()``.
+
+Tied embeddings: where the first and last stages sit on different ranks, the last stage holds its own
+copy of the embedding matrix as its LM head, initialised from the same draw; after the backward pass the
+two gradients are summed over the pair of ranks (:meth:`Pipeline.sync_tied`), so both copies take the same
+update, as Megatron's embedding group does. Only the first stage's copy enters the gradient norm.
+
+What is ours and why: the stage cut (torch's ``pipeline()`` tracer splits an ``nn.Module`` by an FX graph,
+which the quantized linears' autograd functions and MoE routing do not trace through), the tie and
+the micro-batch bookkeeping; the schedules and the point-to-point transfers are torch's.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules
+
+from lpbench.config import PP_SCHEDULES
+from lpbench.errors import UsageError
+
+SCHEDULES = dict(  # --pp-schedule: torch's class
+    zip(
+        PP_SCHEDULES,
+        ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"),
+    )
+)
+
+
+def default_schedule(vp: int) -> str:
+    """``--pp-schedule``'s default: 1F1B with one stage per rank, interleaved 1F1B with virtual stages."""
+    return "1f1b" if vp == 1 else "interleaved-1f1b"
+
+
+def check_pipeline(pp: int, vp: int, schedule: str | None, micro_batches: int) -> None:
+    """The pipeline's layout rules (one line each, UsageError): virtual stages, schedule and micro-batch count (the
+    model's, enough blocks for the stages, is :meth:`lpbench.config.RunConfig.validate`'s)."""
+    if vp < 1:
+        raise UsageError(f"--vp must be positive, got {vp}")
+    if pp == 1:
+        if vp > 1 or schedule is not None:
+            raise UsageError("--vp and --pp-schedule need pipeline parallelism (--pp > 1)")
+        return
+    schedule = schedule or default_schedule(vp)
+    if schedule not in SCHEDULES:
+        raise UsageError(f"--pp-schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if schedule == "1f1b" and vp > 1:
+        raise UsageError(f"--pp-schedule 1f1b runs one stage per rank: use interleaved-1f1b for --vp {vp}")
+    if schedule == "zbv" and vp != 2:
+        raise UsageError(f"--pp-schedule zbv runs two stages per rank in a V: it needs --vp 2, got {vp}")
+    if micro_batches < pp:
+        raise UsageError(
+            f"--pp {pp} needs at least {pp} micro-batches per step; GBS / (MBS x DP) = {micro_batches}: raise --gbs"
+        )
+    if schedule != "1f1b" and micro_batches % pp:
+        raise UsageError(
+            f"--pp-schedule {schedule} needs the micro-batches per step (GBS / (MBS x DP) = {micro_batches}) "
+            f"to be a multiple of --pp {pp}"
+        )
+
+
+def stage_blocks(n_layers: int, n_stages: int) -> list[range]:
+    """The global block indices of each stage (see the module doc for an uneven split)."""
+    base, extra = divmod(n_layers, n_stages)
+    sizes = [base + (s < extra) for s in range(n_stages)]
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def rank_stages(rank: int, pp: int, vp: int, schedule: str) -> list[int]:
+    """The stage indices pipeline rank ``rank`` runs, in order."""
+    if schedule == "zbv":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + v * pp for v in range(vp)]
+
+
+class Blocks(nn.ModuleDict):
+    """A stage's blocks under their global indices (``layers.7`` as in the whole model); iterates over the
+    blocks, as the whole model's ``nn.ModuleList`` does."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+
+def stage_module(model: nn.Module, blocks: range, first: bool, last: bool, untie: bool) -> nn.Module:
+    """The decoder of one stage: ``model``'s modules shared, the others None. ``untie``: the last stage's LM head
+    gets its own weight (a new parameter on ``model``'s device, not initialised), where ``model`` ties it."""
+    stage = copy.copy(model)
+    stage._modules = dict(model._modules)
+    stage._parameters, stage._buffers = dict(model._parameters), dict(model._buffers)
+    stage._forward_pre_hooks, stage._forward_hooks = type(model._forward_pre_hooks)(), type(model._forward_hooks)()
+    stage.layers = Blocks({str(i): model.layers[i] for i in blocks})
+    if not first:
+        stage.tok_embeddings = stage.pos_embeddings = None
+    if not last:
+        stage.norm = stage.lm_head = None
+    elif untie and model.lm_head.weight is model.tok_embeddings.weight:
+        head = copy.copy(model.lm_head)
+        head._parameters = dict(head._parameters)
+        w = model.lm_head.weight  # a model already allocated (LoRA, a Hugging Face checkpoint): its values
+        head.weight = nn.Parameter(torch.empty_like(w) if w.is_meta else w.detach().clone())
+        stage.lm_head = head
+    return stage
+
+
+def rank_view(model: nn.Module, stages: list[nn.Module]) -> nn.Module:
+    """One module holding a rank's stages (its parameters, buffers and state-dict keys as the whole model's): what
+    the optimizer, the checkpoint and the converters see. Its ``forward_roots`` are the stages."""
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
+    view._forward_pre_hooks, view._forward_hooks = type(model._forward_pre_hooks)(), type(model._forward_hooks)()
+    view.layers = Blocks({k: b for s in stages for k, b in s.layers.items()})
+    for name in ("tok_embeddings", "pos_embeddings", "norm", "lm_head"):
+        setattr(view, name, next((getattr(s, name) for s in stages if getattr(s, name) is not None), None))
+    view.forward_roots = stages
+    return view
+
+
+def tie_groups(world: torch.Tensor, pp: int, first_rank: int, last_rank: int):
+    """The process group of this rank's (first stage, last stage) pair, for every pair of the world mesh
+    ``world`` (pp the outermost dim; a collective call); None where the two are one rank."""
+    if first_rank == last_rank:
+        return None
+    columns = world.reshape(pp, -1).t()
+    pairs = [[int(c[first_rank]), int(c[last_rank])] for c in columns]
+    mine = None
+    for pair in pairs:
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
+
+
+class Pipeline:
+    """A rank's stages and the schedule that runs a step's micro-batches through them.
+
+    ``modules``: the stages as the schedule calls them (FSDP- or DDP-wrapped); ``ids``: their stage indices;
+    ``examples``: ``(input, output)`` meta tensors of each stage, its shapes for the point-to-point transfers.
+    """
+
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        ids: list[int],
+        n_stages: int,
+        schedule: str,
+        micro_batches: int,
+        device: torch.device,
+        group,
+        examples: list[tuple[torch.Tensor, torch.Tensor]],
+        tie_group=None,
+        tied: tuple[nn.Parameter | None, nn.Parameter | None] = (None, None),
+    ):
+        self.ids, self.n_stages, self.name, self.micro_batches = ids, n_stages, schedule, micro_batches
+        self.pp = dist.get_world_size(group)
+        self.vp = len(ids)
+        self.stages = [
+            PipelineStage(m, i, n_stages, device, input_args=x, output_args=y, group=group)
+            for m, i, (x, y) in zip(modules, ids, examples)
+        ]
+        cls = getattr(schedules, SCHEDULES[schedule])
+        one = cls is schedules.Schedule1F1B
+        self.schedule = cls(
+            self.stages[0] if one else self.stages, micro_batches, loss_fn=self._loss, scale_grads=False
+        )
+        self.has_first, self.has_last = 0 in ids, n_stages - 1 in ids
+        self.merges = "return_outputs" in inspect.signature(self.schedule.step).parameters
+        self.losses: list[torch.Tensor] = []
+        self.tie_group, self.tied = tie_group, tied
+        self.clock = BusyClock(self.stages, device)
+        self.bubble: float | None = None  # the idle fraction of the last step measured (``measure``)
+
+    def _loss(self, output: torch.Tensor, target) -> torch.Tensor:
+        self.losses.append(output.detach())
+        return output / self.micro_batches
+
+    def step(self, batches: list[tuple], measure: bool = False) -> torch.Tensor:
+        """Forward and backward of ``batches`` (``Batch.model_args`` of each micro-batch: input_ids, labels[,
+        doc_ids]); returns the sum of the micro-batches' losses on the last stage's rank, else zero. ``measure``: time
+        this rank's compute in the schedule (:class:`BusyClock`) and set ``bubble``."""
+        args = [torch.cat(parts) for parts in zip(*batches)]
+        kwargs = {"labels": args[1]} | ({"doc_ids": args[2]} if len(args) > 2 else {})
+        self.losses = []
+        if self.merges:  # the outputs are the losses, kept by the loss function: not merged
+            kwargs["return_outputs"] = False
+        self.clock.start(measure)
+        self.schedule.step(*args[:1] if self.has_first else (), target=args[1], **kwargs)
+        if measure:
+            self.bubble = self.clock.stop()
+        self.sync_tied()
+        if not self.losses:
+            return torch.zeros((), device=args[0].device)
+        return torch.stack(self.losses).sum()
+
+    def sync_tied(self) -> None:
+        """Sum the tied embedding's two gradients (first stage's embedding, last stage's head) over their ranks."""
+        if self.tie_group is None:
+            return
+        p = self.tied[0] if self.tied[0] is not None else self.tied[1]
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        dist.all_reduce(grad, group=self.tie_group)
+
+
+def bubble_theory(pp: int, vp: int, micro_batches: int) -> float:
+    """The idle fraction of a (interleaved) 1F1B pipeline: (p − 1) / (m · v + p − 1)."""
+    return (pp - 1) / (micro_batches * vp + pp - 1)
+
+
+class BusyClock:
+    """Measures a rank's compute time inside a step: forward pre/post hooks on every stage module and the
+    autograd engine's time inside them are hard to separate, so the clock times the stage's forward and
+    backward calls as the schedule makes them (``PipelineStage.forward_one_chunk``, ``backward_one_chunk``
+    and ``backward_weight_one_chunk``: the compute, after the schedule waited for its inputs), synchronising the
+    device at each end. The bubble is one minus the busy time over the schedule's wall time. Synchronising costs a little throughput, so a run measures it on one step only
+    (``measure``)."""
+
+    METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self, stages: list, device: torch.device):
+        self.device, self.busy, self.on, self.t0 = device, 0.0, False, 0.0
+        for stage in stages:
+            for name in self.METHODS:
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def start(self, on: bool) -> None:
+        self.on, self.busy = on, 0.0
+        if on:
+            self._sync()
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        """The idle fraction since :meth:`start`: 1 − busy time / wall time."""
+        self._sync()
+        wall = time.perf_counter() - self.t0
+        self.on = False
+        return max(0.0, 1.0 - self.busy / wall)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _timed(self, fn):
+        def run(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            self._sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self._sync()
+            self.busy += time.perf_counter() - t0
+            return out
+
+        return run

@@ -1,0 +1,241 @@
+"""Pipeline parallelism (``--pp``, ``--vp``) on CPU (gloo) against the single-process run of the same global batch.
+
+Where the arithmetic is the same the run is bit for bit the single process's: each stage runs its blocks on the
+same micro-batches in the same order, the loss is divided by the micro-batch count before the backward as one
+process divides it, and the gradient norm is taken over the whole model's per-parameter norms in its order. So:
+losses, gradient norms and every final weight equal (1F1B and interleaved, bf16 / fp8-tensorwise / fp8-delayed).
+Exceptions, with their tolerance:
+
+* a tied embedding (``tiny``): its two gradients (embedding, LM head) are summed across the first and last stage
+  instead of accumulated by autograd in one process, another FP32 order: that weight alone may differ in its last
+  bits (losses and norms still agree to rel 1e-6);
+* nvfp4: stochastic rounding draws from each process's own random stream, so the gradients differ after the
+  first forward: the first loss is equal, the later ones agree to the rounding noise (rel 2e-3);
+* with DP, TP or EP beside PP the single-process comparison is the other layouts' (test_parallel_layout.py):
+  summation order over ranks (FP32 rel 1e-5; bf16 rel 2e-3).
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+import lpbench.train.loop as loop
+from lpbench.cli import main
+from lpbench.config import RunConfig
+from lpbench.models.registry import MODELS
+from lpbench.parallel.env import shutdown
+from lpbench.parallel.pp import bubble_theory, check_pipeline, rank_stages, stage_blocks
+
+UNTIED = dataclasses.replace(MODELS["tiny"], name="test-pp-untied", tie_embeddings=False, n_layers=4)
+UNTIED6 = dataclasses.replace(UNTIED, name="test-pp-untied6", n_layers=6)  # nvfp4 keeps blocks 0, 5 in BF16
+BASE = RunConfig(model=UNTIED.name, seq_len=32, mbs=2, gbs=8, steps=3, warmup_steps=1, device="cpu")
+
+SCENARIOS = {
+    2: {
+        **{f"pp2-{p}": dict(pp=2, precision=p) for p in ("bf16", "fp8-tensorwise", "fp8-delayed")},
+        "pp2-nvfp4": dict(pp=2, precision="nvfp4", model=UNTIED6.name),
+        "pp2-vp2-bf16": dict(pp=2, vp=2, precision="bf16"),
+        "pp2-vp2-fp8-delayed": dict(pp=2, vp=2, precision="fp8-delayed"),
+        "pp2-tied-bf16": dict(pp=2, precision="bf16", model="tiny"),
+    },
+    4: {
+        "pp4-bf16": dict(pp=4, precision="bf16"),
+        "pp2-dp2-fsdp-fp32": dict(pp=2, fsdp=True, precision="fp32", gbs=8),
+        "pp2-tp2-fp32": dict(pp=2, tp=2, precision="fp32"),
+        "pp2-ep2-moe-fp32": dict(pp=2, ep=2, precision="fp32", model="tiny-moe", gbs=8),
+    },
+}
+
+
+def _weights(module) -> dict:
+    out = {}
+    for name, p in module.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
+    return out
+
+
+def _train(cfg: RunConfig) -> dict:
+    box, real = {}, loop.build
+
+    def build(*args, **kw):
+        box["run"] = loop_run = real(*args, **kw)
+        return loop_run
+
+    loop.build = build
+    try:
+        r = loop.train(cfg, log=lambda line: None)
+    finally:
+        loop.build = real
+    return {
+        "loss": [s["loss"] for s in r.steps],
+        "grad_norm": [s["grad_norm"] for s in r.steps],
+        "weights": _weights(box["run"].par.module),
+        "metrics": {k: v for k, v in r.metrics.items() if isinstance(v, (int, float, str, list))},
+        "status": r.status,
+        "error": r.error,
+    }
+
+
+def _worker(rank: int, world: int, ckpt: str, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    MODELS.update({UNTIED.name: UNTIED, UNTIED6.name: UNTIED6})
+    results = {}
+    for name, kw in SCENARIOS[world].items():
+        try:
+            results[name] = _train(BASE.with_(**kw).with_world(world))
+        except Exception as exc:  # noqa: BLE001 -- the test names the failure
+            results[name] = {"status": "raised", "error": f"{type(exc).__name__}: {exc}"[:400]}
+    if world == 2:  # a PP 2 run saving after step 2, and its checkpoint resumed for step 3
+        cfg = BASE.with_(pp=2, precision="fp8-delayed").with_world(world)
+        results["saving"] = _train(cfg.with_(save_every=2, save_dir=ckpt))
+        results["resumed"] = _train(cfg.with_(load=os.path.join(ckpt, "step-2")))
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    shutdown()
+
+
+@pytest.fixture(scope="module")
+def pp_ckpt(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, spawn_ranks, pp_ckpt):
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("pp2"), 2, str(pp_ckpt))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory, spawn_ranks):
+    return spawn_ranks(_worker, 4, tmp_path_factory.mktemp("pp4"), 4, "")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single-process runs of every scenario's model and precision (the same GBS, MBS and micro-batches)."""
+    with pytest.MonkeyPatch.context() as mpatch:
+        mpatch.setitem(MODELS, UNTIED.name, UNTIED)
+        mpatch.setitem(MODELS, UNTIED6.name, UNTIED6)
+        runs = {}
+        for kw in [*SCENARIOS[2].values(), *SCENARIOS[4].values()]:
+            key = (kw.get("model", UNTIED.name), kw["precision"])
+            if key not in runs:
+                runs[key] = _train(BASE.with_(model=key[0], precision=key[1]))
+        return runs
+
+
+def _merged(ranks: list, name: str) -> dict:
+    weights = {}
+    for r in ranks:
+        assert r[name]["status"] == "ok", r[name]["error"]
+        weights.update(r[name]["weights"])
+    return weights
+
+
+@pytest.mark.parametrize(
+    "name", ["pp2-bf16", "pp2-fp8-tensorwise", "pp2-fp8-delayed", "pp2-vp2-bf16", "pp2-vp2-fp8-delayed"]
+)
+def test_pipeline_trains_bit_for_bit_like_one_process(world2, reference, name):
+    kw = SCENARIOS[2][name]
+    ref = reference[(kw.get("model", UNTIED.name), kw["precision"])]
+    for r in world2:  # every rank reports the last stage's loss
+        assert r[name]["loss"] == ref["loss"]
+        assert r[name]["grad_norm"] == ref["grad_norm"]
+    assert _merged(world2, name) == ref["weights"]  # every block's weights, on the stage that holds it
+
+
+def test_pipeline_with_a_tied_embedding_differs_only_in_that_weight(world2, reference):
+    ref, run = reference[("tiny", "bf16")], world2[0]["pp2-tied-bf16"]
+    assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert run["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
+    weights = _merged(world2, "pp2-tied-bf16")
+    differ = {n for n in ref["weights"] if weights[n] != ref["weights"][n]}
+    assert differ <= {"tok_embeddings.weight"}
+
+
+def test_pipeline_nvfp4_first_forward_equal_then_within_stochastic_rounding(world2, reference):
+    ref, run = reference[(UNTIED6.name, "nvfp4")], world2[0]["pp2-nvfp4"]
+    assert run["metrics"]["quantized_linears"] > 0
+    assert run["loss"][0] == ref["loss"][0]
+    assert run["loss"] == pytest.approx(ref["loss"], rel=2e-3)
+
+
+def test_pipeline_checkpoint_resumes_exactly(world2):
+    straight, resumed = world2[0]["saving"], world2[0]["resumed"]
+    assert resumed["status"] == "ok", resumed["error"]
+    assert resumed["metrics"]["resumed_from_step"] == 2
+    assert resumed["loss"] == straight["loss"][2:] and resumed["grad_norm"] == straight["grad_norm"][2:]
+    assert _merged(world2, "resumed") == _merged(world2, "saving")  # each stage's blocks, restored and stepped
+
+
+def test_resuming_under_another_pipeline_is_refused_in_one_line(world2, pp_ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(MODELS, UNTIED.name, UNTIED)
+    argv = ["run", "--model", UNTIED.name, "--precision", "fp8-delayed", "--seq-len", "32", "--mbs", "2"]
+    argv += ["--gbs", "8", "--steps", "3", "--device", "cpu", "--load", str(pp_ckpt / "step-2")]
+    assert main([*argv, "--results", str(tmp_path / "db")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pp 2 (this run: 1)" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "db").exists()
+
+
+def test_pipeline_reports_its_bubble_beside_the_theory(world2):
+    m = world2[0]["pp2-vp2-bf16"]["metrics"]
+    assert (m["pp"], m["vp"], m["pp_schedule"]) == (2, 2, "interleaved-1f1b")
+    assert m["pp_bubble_theory"] == pytest.approx(1 / (4 * 2 + 1))
+    assert 0.0 <= m["pp_bubble"] < 1.0
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS[4]))
+def test_pipeline_composes_with_other_layouts(world4, reference, name):
+    kw = SCENARIOS[4][name]
+    ref = reference[(kw.get("model", UNTIED.name), kw["precision"])]
+    run = world4[0][name]
+    assert run["status"] == "ok", run["error"]
+    assert all(r[name]["loss"] == run["loss"] for r in world4)
+    if name == "pp4-bf16":  # the same arithmetic
+        assert run["loss"] == ref["loss"] and run["grad_norm"] == ref["grad_norm"]
+        assert _merged(world4, name) == ref["weights"]
+    else:  # summation order over the data- or tensor-parallel ranks
+        assert run["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert run["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
+def test_stage_cut_and_placement():
+    assert stage_blocks(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert stage_blocks(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]  # extras go first
+    assert rank_stages(1, 4, 2, "interleaved-1f1b") == [1, 5]
+    assert rank_stages(0, 2, 2, "zbv") == [0, 3]
+    assert bubble_theory(4, 5, 32) == pytest.approx(3 / (32 * 5 + 3))
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--pp", "2", "--vp", "2", "--pp-schedule", "1f1b", "--gbs", "8"], "1f1b runs one stage per rank"),
+        (["--pp", "2", "--gbs", "1"], "at least 2 micro-batches"),
+        (["--pp", "2", "--vp", "2", "--gbs", "3"], "multiple of --pp 2"),
+        (["--vp", "2"], "need pipeline parallelism"),
+        (["--pp", "2", "--vp", "8", "--gbs", "8"], "16 pipeline stages"),
+        (["--pp", "2", "--pp-schedule", "zbv", "--gbs", "8"], "needs --vp 2"),
+        (["--pp", "2", "--gbs", "8", "--eval-every", "1"], "--eval-every with --pp"),
+    ],
+)
+def test_impossible_pipeline_layouts_exit_2_in_one_line(tmp_path, capsys, argv, words):
+    argv = ["run", "--model", "tiny", "--steps", "1", "--mbs", "1", "--nproc-per-node", "2", *argv]
+    code = main([*argv, "--results", str(tmp_path / "db")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and words in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "db").exists()
+
+
+def test_pipeline_rules_directly():
+    check_pipeline(2, 2, None, 4)  # interleaved by default
+    with pytest.raises(Exception, match="zbv"):
+        check_pipeline(2, 1, "zbv", 4)
