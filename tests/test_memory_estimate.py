@@ -1,6 +1,8 @@
 """The memory estimator: against a model counted by hand, against the bytes autograd really keeps, and
 ``lpbench memory``'s output and exit codes."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -405,3 +407,22 @@ def test_memory_suggests_the_optimizer_settings_for_one_gpu(capsys):
         == 0
     )
     assert "fits h100" in capsys.readouterr().out
+
+
+HAND4 = ModelConfig("hand4", 4, 8, 16, 2, 1, 32, head_dim=4)  # HAND with 4 blocks
+
+
+@pytest.mark.parametrize(
+    "vp, chunks",
+    [
+        (1, 2 * 2),  # 1F1B, PP 2: rank 0 keeps p - r = 2 micro-batches of its 2 blocks
+        (2, 5 * 1),  # VP 2: stages of 1 block; rank 0 keeps (v-1)p + 2(p-1) + 1 = 5 stage-chunks
+    ],
+)
+def test_pipeline_rank_keeps_the_micro_batches_its_schedule_has_in_flight(vp, chunks):
+    kw = dict(seq_len=4, mbs=1, grad_accum=4, compiled=False, cuda=False)
+    e = estimate(HAND4, get_recipe("bf16"), pp=2, vp=vp, **kw)
+    assert e.parts["activations (none)"] == 4 * EAGER * chunks  # 4 tokens a micro-batch, per block kept
+    assert "logits and loss" not in e.parts  # the first rank, the peak here, has no head
+    half = estimate(dataclasses.replace(HAND4, n_layers=2), get_recipe("bf16"), **kw)
+    assert e.parts["master weights (fp32)"] == half.parts["master weights (fp32)"]  # its 2 blocks' weights

@@ -186,6 +186,9 @@ def estimate(
     master_weights: str = "fp32",
     optimizer_states: str = "fp32",
     offload_optimizer: bool = False,
+    pp: int = 1,
+    vp: int = 1,
+    pp_schedule: str | None = None,
 ) -> Estimate:
     """The predicted peak of one rank (module doc); ``m``'s parameters counted on a meta-device model.
 
@@ -197,9 +200,13 @@ def estimate(
     ``master_weights``, ``optimizer_states``, ``offload_optimizer``: the run's settings of the same names (one
     process only offloads: FSDP2 on one rank, so its gathers are counted as FSDP's). The estimate's ``parts``
     are what is live at the peak, ``when`` names that moment, ``build`` is the streamed build's peak
-    (:func:`build_peak`).
+    (:func:`build_peak`). ``pp``, ``vp``, ``pp_schedule``: pipeline parallelism (:func:`pipeline_estimate`).
     """
     from lpbench.models.decoder import build_model
+
+    if pp > 1:
+        kw = {k: v for k, v in locals().items() if k not in ("m", "recipe", "pp", "vp", "pp_schedule", "build_model")}
+        return pipeline_estimate(m, recipe, pp, vp, pp_schedule, **kw)
 
     model = build_model(m, device="meta")
     block = sum(p.numel() for p in model.layers.parameters()) / m.n_layers
@@ -380,3 +387,36 @@ def build_peak(
     if shards > 1:
         return whole + quantizing
     return max(done + 2.0 * block + quantizing, 4.0 * rest + 4.0 * m.vocab_size * m.dim)
+
+
+def in_flight(pp: int, vp: int, micro_batches: int, schedule: str, rank: int) -> int:
+    """Stage-chunks (one stage's blocks, one micro-batch) whose activations pipeline rank ``rank`` keeps at its
+    peak: 1F1B, ``p - r``; interleaved (torch's and Megatron's warm-up, plus the one of the steady state),
+    ``(v - 1) p + 2 (p - 1 - r) + 1``; at most every chunk, ``m v``. The zero-bubble schedules count as interleaved."""
+    if schedule == "1f1b":
+        return min(pp - rank, micro_batches)
+    return min((vp - 1) * pp + 2 * (pp - 1 - rank) + 1, micro_batches * vp)
+
+
+def pipeline_estimate(m: ModelConfig, recipe: Recipe, pp: int, vp: int, schedule: str | None, **kw) -> Estimate:
+    """The peak of the busier of the first and the last pipeline rank: each counted as a model of its share of
+    the blocks (``ceil(n / pp)``; the embeddings and the LM head counted on both, an overcount of one
+    vocabulary-sized matrix), whose activations are those of the stage-chunks it keeps in flight
+    (:func:`in_flight`) instead of one micro-batch's; the logits only on the last rank."""
+    from dataclasses import replace
+
+    schedule = schedule or ("1f1b" if vp == 1 else "interleaved-1f1b")
+    blocks = -(-m.n_layers // pp)
+    share = estimate(replace(m, n_layers=blocks), recipe, **kw)
+    per_chunk = blocks / vp  # blocks of one stage
+    out = []
+    for rank in (0, pp - 1):
+        parts = dict(share.parts)
+        chunks = in_flight(pp, vp, kw["grad_accum"], schedule, rank)
+        for name in parts:
+            if name.startswith("activations ("):
+                parts[name] *= chunks * per_chunk / blocks
+        if rank != pp - 1:
+            parts.pop("logits and loss", None)
+        out.append(Estimate(parts, when=share.when, build=share.build))
+    return max(out, key=lambda e: e.total)

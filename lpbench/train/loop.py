@@ -146,7 +146,7 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
     world = init_distributed(device.type)
     if cfg.world_size != world.size:
         raise UsageError(
-            f"config is for {cfg.world_size} ranks (dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}) but this job has {world.size}"
+            f"config is for {cfg.world_size} ranks (dp {cfg.dp} x tp {cfg.tp}{f' x pp {cfg.pp}' if cfg.pp > 1 else ''}) but this job has {world.size}"
         )
     if world.size > 1 and device.type == "cuda":
         device = torch.device("cuda", world.cuda_index)

@@ -43,6 +43,9 @@ def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compil
         master_weights=cfg.master_weights,
         optimizer_states=cfg.optimizer_states,
         offload_optimizer=cfg.offload_optimizer,
+        pp=cfg.pp,
+        vp=cfg.vp,
+        pp_schedule=cfg.pp_schedule,
     )
 
 
