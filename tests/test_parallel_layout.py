@@ -256,7 +256,7 @@ def test_hsdp_mesh_replicates_across_and_shards_within(world4):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--pp", "2", "--nproc-per-node", "2"], "pipeline parallelism (--pp) is not supported yet"),
+        (["--pp", "2", "--nproc-per-node", "2"], "--pp 2 needs at least 2 micro-batches per step"),
         (["--cp", "2", "--seq-len", "30", "--nproc-per-node", "2"], "--seq-len 30 must be divisible by 4"),
         (["--dp-replicate", "2", "--nproc-per-node", "2"], "--dp-replicate 2 is HSDP's replica count: it needs --fsdp"),
         (
