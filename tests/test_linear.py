@@ -320,8 +320,11 @@ def test_one_autograd_function_for_every_quantized_linear(monkeypatch):
         "_AllToAll": "expert-parallel dispatch",
         "_AttachLoss": "MoE auxiliary loss",
         "_LinearCrossEntropy": "LM head fused with the loss",
-        "_Enter": "MoE tensor parallelism's entry",
-        "_Leave": "MoE tensor parallelism's exit",
+        "_Start": "expert-parallel dispatch of one group of experts, started asynchronously",
+        "_Wait": "the completion of that dispatch",
+        "GradAllReduce": "hand-split tensor parallelism's entry (MoE experts, LoRA)",
+        "AllReduce": "hand-split tensor parallelism's exit (MoE experts, LoRA)",
+        "_ReduceScatterSeq": "LoRA's row-parallel exit under sequence parallelism",
         "_CastOnce": "a weight's BF16 copy, cast once per optimizer step",
         "_SwiGLU": "the MLP activation, with its hand-written backward",
     }

@@ -66,6 +66,13 @@ SMALL = {
     "lpbench run --model llama3-8b --nproc-per-node 8 --fsdp --precision bf16,fp8-tensorwise": "lpbench run --model tiny --seq-len 32 --mbs 1 --gbs 2 --steps 3 --warmup-steps 1 --nproc-per-node 2 --fsdp "
     "--device cpu --precision bf16,fp8-tensorwise",
     "lpbench run --model tiny --nproc-per-node 2 --tp 2 --device cpu --steps 5": f"lpbench run {TINY} --nproc-per-node 2 --tp 2 --device cpu --precision bf16",
+    "lpbench run --model llama3-8b --gpu h100 --num-gpus 8 --nproc-per-node 8":  # the row's layout, predicted
+    "lpbench run --model llama3-8b --gpu h100 --num-gpus 8 --dry-run",
+    "lpbench run --model tiny --nproc-per-node 2 --pp 2 --vp 2 --gbs 8 --device cpu": "lpbench run --model tiny "
+    "--seq-len 32 --mbs 2 --gbs 8 --steps 3 --warmup-steps 1 --nproc-per-node 2 --pp 2 --vp 2 --device cpu "
+    "--precision bf16",
+    "lpbench sweep examples/seeds-workloads.yaml --dry-run": "lpbench sweep "
+    f"{REPO}/examples/seeds-workloads.yaml --dry-run",
     "lpbench slurm --nodes 2 --gpus-per-node 8 --output nemotron.sbatch -- --model nemotron4-15b --gpu h100 "
     "--num-gpus 16": "lpbench slurm --nodes 2 --gpus-per-node 8 --output nemotron.sbatch -- --model nemotron4-15b "
     "--gpu h100 --num-gpus 16 && grep -q 'nemotron4-15b' nemotron.sbatch",

@@ -52,6 +52,11 @@ _DEFAULTS = {
 }
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
+# safetensors' names of the dtypes that are not floats, as torch names them (for errors)
+_INT_NAMES = {
+    "BOOL": "bool",
+    **{f"{k}{bits}": f"{name}{bits}" for k, name in (("I", "int"), ("U", "uint")) for bits in (8, 16, 32, 64)},
+}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
 
 
@@ -474,7 +479,8 @@ def hf_values(path: PathLike, cfg: ModelConfig, device: torch.device | str = "cp
                 dst = shapes[name][int(index)] if index else shapes[name]
                 dst = dst if lo is None else dst[lo:hi]
                 if not dtype.startswith(("F", "BF")):
-                    raise UsageError(f"{f.name}: tensor {key} holds {dtype.lower()}, not floating-point weights")
+                    held = _INT_NAMES.get(dtype, dtype.lower())
+                    raise UsageError(f"{f.name}: tensor {key} holds {held}, not floating-point weights")
                 if shape != tuple(dst.shape):
                     raise UsageError(
                         f"{f.name}: tensor {key} has shape {shape}, expected {tuple(dst.shape)} from config.json"
