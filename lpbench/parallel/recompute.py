@@ -76,15 +76,9 @@ COMPILED_SAVE = ("aten.amax.default", "aten.max.default")
 MM = ("aten.mm.default", "aten._scaled_mm.default")
 
 
-def _policy(
-    saved: frozenset, mm: frozenset, counts: dict, compiled: bool, ctx, op, *args, **kwargs
-) -> CheckpointPolicy:
+def _policy(saved: frozenset, mm: frozenset, counts: dict, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Save ``saved`` ops' outputs, but only every other GEMM's (torchtitan's: the 1st, 3rd, ... of the call:
-    a block's QKV and gate+up projections; its output and down projections are recomputed from them).
-    Compiled, also every copy of a one-element tensor: delayed scaling's scale as the cast read it
-    (``DelayedScaling.cast_scale``), which a rerun cannot read again from the updated buffer."""
-    if compiled and op is torch.ops.aten.clone.default and args[0].numel() == 1:
-        return CheckpointPolicy.MUST_SAVE
+    a block's QKV and gate+up projections; its output and down projections are recomputed from them)."""
     if op in mm:
         key = "rerun" if ctx.is_recompute else "first"
         counts[key] += 1
@@ -98,9 +92,7 @@ def _contexts(mode: str, compiled: bool):
     names = MUST_SAVE + ((SELECTIVE_SAVE + (COMPILED_SAVE if compiled else ())) if mode == "selective" else ())
     saved = _ops(*names)
     if compiled or mode == "selective":
-        op_level = create_selective_checkpoint_contexts(
-            partial(_policy, saved, _ops(*MM), {"first": 0, "rerun": 0}, compiled)
-        )
+        op_level = create_selective_checkpoint_contexts(partial(_policy, saved, _ops(*MM), {"first": 0, "rerun": 0}))
     else:  # eager full: no per-op policy to apply
         op_level = contextlib.nullcontext(), contextlib.nullcontext()
     if compiled:  # traced once: the graph, not Python state, carries what the rerun needs

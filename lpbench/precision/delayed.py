@@ -102,12 +102,8 @@ class DelayedScaling:
         return out
 
     def cast_scale(self, role: str) -> torch.Tensor:
-        """The encode scale a cast of ``role`` uses now: the buffer, or in a checkpointed or compiled forward a copy
-        of it, which the rerun takes back (the buffer holds the updated scale by then)."""
-        if torch.compiler.is_compiling():
-            # a copy: the rerun of a compiled checkpoint (the partitioner's recomputation) runs after the update
-            # has changed the buffer; the recompute policy saves copies of one-element tensors for it
-            return self.scale_buffer(role).clone()
+        """The encode scale a cast of ``role`` uses now: the buffer, or in a checkpointed forward a copy of it,
+        which the rerun takes back (the buffer holds the updated scale by then)."""
         if passes.current()[0] is None:
             return self.scale_buffer(role)
         return self.once(lambda: self.scale_buffer(role).clone())
