@@ -84,7 +84,7 @@ def one_rank_mesh(device: torch.device) -> DeviceMesh:
     """A device mesh of this process alone on ``device``, for FSDP2 in one process (``--offload-optimizer``);
     starts a process group of one if there is none, on an in-process store (no network). On CUDA the group holds
     NCCL and gloo, so that collectives on the offloaded (CPU) gradients, such as the clipping norm's, run too."""
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # "cuda" alone: the current device already
         torch.cuda.set_device(device)  # the mesh's device
     if not dist.is_initialized():
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
