@@ -58,7 +58,7 @@ def test_block_compiled_loss_and_gradients_equal_eager():
     [
         (
             ["--compile-scope", "model", "--fsdp", "--nproc-per-node", "2", "--mbs", "4"],
-            "--compile-scope model needs one process or DDP; FSDP and TP compile each block",
+            "--compile-scope model needs one process or DDP; FSDP, TP and CP compile each block",
         ),
     ],
 )

@@ -83,7 +83,12 @@ def _train(cfg: RunConfig) -> dict:
 
 def _worker(rank: int, world: int, ckpt: str, port: int, out: str) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",  # one thread, as the reference: a CPU GEMM's sums depend on the thread count
     )
     torch.set_num_threads(1)
     MODELS.update({UNTIED.name: UNTIED, UNTIED6.name: UNTIED6})
@@ -119,15 +124,22 @@ def world4(tmp_path_factory, spawn_ranks):
 
 @pytest.fixture(scope="module")
 def reference():
-    """Single-process runs of every scenario's model and precision (the same GBS, MBS and micro-batches)."""
+    """Single-process runs of every scenario's model and precision (the same GBS, MBS and micro-batches), on one
+    thread as the ranks run."""
+    threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mpatch:
         mpatch.setitem(MODELS, UNTIED.name, UNTIED)
         mpatch.setitem(MODELS, UNTIED6.name, UNTIED6)
+        mpatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
         runs = {}
-        for kw in [*SCENARIOS[2].values(), *SCENARIOS[4].values()]:
-            key = (kw.get("model", UNTIED.name), kw["precision"])
-            if key not in runs:
-                runs[key] = _train(BASE.with_(model=key[0], precision=key[1]))
+        try:
+            for kw in [*SCENARIOS[2].values(), *SCENARIOS[4].values()]:
+                key = (kw.get("model", UNTIED.name), kw["precision"])
+                if key not in runs:
+                    runs[key] = _train(BASE.with_(model=key[0], precision=key[1]))
+        finally:
+            torch.set_num_threads(threads)
         return runs
 
 

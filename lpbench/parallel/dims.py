@@ -43,7 +43,6 @@ from lpbench.errors import UsageError
 from lpbench.parallel.pp import check_pipeline
 
 MESH_DIMS = ("pp", "rep", "shard", "ep", "cp", "tp")  # the mesh's own dims, outermost first
-NOT_YET: dict[str, str] = {}  # degrees refused for now: name -> what
 
 
 @dataclass(frozen=True)
@@ -80,9 +79,6 @@ class ParallelDims:
     def validate(self) -> None:
         """Every layout rule that needs no model (the model's own — TP divides the heads, EP the experts — are
         :meth:`RunConfig.validate`'s); one line each."""
-        for name, what in NOT_YET.items():
-            if getattr(self, name) > 1:
-                raise UsageError(f"{what} is not supported yet: use --{name} 1")
         if self.fsdp and self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1:
             raise UsageError(
                 f"--dp-replicate {self.dp_replicate} leaves no ranks to shard over (data-parallel size "
