@@ -28,29 +28,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-TINY = [
-    "--model",
-    "tiny",
-    "--precision",
-    "bf16",
-    "--device",
-    "cpu",
-    "--seq-len",
-    "32",
-    "--mbs",
-    "2",
-    "--gbs",
-    "2",
-    "--steps",
-    "2",
-    "--warmup-steps",
-    "1",
-    "--eval-every",
-    "0",
-]
+# the smallest valid run: one line of flags the hardening and fault tests share
+TINY = "--model tiny --precision bf16 --device cpu --seq-len 32 --mbs 2 --gbs 2 --steps 2 --warmup-steps 1".split()
 # A valid command line per command ({d}: the case's folder); each case changes one flag of it.
 BASES = {
-    "run": ["run", *TINY, "--results", "{d}/r"],
+    "run": ["run", *TINY, "--eval-every", "0", "--results", "{d}/r"],
     "converge": [
         "converge",
         "--data",

@@ -13,25 +13,7 @@ import pytest
 import torch
 
 from lpbench.cli import main
-
-TINY = [
-    "--model",
-    "tiny",
-    "--precision",
-    "bf16",
-    "--device",
-    "cpu",
-    "--seq-len",
-    "32",
-    "--mbs",
-    "2",
-    "--gbs",
-    "2",
-    "--steps",
-    "2",
-    "--warmup-steps",
-    "1",
-]
+from tests.fuzz_cli import TINY
 
 
 def _tree(root: Path) -> list[str]:

@@ -19,26 +19,9 @@ import pytest
 from lpbench.bench.store import SCHEMA_VERSION, ResultsStore, RunRecord
 from lpbench.cli import main
 from lpbench.train import loop
+from tests.fuzz_cli import TINY
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "--model",
-    "tiny",
-    "--precision",
-    "bf16",
-    "--device",
-    "cpu",
-    "--seq-len",
-    "32",
-    "--mbs",
-    "2",
-    "--gbs",
-    "2",
-    "--steps",
-    "2",
-    "--warmup-steps",
-    "1",
-]
 
 
 def _tree(root: Path) -> list[str]:
