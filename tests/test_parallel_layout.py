@@ -290,6 +290,10 @@ def test_layout_of_a_config():
     assert (ddp.dp_replicate, ddp.dp_shard, ddp.ddp_enabled) == (4, 1, True)
     assert ddp.sizes()["rep"] * ddp.sizes()["ep"] == 4
     assert BASE.with_(pp=1, cp=1, dp_replicate=1, fsdp_shard="zero3").key() == BASE.key()  # defaults keep keys
+    cp = ParallelDims.of(BASE.with_(seq_len=64, cp=2).with_world(8))  # CP shards over every DP x CP rank
+    assert (cp.dp_replicate, cp.dp_shard, cp.fsdp_enabled, cp.hsdp_enabled) == (1, 4, True, False)
+    hsdp = ParallelDims.of(BASE.with_(seq_len=64, cp=2, dp_replicate=2).with_world(8))
+    assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.hsdp_enabled) == (2, 2, True)
 
 
 def test_tiny_moe_runs_expert_parallel_under_fsdp_from_the_command_line(tmp_path):

@@ -15,7 +15,7 @@ The peak of a step is the largest of three moments, each the sum of what is live
 
 Live throughout: the master weights of what trains (FP32, or BF16 with ``--master-weights bf16``; a LoRA
 base in BF16, or quantized), AdamW's two states (:func:`state_bytes`), each divided by FSDP's shards (the
-data-parallel ranks with ``--fsdp``, times the CP ranks, which always shard) and TP's ranks; with
+data-parallel ranks with ``--fsdp`` or ``--cp``, times the CP ranks, which always shard) and TP's ranks; with
 ``--offload-optimizer`` neither they nor the sharded gradients are on the GPU (FSDP2 keeps
 them on the CPU; its BF16 gathers stay on the GPU); the weight cache under gradient accumulation; under
 FSDP the BF16 weights gathered: two blocks (in use, prefetched) and the root's, or every block's
@@ -216,7 +216,7 @@ def estimate(
     ) / m.n_layers
     rest = sum(p.numel() for p in model.parameters()) - block * m.n_layers  # embeddings, final norm, LM head
     head = m.vocab_size * m.dim  # the LM head's (or the tied embeddings') weight
-    sharded = (fsdp and dp > 1) or offload_optimizer  # FSDP over the data-parallel ranks
+    sharded = ((fsdp or cp > 1) and dp > 1) or offload_optimizer  # FSDP over the data-parallel ranks (CP: always)
     fsdp = sharded or cp > 1
     shards = (dp if sharded else 1) * cp * tp  # CP ranks shard the weights too (dp_shard_cp)
     lora = workload == "lora"

@@ -7,8 +7,9 @@ ranks and, with ``--dp-replicate N > 1`` (HSDP), keeps N replicas of those shard
 borrows ranks from data parallelism: ``ep`` consecutive data-parallel ranks form an expert-parallel
 group, inside one FSDP shard group (``ep`` divides ``dp_shard``) or, under DDP, inside ``dp``.
 Context parallelism (``cp``, :mod:`lpbench.parallel.cp`) always runs under FSDP2, sharded over
-``dp_shard_cp``: its ranks hold one model between them; without ``--fsdp`` the data-parallel ranks
-are replicas of those shards (HSDP, ``dp_replicate = dp``).
+``dp_shard_cp``: its ranks hold one model between them, and with or without ``--fsdp`` the
+data-parallel ranks shard it too (all ``dp × cp`` ranks, as Megatron's distributed optimizer shards
+over its DP × CP group); ``--dp-replicate`` makes replicas of those shards (HSDP).
 
 One mesh: ``init_device_mesh`` over the dims ``pp, rep, shard, ep, cp, tp`` (outermost first, TP
 ranks adjacent so a TP group stays inside a node; only the dims larger than 1), where
@@ -61,17 +62,17 @@ class ParallelDims:
         for name in ("dp", "dp_replicate", "tp", "pp", "cp", "ep"):
             if getattr(cfg, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-        sharded = cfg.fsdp and cfg.dp > 1
-        fsdp = sharded or cfg.cp > 1  # CP ranks hold one model: FSDP shards it over them (dp_shard_cp)
+        fsdp = cfg.fsdp or cfg.cp > 1  # CP ranks hold one model: FSDP2 shards it over dp × cp (dp_shard_cp)
+        sharded = fsdp and cfg.dp > 1
         if cfg.dp_replicate > 1 and not sharded:
             raise UsageError(
-                f"--dp-replicate {cfg.dp_replicate} is HSDP's replica count: it needs --fsdp and "
+                f"--dp-replicate {cfg.dp_replicate} is HSDP's replica count: it needs --fsdp (or --cp) and "
                 "data-parallel ranks (DDP already replicates over all of them)"
             )
         if cfg.dp % cfg.dp_replicate:
             raise UsageError(f"--dp-replicate {cfg.dp_replicate} does not divide the data-parallel size {cfg.dp}")
         check_pipeline(cfg.pp, cfg.vp, cfg.pp_schedule, cfg.grad_accum)
-        replicate = cfg.dp_replicate if sharded else cfg.dp  # CP without --fsdp: DP ranks replicate (HSDP)
+        replicate = cfg.dp_replicate if sharded else cfg.dp
         dims = cls(replicate, cfg.dp // replicate, cfg.cp, cfg.tp, cfg.pp, cfg.ep, fsdp)
         dims.validate()
         return dims

@@ -476,7 +476,7 @@ def train(
         tp=cfg.tp,
         cp=cfg.cp,
         ep=cfg.ep,
-        fsdp=cfg.dp if cfg.fsdp else 1,
+        fsdp=cfg.dp if par.dims.fsdp_enabled else 1,
         dp_replicate=par.dims.dp_replicate,
         dp_shard=par.dims.dp_shard,
         fsdp_shard=cfg.fsdp_shard if par.dims.fsdp_enabled else None,

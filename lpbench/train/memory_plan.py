@@ -66,7 +66,7 @@ def suggestions(cfg: RunConfig, capacity: float, gpu: str | None = None) -> list
         tries.append(("--recompute-every 1", dict(recompute_every=1)))
     if not cfg.fused_loss:
         tries.append(("--fused-loss", dict(fused_loss=True)))
-    if cfg.dp > 1 and not cfg.fsdp and cfg.workload != "lora":
+    if cfg.dp > 1 and not cfg.fsdp and cfg.cp == 1 and cfg.workload != "lora":
         tries.append(("--fsdp", dict(fsdp=True)))
     if cfg.optimizer_states not in ("fp8", "8bit"):
         tries.append(("--optimizer-states 8bit", dict(optimizer_states="8bit")))
@@ -103,7 +103,7 @@ def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
     est = predict(cfg, gpu)
     lines = [
         f"{cfg.label} {cfg.precision} {cfg.workload} | seq {cfg.seq_len} MBS {cfg.mbs} GA {cfg.grad_accum} | "
-        f"dp {cfg.dp}{' (fsdp)' if cfg.fsdp else ''} x tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} | "
+        f"dp {cfg.dp}{' (fsdp)' if cfg.fsdp or cfg.cp > 1 else ''} x tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} | "
         f"recompute {cfg.recompute}"
         f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}",
         f"predicted peak: {est.gb:.1f} GB per GPU",
