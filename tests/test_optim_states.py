@@ -3,9 +3,11 @@ the low-precision AdamW against torch's AdamW with its states passed through tho
 
 import copy
 import json
+import math
 import struct
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,8 @@ import torch
 
 from lpbench.precision import optim_states as fmt
 from lpbench.precision.formats import E4M3, round_to_format
-from lpbench.train.optim import BETAS, EPS, LowPrecisionAdamW, quantizes
+from lpbench.train import optim
+from lpbench.train.optim import BETAS, EPS, LowPrecisionAdamW, decode, quantizes
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(16, 256), (8, 512), (10, 100), (32,)]  # quantized, quantized, not a whole block, a vector
@@ -197,7 +200,7 @@ def test_each_variant_matches_adamw_with_states_through_the_reference(states, ma
     for p, q in zip(ours, ref):  # the stored moments decode to the reference's
         st = opt.state[p]
         for key in ("exp_avg", "exp_avg_sq"):
-            value = opt._decode(st[key], st.get(f"{key}_scale"), key)
+            value = decode(st[key], st.get(f"{key}_scale"), signed=key == "exp_avg")
             assert torch.equal(value, reference.state[q][key]), (key, p.shape)
         expected = torch.uint8 if states == "8bit" else torch.float8_e4m3fn
         if quantizes(p, states):
@@ -256,6 +259,188 @@ def test_lr_zero_step_changes_no_weight():
         p.grad = g.bfloat16()
     opt.step()
     assert all(torch.equal(p, q) for p, q in zip(ps, before))
+
+
+# ---------------------------------------------------------------- buckets against the per-parameter update
+class PerParameterAdamW(LowPrecisionAdamW):
+    """The update as lpbench first wrote it, one parameter (and row chunk) at a time: the buckets' reference."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        index = -1
+        for group in self.param_groups:
+            for p in group["params"]:
+                index += 1
+                if p.grad is not None:
+                    state = self.state[p] or self._init_state(p)
+                    state["step"] += 1
+                    self._update_one(p, state, group, index)
+
+    def _update_one(self, p, state, group, index):
+        step = state["step"].item()
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        step_size = lr / (1 - beta1**step)
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        param, grad = optim._local(p), optim._local(p.grad)
+        moments = [(key, optim._local(state[key]), state.get(f"{key}_scale")) for key in ("exp_avg", "exp_avg_sq")]
+        sr = param.dtype == torch.bfloat16
+        gen = self._generator(param.device, step, index, optim._offset(p)) if sr else None
+        rows = max(1, optim.CHUNK // max(1, math.prod(param.shape[1:])))
+        for lo in range(0, max(1, len(param)), rows):
+            rs = slice(lo, lo + rows)
+            w, g = param[rs], grad[rs].float()
+            wf = w.float() if sr else w
+            m, v = (
+                decode(s[rs], None if sc is None else optim._local(sc)[rs], signed=k == "exp_avg")
+                if sc is not None or s.dtype != torch.float32
+                else s[rs]
+                for k, s, sc in moments
+            )
+            wf.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+            wf.addcdiv_(m, denom, value=-step_size)
+            for (key, s, sc), value in zip(moments, (m, v)):
+                if sc is not None:
+                    codes, scales = (
+                        fmt.quantize_8bit(value, signed=key == "exp_avg")
+                        if s.dtype == torch.uint8
+                        else fmt.quantize_e4m3(value)
+                    )
+                    s[rs].copy_(codes)
+                    optim._local(sc)[rs].copy_(scales)
+                elif s.dtype != torch.float32:
+                    s[rs].copy_(value)
+            if sr:
+                w.copy_(fmt.bf16_stochastic_round(wf, fmt.random_bits(wf.shape, gen, wf.device)))
+
+
+MANY_SHAPES = [(16, 256), (8, 512), (10, 100), (32,), (40, 256), (3, 7), (24, 256), (64,)]
+
+
+def _same_state(a: LowPrecisionAdamW, b: LowPrecisionAdamW, pa, pb) -> bool:
+    for p, q in zip(pa, pb):
+        for key, x in a.state[p].items():
+            y = b.state[q][key]
+            if x.dtype != y.dtype or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+                return False
+    return True
+
+
+def _run_pair(states, master, device="cpu", compiled=False, steps=3):
+    """The bucketed optimizer and the per-parameter one from the same weights and gradients; a parameter misses a
+    gradient at step 1 (its step count then lags: a bucket of its own)."""
+    dtype = torch.bfloat16 if master == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(11)
+    init = [(torch.randn(s, generator=g) * 0.1).to(device, dtype) for s in MANY_SHAPES]
+    ours, ref = ([torch.nn.Parameter(t.clone()) for t in init] for _ in range(2))
+    a = LowPrecisionAdamW(_groups(ours), lr=1e-2, weight_decay=0.1, states=states, seed=7, compiled=compiled)
+    b = PerParameterAdamW(_groups(ref), lr=1e-2, weight_decay=0.1, states=states, seed=7)
+    for step in range(steps):
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            grad = (torch.randn(p.shape, generator=g) * 10.0 ** (step % 3 - 2)).to(device, dtype)
+            p.grad, q.grad = (None, None) if (step, i) == (1, 2) else (grad, grad.clone())
+        a.step(), b.step()
+    return a, b, ours, ref
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+@pytest.mark.parametrize("states", ["fp32", "bf16", "fp8", "8bit"])
+def test_buckets_are_the_per_parameter_update(states, master, monkeypatch):
+    """Bit for bit, with pieces of large tensors and several buckets (CHUNK of 2048 elements: (40, 256) is cut
+    into 5 pieces, the buckets hold several parameters' pieces)."""
+    monkeypatch.setattr(optim, "CHUNK", 2048)
+    a, b, ours, ref = _run_pair(states, master)
+    assert all(p.dtype == q.dtype and torch.equal(p, q) for p, q in zip(ours, ref))
+    assert _same_state(a, b, ours, ref)
+
+
+def _dispatched(opt_class, n: int, master: str, states: str = "8bit") -> Counter:
+    """The ATen operations (views and aliases excluded: they launch nothing) of the second step of ``opt_class``
+    over ``n`` matrices of 4096 elements, by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.overloadpacket.__name__ not in ("detach", "alias", "lift_fresh"):
+                self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    dtype = torch.bfloat16 if master == "bf16" else torch.float32
+    params = [torch.nn.Parameter(torch.randn(16, 256).to(dtype)) for _ in range(n)]
+    opt = opt_class([{"params": params, "weight_decay": 0.1}], lr=1e-2, weight_decay=0.1, states=states)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with Count() as count:
+            opt.step()
+    return count.ops
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+def test_operations_per_step_do_not_grow_with_the_parameter_count(master):
+    """Four matrices or forty, as many operations per step; with BF16 weights, one random draw per parameter more
+    (each parameter's bits come from its own generator) and nothing else. The per-parameter loop grows."""
+    few, many = _dispatched(LowPrecisionAdamW, 4, master), _dispatched(LowPrecisionAdamW, 40, master)
+    extra = many - few
+    assert extra == (Counter(randint=36) if master == "bf16" else Counter()), extra
+    assert sum(few.values()) < 80
+    old_few, old_many = _dispatched(PerParameterAdamW, 4, master), _dispatched(PerParameterAdamW, 40, master)
+    assert sum(old_many.values()) > 9 * sum(old_few.values()) > 9 * sum(few.values())
+
+
+def test_a_compiled_update_that_differs_falls_back_to_the_eager_one(monkeypatch):
+    """The compiled update is checked against the eager one on its first bucket of each kind: one that differs
+    (here: made to) is dropped with a warning, and the step is still the per-parameter one bit for bit."""
+
+    def off_by_one_ulp(w, g, m, v, bits, scalars, *rest):
+        new = optim.fused_update(w, g, m, v, bits, scalars, *rest)
+        return (torch.nextafter(new[0].float(), torch.full_like(new[0].float(), 9.0)).to(new[0].dtype), *new[1:])
+
+    monkeypatch.setattr(optim, "compiled_update", lambda: off_by_one_ulp)
+    with pytest.warns(UserWarning, match="differs from the eager one on cpu"):
+        a, b, ours, ref = _run_pair("8bit", "bf16", compiled=True)
+    assert all(torch.equal(p, q) for p, q in zip(ours, ref)) and _same_state(a, b, ours, ref)
+    assert a._compiled_ok == {torch.device("cpu"): False}
+
+
+def test_the_compiled_update_is_one_graph_per_kind_of_bucket(monkeypatch):
+    """On CPU (inductor's C++): the compiled update traces whole, compiles once per kind of bucket (a quantized one,
+    one with FP32 states) and not again on later steps, whose scalars change; its results match the eager update
+    to rounding (CPU inductor does not reproduce eager CPU's vectorized multiply-adds, so the bits are checked on
+    GPU: test_the_compiled_update_is_the_per_parameter_update_on_gpu)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(optim, "CHUNK", 8192)
+    monkeypatch.setattr(optim, "same_bits", lambda a, b: True)  # keep the compiled update in use
+    torch._dynamo.reset()
+    optim.compiled_update.cache_clear()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    a, b, ours, ref = _run_pair("8bit", "bf16", compiled=True, steps=3)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p.float(), q.float(), atol=1e-2, rtol=0)  # a BF16 ulp or two of |w| < 1
+    optim.compiled_update.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+@pytest.mark.parametrize("states", ["fp32", "bf16", "fp8", "8bit"])
+def test_the_compiled_update_is_the_per_parameter_update_on_gpu(states, master, recwarn):
+    """On CUDA the compiled update (the default there) matches the eager per-parameter update bit for bit, with no
+    fallback to the eager one."""
+    a, b, ours, ref = _run_pair(states, master, device="cuda", compiled=True)
+    assert not [w for w in recwarn if "differs from the eager one" in str(w.message)]
+    assert all(a._compiled_ok.values())
+    assert all(torch.equal(p, q) for p, q in zip(ours, ref)) and _same_state(a, b, ours, ref)
 
 
 # ---------------------------------------------------------------- FSDP2 on 2 gloo ranks
