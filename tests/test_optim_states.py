@@ -458,25 +458,38 @@ def _fsdp_worker(rank, states, master, port, out):
     dtype = torch.bfloat16 if master == "bf16" else torch.float32
     g = torch.Generator().manual_seed(5)
     full = [(torch.randn(s, generator=g) * 0.1).to(dtype) for s in FSDP_SHAPES]
-    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full]
-    opt = LowPrecisionAdamW([{"params": params, "weight_decay": 0.1}], lr=1e-2, weight_decay=0.1, states=states, seed=7)
+    optim.CHUNK = 1024  # pieces of 2 rows of 512: several buckets per rank
+    params, ref = ([torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full] for _ in range(2))
+    opt, ref_opt = (
+        cls([{"params": ps, "weight_decay": 0.1}], lr=1e-2, weight_decay=0.1, states=states, seed=7)
+        for cls, ps in ((LowPrecisionAdamW, params), (PerParameterAdamW, ref))
+    )
     for step in range(3 if master == "fp32" else 1):
         gg = torch.Generator().manual_seed(50 + step)
-        for p in params:
+        for p, q in zip(params, ref):
             p.grad = distribute_tensor(torch.randn(p.shape, generator=gg).to(dtype), mesh, [Shard(0)])
-        opt.step()
+            q.grad = p.grad.clone()
+        opt.step(), ref_opt.step()
+    same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(params, ref))
+    same &= all(
+        torch.equal(optim._local(x).view(torch.uint8), optim._local(ref_opt.state[q][k]).view(torch.uint8))
+        for p, q in zip(params, ref)
+        for k, x in opt.state[p].items()
+        if k != "step"
+    )
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     sd = get_optimizer_state_dict(torch.nn.ParameterList(params), opt)  # the states as DCP sees them
     kinds = sorted({type(v).__name__ for st in sd["state"].values() for k, v in st.items() if k != "step"})
-    result = {"weights": [p.full_tensor().float().tolist() for p in params], "state_kinds": kinds}
+    result = {"weights": [p.full_tensor().float().tolist() for p in params], "state_kinds": kinds, "same": same}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("states,master", [("8bit", "fp32"), ("fp8", "fp32"), ("bf16", "fp32"), ("8bit", "bf16")])
 def test_fsdp2_shards_match_one_process(states, master, spawn_ranks, tmp_path):
-    """FP32 weights, 3 steps: bit for bit (every block lies within a row, and FSDP2 splits rows). BF16 weights: each
+    """Each rank's bucketed update is the per-parameter one on its shards, bit for bit. Against one process:
+    FP32 weights, 3 steps: bit for bit (every block lies within a row, and FSDP2 splits rows). BF16 weights: each
     rank draws its own part's random bits, so after a step each weight is one of the two BF16 neighbours of the FP32
     result the single process rounded: within one BF16 ulp of its weight."""
     ranks = spawn_ranks(_fsdp_worker, 2, tmp_path, states, master)
@@ -490,6 +503,7 @@ def test_fsdp2_shards_match_one_process(states, master, spawn_ranks, tmp_path):
             p.grad = torch.randn(p.shape, generator=gg).to(dtype)
         opt.step()
     assert ranks[0]["state_kinds"] == ["DTensor"]  # sharded states: each rank saves its own
+    assert all(r["same"] for r in ranks)  # the buckets of each rank's shards: the per-parameter update bit for bit
     for r in ranks:
         for got, p in zip(r["weights"], params):
             got = torch.tensor(got)
