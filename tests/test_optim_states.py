@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from lpbench.precision import optim_states as fmt
 from lpbench.precision.formats import E4M3, round_to_format
@@ -640,6 +641,48 @@ def test_offload_needs_a_gpu(blocks_of_256, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UsageError, match="this run has no GPU"):
         loop.train(blocks_of_256.with_(device="auto", offload_optimizer=True), log=lambda line: None)
+
+
+@pytest.mark.parametrize("master,states", [("fp32", "fp32"), ("bf16", "8bit")])
+def test_offloaded_shards_train_like_one_process(master, states, blocks_of_256):
+    """--offload-optimizer's layout, FSDP2 with CPUOffloadPolicy on a mesh of this process alone, on the CPU (where
+    nothing moves and nothing is pinned): the optimizer the run builds for it (torch's fused AdamW, or
+    LowPrecisionAdamW) on the offloaded CPU DTensors, after gradient clipping over them, trains as on the plain model
+    (the first step bit for bit; then up to the rounding of the norm, which DTensor sums in another order)."""
+    from lpbench.models import build_model
+    from lpbench.models.registry import get_model_config
+    from lpbench.parallel.dp import apply_fsdp, clip_grad_norm_, one_rank_mesh
+    from lpbench.parallel.env import shutdown
+    from lpbench.train.optim import build_optimizer
+
+    cfg = blocks_of_256.with_(master_weights=master, optimizer_states=states)
+    dtype = torch.bfloat16 if master == "bf16" else torch.float32
+
+    def train(offload: bool):
+        model = build_model(get_model_config(cfg.model), device="cpu", seed=0).to(dtype)
+        if offload:
+            model = apply_fsdp(model, one_rank_mesh(torch.device("cpu")), None, torch.float32, offload=True)
+        params = [p for p in model.parameters()]
+        opt = build_optimizer(model, cfg, fused=True)
+        out = []
+        for step in range(3):
+            x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(step))
+            loss = model(x, x.roll(-1, 1))
+            loss.backward()
+            norm = clip_grad_norm_(params, 0.5, opt)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append((loss.item(), norm.item()))
+        return out, opt
+
+    try:
+        (plain, _), (offloaded, opt) = train(False), train(True)
+    finally:
+        shutdown()
+    assert offloaded[0] == plain[0]  # the first step's loss and norm: bit for bit
+    torch.testing.assert_close(offloaded, plain, rtol=1e-5, atol=0)  # then the DTensor norm's rounding
+    assert (opt.defaults.get("fused") is True) == (states == "fp32")  # torch's fused AdamW runs on CPU DTensors
+    assert all(isinstance(p, DTensor) and p.device.type == "cpu" for g in opt.param_groups for p in g["params"])
 
 
 @pytest.mark.gpu

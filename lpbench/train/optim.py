@@ -375,7 +375,8 @@ def _cat(pieces: list[torch.Tensor], pad: int) -> torch.Tensor:
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig, fused: bool) -> torch.optim.Optimizer:
     """AdamW, one parameter group per decay and kind of tensor (see the module doc): torch's (fused with
-    ``fused``, else its default: foreach on CUDA) for FP32 parameters and states, else :class:`LowPrecisionAdamW`."""
+    ``fused``, on CUDA or, offloaded, on the CPU; else its default: foreach on CUDA) for FP32 parameters and states,
+    else :class:`LowPrecisionAdamW`."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": same, "weight_decay": decay}
