@@ -411,6 +411,14 @@ def test_a_compiled_update_that_differs_falls_back_to_the_eager_one(monkeypatch)
     assert a._compiled_ok == {torch.device("cpu"): False}
 
 
+def test_same_bits_compares_bits_and_absent_scales():
+    a = (torch.tensor([1.0, -0.0]), (torch.tensor([3], dtype=torch.uint8), None))
+    assert optim.same_bits(a, (torch.tensor([1.0, -0.0]), (torch.tensor([3], dtype=torch.uint8), None)))
+    assert not optim.same_bits(a, (torch.tensor([1.0, 0.0]), (torch.tensor([3], dtype=torch.uint8), None)))  # -0
+    assert not optim.same_bits(a, (torch.tensor([1.0, -0.0]), (torch.tensor([3], dtype=torch.int8), None)))
+    assert not optim.same_bits(a, (torch.tensor([1.0, -0.0]), (torch.tensor([3], dtype=torch.uint8), torch.ones(1))))
+
+
 def test_the_compiled_update_is_one_graph_per_kind_of_bucket(monkeypatch):
     """On CPU (inductor's C++): the compiled update traces whole, compiles once per kind of bucket (a quantized one,
     one with FP32 states) and not again on later steps, whose scalars change; its results match the eager update

@@ -170,7 +170,14 @@ def same_bits(a: tuple, b: tuple) -> bool:
     """Whether two (nested) tuples of tensors (or None) hold the same bits."""
     flat_a, flat_b = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
     return len(flat_a) == len(flat_b) and all(
-        x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(flat_a, flat_b)
+        x is y is None
+        or (
+            x is not None
+            and y is not None
+            and x.dtype == y.dtype
+            and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        )
+        for x, y in zip(flat_a, flat_b)
     )
 
 
@@ -338,7 +345,8 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         one = torch.ones((), dtype=torch.float32)
         values = [scalars["decay"], -scalars["step_size"], (one / scalars["bias_correction2"]).item()]
         tensor = torch.tensor(values, dtype=torch.float32).to(w.device, non_blocking=True)
-        with torch._dynamo.config.patch(recompile_limit=64):  # a graph per kind of bucket (dtypes), at most 8
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        with torch._dynamo.config.patch(**{limit: 64}):  # a graph per kind of bucket (dtypes), at most 8
             new = compiled_update()(w, g, m, v, bits, tensor, scalars["beta1"], scalars["beta2"], scalars["eps"])
         kind = (w.device, w.dtype, m[0].dtype, m[1] is None, v[0].dtype, bits is None)
         if kind not in self._compiled_checked:
