@@ -46,6 +46,20 @@ def test_parts_counted_by_hand():
     assert e.build == 4 * PARAMS + 4 * 256 and e.gb == e.total / 2**30
 
 
+def test_tied_embeddings_end_the_backward_with_a_second_gradient_of_the_shared_weight():
+    """The head's gradient of a tied weight is its .grad when the embedding's backward makes its own (dense, FP32),
+    which autograd then adds in place: at the end of the backward one more vocabulary x width gradient is live."""
+    tied = dataclasses.replace(HAND, name="hand-tied", tie_embeddings=True)  # no LM head of its own: 1112 - 256
+    e = estimate(tied, get_recipe("bf16"), seq_len=4, mbs=1, compiled=False, cuda=False)
+    assert e.when == "the end of the backward"
+    assert e.parts["the tied embeddings' second gradient"] == 4 * 32 * 8
+    assert e.total == 16 * (PARAMS - 256) + 4 * 32 * 8
+    bf16 = estimate(tied, get_recipe("bf16"), seq_len=1, mbs=1, compiled=False, cuda=False, master_weights="bf16")
+    assert bf16.parts["the tied embeddings' second gradient"] == 2 * 32 * 8
+    untied = estimate(HAND, get_recipe("bf16"), seq_len=4, mbs=1, compiled=False, cuda=False)
+    assert "the tied embeddings' second gradient" not in untied.parts
+
+
 def test_recompute_keeps_what_each_mode_says():
     r = get_recipe("bf16")
     assert block_bytes_per_token(HAND, r, "full") == 4 * 8  # the block input (FP32 residual stream)

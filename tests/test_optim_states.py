@@ -3,18 +3,22 @@ the low-precision AdamW against torch's AdamW with its states passed through tho
 
 import copy
 import json
+import math
 import struct
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from lpbench.precision import optim_states as fmt
 from lpbench.precision.formats import E4M3, round_to_format
-from lpbench.train.optim import BETAS, EPS, LowPrecisionAdamW, quantizes
+from lpbench.train import optim
+from lpbench.train.optim import BETAS, EPS, LowPrecisionAdamW, decode, quantizes
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(16, 256), (8, 512), (10, 100), (32,)]  # quantized, quantized, not a whole block, a vector
@@ -197,7 +201,7 @@ def test_each_variant_matches_adamw_with_states_through_the_reference(states, ma
     for p, q in zip(ours, ref):  # the stored moments decode to the reference's
         st = opt.state[p]
         for key in ("exp_avg", "exp_avg_sq"):
-            value = opt._decode(st[key], st.get(f"{key}_scale"), key)
+            value = decode(st[key], st.get(f"{key}_scale"), signed=key == "exp_avg")
             assert torch.equal(value, reference.state[q][key]), (key, p.shape)
         expected = torch.uint8 if states == "8bit" else torch.float8_e4m3fn
         if quantizes(p, states):
@@ -258,6 +262,198 @@ def test_lr_zero_step_changes_no_weight():
     assert all(torch.equal(p, q) for p, q in zip(ps, before))
 
 
+# ---------------------------------------------------------------- buckets against the per-parameter update
+class PerParameterAdamW(LowPrecisionAdamW):
+    """The update as lpbench first wrote it, one parameter (and row chunk) at a time: the buckets' reference."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        index = -1
+        for group in self.param_groups:
+            for p in group["params"]:
+                index += 1
+                if p.grad is not None:
+                    state = self.state[p] or self._init_state(p)
+                    state["step"] += 1
+                    self._update_one(p, state, group, index)
+
+    def _update_one(self, p, state, group, index):
+        step = state["step"].item()
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        step_size = lr / (1 - beta1**step)
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        param, grad = optim._local(p), optim._local(p.grad)
+        moments = [(key, optim._local(state[key]), state.get(f"{key}_scale")) for key in ("exp_avg", "exp_avg_sq")]
+        sr = param.dtype == torch.bfloat16
+        gen = self._generator(param.device, step, index, optim._offset(p)) if sr else None
+        rows = max(1, optim.CHUNK // max(1, math.prod(param.shape[1:])))
+        for lo in range(0, max(1, len(param)), rows):
+            rs = slice(lo, lo + rows)
+            w, g = param[rs], grad[rs].float()
+            wf = w.float() if sr else w
+            m, v = (
+                decode(s[rs], None if sc is None else optim._local(sc)[rs], signed=k == "exp_avg")
+                if sc is not None or s.dtype != torch.float32
+                else s[rs]
+                for k, s, sc in moments
+            )
+            wf.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+            wf.addcdiv_(m, denom, value=-step_size)
+            for (key, s, sc), value in zip(moments, (m, v)):
+                if sc is not None:
+                    codes, scales = (
+                        fmt.quantize_8bit(value, signed=key == "exp_avg")
+                        if s.dtype == torch.uint8
+                        else fmt.quantize_e4m3(value)
+                    )
+                    s[rs].copy_(codes)
+                    optim._local(sc)[rs].copy_(scales)
+                elif s.dtype != torch.float32:
+                    s[rs].copy_(value)
+            if sr:
+                w.copy_(fmt.bf16_stochastic_round(wf, fmt.random_bits(wf.shape, gen, wf.device)))
+
+
+MANY_SHAPES = [(16, 256), (8, 512), (10, 100), (32,), (40, 256), (3, 7), (24, 256), (64,)]
+
+
+def _same_state(a: LowPrecisionAdamW, b: LowPrecisionAdamW, pa, pb) -> bool:
+    for p, q in zip(pa, pb):
+        for key, x in a.state[p].items():
+            y = b.state[q][key]
+            if x.dtype != y.dtype or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+                return False
+    return True
+
+
+def _run_pair(states, master, device="cpu", compiled=False, steps=3):
+    """The bucketed optimizer and the per-parameter one from the same weights and gradients; a parameter misses a
+    gradient at step 1 (its step count then lags: a bucket of its own)."""
+    dtype = torch.bfloat16 if master == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(11)
+    init = [(torch.randn(s, generator=g) * 0.1).to(device, dtype) for s in MANY_SHAPES]
+    ours, ref = ([torch.nn.Parameter(t.clone()) for t in init] for _ in range(2))
+    a = LowPrecisionAdamW(_groups(ours), lr=1e-2, weight_decay=0.1, states=states, seed=7, compiled=compiled)
+    b = PerParameterAdamW(_groups(ref), lr=1e-2, weight_decay=0.1, states=states, seed=7)
+    for step in range(steps):
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            grad = (torch.randn(p.shape, generator=g) * 10.0 ** (step % 3 - 2)).to(device, dtype)
+            p.grad, q.grad = (None, None) if (step, i) == (1, 2) else (grad, grad.clone())
+        a.step(), b.step()
+    return a, b, ours, ref
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+@pytest.mark.parametrize("states", ["fp32", "bf16", "fp8", "8bit"])
+def test_buckets_are_the_per_parameter_update(states, master, monkeypatch):
+    """Bit for bit, with pieces of large tensors and several buckets (CHUNK of 2048 elements: (40, 256) is cut
+    into 5 pieces, the buckets hold several parameters' pieces)."""
+    monkeypatch.setattr(optim, "CHUNK", 2048)
+    a, b, ours, ref = _run_pair(states, master)
+    assert all(p.dtype == q.dtype and torch.equal(p, q) for p, q in zip(ours, ref))
+    assert _same_state(a, b, ours, ref)
+
+
+def _dispatched(opt_class, n: int, master: str, states: str = "8bit") -> Counter:
+    """The ATen operations (views and aliases excluded: they launch nothing) of the second step of ``opt_class``
+    over ``n`` matrices of 4096 elements, by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.overloadpacket.__name__ not in ("detach", "alias", "lift_fresh"):
+                self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    dtype = torch.bfloat16 if master == "bf16" else torch.float32
+    params = [torch.nn.Parameter(torch.randn(16, 256).to(dtype)) for _ in range(n)]
+    opt = opt_class([{"params": params, "weight_decay": 0.1}], lr=1e-2, weight_decay=0.1, states=states)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with Count() as count:
+            opt.step()
+    return count.ops
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+def test_operations_per_step_do_not_grow_with_the_parameter_count(master):
+    """Four matrices or forty, as many operations per step; with BF16 weights, one random draw per parameter more
+    (each parameter's bits come from its own generator) and nothing else. The per-parameter loop grows."""
+    few, many = _dispatched(LowPrecisionAdamW, 4, master), _dispatched(LowPrecisionAdamW, 40, master)
+    extra = many - few
+    assert extra == (Counter(randint=36) if master == "bf16" else Counter()), extra
+    assert sum(few.values()) < 80
+    old_few, old_many = _dispatched(PerParameterAdamW, 4, master), _dispatched(PerParameterAdamW, 40, master)
+    assert sum(old_many.values()) > 9 * sum(old_few.values()) > 9 * sum(few.values())
+
+
+def test_a_compiled_update_that_differs_falls_back_to_the_eager_one(monkeypatch):
+    """The compiled update is checked against the eager one on its first bucket of each kind: one that differs
+    (here: made to) is dropped with a warning, and the step is still the per-parameter one bit for bit."""
+
+    def off_by_one_ulp(w, g, m, v, bits, scalars, *rest):
+        new = optim.fused_update(w, g, m, v, bits, scalars, *rest)
+        return (torch.nextafter(new[0].float(), torch.full_like(new[0].float(), 9.0)).to(new[0].dtype), *new[1:])
+
+    monkeypatch.setattr(optim, "compiled_update", lambda: off_by_one_ulp)
+    with pytest.warns(UserWarning, match="differs from the eager one on cpu"):
+        a, b, ours, ref = _run_pair("8bit", "bf16", compiled=True)
+    assert all(torch.equal(p, q) for p, q in zip(ours, ref)) and _same_state(a, b, ours, ref)
+    assert a._compiled_ok == {torch.device("cpu"): False}
+
+
+def test_same_bits_compares_bits_and_absent_scales():
+    a = (torch.tensor([1.0, -0.0]), (torch.tensor([3], dtype=torch.uint8), None))
+    assert optim.same_bits(a, (torch.tensor([1.0, -0.0]), (torch.tensor([3], dtype=torch.uint8), None)))
+    assert not optim.same_bits(a, (torch.tensor([1.0, 0.0]), (torch.tensor([3], dtype=torch.uint8), None)))  # -0
+    assert not optim.same_bits(a, (torch.tensor([1.0, -0.0]), (torch.tensor([3], dtype=torch.int8), None)))
+    assert not optim.same_bits(a, (torch.tensor([1.0, -0.0]), (torch.tensor([3], dtype=torch.uint8), torch.ones(1))))
+
+
+def test_the_compiled_update_is_one_graph_per_kind_of_bucket(monkeypatch):
+    """On CPU (inductor's C++): the compiled update traces whole, compiles once per kind of bucket (a quantized one,
+    one with FP32 states) and not again on later steps, whose scalars change; its results match the eager update
+    to rounding (CPU inductor does not reproduce eager CPU's vectorized multiply-adds, so the bits are checked on
+    GPU: test_the_compiled_update_is_the_per_parameter_update_on_gpu)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(optim, "CHUNK", 8192)
+    monkeypatch.setattr(optim, "same_bits", lambda a, b: True)  # keep the compiled update in use
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    optim.compiled_update.cache_clear()
+    counters.clear()
+    try:
+        a, b, ours, ref = _run_pair("8bit", "bf16", compiled=True, steps=3)
+    finally:
+        optim.compiled_update.cache_clear()  # compiled for this CHUNK
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p.float(), q.float(), atol=1e-2, rtol=0)  # a BF16 ulp or two of |w| < 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+@pytest.mark.parametrize("states", ["fp32", "bf16", "fp8", "8bit"])
+def test_the_compiled_update_is_the_per_parameter_update_on_gpu(states, master, recwarn):
+    """On CUDA the compiled update (the default there) matches the eager per-parameter update bit for bit, with no
+    fallback to the eager one."""
+    a, b, ours, ref = _run_pair(states, master, device="cuda", compiled=True)
+    assert not [w for w in recwarn if "differs from the eager one" in str(w.message)]
+    assert all(a._compiled_ok.values())
+    assert all(torch.equal(p, q) for p, q in zip(ours, ref)) and _same_state(a, b, ours, ref)
+
+
 # ---------------------------------------------------------------- FSDP2 on 2 gloo ranks
 FSDP_SHAPES = [(6, 512), (5, 256), (512,), (3, 100)]  # uneven rows across 2 ranks; a 1-D and a partial-block one
 
@@ -273,25 +469,38 @@ def _fsdp_worker(rank, states, master, port, out):
     dtype = torch.bfloat16 if master == "bf16" else torch.float32
     g = torch.Generator().manual_seed(5)
     full = [(torch.randn(s, generator=g) * 0.1).to(dtype) for s in FSDP_SHAPES]
-    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full]
-    opt = LowPrecisionAdamW([{"params": params, "weight_decay": 0.1}], lr=1e-2, weight_decay=0.1, states=states, seed=7)
+    optim.CHUNK = 1024  # pieces of 2 rows of 512: several buckets per rank
+    params, ref = ([torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full] for _ in range(2))
+    opt, ref_opt = (
+        cls([{"params": ps, "weight_decay": 0.1}], lr=1e-2, weight_decay=0.1, states=states, seed=7)
+        for cls, ps in ((LowPrecisionAdamW, params), (PerParameterAdamW, ref))
+    )
     for step in range(3 if master == "fp32" else 1):
         gg = torch.Generator().manual_seed(50 + step)
-        for p in params:
+        for p, q in zip(params, ref):
             p.grad = distribute_tensor(torch.randn(p.shape, generator=gg).to(dtype), mesh, [Shard(0)])
-        opt.step()
+            q.grad = p.grad.clone()
+        opt.step(), ref_opt.step()
+    same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(params, ref))
+    same &= all(
+        torch.equal(optim._local(x).view(torch.uint8), optim._local(ref_opt.state[q][k]).view(torch.uint8))
+        for p, q in zip(params, ref)
+        for k, x in opt.state[p].items()
+        if k != "step"
+    )
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     sd = get_optimizer_state_dict(torch.nn.ParameterList(params), opt)  # the states as DCP sees them
     kinds = sorted({type(v).__name__ for st in sd["state"].values() for k, v in st.items() if k != "step"})
-    result = {"weights": [p.full_tensor().float().tolist() for p in params], "state_kinds": kinds}
+    result = {"weights": [p.full_tensor().float().tolist() for p in params], "state_kinds": kinds, "same": same}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("states,master", [("8bit", "fp32"), ("fp8", "fp32"), ("bf16", "fp32"), ("8bit", "bf16")])
 def test_fsdp2_shards_match_one_process(states, master, spawn_ranks, tmp_path):
-    """FP32 weights, 3 steps: bit for bit (every block lies within a row, and FSDP2 splits rows). BF16 weights: each
+    """Each rank's bucketed update is the per-parameter one on its shards, bit for bit. Against one process:
+    FP32 weights, 3 steps: bit for bit (every block lies within a row, and FSDP2 splits rows). BF16 weights: each
     rank draws its own part's random bits, so after a step each weight is one of the two BF16 neighbours of the FP32
     result the single process rounded: within one BF16 ulp of its weight."""
     ranks = spawn_ranks(_fsdp_worker, 2, tmp_path, states, master)
@@ -305,6 +514,7 @@ def test_fsdp2_shards_match_one_process(states, master, spawn_ranks, tmp_path):
             p.grad = torch.randn(p.shape, generator=gg).to(dtype)
         opt.step()
     assert ranks[0]["state_kinds"] == ["DTensor"]  # sharded states: each rank saves its own
+    assert all(r["same"] for r in ranks)  # the buckets of each rank's shards: the per-parameter update bit for bit
     for r in ranks:
         for got, p in zip(r["weights"], params):
             got = torch.tensor(got)
@@ -441,6 +651,48 @@ def test_offload_needs_a_gpu(blocks_of_256, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UsageError, match="this run has no GPU"):
         loop.train(blocks_of_256.with_(device="auto", offload_optimizer=True), log=lambda line: None)
+
+
+@pytest.mark.parametrize("master,states", [("fp32", "fp32"), ("bf16", "8bit")])
+def test_offloaded_shards_train_like_one_process(master, states, blocks_of_256):
+    """--offload-optimizer's layout, FSDP2 with CPUOffloadPolicy on a mesh of this process alone, on the CPU (where
+    nothing moves and nothing is pinned): the optimizer the run builds for it (torch's fused AdamW, or
+    LowPrecisionAdamW) on the offloaded CPU DTensors, after gradient clipping over them, trains as on the plain model
+    (the first step bit for bit; then up to the rounding of the norm, which DTensor sums in another order)."""
+    from lpbench.models import build_model
+    from lpbench.models.registry import get_model_config
+    from lpbench.parallel.dp import apply_fsdp, clip_grad_norm_, one_rank_mesh
+    from lpbench.parallel.env import shutdown
+    from lpbench.train.optim import build_optimizer
+
+    cfg = blocks_of_256.with_(master_weights=master, optimizer_states=states)
+    dtype = torch.bfloat16 if master == "bf16" else torch.float32
+
+    def train(offload: bool):
+        model = build_model(get_model_config(cfg.model), device="cpu", seed=0).to(dtype)
+        if offload:
+            model = apply_fsdp(model, one_rank_mesh(torch.device("cpu")), None, torch.float32, offload=True)
+        params = [p for p in model.parameters()]
+        opt = build_optimizer(model, cfg, fused=True)
+        out = []
+        for step in range(3):
+            x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(step))
+            loss = model(x, x.roll(-1, 1))
+            loss.backward()
+            norm = clip_grad_norm_(params, 0.5, opt)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append((loss.item(), norm.item()))
+        return out, opt
+
+    try:
+        (plain, _), (offloaded, opt) = train(False), train(True)
+    finally:
+        shutdown()
+    assert offloaded[0] == plain[0]  # the first step's loss and norm: bit for bit
+    torch.testing.assert_close(offloaded, plain, rtol=1e-5, atol=0)  # then the DTensor norm's rounding
+    assert (opt.defaults.get("fused") is True) == (states == "fp32")  # torch's fused AdamW runs on CPU DTensors
+    assert all(isinstance(p, DTensor) and p.device.type == "cpu" for g in opt.param_groups for p in g["params"])
 
 
 @pytest.mark.gpu

@@ -15,8 +15,11 @@ from lpbench.errors import UsageError
 from lpbench.models import build_model
 from lpbench.models.registry import ModelConfig
 from lpbench.parallel.plan import compile_blocks
-from lpbench.parallel.recompute import apply_recompute
-from lpbench.precision.delayed import is_delayed_state
+from lpbench.parallel.recompute import apply_recompute, checkpointed
+from lpbench.precision.delayed import DelayedScaling, is_delayed_state
+from lpbench.precision.formats import E4M3
+from lpbench.precision.kernels.fp8_linear import producer_cast
+from lpbench.precision.quantize import fp8_decode_scale
 from lpbench.precision.recipes import get_recipe
 from lpbench.train.workload import prepare_model
 
@@ -136,6 +139,58 @@ def test_compiled_recomputation_trains_like_none(mode):
     for x, y in zip(ga, gb):
         for p, q in zip(x, y):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+class CastThenRecord(DelayedScaling, torch.nn.Module):
+    """The compiled fused FP8 linear's order of reads and writes (``kernels/fp8_linear.py``), in CPU ops: the input
+    cast with the scale as it stands (``cast_scale``), then its amax recorded and the scale updated in place (the
+    update returns the encode scale the cast used), then a GEMM whose weight gradient reads the codes."""
+
+    def __init__(self):
+        super().__init__()
+        self.recipe = get_recipe("fp8-delayed")
+        self._init_histories(CPU, roles=("input",))
+        self.weight = torch.nn.Parameter(torch.randn(32, 64, generator=torch.Generator().manual_seed(0)) * 0.1)
+
+    def reduce_amax(self, role, amax):
+        return amax
+
+    def forward(self, x):
+        q, rows = producer_cast(x.detach(), self.cast_scale("input"), E4M3)
+        amax = rows.amax()
+        enc = self.record_amax("input", amax)
+        return (q.float() * fp8_decode_scale(enc, amax)) @ self.weight.t()
+
+
+def _cast_then_record(mode: str, compiled: bool, steps: int = 3):
+    mod = CastThenRecord()
+    forward = mod.forward if mode == "none" else checkpointed(mod.forward, mode)
+    if compiled:
+        torch._dynamo.reset()
+        forward = torch.compile(forward, fullgraph=True)
+    out = []
+    for step in range(steps):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step)) * 4.0**step
+        loss = forward(x).square().mean()
+        loss.backward()
+        out.append((loss.detach(), mod.weight.grad.clone(), mod.delayed_scale_input.clone()))
+        mod.weight.grad = None
+    return out + [mod.amax_history_input.clone()]
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_compiled_casts_with_the_scale_the_forward_read(mode):
+    """A compiled cast that reads delayed scaling's scale buffer, which the update then changes in place: the backward
+    that recomputes the cast (recomputation, or inductor's own rematerialization without it) must cast with the
+    scale the forward read, not the updated one. Compiled none, selective and full equal eager none bit for bit.
+    (AOTAutograd saves the mutated buffer for the backward by reference; the cast reads it through an opaque copy,
+    ``kernels/fp8.py: scale_copy``, whose output is saved.)"""
+    eager = _cast_then_record("none", compiled=False)
+    compiled = _cast_then_record(mode, compiled=True)
+    for step, (a, b) in enumerate(zip(eager[:-1], compiled[:-1])):
+        for name, x, y in zip(("loss", "weight grad", "scale"), a, b):
+            assert torch.equal(x, y), (step, name, (x - y).abs().max())
+    assert torch.equal(eager[-1], compiled[-1])
 
 
 def test_quantized_wgrad_copies_are_saved_tensors():

@@ -11,7 +11,8 @@ The peak of a step is the largest of three moments, each the sum of what is live
 * the last block's rerun (when it is recomputed): the same without the head, with that block's whole
   activations and the LM head's gradient;
 * the end of the backward: every gradient, in the master weights' dtype, no activation; under FSDP the
-  root's gradients still unsharded beside their reduce-scatter input.
+  root's gradients still unsharded beside their reduce-scatter input; with tied embeddings (without FSDP) the
+  embedding's own gradient of the shared weight, beside the head's it is added to.
 
 Live throughout: the master weights of what trains (FP32, or BF16 with ``--master-weights bf16``; a LoRA
 base in BF16, or quantized), AdamW's two states (:func:`state_bytes`), each divided by FSDP's shards (the
@@ -326,9 +327,13 @@ def estimate(
             "the root's gradients (unsharded, reduce-scatter input)": (2.0 + reduce_bytes) * rest / tp,
         }
     else:
+        # tied embeddings: the embedding's backward makes a second gradient of the shared weight (dense, the master
+        # dtype) while the head's is already its .grad, and autograd adds it in place: one more for that moment
+        tied = on_gpu * weight * head / shards if m.tie_embeddings and not lora else 0.0
         phases["the end of the backward"] = {
             **held,
             f"gradients ({master_weights})": on_gpu * weight * trainable / shards,
+            "the tied embeddings' second gradient": tied,
         }
     when = max(phases, key=lambda k: sum(phases[k].values()))
     build = build_peak(m, recipe, linear, block, rest, lora=lora, quantized_base=lora_quantized_base, shards=shards)

@@ -57,10 +57,12 @@ def apply_fsdp(
     are all-gathered in ``param_dtype`` (the recipe's compute dtype on CUDA) and gradients reduced
     in ``grad_dtype``; the sharded master weights keep their dtype. ``shard``: see the module doc.
     ``offload``: the sharded weights, their gradients and so the optimizer's states and step live on the CPU
-    (``CPUOffloadPolicy``); each group's weights are copied to the device for its all-gather.
+    (``CPUOffloadPolicy``, in pinned memory on a CUDA mesh); each group's weights are copied to the device for its
+    all-gather.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=grad_dtype)
-    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    # pinned host memory where a GPU copies from it (pinning needs one)
+    policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     ignored = set(expert_params(model)[0]) or None  # expert parallel: each rank's own experts
     blocks = list(model.layers)
     units = []  # per block: the modules FSDP all-gathers for it (the block, its stored codes)

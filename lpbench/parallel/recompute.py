@@ -17,7 +17,9 @@ exact for every recipe: the global RNG state is restored for it (NVFP4's stochas
 the same noise; its Hadamard signs are fixed), and delayed scaling's casts take back the first pass's
 scales instead of updating the histories again (``lpbench/passes.py``), as MoE's
 statistics skip the rerun (``rerunning``). Compiled, the checkpoint becomes a graph region that
-AOTAutograd's partitioner recomputes; delayed scaling's updates are marked to be saved, never rerun.
+AOTAutograd's partitioner recomputes; delayed scaling's updates are marked to be saved, never rerun, and so
+are the copies of the scale its casts read (``kernels/fp8.py: scale_copy``: a recomputed cast must not read the
+buffer, which the update has changed by then).
 A block whose graph breaks (MoE routing) cannot be one compiled region: its checkpointed forward runs
 eagerly, exact as above, and uncompiled.
 """
@@ -51,8 +53,9 @@ def _ops(*names: str) -> frozenset:
 
 
 # never rerun: the updates of delayed scaling's state (a rerun would advance its history twice): the
-# reference update and the fused FP8 linear's record-and-update kernel
-MUST_SAVE = ("lpbench.delayed_update.default", "lpbench.fp8_record_amax.default")
+# reference update and the fused FP8 linear's record-and-update kernel; and the compiled casts' copies of the
+# scale (a rerun would copy the updated buffer)
+MUST_SAVE = ("lpbench.delayed_update.default", "lpbench.fp8_record_amax.default", "lpbench.scale_copy.default")
 # kept by selective recomputation: GEMMs, attention, collectives, the amax reductions of quantized casts
 SELECTIVE_SAVE = (
     "aten.mm.default",

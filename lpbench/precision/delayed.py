@@ -38,7 +38,7 @@ from collections import deque
 import torch
 
 from lpbench import passes
-from lpbench.precision.kernels.fp8 import delayed_update
+from lpbench.precision.kernels.fp8 import delayed_update, scale_copy
 from lpbench.precision.quantize import Scaling, delayed_scaled_max
 
 
@@ -102,8 +102,11 @@ class DelayedScaling:
         return out
 
     def cast_scale(self, role: str) -> torch.Tensor:
-        """The encode scale a cast of ``role`` uses now: the buffer, or in a checkpointed forward a copy of it,
-        which the rerun takes back (the buffer holds the updated scale by then)."""
+        """The encode scale a cast of ``role`` uses now: the buffer; in a checkpointed forward a copy of it, which
+        the rerun takes back (the buffer holds the updated scale by then); compiled, a copy made by an opaque op
+        (``kernels/fp8.py: scale_copy``), whose output a backward that recomputes the cast reads."""
+        if torch.compiler.is_compiling():
+            return scale_copy(self.scale_buffer(role))
         if passes.current()[0] is None:
             return self.scale_buffer(role)
         return self.once(lambda: self.scale_buffer(role).clone())

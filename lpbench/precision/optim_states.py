@@ -89,7 +89,7 @@ QMAP_UNSIGNED = dynamic_map(signed=False)
 _TABLES: dict[tuple[bool, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(map, thresholds, exact) of the signed or unsigned map on ``device``, copied there once."""
     key = (signed, device)
     if key not in _TABLES:
@@ -109,7 +109,7 @@ def quantize_8bit(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Te
     rows = blocks_of(x)
     absmax = rows.abs().amax(dim=1).clamp(min=MIN_ABSMAX)
     normed = rows / absmax[:, None]
-    _, t, exact = _tables(signed, x.device)
+    _, t, exact = tables(signed, x.device)
     below = torch.searchsorted(t, normed, side="left", out_int32=True)  # thresholds strictly below
     at = t[below.clamp(max=t.numel() - 1)] == normed
     codes = below + (at & exact[below.clamp(max=t.numel() - 1)] & (below < t.numel())).int()
@@ -118,7 +118,7 @@ def quantize_8bit(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Te
 
 def dequantize_8bit(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """FP32 values: ``map[code] * absmax`` of the code's block."""
-    qmap = _tables(signed, codes.device)[0]
+    qmap = tables(signed, codes.device)[0]
     rows = qmap[blocks_of(codes).int()] * absmax.reshape(-1, 1)
     return rows.reshape(codes.shape)
 

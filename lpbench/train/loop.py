@@ -189,7 +189,7 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
     params = [p for p in par.module.parameters() if p.requires_grad]
     spread = expert_params(par.module)[0]  # expert parallel (or TP-split experts): each rank's own experts
     spread = (spread, par.meshes.group("ep" if par.dims.ep_enabled else "tp") if spread else None)
-    optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda" and not cfg.offload_optimizer)
+    optimizer = build_optimizer(par.module, cfg, fused=device.type == "cuda")  # offloaded: torch's fused CPU AdamW
     converters.attach(par.module if par.pipeline else model, optimizer, params if world.size == 1 else spread[0])
     scheduler = build_scheduler(optimizer, cfg)
     build_peak = memory.peak_gb(device)

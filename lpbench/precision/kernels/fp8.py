@@ -33,6 +33,21 @@ def _(history, scale, amax, scaled_max, most_recent):
     return torch.empty_like(scale)
 
 
+@torch.library.custom_op("lpbench::scale_copy", mutates_args=())
+def scale_copy(scale: torch.Tensor) -> torch.Tensor:
+    """A copy of a scale buffer, as an op the compiler cannot see into: a compiled cast reads the scale through it
+    (``DelayedScaling.cast_scale``). AOTAutograd keeps a buffer mutated in the forward (the update) as a graph
+    input saved for the backward by reference; a cast recomputed in the backward (activation recomputation, or
+    the partitioner's own rematerialization of cheap elementwise ops) that read the buffer would read the updated
+    scale. It recomputes from this copy's saved output instead (``parallel/recompute.py`` saves it)."""
+    return scale.clone()
+
+
+@scale_copy.register_fake
+def _(scale):
+    return torch.empty_like(scale)
+
+
 if triton is not None:
     from lpbench.precision.kernels.fp8_cast import _record_amax
 
