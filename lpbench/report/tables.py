@@ -695,57 +695,19 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
         mine = [r for r in rows if (r.get("workload") or "pretrain") == wl]
         layout = [k for k in layout_keys(numbers_only=True) if any(k in r for r in mine)]
         show_fsdp = any(r.get("fsdp") for r in mine)
-        config_cols = [
-            "Model",
-            "System",
-            "#-GPUs",
-            "GBS",
-            "MBS",
-            "Seq Length",
-            *[k.upper() for k in layout],
-            *(["FSDP"] if show_fsdp else []),
-            "GA",
-            "Steps",
-            "Group (when, UTC): what differs",
-        ]
+        fsdp_col = ["FSDP"] if show_fsdp else []
+        config_cols = ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length", *[k.upper() for k in layout], *fsdp_col]
+        config_cols += ["GA", "Steps", "Group (when, UTC): what differs"]
         tflops = tflops_header(mine, "Model TFLOP / sec / GPU")
-        metric_cols = [
-            "Precision",
-            "Backend",
-            "Path",
-            "Step ms (IQR)",
-            "Tokens / sec / GPU",
-            tflops,
-            "MFU",
-            "Speedup over BF16",
-            "Peak mem (GB)",
-            "Loss (last-steps mean)",
-            "Δ loss vs BF16",
-        ]
+        metric_cols = ["Precision", "Backend", "Path", "Step ms (IQR)", "Tokens / sec / GPU", tflops, "MFU"]
+        metric_cols += ["Speedup over BF16", "Peak mem (GB)", "Loss (last-steps mean)", "Δ loss vs BF16"]
         columns = config_cols + metric_cols
-        first_num = {
-            "#-GPUs",
-            "GBS",
-            "MBS",
-            "Seq Length",
-            "GA",
-            "Steps",
-            "FSDP",
-            *[k.upper() for k in layout],
-            "Step ms (IQR)",
-            "Tokens / sec / GPU",
-            tflops,
-            "MFU",
-            "Speedup over BF16",
-            "Peak mem (GB)",
-            "Loss (last-steps mean)",
-            "Δ loss vs BF16",
-        }
+        text = {"Model", "System", "Group (when, UTC): what differs", "Precision", "Backend", "Path"}
         table = TextTable(
             title=WORKLOAD_TITLES.get(wl, wl),
             columns=columns,
             rows=[],
-            right={i for i, c in enumerate(columns) if c in first_num},
+            right={i for i, c in enumerate(columns) if c not in text},
         )
         mem_kinds = set()
         for members in _group_order(mine):
@@ -753,28 +715,13 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
             for i, r in enumerate(members):
                 if i == 0:
                     when = (r.get("created_at") or "")[5:16].replace("T", " ")
-                    cfg_cells = [
-                        r["model"],
-                        r["system"],
-                        str(r.get("num_gpus") or 1),
-                        str(r["gbs"]),
-                        str(r["mbs"]),
-                        str(r["seq_len"]),
-                        *[str(_int(r.get(k, ""))) for k in layout],
-                        *(
-                            [
-                                ("yes, FP8 all-gather" if r.get("fsdp_fp8_all_gather") else "yes")
-                                if r.get("fsdp")
-                                else "no"
-                            ]
-                            if show_fsdp
-                            else []
-                        ),
-                        str(r.get("grad_accum") or ""),
-                        str(r.get("steps") or ""),
-                        f"{r.get('sweep_id') or r.get('group_id') or '-'} ({when})"
-                        + (f": {r['group_differs']}" if r.get("group_differs") else ""),
-                    ]
+                    fsdp = ("yes, FP8 all-gather" if r.get("fsdp_fp8_all_gather") else "yes") if r.get("fsdp") else "no"
+                    group = f"{r.get('sweep_id') or r.get('group_id') or '-'} ({when})"
+                    cfg_cells = [r["model"], r["system"], str(r.get("num_gpus") or 1)]
+                    cfg_cells += [str(r["gbs"]), str(r["mbs"]), str(r["seq_len"])]
+                    cfg_cells += [str(_int(r.get(k, ""))) for k in layout] + ([fsdp] if show_fsdp else [])
+                    cfg_cells += [str(r.get("grad_accum") or ""), str(r.get("steps") or "")]
+                    cfg_cells.append(group + (f": {r['group_differs']}" if r.get("group_differs") else ""))
                 else:
                     cfg_cells = [""] * len(config_cols)
                 mem_kinds.add(r.get("memory_kind"))
@@ -848,61 +795,45 @@ def time_to_train_tables(
     and assumes it holds at every scale (the Nemotron4 recipe's table measures each scale). A CPU
     rate or a fine-tuning rate says nothing about pre-training a model on a cluster.
     """
-    tables = []
-    ok = [
-        r
-        for r in rows
-        if r["status"] == "ok"
-        and _finite(r.get("tokens_per_sec_per_gpu"))
-        and (r.get("workload") or "pretrain") == "pretrain"
-        and r.get("gpu") not in (None, "cpu")
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        pretrain_on_gpu = (r.get("workload") or "pretrain") == "pretrain" and r.get("gpu") not in (None, "cpu")
+        if r["status"] != "ok" or not _finite(r.get("tokens_per_sec_per_gpu")) or not pretrain_on_gpu:
+            continue
+        key = (r["model"], r["system"], r.get("backend"), r["precision"])
+        if key not in best or r["tokens_per_sec_per_gpu"] > best[key]["tokens_per_sec_per_gpu"]:
+            best[key] = r
+    if not best:
+        return []
+    columns = [
+        "Model",
+        "System",
+        "Precision",
+        "Measured with",
+        "Tokens / sec / GPU",
+        *[f"{n} GPUs" for n in gpu_counts],
     ]
-    for wl in dict.fromkeys(r.get("workload") or "pretrain" for r in ok):
-        best: dict[tuple, dict] = {}
-        for r in ok:
-            if (r.get("workload") or "pretrain") != wl:
-                continue
-            key = (r["model"], r["system"], r.get("backend"), r["precision"])
-            if key not in best or r["tokens_per_sec_per_gpu"] > best[key]["tokens_per_sec_per_gpu"]:
-                best[key] = r
-        columns = [
-            "Model",
-            "System",
-            "Precision",
-            "Measured with",
-            "Tokens / sec / GPU",
-            *[f"{n} GPUs" for n in gpu_counts],
-        ]
-        table = TextTable(
-            title=f"Time to train {tokens / 1e12:g}T tokens (days), {WORKLOAD_TITLES.get(wl, wl)}",
-            columns=columns,
-            rows=[],
-            right=set(range(4, len(columns))),
-            caption=f"days = {tokens:.0e} / (tokens/s/GPU x GPUs) / 86400, assuming the measured "
-            "tokens/s/GPU holds at every GPU count (linear scaling; the Nemotron4 recipe "
-            "measures each scale).",
-        )
-        order = sorted(best.values(), key=lambda r: (r["model"], r["system"], r["precision"] != BASELINE))
-        last = None
-        for r in order:
-            days = [time_to_train(r["tokens_per_sec_per_gpu"], n, tokens) for n in gpu_counts]
-            same = last == (r["model"], r["system"])
-            table.rows.append(
-                [
-                    "" if same else r["model"],
-                    "" if same else r["system"],
-                    precision_name(r["precision"]),
-                    f"GBS {r['gbs']}, MBS {r['mbs']}, seq {r['seq_len']}, {r.get('num_gpus') or 1} GPU"
-                    + ("s" if (r.get("num_gpus") or 1) > 1 else ""),
-                    _num(r["tokens_per_sec_per_gpu"]),
-                    *[_days(d) for d in days],
-                ]
-            )
-            if not same:
-                table.group_starts.add(len(table.rows) - 1)
-            last = (r["model"], r["system"])
-        tables.append(table)
-    return tables
+    table = TextTable(
+        title=f"Time to train {tokens / 1e12:g}T tokens (days), {WORKLOAD_TITLES['pretrain']}",
+        columns=columns,
+        rows=[],
+        right=set(range(4, len(columns))),
+        caption=f"days = {tokens:.0e} / (tokens/s/GPU x GPUs) / 86400, assuming the measured "
+        "tokens/s/GPU holds at every GPU count (linear scaling; the Nemotron4 recipe "
+        "measures each scale).",
+    )
+    last = None
+    for r in sorted(best.values(), key=lambda r: (r["model"], r["system"], r["precision"] != BASELINE)):
+        same = last == (r["model"], r["system"])
+        gpus = r.get("num_gpus") or 1
+        measured = f"GBS {r['gbs']}, MBS {r['mbs']}, seq {r['seq_len']}, {gpus} GPU" + ("s" if gpus > 1 else "")
+        days = [_days(time_to_train(r["tokens_per_sec_per_gpu"], n, tokens)) for n in gpu_counts]
+        table.rows.append(["" if same else r["model"], "" if same else r["system"], precision_name(r["precision"])])
+        table.rows[-1] += [measured, _num(r["tokens_per_sec_per_gpu"]), *days]
+        if not same:
+            table.group_starts.add(len(table.rows) - 1)
+        last = (r["model"], r["system"])
+    return [table]
 
 
 def _days(d: float) -> str:
