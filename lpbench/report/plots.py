@@ -232,6 +232,18 @@ def _group_axis(ax, labels: list[str]) -> None:
     ax.set_xticklabels(labels, rotation=20 if n > 3 else 0, ha="right" if n > 3 else "center")
 
 
+def _failed_bar(ax, x: float, top: float, text: str) -> None:
+    """``text`` upright in red where a run without a value would have its bar."""
+    ax.text(x, top * 0.02, text, ha="center", va="bottom", rotation=90, fontsize=8, color="#b00020")
+
+
+def _hatched(hatch: str, label: str, **kw):
+    """A legend entry for the hatched bars."""
+    from matplotlib.patches import Patch
+
+    return Patch(facecolor="#bbbbbb", hatch=hatch, edgecolor="white", label=label, **kw)
+
+
 def speedup_bars(rows: list[dict]) -> bytes | None:
     groups = [
         members
@@ -268,16 +280,7 @@ def speedup_bars(rows: list[dict]) -> bytes | None:
                 bbox=LABEL_BOX,
             )  # legible across the line
         else:
-            ax.text(
-                x,
-                top * 0.02,
-                f"{precision_name(p)}: {FAIL_LABELS.get(r['status'], r['status'])}",
-                ha="center",
-                va="bottom",
-                rotation=90,
-                fontsize=8,
-                color="#b00020",
-            )
+            _failed_bar(ax, x, top, f"{precision_name(p)}: {FAIL_LABELS.get(r['status'], r['status'])}")
     ax.axhline(1.0, color="#3b3b3b", lw=1, ls="--", zorder=0.5)  # behind bars and labels
     ax.grid(axis="x", visible=False)
     _group_axis(ax, labels)
@@ -285,16 +288,7 @@ def speedup_bars(rows: list[dict]) -> bytes | None:
     ax.set_ylabel("speedup over BF16 (tokens/s/GPU ratio)")
     handles = _legend_handles(order, order, "bar")
     if any_emulated:
-        from matplotlib.patches import Patch
-
-        handles.append(
-            Patch(
-                facecolor="#bbbbbb",
-                hatch="///",
-                edgecolor="white",
-                label="emulated GEMMs\n(no native unit here:\nspeed not representative)",
-            )
-        )
+        handles.append(_hatched("///", "emulated GEMMs\n(no native unit here:\nspeed not representative)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("Speedup over BF16" + (f" — {common}" if common else ""), fontweight="bold")
     if any(g[0].get("baseline") not in (None, BASELINE) for g in groups):
@@ -397,16 +391,7 @@ def memory_bars(rows: list[dict]) -> bytes | None:
                 color="#b00020" if failed else "black",
             )
         elif failed:
-            ax.text(
-                x,
-                top * 0.02,
-                f"{precision_name(p)}: {what}",
-                ha="center",
-                va="bottom",
-                rotation=90,
-                fontsize=8,
-                color="#b00020",
-            )
+            _failed_bar(ax, x, top, f"{precision_name(p)}: {what}")
     kinds = {r.get("memory_kind") for g in groups for r in g}
     _group_axis(ax, labels)
     ax.set_ylim(0, top * 1.2)
@@ -414,17 +399,7 @@ def memory_bars(rows: list[dict]) -> bytes | None:
     ax.grid(axis="x", visible=False)
     handles = _legend_handles(order, order, "bar")
     if any_failed:
-        from matplotlib.patches import Patch
-
-        handles.append(
-            Patch(
-                facecolor="#bbbbbb",
-                alpha=0.45,
-                hatch="//",
-                edgecolor="white",
-                label="run did not finish ok\n(peak when it stopped)",
-            )
-        )
+        handles.append(_hatched("//", "run did not finish ok\n(peak when it stopped)", alpha=0.45))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("Peak memory" + (f" — {common}" if common else ""), fontweight="bold")
     fig.tight_layout()
