@@ -52,17 +52,8 @@ SQLITE_MAX_PATH = 512  # SQLite opens no database whose absolute path is longer 
 
 # Summary columns copied from a run's metrics (or config) for querying.
 METRIC_COLUMNS = (
-    "path",
-    "step_time_s",
-    "last_step_time_s",
-    "tokens_per_sec_per_gpu",
-    "tflops_per_gpu",
-    "mfu_bf16",
-    "mfu_precision",
-    "peak_mem_allocated_gb",
-    "peak_mem_reserved_gb",
-    "device_mem_used_gb",
-    "final_loss",
+    *("path", "step_time_s", "last_step_time_s", "tokens_per_sec_per_gpu", "tflops_per_gpu", "mfu_bf16"),
+    *("mfu_precision", "peak_mem_allocated_gb", "peak_mem_reserved_gb", "device_mem_used_gb", "final_loss"),
 )
 CONFIG_COLUMNS = ("model", "precision", "seq_len", "mbs", "gbs")
 
@@ -105,6 +96,11 @@ CREATE UNIQUE INDEX IF NOT EXISTS runs_sweep_key ON runs(sweep_id, run_key);
 """
 
 STEP_COLUMNS = ("step", "loss", "step_time_s", "lr", "grad_norm", "tokens_per_sec_per_gpu", "peak_mem_gb")
+
+
+def _say(message: str) -> None:
+    """One line on stderr."""
+    print(f"lpbench: {message}", file=sys.stderr, flush=True)
 
 
 def _finite_or_none(v):
@@ -197,13 +193,8 @@ def kept_run_of(data) -> tuple[dict, list[dict]]:
         "workload",
         "backend",
         "num_gpus",
-        "gpu",
-        *CONFIG_COLUMNS,
-        *METRIC_COLUMNS,
-        "config",
-        "env",
-        "metrics",
     }
+    known |= {"gpu", *CONFIG_COLUMNS, *METRIC_COLUMNS, "config", "env", "metrics"}
     if set(row) - known:
         raise ValueError(f"unknown row field(s) {sorted(set(row) - known)[:3]}")
     for key in ("run_key", "created_at", "status"):
@@ -302,11 +293,7 @@ class ResultsStore:
         except sqlite3.OperationalError as exc:
             if not _locked(exc):
                 raise
-        print(
-            f"lpbench: {self.path} is locked by another process; waiting for it (at most {LOCK_WAIT_S:g} s)",
-            file=sys.stderr,
-            flush=True,
-        )
+        _say(f"{self.path} is locked by another process; waiting for it (at most {LOCK_WAIT_S:g} s)")
         self.conn.execute(f"PRAGMA busy_timeout = {int(LOCK_WAIT_S * 1000)}")
         try:
             return action()
@@ -373,11 +360,9 @@ class ResultsStore:
         except sqlite3.OperationalError as exc:
             self.kept.append(row)
             path = keep_run(self.path.parent, row, run.steps)
-            print(
-                f"lpbench: could not write {self.path} ({exc}); the run is kept in {path} and imported by "
-                "the next lpbench command on this results folder",
-                file=sys.stderr,
-                flush=True,
+            _say(
+                f"could not write {self.path} ({exc}); the run is kept in {path} and imported by "
+                "the next lpbench command on this results folder"
             )
             return None
 
@@ -429,11 +414,7 @@ class ResultsStore:
                 break  # still not writable: the files stay for the next command
             imported += 1
         if imported:
-            print(
-                f"lpbench: imported {imported} run(s) kept in {folder} when {self.path} could not be written",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"imported {imported} run(s) kept in {folder} when {self.path} could not be written")
         return imported
 
     def kept_run(self, sweep_id: str, run_key: str) -> dict | None:
@@ -530,7 +511,7 @@ def _set_aside(path: Path, why: str) -> None:
         where = f"moved to {dest}"
     except OSError:
         where = "left as is"
-    print(f"lpbench: {path}: not a kept run ({why.splitlines()[0][:160]}); {where}", file=sys.stderr, flush=True)
+    _say(f"{path}: not a kept run ({why.splitlines()[0][:160]}); {where}")
 
 
 def open_store(directory: str | Path, create: bool = True) -> ResultsStore | AsideStore | None:
@@ -544,7 +525,7 @@ def open_store(directory: str | Path, create: bool = True) -> ResultsStore | Asi
     try:
         return ResultsStore(directory)
     except StoreUnwritable as exc:
-        print(f"lpbench: {exc}; runs will be kept in {Path(directory) / PENDING_DIR}", file=sys.stderr, flush=True)
+        _say(f"{exc}; runs will be kept in {Path(directory) / PENDING_DIR}")
         return AsideStore(directory, str(exc))
 
 
@@ -581,11 +562,8 @@ class AsideStore:
         row = run_row(run)
         path = keep_run(self.directory, row, run.steps)
         self.kept.append(row)
-        print(
-            f"lpbench: {self.reason}; the run is kept in {path} and imported by the next lpbench command on "
-            "this results folder",
-            file=sys.stderr,
-            flush=True,
+        _say(
+            f"{self.reason}; the run is kept in {path} and imported by the next lpbench command on this results folder"
         )
 
     def runs(self, where: str = "1", params: tuple = ()) -> list[dict]:
