@@ -11,6 +11,7 @@ needs inside its function.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import shlex
@@ -398,12 +399,8 @@ def cmd_quant_error(args) -> int:
         rows = quant_error_table(
             recipes, args.role or ROLES, args.distribution or DISTRIBUTIONS, shape=tuple(args.shape), seed=args.seed
         )
-    except MemoryError:
-        raise UsageError(
-            f"--shape {args.shape[0]} {args.shape[1]}: not enough memory for it; pick a smaller shape"
-        ) from None
-    except RuntimeError as exc:
-        if "alloc" not in str(exc).lower():
+    except (MemoryError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and "alloc" not in str(exc).lower():
             raise
         raise UsageError(
             f"--shape {args.shape[0]} {args.shape[1]}: not enough memory for it; pick a smaller shape"
@@ -440,18 +437,8 @@ def cmd_slurm(args) -> int:
     parsed = run_parser.parse_args(run_args)
     cfg = configs_from_args(parsed, world_size=args.nodes * args.gpus_per_node)[0]
     run_args += layout_flags(parsed, cfg)
-    script = sbatch_script(
-        run_args,
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        launcher=args.launcher,
-        container=args.container,
-        container_mounts=args.container_mounts,
-        job_name=args.job_name,
-        time=args.time,
-        partition=args.partition,
-        account=args.account,
-    )
+    options = ("nodes", "gpus_per_node", "launcher", "container", "container_mounts", "job_name", "time", "partition")
+    script = sbatch_script(run_args, **{k: getattr(args, k) for k in (*options, "account")})
     write_file(args.output, script)
     print(
         f"wrote {args.output}: {args.nodes} node(s) x {args.gpus_per_node} GPU(s), {args.launcher} launch\n"
@@ -517,18 +504,6 @@ def add_memory_parser(sub) -> None:
     p = sub.add_parser("memory", help=COMMANDS["memory"][0])
     add_run_args(p)
     p.set_defaults(func=cmd_memory)
-
-
-def add_sweep_parser(sub) -> None:
-    from lpbench.bench.sweep import add_parser
-
-    add_parser(sub)
-
-
-def add_converge_parser(sub) -> None:
-    from lpbench.bench.converge import add_parser
-
-    add_parser(sub)
 
 
 def add_report_parser(sub) -> None:
@@ -605,19 +580,13 @@ def add_quant_error_parser(sub) -> None:
     p.set_defaults(func=cmd_quant_error)
 
 
-def add_data_parser(sub) -> None:
-    from lpbench.data.prepare import add_parser
-
-    add_parser(sub)
-
-
-COMMANDS = {  # name: (the one line `lpbench --help` lists, what adds the command's full parser)
+COMMANDS = {  # name: (its line in `lpbench --help`, what adds its parser: a function, or a module's add_parser)
     "run": ("train one or more precisions on the same work and compare them", add_run_parser),
-    "sweep": ("run a grid of configs from a YAML spec, one subprocess per run, resumable", add_sweep_parser),
+    "sweep": ("run a grid of configs from a YAML spec, one subprocess per run, resumable", "lpbench.bench.sweep"),
     "converge": (
         "train several precisions on the same real data and compare their validation loss with the "
         "first (pass/fail per tolerance)",
-        add_converge_parser,
+        "lpbench.bench.converge",
     ),
     "report": ("tables (NeMo style), plots and an HTML page from the results database", add_report_parser),
     "memory": (
@@ -630,7 +599,7 @@ COMMANDS = {  # name: (the one line `lpbench --help` lists, what adds the comman
     "recipes": ("list the precision recipes, their parameters and native/emulated here", add_recipes_parser),
     "quant-error": ("relative error and SQNR of each recipe's quantizer on test tensors", add_quant_error_parser),
     "slurm": ("write an sbatch script for a multi-node `lpbench run`", add_slurm_parser),
-    "data": ("prepare datasets and tokenizers", add_data_parser),
+    "data": ("prepare datasets and tokenizers", "lpbench.data.prepare"),
 }
 
 
@@ -646,10 +615,12 @@ def build_parser(command: str | None = None) -> Parser:
     parser.add_argument("--version", action="version", version=f"lpbench {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser, required=True)
     for name, (help_text, add) in COMMANDS.items():
-        if command in (None, name):
+        if command not in (None, name):
+            sub.add_parser(name, help=help_text)
+        elif callable(add):
             add(sub)
         else:
-            sub.add_parser(name, help=help_text)
+            importlib.import_module(add).add_parser(sub)
     return parser
 
 
