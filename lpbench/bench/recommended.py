@@ -24,8 +24,8 @@ from lpbench.errors import UsageError
 
 CSV_NAME = "recommended_model_configs.csv"
 INT_FIELDS = ("num_gpus", "seq_len", "tp", "pp", "cp", "ep", "vp", "mbs", "gbs", "fsdp")
-# Row fields that are RunConfig settings
-RUN_FIELDS = ("seq_len", "mbs", "gbs", "tp", "pp", "cp", "ep", "vp", "fsdp")
+# Row fields that are RunConfig settings, in RunConfig's order (a sweep's settings list them so)
+RUN_FIELDS = ("tp", "ep", "pp", "vp", "cp", "fsdp", "seq_len", "mbs", "gbs")
 # What a printed layout marks when a flag set it instead of the row
 FLAG_FIELDS = ("seq_len", "mbs", "gbs", "tp", "pp", "vp", "cp", "ep", "fsdp", "flops_formula")
 
