@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 from lpbench.errors import UsageError
@@ -68,10 +69,7 @@ def group_list(runs: list[dict]) -> list[dict]:
             "runs": len(members),
             "precisions": list(dict.fromkeys(r.get("precision") for r in members)),
             "models": list(dict.fromkeys(r.get("model") for r in members)),
-            "statuses": {
-                st: sum(r.get("status") == st for r in members)
-                for st in dict.fromkeys(r.get("status") for r in members)
-            },
+            "statuses": dict(Counter(r.get("status") for r in members)),
             "results": results,
             "differs": differs[results, gid],
         }
@@ -152,7 +150,7 @@ def run_report(args, open_store) -> int:
             f"{len(rows)} runs from {', '.join(str(s.path) for s in stores)}"
             + (f" (groups: {', '.join(args.group)})" if args.group else ""),
             f"systems: {', '.join(systems) or 'none'}; statuses: "
-            + ", ".join(f"{s} {sum(r['status'] == s for r in rows)}" for s in dict.fromkeys(r["status"] for r in rows)),
+            + ", ".join(f"{s} {n}" for s, n in Counter(r["status"] for r in rows).items()),
         ]
         page = Path(args.html)
         write_file(page, render_page(tables, plots, meta=meta))
