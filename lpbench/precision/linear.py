@@ -50,10 +50,9 @@ from torch.distributed.tensor import DTensor
 from lpbench.precision import capability, fp8_allgather
 from lpbench.precision.delayed import DelayedScaling
 from lpbench.precision.formats import E2M1
-from lpbench.gemm import compute_dtype, hp_mm, mm_fp32
+from lpbench.gemm import compute_dtype, hp_mm, local_linear, mm_fp32
 from lpbench.precision.kernels import block_scaled
 from lpbench.precision.kernels.fp8_linear import Fused
-from lpbench.gemm import local_linear
 from lpbench.precision.quantize import (
     RHT_SIZE,
     QSpec,

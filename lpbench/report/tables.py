@@ -433,13 +433,8 @@ def to_rich(rows: list[dict], title: str | None = None, width: int | None = None
             or "-"
         )
 
-    speed_head = (
-        "speed vs\nBF16 (CPU:\nnot\npredictive)"
-        if cpu_like
-        else "speed vs\nBF16\n(†: emulated,\nnot predictive)"
-        if any_mark
-        else "speed vs\nBF16"
-    )
+    speed_note = " (CPU:\nnot\npredictive)" if cpu_like else "\n(†: emulated,\nnot predictive)" if any_mark else ""
+    speed_head = "speed vs\nBF16" + speed_note
     loss_head = "loss (mean\nlast steps)"
     # (key, header, importance: higher stays longer, cell); the order is the order shown
     speed_cols = [
@@ -750,18 +745,15 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                 label += ", base stored quantized" if r.get("lora_stored_quantized") else ""  # not for bf16
                 label += f", resumed from step {r['resumed_from_step']}" if r.get("resumed_from_step") else ""
                 table.rows.append(cfg_cells + [label, r.get("backend") or "lpbench", r.get("path") or "–", *metric])
-        mem = ("Peak mem: allocator peak per GPU" if "cuda" in mem_kinds else "") + (
-            ("; " if "cuda" in mem_kinds else "Peak mem: ") + "the run's peak host resident set size on CPU"
-            if "host-rss" in mem_kinds
-            else ""
-        )
+        kinds = (("cuda", "allocator peak per GPU"), ("host-rss", "the run's peak host resident set size on CPU"))
+        mem = "; ".join(what for kind, what in kinds if kind in mem_kinds)
         table.caption = (
             "Speedup and Δ loss are against the BF16 run of the same group (same invocation or sweep, "
             "model, batch, GPUs and layout); loss: the mean over the last quarter of the steps, Δ ± "
             "the standard error of both means (step-to-step noise, not seed noise). MFU against the GPU's "
             "dense BF16 peak; n/a on CPU. Step ms: median over the timed steps (interquartile range); "
             "a speedup's interval comes from both runs' quartiles, \"within noise\" where they overlap. "
-            + (mem + "." if mem else "")
+            + (f"Peak mem: {mem}." if mem else "")
         )
         if any(r.get("not_gpu_speed") for r in mine):
             table.notes.append(NOT_GPU_SPEED)
