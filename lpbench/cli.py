@@ -306,22 +306,9 @@ def cmd_models(args) -> int:
         notes += ["qk-norm"] if cfg.qk_norm else []
         notes += ["tied"] if cfg.tie_embeddings else []
         notes += [f"MoE {cfg.n_experts}x top-{cfg.top_k} ({cfg.router} routing)"] if cfg.n_experts else []
-        rows.append(
-            {
-                "name": cfg.name,
-                "layers": cfg.n_layers,
-                "hidden": cfg.dim,
-                "ffn": cfg.ffn_dim,
-                "heads": cfg.n_heads,
-                "kv_heads": cfg.n_kv_heads,
-                "head_dim": cfg.hd,
-                "vocab": cfg.vocab_size,
-                "max_seq_len": cfg.max_seq_len,
-                "params": params,
-                "active_params": active,
-                "notes": ", ".join(notes),
-            }
-        )
+        row = {"name": cfg.name, "layers": cfg.n_layers, "hidden": cfg.dim, "ffn": cfg.ffn_dim, "heads": cfg.n_heads}
+        row |= {"kv_heads": cfg.n_kv_heads, "head_dim": cfg.hd, "vocab": cfg.vocab_size, "max_seq_len": cfg.max_seq_len}
+        rows.append({**row, "params": params, "active_params": active, "notes": ", ".join(notes)})
     cols = ("name", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab")
 
     def size(p):
@@ -353,14 +340,9 @@ def cmd_recipes(args) -> int:
             for f in dataclasses.fields(r)
             if f.name not in ("name", "description") and getattr(r, f.name) != f.default
         }
-        rows.append(
-            {
-                "name": r.name,
-                "path": "native" if native_supported(r, device) else "emulated",
-                "params": {k: str(v).replace("torch.", "") for k, v in params.items()},
-                "description": r.description,
-            }
-        )
+        path = "native" if native_supported(r, device) else "emulated"
+        params = {k: str(v).replace("torch.", "") for k, v in params.items()}
+        rows.append({"name": r.name, "path": path, "params": params, "description": r.description})
     return _show(
         rows,
         args.json,
