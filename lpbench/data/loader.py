@@ -60,19 +60,14 @@ class DataSplits(Splits):
     def describe(self) -> str:
         """Several lines: where the data comes from, tokenizer, corpus, split sizes, order, what was dropped."""
         docs = f" in {self.num_documents:,} documents" if self.num_documents else ""
-        corpus = (
-            ()
-            if self.num_tokens is None
-            else (f"corpus: {self.num_tokens:,} tokens{docs}, vocab {self.vocab_size}, EOS id {self.eos_id}",)
-        )
-        return super().describe(
-            corpus,
-            (
-                f"order: sample index = position (seed {self.seed})"
-                if self.is_mock
-                else f"order: seeded shuffle (seed {self.seed}), sharded over data-parallel ranks",
-            ),
-        )
+        corpus = []
+        if self.num_tokens is not None:
+            corpus.append(f"corpus: {self.num_tokens:,} tokens{docs}, vocab {self.vocab_size}, EOS id {self.eos_id}")
+        if self.is_mock:
+            order = f"order: sample index = position (seed {self.seed})"
+        else:
+            order = f"order: seeded shuffle (seed {self.seed}), sharded over data-parallel ranks"
+        return super().describe(tuple(corpus), (order,))
 
 
 VAL_FRACTION = 0.01  # of a real dataset's sequences held out for validation, rounded up
@@ -237,18 +232,9 @@ def _build_raw(
     source = sources.describe_source(path)
     key = None
     if cache_dir is not None:
-        h = hashlib.sha256(
-            json.dumps(
-                {
-                    "v": 1,
-                    "key": text_key,
-                    "unit": text_unit,
-                    "train": train_vocab_size,
-                    "eos": eos_token,
-                    "files": [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
-                }
-            ).encode()
-        )
+        stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        what = {"v": 1, "key": text_key, "unit": text_unit, "train": train_vocab_size, "eos": eos_token, "files": stats}
+        h = hashlib.sha256(json.dumps(what).encode())
         key = Path(cache_dir) / f"{Path(path).stem or 'data'}-{h.hexdigest()[:16]}"
 
     def docs():
