@@ -19,6 +19,7 @@ from lpbench.report.tables import BASELINE, precision_name
 _EXTRA = ["#8c564b", "#bcbd22", "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a"]
 MAX_PANELS = 12
 LABEL_BOX = {"boxstyle": "square,pad=0.15", "facecolor": "white", "edgecolor": "none"}  # hides lines behind labels
+FAILED = "#b00020"  # the colour of a run that did not finish ok
 FAIL_LABELS = {"oom": "OOM", "diverged": "diverged", "timeout": "timeout", "error": "error"}
 
 
@@ -234,7 +235,7 @@ def _group_axis(ax, labels: list[str]) -> None:
 
 def _failed_bar(ax, x: float, top: float, text: str) -> None:
     """``text`` upright in red where a run without a value would have its bar."""
-    ax.text(x, top * 0.02, text, ha="center", va="bottom", rotation=90, fontsize=8, color="#b00020")
+    ax.text(x, top * 0.02, text, ha="center", va="bottom", rotation=90, fontsize=8, color=FAILED)
 
 
 def _hatched(hatch: str, label: str, **kw):
@@ -329,7 +330,7 @@ def loss_curves(rows: list[dict], steps_by_run: dict[int, list[dict]]) -> bytes 
                 what = FAIL_LABELS.get(r["status"], r["status"])
                 if r["status"] == "diverged" and r.get("diverged_step"):
                     what += f" at step {r['diverged_step']}"
-                ax.plot(xs[-1], ys[-1], marker="x", ms=9, mew=2, color="#b00020")
+                ax.plot(xs[-1], ys[-1], marker="x", ms=9, mew=2, color=FAILED)
                 ax.annotate(
                     f"{precision_name(r['precision'])} {what}",
                     (xs[-1], ys[-1]),
@@ -337,8 +338,8 @@ def loss_curves(rows: list[dict], steps_by_run: dict[int, list[dict]]) -> bytes 
                     xytext=(8, 10 + 12 * failures),
                     ha="left",
                     fontsize=7,
-                    color="#b00020",
-                    arrowprops={"arrowstyle": "-", "color": "#b00020", "lw": 0.6},
+                    color=FAILED,
+                    arrowprops={"arrowstyle": "-", "color": FAILED, "lw": 0.6},
                     bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85},
                 )
                 failures += 1
@@ -388,7 +389,7 @@ def memory_bars(rows: list[dict]) -> bytes | None:
                 ha="center",
                 va="bottom",
                 fontsize=7,
-                color="#b00020" if failed else "black",
+                color=FAILED if failed else "black",
             )
         elif failed:
             _failed_bar(ax, x, top, f"{precision_name(p)}: {what}")
@@ -447,14 +448,9 @@ def convergence_curves(runs: list[dict], title: str = "") -> bytes:
             tops.append(ys[min(len(ys) - 1, len(ys) // 10)])
             bottoms.append(min(ys))
             if not r["ok"]:
-                ax.plot(xs[-1], ys[-1], marker="x", ms=9, mew=2, color="#b00020")
+                ax.plot(xs[-1], ys[-1], marker="x", ms=9, mew=2, color=FAILED)
                 ax.annotate(
-                    r["status"],
-                    (xs[-1], ys[-1]),
-                    xytext=(6, 6),
-                    textcoords="offset points",
-                    fontsize=7,
-                    color="#b00020",
+                    r["status"], (xs[-1], ys[-1]), xytext=(6, 6), textcoords="offset points", fontsize=7, color=FAILED
                 )
         if r["val"]:
             vx, vy = zip(*[(t / scale, v) for t, v in r["val"]])
