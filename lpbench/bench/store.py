@@ -370,22 +370,12 @@ class ResultsStore:
         """Insert ``row`` (as ``run_row`` makes it) and its steps in one transaction."""
         values = {k: v for k, v in row.items() if k not in ("id", "config", "env", "metrics")}
         values.update({f"{k}_json": strict_json(row[k], sort_keys=True) for k in ("config", "env", "metrics")})
-        with self.transaction():
-            if (
-                row["sweep_id"] is not None
-                and self.conn.execute(
-                    "SELECT 1 FROM runs WHERE sweep_id=? AND run_key=?", (row["sweep_id"], row["run_key"])
-                ).fetchone()
-            ):
-                return None  # BEGIN IMMEDIATE holds the write lock: nobody can insert between check and insert
-            if (
-                kept
-                and self.conn.execute(  # imported before (its file outlived the import)
-                    "SELECT 1 FROM runs WHERE run_key=? AND group_id IS ? AND created_at=? AND metrics_json=?",
-                    (row["run_key"], row["group_id"], row["created_at"], values["metrics_json"]),
-                ).fetchone()
-            ):
+        with self.transaction():  # BEGIN IMMEDIATE holds the write lock: nobody inserts between check and insert
+            if row["sweep_id"] is not None and self._has("sweep_id=? AND run_key=?", (row["sweep_id"], row["run_key"])):
                 return None
+            imported = (row["run_key"], row["group_id"], row["created_at"], values["metrics_json"])
+            if kept and self._has("run_key=? AND group_id IS ? AND created_at=? AND metrics_json=?", imported):
+                return None  # imported before (its file outlived the import)
             cur = self.conn.execute(
                 f"INSERT INTO runs ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
                 tuple(values.values()),
@@ -396,6 +386,9 @@ class ResultsStore:
                 [(run_id, *(_finite_or_none(s.get(c)) for c in STEP_COLUMNS)) for s in steps],
             )
         return run_id
+
+    def _has(self, where: str, params: tuple) -> bool:
+        return self.conn.execute(f"SELECT 1 FROM runs WHERE {where}", params).fetchone() is not None
 
     def import_kept(self) -> int:
         """Insert the runs kept in ``PENDING_DIR`` and delete their files; returns how many were imported.
