@@ -632,11 +632,8 @@ def _main(argv: list[str] | None) -> int:
     import signal
     import threading
 
-    previous = (
-        signal.signal(signal.SIGTERM, raise_terminated)
-        if threading.current_thread() is threading.main_thread()
-        else None
-    )
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set a signal handler
+    previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None
     try:
         code = args.func(args)
         sys.stdout.flush()  # a broken pipe or a full /dev/full is found here, not at exit
