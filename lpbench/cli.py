@@ -11,6 +11,7 @@ needs inside its function.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import shlex
@@ -305,22 +306,9 @@ def cmd_models(args) -> int:
         notes += ["qk-norm"] if cfg.qk_norm else []
         notes += ["tied"] if cfg.tie_embeddings else []
         notes += [f"MoE {cfg.n_experts}x top-{cfg.top_k} ({cfg.router} routing)"] if cfg.n_experts else []
-        rows.append(
-            {
-                "name": cfg.name,
-                "layers": cfg.n_layers,
-                "hidden": cfg.dim,
-                "ffn": cfg.ffn_dim,
-                "heads": cfg.n_heads,
-                "kv_heads": cfg.n_kv_heads,
-                "head_dim": cfg.hd,
-                "vocab": cfg.vocab_size,
-                "max_seq_len": cfg.max_seq_len,
-                "params": params,
-                "active_params": active,
-                "notes": ", ".join(notes),
-            }
-        )
+        row = {"name": cfg.name, "layers": cfg.n_layers, "hidden": cfg.dim, "ffn": cfg.ffn_dim, "heads": cfg.n_heads}
+        row |= {"kv_heads": cfg.n_kv_heads, "head_dim": cfg.hd, "vocab": cfg.vocab_size, "max_seq_len": cfg.max_seq_len}
+        rows.append({**row, "params": params, "active_params": active, "notes": ", ".join(notes)})
     cols = ("name", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab")
 
     def size(p):
@@ -352,14 +340,9 @@ def cmd_recipes(args) -> int:
             for f in dataclasses.fields(r)
             if f.name not in ("name", "description") and getattr(r, f.name) != f.default
         }
-        rows.append(
-            {
-                "name": r.name,
-                "path": "native" if native_supported(r, device) else "emulated",
-                "params": {k: str(v).replace("torch.", "") for k, v in params.items()},
-                "description": r.description,
-            }
-        )
+        path = "native" if native_supported(r, device) else "emulated"
+        params = {k: str(v).replace("torch.", "") for k, v in params.items()}
+        rows.append({"name": r.name, "path": path, "params": params, "description": r.description})
     return _show(
         rows,
         args.json,
@@ -398,12 +381,8 @@ def cmd_quant_error(args) -> int:
         rows = quant_error_table(
             recipes, args.role or ROLES, args.distribution or DISTRIBUTIONS, shape=tuple(args.shape), seed=args.seed
         )
-    except MemoryError:
-        raise UsageError(
-            f"--shape {args.shape[0]} {args.shape[1]}: not enough memory for it; pick a smaller shape"
-        ) from None
-    except RuntimeError as exc:
-        if "alloc" not in str(exc).lower():
+    except (MemoryError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and "alloc" not in str(exc).lower():
             raise
         raise UsageError(
             f"--shape {args.shape[0]} {args.shape[1]}: not enough memory for it; pick a smaller shape"
@@ -440,18 +419,8 @@ def cmd_slurm(args) -> int:
     parsed = run_parser.parse_args(run_args)
     cfg = configs_from_args(parsed, world_size=args.nodes * args.gpus_per_node)[0]
     run_args += layout_flags(parsed, cfg)
-    script = sbatch_script(
-        run_args,
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        launcher=args.launcher,
-        container=args.container,
-        container_mounts=args.container_mounts,
-        job_name=args.job_name,
-        time=args.time,
-        partition=args.partition,
-        account=args.account,
-    )
+    options = ("nodes", "gpus_per_node", "launcher", "container", "container_mounts", "job_name", "time", "partition")
+    script = sbatch_script(run_args, **{k: getattr(args, k) for k in (*options, "account")})
     write_file(args.output, script)
     print(
         f"wrote {args.output}: {args.nodes} node(s) x {args.gpus_per_node} GPU(s), {args.launcher} launch\n"
@@ -517,18 +486,6 @@ def add_memory_parser(sub) -> None:
     p = sub.add_parser("memory", help=COMMANDS["memory"][0])
     add_run_args(p)
     p.set_defaults(func=cmd_memory)
-
-
-def add_sweep_parser(sub) -> None:
-    from lpbench.bench.sweep import add_parser
-
-    add_parser(sub)
-
-
-def add_converge_parser(sub) -> None:
-    from lpbench.bench.converge import add_parser
-
-    add_parser(sub)
 
 
 def add_report_parser(sub) -> None:
@@ -605,19 +562,13 @@ def add_quant_error_parser(sub) -> None:
     p.set_defaults(func=cmd_quant_error)
 
 
-def add_data_parser(sub) -> None:
-    from lpbench.data.prepare import add_parser
-
-    add_parser(sub)
-
-
-COMMANDS = {  # name: (the one line `lpbench --help` lists, what adds the command's full parser)
+COMMANDS = {  # name: (its line in `lpbench --help`, what adds its parser: a function, or a module's add_parser)
     "run": ("train one or more precisions on the same work and compare them", add_run_parser),
-    "sweep": ("run a grid of configs from a YAML spec, one subprocess per run, resumable", add_sweep_parser),
+    "sweep": ("run a grid of configs from a YAML spec, one subprocess per run, resumable", "lpbench.bench.sweep"),
     "converge": (
         "train several precisions on the same real data and compare their validation loss with the "
         "first (pass/fail per tolerance)",
-        add_converge_parser,
+        "lpbench.bench.converge",
     ),
     "report": ("tables (NeMo style), plots and an HTML page from the results database", add_report_parser),
     "memory": (
@@ -630,7 +581,7 @@ COMMANDS = {  # name: (the one line `lpbench --help` lists, what adds the comman
     "recipes": ("list the precision recipes, their parameters and native/emulated here", add_recipes_parser),
     "quant-error": ("relative error and SQNR of each recipe's quantizer on test tensors", add_quant_error_parser),
     "slurm": ("write an sbatch script for a multi-node `lpbench run`", add_slurm_parser),
-    "data": ("prepare datasets and tokenizers", add_data_parser),
+    "data": ("prepare datasets and tokenizers", "lpbench.data.prepare"),
 }
 
 
@@ -646,10 +597,12 @@ def build_parser(command: str | None = None) -> Parser:
     parser.add_argument("--version", action="version", version=f"lpbench {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser, required=True)
     for name, (help_text, add) in COMMANDS.items():
-        if command in (None, name):
+        if command not in (None, name):
+            sub.add_parser(name, help=help_text)
+        elif callable(add):
             add(sub)
         else:
-            sub.add_parser(name, help=help_text)
+            importlib.import_module(add).add_parser(sub)
     return parser
 
 
@@ -679,11 +632,8 @@ def _main(argv: list[str] | None) -> int:
     import signal
     import threading
 
-    previous = (
-        signal.signal(signal.SIGTERM, raise_terminated)
-        if threading.current_thread() is threading.main_thread()
-        else None
-    )
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set a signal handler
+    previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None
     try:
         code = args.func(args)
         sys.stdout.flush()  # a broken pipe or a full /dev/full is found here, not at exit

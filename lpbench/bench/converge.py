@@ -113,17 +113,10 @@ def judge(outcomes: list[Outcome], tolerances: dict[str, float]) -> str:
             o.verdict = "no reference" if i else "reference failed"
         else:
             o.gap_pct = (loss - ref_loss) / ref_loss * 100
-            o.verdict = (
-                "reference"
-                if i == 0
-                else "seed noise"
-                if o.seed is not None
-                else "no tolerance"
-                if o.tolerance is None
-                else "pass"
-                if o.gap_pct <= o.tolerance
-                else "fail"
-            )
+            if i == 0 or o.seed is not None or o.tolerance is None:
+                o.verdict = "reference" if i == 0 else "seed noise" if o.seed is not None else "no tolerance"
+            else:
+                o.verdict = "pass" if o.gap_pct <= o.tolerance else "fail"
     return metric
 
 
@@ -327,17 +320,9 @@ def cmd_converge(args) -> int:
     ref = outcomes[0].name if outcomes[0].name != outcomes[0].precision else precision_name(outcomes[0].precision)
     table = Table(title=Text(f"lpbench converge {group}: {first.label}, {tokens:,} tokens per recipe"))
     window = min(TRAIN_WINDOW, first.steps)
-    for col in (
-        "recipe",
-        "path",
-        "status",
-        f"train loss (last {window})",
-        "val loss",
-        f"gap vs {ref}",
-        "tolerance",
-        "verdict",
-    ):
-        table.add_column(col, justify="right" if "loss" in col or col in ("gap vs " + ref, "tolerance") else "left")
+    numbers = (f"train loss (last {window})", "val loss", f"gap vs {ref}", "tolerance")
+    for col in ("recipe", "path", "status", *numbers, "verdict"):
+        table.add_column(col, justify="right" if col in numbers else "left")
     for o in outcomes:
         colour = {"pass": "green", "fail": "red"}.get(o.verdict, "red" if o.status != "ok" else "")
         table.add_row(

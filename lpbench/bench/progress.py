@@ -49,15 +49,11 @@ def step_costs(configs) -> list[float]:
     from lpbench.precision.capability import emulation_reason
     from lpbench.precision.recipes import get_recipe
 
-    gpu = torch.cuda.is_available()
-    return [
-        step_cost(
-            cfg.precision,
-            emulation_reason(get_recipe(cfg.precision), "cuda" if gpu and cfg.device != "cpu" else "cpu", cfg.emulate)
-            is not None,
-        )
-        for cfg in configs
-    ]
+    def emulated(cfg) -> bool:
+        device = "cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"
+        return emulation_reason(get_recipe(cfg.precision), device, cfg.emulate) is not None
+
+    return [step_cost(cfg.precision, emulated(cfg)) for cfg in configs]
 
 
 class RunsProgress:
@@ -128,11 +124,12 @@ class RunsProgress:
         rate = self._rate()
         if rate is None:
             return None, None
-        unit = self._unit() or rate / self.costs[self.index]
-        later = sum(
-            steps * cost * unit for (_, steps), cost in zip(self.runs[self.index + 1 :], self.costs[self.index + 1 :])
-        )
+        later = self._later(self.index, self._unit() or rate / self.costs[self.index])
         return current_left * rate, current_left * rate + later
+
+    def _later(self, index: int, unit: float) -> float:
+        """Seconds the runs after ``index`` take at ``unit`` seconds per step per unit of cost."""
+        return sum(steps * cost * unit for (_, steps), cost in zip(self.runs[index + 1 :], self.costs[index + 1 :]))
 
     def step(self, rec: dict) -> None:
         """Step ``rec["step"]`` of the current run is done (a resumed run starts past 1)."""
@@ -155,30 +152,20 @@ class RunsProgress:
         if status == "ok" and self.steps_here >= 2:
             self.unit.append((now - self.first_step_at) / (self.steps_here - 1) / self.costs[index])
         self.index = index + 1
-        left = self.total_steps - self.done_steps
-        eta = None if left else 0.0
-        if left:
-            unit = self._unit()
-            eta = (
-                sum(s * c * unit for (_, s), c in zip(self.runs[index + 1 :], self.costs[index + 1 :]))
-                if unit
-                else None
-            )
+        left, unit = self.total_steps - self.done_steps, self._unit()
+        eta = 0.0 if not left else self._later(index, unit) if unit else None
         if self.enabled:
             self.progress.remove_task(self.current)  # a run that stopped early leaves no bar behind
             self.current = None
             self.progress.update(self.overall, completed=self.done_steps, eta="-" if eta is None else clock(eta))
-        elapsed = now - self.t0
-        line = (
-            f"lpbench: run {index + 1}/{len(self.runs)} {label}: {status} in {clock(now - self.run_t0)} | "
-            f"elapsed {clock(elapsed)} | "
-            + (
-                "all runs done"
-                if not left
-                else f"ETA {clock(eta)} for {len(self.runs) - index - 1} more run(s)"
-                if eta is not None
-                else f"{len(self.runs) - index - 1} more run(s), ETA unknown"
-            )
-        )
+        more = len(self.runs) - index - 1
+        if not left:
+            tail = "all runs done"
+        elif eta is not None:
+            tail = f"ETA {clock(eta)} for {more} more run(s)"
+        else:
+            tail = f"{more} more run(s), ETA unknown"
+        line = f"lpbench: run {index + 1}/{len(self.runs)} {label}: {status} in {clock(now - self.run_t0)} | "
+        line += f"elapsed {clock(now - self.t0)} | {tail}"
         self.console.print(escape(line), highlight=False, soft_wrap=True)
         return line

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import csv
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
@@ -24,8 +24,8 @@ from lpbench.errors import UsageError
 
 CSV_NAME = "recommended_model_configs.csv"
 INT_FIELDS = ("num_gpus", "seq_len", "tp", "pp", "cp", "ep", "vp", "mbs", "gbs", "fsdp")
-# Row fields a RunConfig may take (passed on only where RunConfig has a field of that name).
-RUN_FIELDS = ("seq_len", "mbs", "gbs", "tp", "pp", "cp", "ep", "vp", "fsdp")
+# Row fields that are RunConfig settings, in RunConfig's order (a sweep's settings list them so)
+RUN_FIELDS = ("tp", "ep", "pp", "vp", "cp", "fsdp", "seq_len", "mbs", "gbs")
 # What a printed layout marks when a flag set it instead of the row
 FLAG_FIELDS = ("seq_len", "mbs", "gbs", "tp", "pp", "vp", "cp", "ep", "fsdp", "flops_formula")
 
@@ -191,17 +191,10 @@ def lookup(
 
 
 def run_defaults(rec: Recommended) -> dict:
-    """RunConfig keyword arguments from a recommended row (the fields RunConfig has), with the FLOP formula
-    its table was published with; with virtual stages NeMo's interleaved 1F1B schedule (``pp_schedule``)."""
-    from lpbench.config import RunConfig
-
-    names = {f.name for f in fields(RunConfig)}
-    out = {
-        f.name: bool(getattr(rec, f.name)) if isinstance(f.default, bool) else getattr(rec, f.name)
-        for f in fields(RunConfig)
-        if f.name in RUN_FIELDS
-    }  # e.g. fsdp: 0/1 -> flag
-    if rec.vp > 1 and "pp_schedule" in names:
+    """RunConfig keyword arguments from a recommended row, with the FLOP formula its table was published with;
+    with virtual stages NeMo's interleaved 1F1B schedule (``pp_schedule``)."""
+    out = {k: bool(rec.fsdp) if k == "fsdp" else getattr(rec, k) for k in RUN_FIELDS}  # fsdp: 0/1 -> flag
+    if rec.vp > 1:
         out["pp_schedule"] = "interleaved-1f1b"
     return {**out, "flops_formula": rec.formula}
 

@@ -52,17 +52,8 @@ SQLITE_MAX_PATH = 512  # SQLite opens no database whose absolute path is longer 
 
 # Summary columns copied from a run's metrics (or config) for querying.
 METRIC_COLUMNS = (
-    "path",
-    "step_time_s",
-    "last_step_time_s",
-    "tokens_per_sec_per_gpu",
-    "tflops_per_gpu",
-    "mfu_bf16",
-    "mfu_precision",
-    "peak_mem_allocated_gb",
-    "peak_mem_reserved_gb",
-    "device_mem_used_gb",
-    "final_loss",
+    *("path", "step_time_s", "last_step_time_s", "tokens_per_sec_per_gpu", "tflops_per_gpu", "mfu_bf16"),
+    *("mfu_precision", "peak_mem_allocated_gb", "peak_mem_reserved_gb", "device_mem_used_gb", "final_loss"),
 )
 CONFIG_COLUMNS = ("model", "precision", "seq_len", "mbs", "gbs")
 
@@ -105,6 +96,11 @@ CREATE UNIQUE INDEX IF NOT EXISTS runs_sweep_key ON runs(sweep_id, run_key);
 """
 
 STEP_COLUMNS = ("step", "loss", "step_time_s", "lr", "grad_norm", "tokens_per_sec_per_gpu", "peak_mem_gb")
+
+
+def _say(message: str) -> None:
+    """One line on stderr."""
+    print(f"lpbench: {message}", file=sys.stderr, flush=True)
 
 
 def _finite_or_none(v):
@@ -197,13 +193,8 @@ def kept_run_of(data) -> tuple[dict, list[dict]]:
         "workload",
         "backend",
         "num_gpus",
-        "gpu",
-        *CONFIG_COLUMNS,
-        *METRIC_COLUMNS,
-        "config",
-        "env",
-        "metrics",
     }
+    known |= {"gpu", *CONFIG_COLUMNS, *METRIC_COLUMNS, "config", "env", "metrics"}
     if set(row) - known:
         raise ValueError(f"unknown row field(s) {sorted(set(row) - known)[:3]}")
     for key in ("run_key", "created_at", "status"):
@@ -302,11 +293,7 @@ class ResultsStore:
         except sqlite3.OperationalError as exc:
             if not _locked(exc):
                 raise
-        print(
-            f"lpbench: {self.path} is locked by another process; waiting for it (at most {LOCK_WAIT_S:g} s)",
-            file=sys.stderr,
-            flush=True,
-        )
+        _say(f"{self.path} is locked by another process; waiting for it (at most {LOCK_WAIT_S:g} s)")
         self.conn.execute(f"PRAGMA busy_timeout = {int(LOCK_WAIT_S * 1000)}")
         try:
             return action()
@@ -373,11 +360,9 @@ class ResultsStore:
         except sqlite3.OperationalError as exc:
             self.kept.append(row)
             path = keep_run(self.path.parent, row, run.steps)
-            print(
-                f"lpbench: could not write {self.path} ({exc}); the run is kept in {path} and imported by "
-                "the next lpbench command on this results folder",
-                file=sys.stderr,
-                flush=True,
+            _say(
+                f"could not write {self.path} ({exc}); the run is kept in {path} and imported by "
+                "the next lpbench command on this results folder"
             )
             return None
 
@@ -385,22 +370,12 @@ class ResultsStore:
         """Insert ``row`` (as ``run_row`` makes it) and its steps in one transaction."""
         values = {k: v for k, v in row.items() if k not in ("id", "config", "env", "metrics")}
         values.update({f"{k}_json": strict_json(row[k], sort_keys=True) for k in ("config", "env", "metrics")})
-        with self.transaction():
-            if (
-                row["sweep_id"] is not None
-                and self.conn.execute(
-                    "SELECT 1 FROM runs WHERE sweep_id=? AND run_key=?", (row["sweep_id"], row["run_key"])
-                ).fetchone()
-            ):
-                return None  # BEGIN IMMEDIATE holds the write lock: nobody can insert between check and insert
-            if (
-                kept
-                and self.conn.execute(  # imported before (its file outlived the import)
-                    "SELECT 1 FROM runs WHERE run_key=? AND group_id IS ? AND created_at=? AND metrics_json=?",
-                    (row["run_key"], row["group_id"], row["created_at"], values["metrics_json"]),
-                ).fetchone()
-            ):
+        with self.transaction():  # BEGIN IMMEDIATE holds the write lock: nobody inserts between check and insert
+            if row["sweep_id"] is not None and self._has("sweep_id=? AND run_key=?", (row["sweep_id"], row["run_key"])):
                 return None
+            imported = (row["run_key"], row["group_id"], row["created_at"], values["metrics_json"])
+            if kept and self._has("run_key=? AND group_id IS ? AND created_at=? AND metrics_json=?", imported):
+                return None  # imported before (its file outlived the import)
             cur = self.conn.execute(
                 f"INSERT INTO runs ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
                 tuple(values.values()),
@@ -411,6 +386,9 @@ class ResultsStore:
                 [(run_id, *(_finite_or_none(s.get(c)) for c in STEP_COLUMNS)) for s in steps],
             )
         return run_id
+
+    def _has(self, where: str, params: tuple) -> bool:
+        return self.conn.execute(f"SELECT 1 FROM runs WHERE {where}", params).fetchone() is not None
 
     def import_kept(self) -> int:
         """Insert the runs kept in ``PENDING_DIR`` and delete their files; returns how many were imported.
@@ -429,11 +407,7 @@ class ResultsStore:
                 break  # still not writable: the files stay for the next command
             imported += 1
         if imported:
-            print(
-                f"lpbench: imported {imported} run(s) kept in {folder} when {self.path} could not be written",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"imported {imported} run(s) kept in {folder} when {self.path} could not be written")
         return imported
 
     def kept_run(self, sweep_id: str, run_key: str) -> dict | None:
@@ -530,7 +504,7 @@ def _set_aside(path: Path, why: str) -> None:
         where = f"moved to {dest}"
     except OSError:
         where = "left as is"
-    print(f"lpbench: {path}: not a kept run ({why.splitlines()[0][:160]}); {where}", file=sys.stderr, flush=True)
+    _say(f"{path}: not a kept run ({why.splitlines()[0][:160]}); {where}")
 
 
 def open_store(directory: str | Path, create: bool = True) -> ResultsStore | AsideStore | None:
@@ -544,7 +518,7 @@ def open_store(directory: str | Path, create: bool = True) -> ResultsStore | Asi
     try:
         return ResultsStore(directory)
     except StoreUnwritable as exc:
-        print(f"lpbench: {exc}; runs will be kept in {Path(directory) / PENDING_DIR}", file=sys.stderr, flush=True)
+        _say(f"{exc}; runs will be kept in {Path(directory) / PENDING_DIR}")
         return AsideStore(directory, str(exc))
 
 
@@ -581,11 +555,8 @@ class AsideStore:
         row = run_row(run)
         path = keep_run(self.directory, row, run.steps)
         self.kept.append(row)
-        print(
-            f"lpbench: {self.reason}; the run is kept in {path} and imported by the next lpbench command on "
-            "this results folder",
-            file=sys.stderr,
-            flush=True,
+        _say(
+            f"{self.reason}; the run is kept in {path} and imported by the next lpbench command on this results folder"
         )
 
     def runs(self, where: str = "1", params: tuple = ()) -> list[dict]:

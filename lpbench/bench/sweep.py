@@ -31,37 +31,15 @@ from lpbench.paths import check_dir
 
 # Launcher variables the child must not inherit: each run's world is the one the sweep launches.
 _LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "SLURM_PROCID",
-    "SLURM_STEP_NUM_TASKS",
-    "SLURM_LOCALID",
+    *("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"),
+    *("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"),
 )
 
 
 def child_command(run: SweepRun, results: Path, sweep_id: str, steps_file: Path | None = None) -> list[str]:
-    args = [
-        "-m",
-        "lpbench.bench.sweep_child",
-        "--results",
-        str(results),
-        "--sweep-id",
-        sweep_id,
-        "--run-key",
-        run.key,
-        "--workload",
-        run.workload,
-        "--backend",
-        run.backend,
-        "--config",
-        json.dumps(run.config.to_dict(), sort_keys=True),
-    ]
+    args = ["-m", "lpbench.bench.sweep_child", "--results", str(results), "--sweep-id", sweep_id, "--run-key", run.key]
+    args += ["--workload", run.workload, "--backend", run.backend]
+    args += ["--config", json.dumps(run.config.to_dict(), sort_keys=True)]
     if steps_file is not None:
         args += ["--steps-file", str(steps_file)]
     if run.num_gpus > 1:
@@ -155,43 +133,26 @@ def _parent_env(run: SweepRun) -> dict:
     }
 
 
-def _record_failure(
-    store,
-    run: SweepRun,
-    sweep_id: str,
-    rc,
-    timed_out: bool,
-    timeout: float,
-    out_path: Path,
-    err_path: Path,
-    steps_path: Path,
-) -> None:
+def _record_failure(store, run: SweepRun, sweep_id: str, rc, timed_out: bool, timeout: float, paths) -> None:
+    """Record the run from its exit status, its stderr and its step records (``paths``: log, stderr, steps)."""
     from lpbench.bench.runner import record
     from lpbench.train.loop import RunResult
 
+    out_path, err_path, steps_path = paths
     err = err_path.read_text(errors="replace") if err_path.exists() else ""
     steps = read_steps(steps_path)
     status, message = classify(rc, timed_out, timeout, err, steps)
-    metrics = {
-        "recorded_by": "sweep",
-        "logged_steps": len(steps),
-        "num_gpus": run.num_gpus,
-        "exit_code": rc,
-        "log": str(out_path),
-    }
+    metrics = dict(recorded_by="sweep", logged_steps=len(steps), num_gpus=run.num_gpus, exit_code=rc, log=str(out_path))
     if steps:
         metrics["final_loss"] = steps[-1].get("loss")
         if status == "diverged":
             metrics["diverged_step"] = next(
                 s["step"] for s in steps if s.get("loss") is None or not math.isfinite(s["loss"])
             )
-    record(
-        store,
-        RunResult(config=run.config, status=status, error=message, metrics=metrics, steps=steps, env=_parent_env(run)),
-        group_id=sweep_id,
-        sweep_id=sweep_id,
-        workload=run.workload,
+    result = RunResult(
+        config=run.config, status=status, error=message, metrics=metrics, steps=steps, env=_parent_env(run)
     )
+    record(store, result, group_id=sweep_id, sweep_id=sweep_id, workload=run.workload)
 
 
 def execute(run: SweepRun, store, results: Path, sweep_id: str, timeout: float, log_dir: Path) -> dict:
@@ -209,14 +170,8 @@ def execute(run: SweepRun, store, results: Path, sweep_id: str, timeout: float, 
     rc, timed_out = None, False
     steps_path.write_bytes(b"")  # this attempt's steps only: a killed earlier attempt's are not this run's
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen(
-            child_command(run, results, sweep_id, steps_path),
-            stdout=out,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
+        cmd = child_command(run, results, sweep_id, steps_path)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -228,7 +183,7 @@ def execute(run: SweepRun, store, results: Path, sweep_id: str, timeout: float, 
             raise
     row = store.sweep_run(sweep_id, run.key) or store.kept_run(sweep_id, run.key)  # the child's, if it wrote one
     if row is None:
-        _record_failure(store, run, sweep_id, rc, timed_out, timeout, out_path, err_path, steps_path)
+        _record_failure(store, run, sweep_id, rc, timed_out, timeout, (out_path, err_path, steps_path))
         row = store.sweep_run(sweep_id, run.key) or store.kept_run(sweep_id, run.key)
     return row
 
@@ -310,14 +265,8 @@ def run_sweep(
         for c in ["#", *cols, "GPUs", "run key", "state"]:
             table.add_column(c)
         for r in sweep.runs:
-            state = "done" if r.key in done else "to run"
-            table.add_row(
-                str(r.index),
-                *(Text(str(r.settings.get(c, getattr(r.config, c, "")))) for c in cols),
-                str(r.num_gpus),
-                r.key,
-                state,
-            )
+            values = (Text(str(r.settings.get(c, getattr(r.config, c, "")))) for c in cols)
+            table.add_row(str(r.index), *values, str(r.num_gpus), r.key, "done" if r.key in done else "to run")
         console.print(table)
         recs = sorted({r.recommended for r in sweep.runs if r.recommended})
         for text in recs:
@@ -415,12 +364,4 @@ def add_parser(sub) -> None:
 def cmd_sweep(args) -> int:
     from lpbench.console import console
 
-    return run_sweep(
-        args.spec,
-        results=args.results,
-        dry_run=args.dry_run,
-        timeout=args.timeout,
-        resume=args.resume,
-        name=args.name,
-        console=console,
-    )
+    return run_sweep(args.spec, args.results, args.dry_run, args.timeout, args.resume, args.name, console)

@@ -155,21 +155,13 @@ def license_documents(root: Path) -> Iterator[tuple[Path, str]]:
 
 def _docstrings(tree: ast.Module) -> Iterator[str]:
     """Module, class and function docstrings in source order."""
+    defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     todo: list[ast.AST] = [tree]
     while todo:
         node = todo.pop(0)
-        doc = (
-            ast.get_docstring(node, clean=True)
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-            else None
-        )
-        if doc:
+        if doc := ast.get_docstring(node, clean=True):
             yield doc
-        todo[:0] = [
-            n
-            for n in ast.iter_child_nodes(node)
-            if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-        ]
+        todo[:0] = [n for n in ast.iter_child_nodes(node) if isinstance(n, defs)]
 
 
 def python_documents(root: Path) -> Iterator[tuple[Path, str]]:
@@ -331,17 +323,9 @@ def assemble(
     for name in names:
         src = SOURCES[name]
         dirs = (roots or {}).get(name) or list(src.roots)
-        s = {
-            "description": src.description,
-            "licence": src.licence,
-            "roots": dirs,
-            "files": 0,
-            "documents": 0,
-            "words": 0,
-            "bytes": 0,
-            "dropped_short_or_duplicate": 0,
-            "dropped_not_english_prose": 0,
-        }
+        s = {"description": src.description, "licence": src.licence, "roots": dirs}
+        counts = ("files", "documents", "words", "bytes", "dropped_short_or_duplicate", "dropped_not_english_prose")
+        s.update(dict.fromkeys(counts, 0))
         for d in dirs:
             root = Path(d)
             if not root.is_dir():

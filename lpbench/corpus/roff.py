@@ -9,57 +9,22 @@ from __future__ import annotations
 import re
 import textwrap
 
-_ROFF_CHARS = {
-    "em": "\u2014",
-    "en": "\u2013",
-    "hy": "-",
-    "bu": "\u2022",
-    "aq": "'",
-    "dq": '"',
-    "lq": "\u201c",
-    "rq": "\u201d",
-    "oq": "\u2018",
-    "cq": "\u2019",
-    "co": "\u00a9",
-    "rg": "\u00ae",
-    "tm": "\u2122",
-    "mu": "\u00d7",
-    "di": "\u00f7",
-    ">=": "\u2265",
-    "<=": "\u2264",
-    "!=": "\u2260",
-    "->": "\u2192",
-    "<-": "\u2190",
-    "pl": "+",
-    "mi": "-",
-    "eq": "=",
-    "ti": "~",
-    "ha": "^",
-    "rs": "\\",
-    "sl": "/",
-    "ga": "`",
-    "aa": "\u00b4",
-    "de": "\u00b0",
-    "+-": "\u00b1",
-    "*W": "-",
-    "*p": "pi",
-    "ba": "|",
-}
-_ROFF_STRINGS = {
-    "--": "\u2014",
-    "-": "\u2014",
-    'L"': '"',
-    'R"': '"',
-    "C`": '"',
-    "C'": '"',
-    "Aq": "'",
-    "PI": "pi",
-    "C+": "C++",
-    "Tm": "(TM)",
-    "lq": "\u201c",
-    "rq": "\u201d",
-    "R": "\u00ae",
-}
+
+def _pairs(text: str) -> dict[str, str]:
+    """``"a b c d"`` as ``{"a": "b", "c": "d"}``."""
+    words = text.split()
+    return dict(zip(words[::2], words[1::2]))
+
+
+_ROFF_CHARS = _pairs(  # special characters \(xx and \[xx] as text
+    r"""
+    em — en – hy - bu • aq ' dq " lq “ rq ” oq ‘ cq ’ co © rg ® tm ™ mu × di ÷ >= ≥ <= ≤ != ≠ -> → <- ←
+    pl + mi - eq = ti ~ ha ^ rs \ sl / ga ` aa ´ de ° +- ± *W - *p pi ba |
+    """
+)
+_ROFF_STRINGS = _pairs(
+    """-- — - — L" " R" " C` " C' " Aq ' PI pi C+ C++ Tm (TM) lq “ rq ” R ®"""
+)  # strings \*x and \*(xx
 _ESCAPE = re.compile(
     r"""\\(?:
     f(?:\[[^\]]*\]|\(..|.)            # font
@@ -77,105 +42,13 @@ _ESCAPE = re.compile(
 _ONE_CHAR = {"-": "-", "e": "\\", "\\": "\\", " ": " ", "0": " ", "~": " ", "`": "`", "'": "'", ".": "."}
 _ALTERNATING = {"BR", "RB", "BI", "IB", "IR", "RI", "SB"}
 _FONT_MACROS = {"B", "I", "SM", "R", "CW"}
-_BREAKS = {
-    "PP",
-    "LP",
-    "P",
-    "sp",
-    "br",
-    "HP",
-    "RS",
-    "RE",
-    "in",
-    "ti",
-    "Sp",
-    "Pp",
-    "Lp",
-    "Bl",
-    "El",
-    "Bd",
-    "Ed",
-    "ne",
-    "bp",
-    "TQ",
-    "PD",
-}
-_MDOC_CALLABLE = {
-    "Ac",
-    "Ad",
-    "An",
-    "Ao",
-    "Ap",
-    "Aq",
-    "Ar",
-    "At",
-    "Bc",
-    "Bo",
-    "Bq",
-    "Brc",
-    "Bro",
-    "Brq",
-    "Bsx",
-    "Bx",
-    "Cd",
-    "Cm",
-    "Dc",
-    "Do",
-    "Dq",
-    "Dv",
-    "Dx",
-    "Ec",
-    "Em",
-    "En",
-    "Eo",
-    "Er",
-    "Es",
-    "Ev",
-    "Fa",
-    "Fc",
-    "Fl",
-    "Fn",
-    "Fo",
-    "Fr",
-    "Ft",
-    "Fx",
-    "Ic",
-    "Li",
-    "Lk",
-    "Ms",
-    "Mt",
-    "Nm",
-    "No",
-    "Ns",
-    "Nx",
-    "Oc",
-    "Oo",
-    "Op",
-    "Ot",
-    "Ox",
-    "Pa",
-    "Pc",
-    "Pf",
-    "Po",
-    "Pq",
-    "Qc",
-    "Ql",
-    "Qo",
-    "Qq",
-    "Sc",
-    "So",
-    "Sq",
-    "Sx",
-    "Sy",
-    "Ta",
-    "Tn",
-    "Ux",
-    "Va",
-    "Vt",
-    "Xc",
-    "Xo",
-    "Xr",
-}
+_BREAKS = set("PP LP P sp br HP RS RE in ti Sp Pp Lp Bl El Bd Ed ne bp TQ PD".split())
+_MDOC_CALLABLE = set(
+    """
+    Ac Ad An Ao Ap Aq Ar At Bc Bo Bq Brc Bro Brq Bsx Bx Cd Cm Dc Do Dq Dv Dx Ec Em En Eo Er Es Ev Fa Fc Fl Fn Fo Fr
+    Ft Fx Ic Li Lk Ms Mt Nm No Ns Nx Oc Oo Op Ot Ox Pa Pc Pf Po Pq Qc Ql Qo Qq Sc So Sq Sx Sy Ta Tn Ux Va Vt Xc Xo Xr
+    """.split()
+)
 _BLOCK_END = {"de": "..", "ig": "..", "am": "..", "TS": "TE", "EQ": "EN", "PS": "PE"}
 
 

@@ -22,6 +22,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from lpbench.data import indexed, sources
 from lpbench.data.mock import MockDataset
@@ -59,19 +60,14 @@ class DataSplits(Splits):
     def describe(self) -> str:
         """Several lines: where the data comes from, tokenizer, corpus, split sizes, order, what was dropped."""
         docs = f" in {self.num_documents:,} documents" if self.num_documents else ""
-        corpus = (
-            ()
-            if self.num_tokens is None
-            else (f"corpus: {self.num_tokens:,} tokens{docs}, vocab {self.vocab_size}, EOS id {self.eos_id}",)
-        )
-        return super().describe(
-            corpus,
-            (
-                f"order: sample index = position (seed {self.seed})"
-                if self.is_mock
-                else f"order: seeded shuffle (seed {self.seed}), sharded over data-parallel ranks",
-            ),
-        )
+        corpus = []
+        if self.num_tokens is not None:
+            corpus.append(f"corpus: {self.num_tokens:,} tokens{docs}, vocab {self.vocab_size}, EOS id {self.eos_id}")
+        if self.is_mock:
+            order = f"order: sample index = position (seed {self.seed})"
+        else:
+            order = f"order: seeded shuffle (seed {self.seed}), sharded over data-parallel ranks"
+        return super().describe(tuple(corpus), (order,))
 
 
 VAL_FRACTION = 0.01  # of a real dataset's sequences held out for validation, rounded up
@@ -107,28 +103,16 @@ def build_dataset(
         raise UsageError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if spec in MOCK_KINDS:
         return _build_mock(tokenizer, seq_len, seed, vocab_size, val_sequences, eos_token, MOCK_KINDS[spec])
+    split = _Split(seq_len, seed, val_fraction, val_sequences)
     prefix = spec[:-4] if spec.endswith((".bin", ".idx")) else spec
     if indexed.exists(prefix):
-        return _build_indexed(prefix, tokenizer, seq_len, seed, vocab_size, val_fraction, val_sequences, eos_token)
+        return _build_indexed(prefix, tokenizer, vocab_size, eos_token, split)
     if not os.path.exists(spec):
         raise UsageError(
             f"--data {spec}: not 'mock', 'mock-uniform', an existing file or directory, "
             f"or a Megatron prefix with {spec}.bin and {spec}.idx"
         )
-    return _build_raw(
-        spec,
-        tokenizer,
-        seq_len,
-        seed,
-        vocab_size,
-        val_fraction,
-        val_sequences,
-        text_key,
-        text_unit,
-        train_vocab_size,
-        eos_token,
-        cache_dir,
-    )
+    return _build_raw(spec, tokenizer, vocab_size, eos_token, split, text_key, text_unit, train_vocab_size, cache_dir)
 
 
 MOCK_KINDS = {"mock": "walk", "mock-uniform": "uniform"}
@@ -175,16 +159,16 @@ def _build_mock(tokenizer, seq_len, seed, vocab_size, val_sequences, eos_token, 
     )
 
 
-def _num_valid(n_tokens: int, seq_len: int, val_fraction: float, val_sequences: int | None) -> int:
-    if val_sequences is not None:
-        return val_sequences
-    total = max(0, (n_tokens - 1) // seq_len)
-    return math.ceil(val_fraction * total) if val_fraction > 0 else 0
+class _Split(NamedTuple):
+    """How a token stream becomes :class:`DataSplits` (``build_dataset``'s arguments of that name)."""
+
+    seq_len: int
+    seed: int
+    val_fraction: float
+    val_sequences: int | None
 
 
-def _splits(
-    tokens, doc_starts, seq_len, seed, vocab, eos_id, source, tok, n_docs, val_fraction, val_sequences, notes
-) -> DataSplits:
+def _splits(tokens, doc_starts, vocab, eos_id, source, tok, n_docs, notes, split: _Split) -> DataSplits:
     top = int(tokens.max()) if len(tokens) else -1
     if len(tokens) and tokens.dtype.kind == "i" and int(tokens.min()) < 0:
         raise UsageError(f"{source}: negative token id {int(tokens.min())}: not a token dataset")
@@ -193,15 +177,18 @@ def _splits(
         raise UsageError(
             f"{source}: token id {top} >= vocab size {vocab}: the data was tokenized with another tokenizer than {what}"
         )
-    n_val = _num_valid(len(tokens), seq_len, val_fraction, val_sequences)
-    train, valid = split_train_valid(tokens, seq_len, n_val, doc_starts)
+    n_val = split.val_sequences
+    if n_val is None:
+        total = max(0, (len(tokens) - 1) // split.seq_len)
+        n_val = math.ceil(split.val_fraction * total) if split.val_fraction > 0 else 0
+    train, valid = split_train_valid(tokens, split.seq_len, n_val, doc_starts)
     return DataSplits(
         train=train,
         valid=valid,
-        seq_len=seq_len,
+        seq_len=split.seq_len,
         vocab_size=vocab,
         eos_id=eos_id,
-        seed=seed,
+        seed=split.seed,
         source=source,
         tokenizer=tok,
         num_documents=n_docs,
@@ -210,9 +197,7 @@ def _splits(
     )
 
 
-def _build_indexed(
-    prefix, tokenizer, seq_len, seed, vocab_size, val_fraction, val_sequences, eos_token, source=None, notes=None
-) -> DataSplits:
+def _build_indexed(prefix, tokenizer, vocab_size, eos_token, split: _Split, source=None, notes=None) -> DataSplits:
     ds = indexed.IndexedDataset(prefix)
     tokens = ds.tokens()
     meta = _note(prefix, tokens) or {}
@@ -232,55 +217,24 @@ def _build_indexed(
             f"note: no tokenizer given; vocab size {vocab} inferred from the largest "
             f"token id, EOS unknown (documents are used as stored)"
         )
-    vocab = vocab_size or vocab
+    source = source or ds.describe()
     splits = _splits(
-        tokens,
-        ds.document_starts(),
-        seq_len,
-        seed,
-        vocab,
-        eos_id,
-        source or ds.describe(),
-        tok,
-        ds.num_documents,
-        val_fraction,
-        val_sequences,
-        notes,
+        tokens, ds.document_starts(), vocab_size or vocab, eos_id, source, tok, ds.num_documents, notes, split
     )
     splits.prefix = os.fspath(prefix)
     return splits
 
 
 def _build_raw(
-    path,
-    tokenizer,
-    seq_len,
-    seed,
-    vocab_size,
-    val_fraction,
-    val_sequences,
-    text_key,
-    text_unit,
-    train_vocab_size,
-    eos_token,
-    cache_dir,
+    path, tokenizer, vocab_size, eos_token, split: _Split, text_key, text_unit, train_vocab_size, cache_dir
 ) -> DataSplits:
     files = sources.list_files(path)
     source = sources.describe_source(path)
     key = None
     if cache_dir is not None:
-        h = hashlib.sha256(
-            json.dumps(
-                {
-                    "v": 1,
-                    "key": text_key,
-                    "unit": text_unit,
-                    "train": train_vocab_size,
-                    "eos": eos_token,
-                    "files": [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
-                }
-            ).encode()
-        )
+        stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        what = {"v": 1, "key": text_key, "unit": text_unit, "train": train_vocab_size, "eos": eos_token, "files": stats}
+        h = hashlib.sha256(json.dumps(what).encode())
         key = Path(cache_dir) / f"{Path(path).stem or 'data'}-{h.hexdigest()[:16]}"
 
     def docs():
@@ -306,24 +260,9 @@ def _build_raw(
         if not indexed.exists(prefix):
             write_documents(docs(), tok, prefix, source=source)
         notes.append(f"cache: tokenized corpus at {prefix}.bin/.idx")
-        return _build_indexed(
-            prefix, tok, seq_len, seed, vocab_size, val_fraction, val_sequences, eos_token, source=source, notes=notes
-        )
+        return _build_indexed(prefix, tok, vocab_size, eos_token, split, source=source, notes=notes)
     dtype = indexed.optimal_dtype(tok.vocab_size)
     stream, starts = concat_documents(tokenize_documents(docs(), tok), tok.eos_id, dtype)
     if len(starts) == 0:
         raise UsageError(f"{path}: no non-empty documents found")
-    return _splits(
-        stream,
-        starts,
-        seq_len,
-        seed,
-        vocab_size or tok.vocab_size,
-        tok.eos_id,
-        source,
-        tok,
-        len(starts),
-        val_fraction,
-        val_sequences,
-        notes,
-    )
+    return _splits(stream, starts, vocab_size or tok.vocab_size, tok.eos_id, source, tok, len(starts), notes, split)

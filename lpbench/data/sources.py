@@ -26,6 +26,7 @@ from lpbench.parsing import parse_json
 TEXT_EXTENSIONS = (".txt", ".text", ".md", ".rst")
 JSONL_EXTENSIONS = (".jsonl", ".ndjson", ".json")
 PARQUET_EXTENSIONS = (".parquet", ".pq")
+KNOWN_EXTENSIONS = TEXT_EXTENSIONS + JSONL_EXTENSIONS + PARQUET_EXTENSIONS
 TEXT_UNITS = ("paragraph", "file")
 
 PathLike = str | os.PathLike
@@ -37,7 +38,7 @@ def detect_format(path: PathLike) -> str:
     for fmt, exts in (("text", TEXT_EXTENSIONS), ("jsonl", JSONL_EXTENSIONS), ("parquet", PARQUET_EXTENSIONS)):
         if ext in exts:
             return fmt
-    known = " ".join(TEXT_EXTENSIONS + JSONL_EXTENSIONS + PARQUET_EXTENSIONS)
+    known = " ".join(KNOWN_EXTENSIONS)
     raise UsageError(f"{path}: unknown data format {ext or '(no extension)'!r}; known: {known}")
 
 
@@ -48,10 +49,9 @@ def list_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
+            hidden = lambda f: any(part.startswith(".") for part in f.relative_to(p).parts)
             found = sorted(
-                f
-                for f in p.rglob("*")
-                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts) and _known(f)
+                f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in KNOWN_EXTENSIONS and not hidden(f)
             )
             if not found:
                 raise UsageError(f"{p}: directory holds no .txt/.jsonl/.parquet data files")
@@ -62,14 +62,6 @@ def list_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
         else:
             raise UsageError(f"{p}: no such file or directory")
     return files
-
-
-def _known(path: Path) -> bool:
-    try:
-        detect_format(path)
-        return True
-    except UsageError:
-        return False
 
 
 def iter_documents(

@@ -6,38 +6,30 @@ import os
 import platform
 import subprocess
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
 import lpbench
 
 
-@lru_cache(maxsize=1)
-def _git_sha() -> str | None:
+def _first_line(cmd: list[str], **kw) -> str | None:
+    """The first line ``cmd`` prints; None where it cannot run, fails or prints nothing."""
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=os.path.dirname(os.path.dirname(lpbench.__file__)),
-        )
-        return out.stdout.strip() or None
+        out = subprocess.run(cmd, capture_output=True, text=True, **kw)
     except (OSError, subprocess.SubprocessError):
         return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0] if out.returncode == 0 and lines else None
+
+
+@lru_cache(maxsize=1)
+def _git_sha() -> str | None:
+    return _first_line(["git", "rev-parse", "--short", "HEAD"], timeout=5, cwd=Path(lpbench.__file__).parents[1])
 
 
 def _driver() -> str | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    return _first_line(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], timeout=10)
 
 
 def environment(device: torch.device) -> dict:

@@ -53,6 +53,26 @@ def _llama(name, L, h, ffn, heads, vocab=128256, kv=8, **kw):
     return ModelConfig(name, L, h, ffn, heads, kv, vocab, max_seq_len=131072, **kw)
 
 
+def _qwen3(name, L, h, ffn, heads, kv=8, **kw):
+    qwen3 = dict(head_dim=128, norm_eps=1e-6, qk_norm=True, rope_theta=1e6, max_seq_len=40960, family="qwen3")
+    return ModelConfig(name, L, h, ffn, heads, kv, 151936, **qwen3, **kw)
+
+
+def _nemotron4(name, L, h, ffn, heads, **kw):
+    nemotron = dict(norm="layer", activation="sqrelu", rope_theta=10_000.0, rope_fraction=0.5, max_seq_len=4096)
+    return ModelConfig(name, L, h, ffn, heads, 8, 256000, **nemotron, family="nemotron4", **kw)
+
+
+def _mixtral(name, L, h, ffn, heads, max_seq_len):
+    mixtral = dict(rope_theta=1e6, n_experts=8, top_k=2, max_seq_len=max_seq_len, family="mixtral")
+    return ModelConfig(name, L, h, ffn, heads, 8, 32000, **mixtral)
+
+
+def _cpu(name, L, h, ffn, heads, kv, vocab, **kw):
+    """A CPU-sized llama-family preset (tests, the default run, convergence studies)."""
+    return ModelConfig(name, L, h, ffn, heads, kv, vocab, rope_theta=10_000.0, **{"max_seq_len": 2048, **kw})
+
+
 MODELS: dict[str, ModelConfig] = {
     m.name: m
     for m in (
@@ -61,122 +81,16 @@ MODELS: dict[str, ModelConfig] = {
         _llama("llama3.1-405b", 126, 16384, 53248, 128),
         _llama("llama3.2-1b", 16, 2048, 8192, 32, tie_embeddings=True),
         _llama("llama3.2-3b", 28, 3072, 8192, 24, tie_embeddings=True),
-        ModelConfig(
-            "qwen3-4b",
-            36,
-            2560,
-            9728,
-            32,
-            8,
-            151936,
-            head_dim=128,
-            norm_eps=1e-6,
-            qk_norm=True,
-            rope_theta=1e6,
-            tie_embeddings=True,
-            max_seq_len=40960,
-            family="qwen3",
-        ),
-        ModelConfig(
-            "qwen3-14b",
-            40,
-            5120,
-            17408,
-            40,
-            8,
-            151936,
-            head_dim=128,
-            norm_eps=1e-6,
-            qk_norm=True,
-            rope_theta=1e6,
-            max_seq_len=40960,
-            family="qwen3",
-        ),
-        ModelConfig(
-            "nemotron4-15b",
-            32,
-            6144,
-            24576,
-            48,
-            8,
-            256000,
-            norm="layer",
-            activation="sqrelu",
-            rope_theta=10_000.0,
-            rope_fraction=0.5,
-            max_seq_len=4096,
-            family="nemotron4",
-        ),
-        ModelConfig(
-            "nemotron4-340b",
-            96,
-            18432,
-            73728,
-            96,
-            8,
-            256000,
-            head_dim=192,
-            norm="layer",
-            activation="sqrelu",
-            rope_theta=10_000.0,
-            rope_fraction=0.5,
-            max_seq_len=4096,
-            family="nemotron4",
-        ),
-        ModelConfig(
-            "mixtral-8x7b",
-            32,
-            4096,
-            14336,
-            32,
-            8,
-            32000,
-            rope_theta=1e6,
-            n_experts=8,
-            top_k=2,
-            max_seq_len=32768,
-            family="mixtral",
-        ),
-        ModelConfig(
-            "mixtral-8x22b",
-            56,
-            6144,
-            16384,
-            48,
-            8,
-            32000,
-            rope_theta=1e6,
-            n_experts=8,
-            top_k=2,
-            max_seq_len=65536,
-            family="mixtral",
-        ),
-        ModelConfig(
-            "qwen3-30b-a3b",
-            48,
-            2048,
-            768,
-            32,
-            4,
-            151936,
-            head_dim=128,
-            norm_eps=1e-6,
-            qk_norm=True,
-            rope_theta=1e6,
-            n_experts=128,
-            top_k=8,
-            router="qwen3",
-            max_seq_len=40960,
-            family="qwen3",
-        ),
+        _qwen3("qwen3-4b", 36, 2560, 9728, 32, tie_embeddings=True),
+        _qwen3("qwen3-14b", 40, 5120, 17408, 40),
+        _nemotron4("nemotron4-15b", 32, 6144, 24576, 48),
+        _nemotron4("nemotron4-340b", 96, 18432, 73728, 96, head_dim=192),
+        _mixtral("mixtral-8x7b", 32, 4096, 14336, 32, max_seq_len=32768),
+        _mixtral("mixtral-8x22b", 56, 6144, 16384, 48, max_seq_len=65536),
+        _qwen3("qwen3-30b-a3b", 48, 2048, 768, 32, kv=4, n_experts=128, top_k=8, router="qwen3"),
         ModelConfig(
             "gpt3-175b",
-            96,
-            12288,
-            49152,
-            96,
-            96,
-            51200,
+            *(96, 12288, 49152, 96, 96, 51200),
             norm="layer",
             activation="gelu",
             positions="learned",
@@ -185,41 +99,11 @@ MODELS: dict[str, ModelConfig] = {
             max_seq_len=2048,
             family="gpt3",
         ),
-        # CPU-sized llama-family presets for tests and the default run.
-        ModelConfig(
-            "tiny", 8, 128, 384, 4, 2, 2048, rope_theta=10_000.0, tie_embeddings=True, max_seq_len=2048, family="llama"
-        ),
-        # A CPU-sized mixture of experts (mixtral routing): expert parallelism on a laptop.
-        ModelConfig(
-            "tiny-moe",
-            4,
-            128,
-            256,
-            4,
-            2,
-            2048,
-            rope_theta=10_000.0,
-            tie_embeddings=True,
-            n_experts=4,
-            top_k=2,
-            max_seq_len=2048,
-            family="mixtral",
-        ),
-        ModelConfig(
-            "small",
-            8,
-            512,
-            1536,
-            8,
-            4,
-            8192,
-            rope_theta=10_000.0,
-            tie_embeddings=True,
-            max_seq_len=4096,
-            family="llama",
-        ),
-        # GPT-3 Small's shape (12 x 768) as a llama: 125 M parameters with a 32k vocabulary (convergence studies).
-        ModelConfig("llama-125m", 12, 768, 2048, 12, 4, 32000, rope_theta=10_000.0, max_seq_len=4096, family="llama"),
+        _cpu("tiny", 8, 128, 384, 4, 2, 2048, tie_embeddings=True),
+        _cpu("tiny-moe", 4, 128, 256, 4, 2, 2048, tie_embeddings=True, n_experts=4, top_k=2, family="mixtral"),
+        _cpu("small", 8, 512, 1536, 8, 4, 8192, tie_embeddings=True, max_seq_len=4096),
+        # GPT-3 Small's shape (12 x 768) as a llama: 125 M parameters with a 32k vocabulary.
+        _cpu("llama-125m", 12, 768, 2048, 12, 4, 32000, max_seq_len=4096),
     )
 }
 

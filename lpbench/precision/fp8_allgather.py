@@ -36,21 +36,10 @@ from torch.distributed.tensor import DTensor
 from lpbench.precision.quantize import Scaling, all_reduce_max, fp8_encode_scale, quantize
 
 aten = torch.ops.aten
-# Ops that FSDP (sharding, padding, to_empty) and DTensor apply to a parameter, kept in the subclass.
-_KEEP_SUBCLASS = {
-    aten.empty_like.default,
-    aten.new_zeros.default,
-    aten.slice.Tensor,
-    aten.split.Tensor,
-    aten.copy_.default,
-    aten.view.default,
-    aten.as_strided.default,
-    aten._to_copy.default,
-    aten.clone.default,
-    aten.detach.default,
-    aten.alias.default,
-}
 _VIEWS = {aten.view.default, aten.as_strided.default, aten.detach.default, aten.alias.default}
+# Ops that FSDP (sharding, padding, to_empty) and DTensor apply to a parameter, kept in the subclass.
+_KEEP_SUBCLASS = _VIEWS | {aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor, aten.split.Tensor}
+_KEEP_SUBCLASS |= {aten.copy_.default, aten._to_copy.default, aten.clone.default}
 _steps = [0, None]  # optimizer steps taken in this process (a cast is reused only within one), the hook's handle
 
 

@@ -251,14 +251,8 @@ def _grad_codes(dy: torch.Tensor, dgrad, wgrad, group: torch.Tensor, n_groups: i
     row and group amaxes, then both codes); else the torch ops."""
     ag_d = dgrad and _amax_group(split, "grad", "dgrad", dgrad)
     ag_w = wgrad and _amax_group(split, "grad", "wgrad", wgrad)
-    if (
-        dgrad
-        and wgrad
-        and dgrad.scaling is Scaling.ROW
-        and wgrad.scaling is Scaling.ROW
-        and dgrad.fmt == wgrad.fmt
-        and capability.fp8_cast_kernel(dy)
-    ):
+    row_wise = dgrad and wgrad and dgrad.scaling is Scaling.ROW and wgrad.scaling is Scaling.ROW
+    if row_wise and dgrad.fmt == wgrad.fmt and capability.fp8_cast_kernel(dy):
         cols, rows = group_amax(dy, group, n_groups, ALIGN, row_amax=True)
         row_amax, col_amax = all_reduce_max(rows[:, None], ag_d), all_reduce_max(cols, ag_w)
         enc_r = fp8_encode_scale(row_amax, dgrad.fmt, pow2=dgrad.pow2)
@@ -305,28 +299,12 @@ def _scaled_grouped(a, sa, b, sb, groups: Groups, fast_accum: bool, out_dtype) -
     wgrad = b.dim() == 2
     if grouped_mm.takes(a, b, fast_accum, out_dtype):
         y = grouped_mm.grouped_mm(a, b, sa, sb, groups.offs)
-        return y if wgrad else groups.clear_tail(y)
-    if wgrad:
-        return torch._scaled_grouped_mm(
-            a,
-            b.t(),
-            sa.reshape(-1).contiguous(),
-            sb.reshape(-1).contiguous(),
-            offs=groups.offs,
-            out_dtype=out_dtype,
-            use_fast_accum=fast_accum,
+    else:  # torch's takes the weight gradient's scales flat
+        sa, sb = sa.reshape(-1).contiguous(), (sb.reshape(-1) if wgrad else sb).contiguous()
+        y = torch._scaled_grouped_mm(
+            a, b.transpose(-2, -1), sa, sb, offs=groups.offs, out_dtype=out_dtype, use_fast_accum=fast_accum
         )
-    return groups.clear_tail(
-        torch._scaled_grouped_mm(
-            a,
-            b.transpose(1, 2),
-            sa.contiguous(),
-            sb.contiguous(),
-            offs=groups.offs,
-            out_dtype=out_dtype,
-            use_fast_accum=fast_accum,
-        )
-    )
+    return y if wgrad else groups.clear_tail(y)
 
 
 @torch.compiler.disable

@@ -50,10 +50,9 @@ from torch.distributed.tensor import DTensor
 from lpbench.precision import capability, fp8_allgather
 from lpbench.precision.delayed import DelayedScaling
 from lpbench.precision.formats import E2M1
-from lpbench.gemm import compute_dtype, hp_mm, mm_fp32
+from lpbench.gemm import compute_dtype, hp_mm, local_linear, mm_fp32
 from lpbench.precision.kernels import block_scaled
 from lpbench.precision.kernels.fp8_linear import Fused
-from lpbench.gemm import local_linear
 from lpbench.precision.quantize import (
     RHT_SIZE,
     QSpec,
@@ -90,17 +89,9 @@ def _blockwise_mm_op(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, sc
         sb, kind_b = scale_b.t().contiguous().t(), ScalingType.BlockWise1x128
     else:
         sb, kind_b = scale_b.t(), ScalingType.BlockWise128x128
-    return scaled_mm(
-        a,
-        b.t(),
-        scale_a.t().contiguous().t(),
-        ScalingType.BlockWise1x128,
-        sb,
-        kind_b,
-        swizzle_a=SwizzleType.NO_SWIZZLE,
-        swizzle_b=SwizzleType.NO_SWIZZLE,
-        output_dtype=torch.bfloat16,
-    )
+    sa, none = scale_a.t().contiguous().t(), SwizzleType.NO_SWIZZLE
+    kind_a = ScalingType.BlockWise1x128
+    return scaled_mm(a, b.t(), sa, kind_a, sb, kind_b, swizzle_a=none, swizzle_b=none, output_dtype=torch.bfloat16)
 
 
 @_blockwise_mm_op.register_fake

@@ -5,21 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 from lpbench.errors import UsageError
 from lpbench.paths import check_dir, check_file, write_file
-from lpbench.report.tables import (
-    differences_text,
-    group_differences,
-    md_escape,
-    run_group,
-    summary_rows,
-    time_to_train_tables,
-    to_csv,
-    to_json,
-    workload_tables,
-)
+from lpbench.report import tables
 
 
 def select_runs(runs: list[dict], groups: list[str] | None) -> list[dict]:
@@ -58,8 +49,8 @@ def group_list(runs: list[dict]) -> list[dict]:
     models, database, and the settings in which it differs from the other groups."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault(run_group(r), []).append(r)
-    differs = group_differences(runs)
+        groups.setdefault(tables.run_group(r), []).append(r)
+    differs = tables.group_differences(runs)
     return [
         {
             "group": gid,
@@ -68,10 +59,7 @@ def group_list(runs: list[dict]) -> list[dict]:
             "runs": len(members),
             "precisions": list(dict.fromkeys(r.get("precision") for r in members)),
             "models": list(dict.fromkeys(r.get("model") for r in members)),
-            "statuses": {
-                st: sum(r.get("status") == st for r in members)
-                for st in dict.fromkeys(r.get("status") for r in members)
-            },
+            "statuses": dict(Counter(r.get("status") for r in members)),
             "results": results,
             "differs": differs[results, gid],
         }
@@ -101,7 +89,7 @@ def print_group_list(groups: list[dict], as_json: bool) -> None:
             Text(f"{g['runs']}\n{status}"),
             Text(", ".join(map(str, g["precisions"]))),
             Text(", ".join(map(str, g["models"]))),
-            Text(differences_text(g["differs"]) or "-"),
+            Text(tables.differences_text(g["differs"]) or "-"),
         )
     console.print(table)
 
@@ -110,10 +98,10 @@ def report_markdown(rows: list[dict], plot_files: list[Path] = (), wide: bool = 
     """The report as markdown: columns whose every cell is the same are named in a note, unless ``wide``."""
     if not rows:
         return "No runs recorded."
-    blocks = [(t if wide else t.compact()).to_markdown() for t in workload_tables(rows)]
-    blocks += [t.to_markdown(level=3) for t in time_to_train_tables(rows)]
+    blocks = [(t if wide else t.compact()).to_markdown() for t in tables.workload_tables(rows)]
+    blocks += [t.to_markdown(level=3) for t in tables.time_to_train_tables(rows)]
     if plot_files:
-        blocks.append("## Plots\n\n" + "\n".join(f"![{md_escape(p.stem)}](<{p}>)" for p in plot_files))
+        blocks.append("## Plots\n\n" + "\n".join(f"![{tables.md_escape(p.stem)}](<{p}>)" for p in plot_files))
     return "\n\n".join(blocks)
 
 
@@ -130,7 +118,7 @@ def run_report(args, open_store) -> int:
         print_group_list(group_list(all_runs), args.format == "json")
         return 0
     runs = select_runs(all_runs, args.group)
-    rows = summary_rows(runs)
+    rows = tables.summary_rows(runs)
     plots: dict[str, bytes] = {}
     plot_files: list[Path] = []
     if args.plots or args.html:
@@ -146,21 +134,21 @@ def run_report(args, open_store) -> int:
     if args.html:
         from lpbench.report.html import render_page
 
-        tables = workload_tables(rows) + time_to_train_tables(rows) if rows else []
+        page_tables = tables.workload_tables(rows) + tables.time_to_train_tables(rows) if rows else []
         systems = sorted({r["system"] for r in rows})
         meta = [
             f"{len(rows)} runs from {', '.join(str(s.path) for s in stores)}"
             + (f" (groups: {', '.join(args.group)})" if args.group else ""),
             f"systems: {', '.join(systems) or 'none'}; statuses: "
-            + ", ".join(f"{s} {sum(r['status'] == s for r in rows)}" for s in dict.fromkeys(r["status"] for r in rows)),
+            + ", ".join(f"{s} {n}" for s, n in Counter(r["status"] for r in rows).items()),
         ]
         page = Path(args.html)
-        write_file(page, render_page(tables, plots, meta=meta))
+        write_file(page, render_page(page_tables, plots, meta=meta))
         print(f"lpbench report: wrote {page}", file=sys.stderr)
     render = {
         "md": lambda r: report_markdown(r, plot_files, getattr(args, "wide", False)),
-        "csv": to_csv,
-        "json": to_json,
+        "csv": tables.to_csv,
+        "json": tables.to_json,
     }[args.format]
     text = render(rows)
     try:

@@ -19,6 +19,7 @@ from lpbench.report.tables import BASELINE, precision_name
 _EXTRA = ["#8c564b", "#bcbd22", "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a"]
 MAX_PANELS = 12
 LABEL_BOX = {"boxstyle": "square,pad=0.15", "facecolor": "white", "edgecolor": "none"}  # hides lines behind labels
+FAILED = "#b00020"  # the colour of a run that did not finish ok
 FAIL_LABELS = {"oom": "OOM", "diverged": "diverged", "timeout": "timeout", "error": "error"}
 
 
@@ -232,6 +233,18 @@ def _group_axis(ax, labels: list[str]) -> None:
     ax.set_xticklabels(labels, rotation=20 if n > 3 else 0, ha="right" if n > 3 else "center")
 
 
+def _failed_bar(ax, x: float, top: float, text: str) -> None:
+    """``text`` upright in red where a run without a value would have its bar."""
+    ax.text(x, top * 0.02, text, ha="center", va="bottom", rotation=90, fontsize=8, color=FAILED)
+
+
+def _hatched(hatch: str, label: str, **kw):
+    """A legend entry for the hatched bars."""
+    from matplotlib.patches import Patch
+
+    return Patch(facecolor="#bbbbbb", hatch=hatch, edgecolor="white", label=label, **kw)
+
+
 def speedup_bars(rows: list[dict]) -> bytes | None:
     groups = [
         members
@@ -268,16 +281,7 @@ def speedup_bars(rows: list[dict]) -> bytes | None:
                 bbox=LABEL_BOX,
             )  # legible across the line
         else:
-            ax.text(
-                x,
-                top * 0.02,
-                f"{precision_name(p)}: {FAIL_LABELS.get(r['status'], r['status'])}",
-                ha="center",
-                va="bottom",
-                rotation=90,
-                fontsize=8,
-                color="#b00020",
-            )
+            _failed_bar(ax, x, top, f"{precision_name(p)}: {FAIL_LABELS.get(r['status'], r['status'])}")
     ax.axhline(1.0, color="#3b3b3b", lw=1, ls="--", zorder=0.5)  # behind bars and labels
     ax.grid(axis="x", visible=False)
     _group_axis(ax, labels)
@@ -285,16 +289,7 @@ def speedup_bars(rows: list[dict]) -> bytes | None:
     ax.set_ylabel("speedup over BF16 (tokens/s/GPU ratio)")
     handles = _legend_handles(order, order, "bar")
     if any_emulated:
-        from matplotlib.patches import Patch
-
-        handles.append(
-            Patch(
-                facecolor="#bbbbbb",
-                hatch="///",
-                edgecolor="white",
-                label="emulated GEMMs\n(no native unit here:\nspeed not representative)",
-            )
-        )
+        handles.append(_hatched("///", "emulated GEMMs\n(no native unit here:\nspeed not representative)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("Speedup over BF16" + (f" — {common}" if common else ""), fontweight="bold")
     if any(g[0].get("baseline") not in (None, BASELINE) for g in groups):
@@ -335,7 +330,7 @@ def loss_curves(rows: list[dict], steps_by_run: dict[int, list[dict]]) -> bytes 
                 what = FAIL_LABELS.get(r["status"], r["status"])
                 if r["status"] == "diverged" and r.get("diverged_step"):
                     what += f" at step {r['diverged_step']}"
-                ax.plot(xs[-1], ys[-1], marker="x", ms=9, mew=2, color="#b00020")
+                ax.plot(xs[-1], ys[-1], marker="x", ms=9, mew=2, color=FAILED)
                 ax.annotate(
                     f"{precision_name(r['precision'])} {what}",
                     (xs[-1], ys[-1]),
@@ -343,8 +338,8 @@ def loss_curves(rows: list[dict], steps_by_run: dict[int, list[dict]]) -> bytes 
                     xytext=(8, 10 + 12 * failures),
                     ha="left",
                     fontsize=7,
-                    color="#b00020",
-                    arrowprops={"arrowstyle": "-", "color": "#b00020", "lw": 0.6},
+                    color=FAILED,
+                    arrowprops={"arrowstyle": "-", "color": FAILED, "lw": 0.6},
                     bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85},
                 )
                 failures += 1
@@ -394,19 +389,10 @@ def memory_bars(rows: list[dict]) -> bytes | None:
                 ha="center",
                 va="bottom",
                 fontsize=7,
-                color="#b00020" if failed else "black",
+                color=FAILED if failed else "black",
             )
         elif failed:
-            ax.text(
-                x,
-                top * 0.02,
-                f"{precision_name(p)}: {what}",
-                ha="center",
-                va="bottom",
-                rotation=90,
-                fontsize=8,
-                color="#b00020",
-            )
+            _failed_bar(ax, x, top, f"{precision_name(p)}: {what}")
     kinds = {r.get("memory_kind") for g in groups for r in g}
     _group_axis(ax, labels)
     ax.set_ylim(0, top * 1.2)
@@ -414,17 +400,7 @@ def memory_bars(rows: list[dict]) -> bytes | None:
     ax.grid(axis="x", visible=False)
     handles = _legend_handles(order, order, "bar")
     if any_failed:
-        from matplotlib.patches import Patch
-
-        handles.append(
-            Patch(
-                facecolor="#bbbbbb",
-                alpha=0.45,
-                hatch="//",
-                edgecolor="white",
-                label="run did not finish ok\n(peak when it stopped)",
-            )
-        )
+        handles.append(_hatched("//", "run did not finish ok\n(peak when it stopped)", alpha=0.45))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("Peak memory" + (f" — {common}" if common else ""), fontweight="bold")
     fig.tight_layout()
@@ -472,14 +448,9 @@ def convergence_curves(runs: list[dict], title: str = "") -> bytes:
             tops.append(ys[min(len(ys) - 1, len(ys) // 10)])
             bottoms.append(min(ys))
             if not r["ok"]:
-                ax.plot(xs[-1], ys[-1], marker="x", ms=9, mew=2, color="#b00020")
+                ax.plot(xs[-1], ys[-1], marker="x", ms=9, mew=2, color=FAILED)
                 ax.annotate(
-                    r["status"],
-                    (xs[-1], ys[-1]),
-                    xytext=(6, 6),
-                    textcoords="offset points",
-                    fontsize=7,
-                    color="#b00020",
+                    r["status"], (xs[-1], ys[-1]), xytext=(6, 6), textcoords="offset points", fontsize=7, color=FAILED
                 )
         if r["val"]:
             vx, vy = zip(*[(t / scale, v) for t, v in r["val"]])

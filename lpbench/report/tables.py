@@ -243,28 +243,21 @@ def summary_rows(runs: list[dict]) -> list[dict]:
         speed = tps / base_tps if r.get("status") == "ok" and tps and base_tps else None
         interval = speedup_interval(r, base) if speed is not None else None
         quart = _quartiles(r)
+        same = lambda *keys: {k: r.get(k) for k in keys}  # the stored run's values, under their names
         rows.append(
             {
-                "id": r.get("id"),
-                "group_id": r.get("group_id"),
-                "workload": r.get("workload"),
-                "model": r.get("model"),
-                "precision": r.get("precision"),
+                **same("id", "group_id", "workload", "model", "precision"),
                 "optimizer": optimizer_label(cfg),
-                "backend": r.get("backend"),
-                "path": r.get("path"),
+                **same("backend", "path"),
                 "why_emulated": metrics.get("why_emulated"),
                 "batch": f"{gbs}/{mbs}/{seq}",
                 "num_gpus": r.get("num_gpus"),
                 "gpu": r.get("gpu") or "cpu",
                 "step_time_ms": r["step_time_s"] * 1e3 if r.get("step_time_s") else None,
                 "tokens_per_sec_per_gpu": tps,
-                "tflops_per_gpu": r.get("tflops_per_gpu"),
-                "mfu_bf16": r.get("mfu_bf16"),
-                "mfu_precision": r.get("mfu_precision"),
+                **same("tflops_per_gpu", "mfu_bf16", "mfu_precision"),
                 "peak_mem_gb": r.get("peak_mem_allocated_gb"),
-                "predicted_peak_gb": r.get("predicted_peak_gb"),
-                "final_loss": r.get("final_loss"),
+                **same("predicted_peak_gb", "final_loss"),
                 "tail_loss": loss,
                 "tail_steps": metrics.get("tail_steps"),
                 "speedup": speed,
@@ -274,27 +267,22 @@ def summary_rows(runs: list[dict]) -> list[dict]:
                 "not_gpu_speed": speed is not None and (_not_gpu_speed(r) or _not_gpu_speed(base)),
                 "step_time_p25_ms": quart[0] * 1e3 if quart else None,
                 "step_time_p75_ms": quart[1] * 1e3 if quart else None,
-                "status": r.get("status"),
-                "error": r.get("error"),
+                **same("status", "error"),
                 "baseline": base.get("precision") if base else None,
                 "baseline_id": base.get("id") if base else None,
                 "loss_delta": loss - base_loss
                 if r.get("status") == "ok" and _finite(loss) and _finite(base_loss)
                 else None,
                 "loss_delta_se": math.hypot(_loss_sem(r), _loss_sem(base)) if base else None,
-                "sweep_id": r.get("sweep_id"),
-                "run_key": r.get("run_key"),
-                "created_at": r.get("created_at"),
-                "results": r.get("results"),
+                **same("sweep_id", "run_key", "created_at", "results"),
                 "system": system_name(r.get("gpu")),
                 "seq_len": seq,
                 "mbs": mbs,
                 "gbs": gbs,
                 "grad_accum": cfg.get("gbs", 0) // max(1, cfg.get("mbs", 1) * cfg.get("dp", 1)) if cfg else None,
                 **{"tp": 1, "pp": 1, "vp": 1, "cp": 1},  # a run stored before a layout setting existed
-                **{k: v for k, v in _layout(r).items()},
-                "peak_mem_reserved_gb": r.get("peak_mem_reserved_gb"),
-                "device_mem_used_gb": r.get("device_mem_used_gb"),
+                **_layout(r),
+                **same("peak_mem_reserved_gb", "device_mem_used_gb"),
                 "memory_kind": metrics.get("memory_kind"),
                 "diverged_step": metrics.get("diverged_step"),
                 "resumed_from_step": metrics.get("resumed_from_step"),  # --load: steps before it ran elsewhere
@@ -445,13 +433,8 @@ def to_rich(rows: list[dict], title: str | None = None, width: int | None = None
             or "-"
         )
 
-    speed_head = (
-        "speed vs\nBF16 (CPU:\nnot\npredictive)"
-        if cpu_like
-        else "speed vs\nBF16\n(†: emulated,\nnot predictive)"
-        if any_mark
-        else "speed vs\nBF16"
-    )
+    speed_note = " (CPU:\nnot\npredictive)" if cpu_like else "\n(†: emulated,\nnot predictive)" if any_mark else ""
+    speed_head = "speed vs\nBF16" + speed_note
     loss_head = "loss (mean\nlast steps)"
     # (key, header, importance: higher stays longer, cell); the order is the order shown
     speed_cols = [
@@ -695,57 +678,19 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
         mine = [r for r in rows if (r.get("workload") or "pretrain") == wl]
         layout = [k for k in layout_keys(numbers_only=True) if any(k in r for r in mine)]
         show_fsdp = any(r.get("fsdp") for r in mine)
-        config_cols = [
-            "Model",
-            "System",
-            "#-GPUs",
-            "GBS",
-            "MBS",
-            "Seq Length",
-            *[k.upper() for k in layout],
-            *(["FSDP"] if show_fsdp else []),
-            "GA",
-            "Steps",
-            "Group (when, UTC): what differs",
-        ]
+        fsdp_col = ["FSDP"] if show_fsdp else []
+        config_cols = ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length", *[k.upper() for k in layout], *fsdp_col]
+        config_cols += ["GA", "Steps", "Group (when, UTC): what differs"]
         tflops = tflops_header(mine, "Model TFLOP / sec / GPU")
-        metric_cols = [
-            "Precision",
-            "Backend",
-            "Path",
-            "Step ms (IQR)",
-            "Tokens / sec / GPU",
-            tflops,
-            "MFU",
-            "Speedup over BF16",
-            "Peak mem (GB)",
-            "Loss (last-steps mean)",
-            "Δ loss vs BF16",
-        ]
+        metric_cols = ["Precision", "Backend", "Path", "Step ms (IQR)", "Tokens / sec / GPU", tflops, "MFU"]
+        metric_cols += ["Speedup over BF16", "Peak mem (GB)", "Loss (last-steps mean)", "Δ loss vs BF16"]
         columns = config_cols + metric_cols
-        first_num = {
-            "#-GPUs",
-            "GBS",
-            "MBS",
-            "Seq Length",
-            "GA",
-            "Steps",
-            "FSDP",
-            *[k.upper() for k in layout],
-            "Step ms (IQR)",
-            "Tokens / sec / GPU",
-            tflops,
-            "MFU",
-            "Speedup over BF16",
-            "Peak mem (GB)",
-            "Loss (last-steps mean)",
-            "Δ loss vs BF16",
-        }
+        text = {"Model", "System", "Group (when, UTC): what differs", "Precision", "Backend", "Path"}
         table = TextTable(
             title=WORKLOAD_TITLES.get(wl, wl),
             columns=columns,
             rows=[],
-            right={i for i, c in enumerate(columns) if c in first_num},
+            right={i for i, c in enumerate(columns) if c not in text},
         )
         mem_kinds = set()
         for members in _group_order(mine):
@@ -753,28 +698,13 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
             for i, r in enumerate(members):
                 if i == 0:
                     when = (r.get("created_at") or "")[5:16].replace("T", " ")
-                    cfg_cells = [
-                        r["model"],
-                        r["system"],
-                        str(r.get("num_gpus") or 1),
-                        str(r["gbs"]),
-                        str(r["mbs"]),
-                        str(r["seq_len"]),
-                        *[str(_int(r.get(k, ""))) for k in layout],
-                        *(
-                            [
-                                ("yes, FP8 all-gather" if r.get("fsdp_fp8_all_gather") else "yes")
-                                if r.get("fsdp")
-                                else "no"
-                            ]
-                            if show_fsdp
-                            else []
-                        ),
-                        str(r.get("grad_accum") or ""),
-                        str(r.get("steps") or ""),
-                        f"{r.get('sweep_id') or r.get('group_id') or '-'} ({when})"
-                        + (f": {r['group_differs']}" if r.get("group_differs") else ""),
-                    ]
+                    fsdp = ("yes, FP8 all-gather" if r.get("fsdp_fp8_all_gather") else "yes") if r.get("fsdp") else "no"
+                    group = f"{r.get('sweep_id') or r.get('group_id') or '-'} ({when})"
+                    cfg_cells = [r["model"], r["system"], str(r.get("num_gpus") or 1)]
+                    cfg_cells += [str(r["gbs"]), str(r["mbs"]), str(r["seq_len"])]
+                    cfg_cells += [str(_int(r.get(k, ""))) for k in layout] + ([fsdp] if show_fsdp else [])
+                    cfg_cells += [str(r.get("grad_accum") or ""), str(r.get("steps") or "")]
+                    cfg_cells.append(group + (f": {r['group_differs']}" if r.get("group_differs") else ""))
                 else:
                     cfg_cells = [""] * len(config_cols)
                 mem_kinds.add(r.get("memory_kind"))
@@ -815,18 +745,15 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                 label += ", base stored quantized" if r.get("lora_stored_quantized") else ""  # not for bf16
                 label += f", resumed from step {r['resumed_from_step']}" if r.get("resumed_from_step") else ""
                 table.rows.append(cfg_cells + [label, r.get("backend") or "lpbench", r.get("path") or "–", *metric])
-        mem = ("Peak mem: allocator peak per GPU" if "cuda" in mem_kinds else "") + (
-            ("; " if "cuda" in mem_kinds else "Peak mem: ") + "the run's peak host resident set size on CPU"
-            if "host-rss" in mem_kinds
-            else ""
-        )
+        kinds = (("cuda", "allocator peak per GPU"), ("host-rss", "the run's peak host resident set size on CPU"))
+        mem = "; ".join(what for kind, what in kinds if kind in mem_kinds)
         table.caption = (
             "Speedup and Δ loss are against the BF16 run of the same group (same invocation or sweep, "
             "model, batch, GPUs and layout); loss: the mean over the last quarter of the steps, Δ ± "
             "the standard error of both means (step-to-step noise, not seed noise). MFU against the GPU's "
             "dense BF16 peak; n/a on CPU. Step ms: median over the timed steps (interquartile range); "
             "a speedup's interval comes from both runs' quartiles, \"within noise\" where they overlap. "
-            + (mem + "." if mem else "")
+            + (f"Peak mem: {mem}." if mem else "")
         )
         if any(r.get("not_gpu_speed") for r in mine):
             table.notes.append(NOT_GPU_SPEED)
@@ -848,61 +775,45 @@ def time_to_train_tables(
     and assumes it holds at every scale (the Nemotron4 recipe's table measures each scale). A CPU
     rate or a fine-tuning rate says nothing about pre-training a model on a cluster.
     """
-    tables = []
-    ok = [
-        r
-        for r in rows
-        if r["status"] == "ok"
-        and _finite(r.get("tokens_per_sec_per_gpu"))
-        and (r.get("workload") or "pretrain") == "pretrain"
-        and r.get("gpu") not in (None, "cpu")
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        pretrain_on_gpu = (r.get("workload") or "pretrain") == "pretrain" and r.get("gpu") not in (None, "cpu")
+        if r["status"] != "ok" or not _finite(r.get("tokens_per_sec_per_gpu")) or not pretrain_on_gpu:
+            continue
+        key = (r["model"], r["system"], r.get("backend"), r["precision"])
+        if key not in best or r["tokens_per_sec_per_gpu"] > best[key]["tokens_per_sec_per_gpu"]:
+            best[key] = r
+    if not best:
+        return []
+    columns = [
+        "Model",
+        "System",
+        "Precision",
+        "Measured with",
+        "Tokens / sec / GPU",
+        *[f"{n} GPUs" for n in gpu_counts],
     ]
-    for wl in dict.fromkeys(r.get("workload") or "pretrain" for r in ok):
-        best: dict[tuple, dict] = {}
-        for r in ok:
-            if (r.get("workload") or "pretrain") != wl:
-                continue
-            key = (r["model"], r["system"], r.get("backend"), r["precision"])
-            if key not in best or r["tokens_per_sec_per_gpu"] > best[key]["tokens_per_sec_per_gpu"]:
-                best[key] = r
-        columns = [
-            "Model",
-            "System",
-            "Precision",
-            "Measured with",
-            "Tokens / sec / GPU",
-            *[f"{n} GPUs" for n in gpu_counts],
-        ]
-        table = TextTable(
-            title=f"Time to train {tokens / 1e12:g}T tokens (days), {WORKLOAD_TITLES.get(wl, wl)}",
-            columns=columns,
-            rows=[],
-            right=set(range(4, len(columns))),
-            caption=f"days = {tokens:.0e} / (tokens/s/GPU x GPUs) / 86400, assuming the measured "
-            "tokens/s/GPU holds at every GPU count (linear scaling; the Nemotron4 recipe "
-            "measures each scale).",
-        )
-        order = sorted(best.values(), key=lambda r: (r["model"], r["system"], r["precision"] != BASELINE))
-        last = None
-        for r in order:
-            days = [time_to_train(r["tokens_per_sec_per_gpu"], n, tokens) for n in gpu_counts]
-            same = last == (r["model"], r["system"])
-            table.rows.append(
-                [
-                    "" if same else r["model"],
-                    "" if same else r["system"],
-                    precision_name(r["precision"]),
-                    f"GBS {r['gbs']}, MBS {r['mbs']}, seq {r['seq_len']}, {r.get('num_gpus') or 1} GPU"
-                    + ("s" if (r.get("num_gpus") or 1) > 1 else ""),
-                    _num(r["tokens_per_sec_per_gpu"]),
-                    *[_days(d) for d in days],
-                ]
-            )
-            if not same:
-                table.group_starts.add(len(table.rows) - 1)
-            last = (r["model"], r["system"])
-        tables.append(table)
-    return tables
+    table = TextTable(
+        title=f"Time to train {tokens / 1e12:g}T tokens (days), {WORKLOAD_TITLES['pretrain']}",
+        columns=columns,
+        rows=[],
+        right=set(range(4, len(columns))),
+        caption=f"days = {tokens:.0e} / (tokens/s/GPU x GPUs) / 86400, assuming the measured "
+        "tokens/s/GPU holds at every GPU count (linear scaling; the Nemotron4 recipe "
+        "measures each scale).",
+    )
+    last = None
+    for r in sorted(best.values(), key=lambda r: (r["model"], r["system"], r["precision"] != BASELINE)):
+        same = last == (r["model"], r["system"])
+        gpus = r.get("num_gpus") or 1
+        measured = f"GBS {r['gbs']}, MBS {r['mbs']}, seq {r['seq_len']}, {gpus} GPU" + ("s" if gpus > 1 else "")
+        days = [_days(time_to_train(r["tokens_per_sec_per_gpu"], n, tokens)) for n in gpu_counts]
+        table.rows.append(["" if same else r["model"], "" if same else r["system"], precision_name(r["precision"])])
+        table.rows[-1] += [measured, _num(r["tokens_per_sec_per_gpu"]), *days]
+        if not same:
+            table.group_starts.add(len(table.rows) - 1)
+        last = (r["model"], r["system"])
+    return [table]
 
 
 def _days(d: float) -> str:

@@ -115,14 +115,7 @@ def operands(a: QTensor, b: QTensor) -> tuple[torch.Tensor, ...]:
     """(data a, scales a, data b, scales b, global a, global b) for a · bᵀ, typed as :func:`scaled_mm` takes them."""
     (da, sa, ga, ta), (db, sb, gb, tb) = _operands_bytes(a, b)
     scale_dtype = a.scale.dtype
-    return (
-        da.view(getattr(torch, ta)),
-        sa.view(scale_dtype),
-        db.view(getattr(torch, tb)),
-        sb.view(scale_dtype),
-        ga,
-        gb,
-    )
+    return da.view(getattr(torch, ta)), sa.view(scale_dtype), db.view(getattr(torch, tb)), sb.view(scale_dtype), ga, gb
 
 
 def scaled_mm(
@@ -137,29 +130,11 @@ def scaled_mm(
     block scales, and for NVFP4 the FP32 global scales (BlockWise1x32 without them, BlockWise1x16 + TensorWise with)."""
     S, W = F.ScalingType, F.SwizzleType
     if global_a is None:
-        return F.scaled_mm(
-            a,
-            b.t(),
-            scale_a,
-            S.BlockWise1x32,
-            scale_b,
-            S.BlockWise1x32,
-            swizzle_a=W.SWIZZLE_32_4_4,
-            swizzle_b=W.SWIZZLE_32_4_4,
-            output_dtype=torch.bfloat16,
-        )
-    kinds, sw = [S.BlockWise1x16, S.TensorWise], [W.SWIZZLE_32_4_4, W.NO_SWIZZLE]
-    return F.scaled_mm(
-        a,
-        b.t(),
-        [scale_a, global_a],
-        kinds,
-        [scale_b, global_b],
-        kinds,
-        swizzle_a=sw,
-        swizzle_b=sw,
-        output_dtype=torch.bfloat16,
-    )
+        sa, sb, kinds, sw = scale_a, scale_b, S.BlockWise1x32, W.SWIZZLE_32_4_4
+    else:
+        sa, sb = [scale_a, global_a], [scale_b, global_b]
+        kinds, sw = [S.BlockWise1x16, S.TensorWise], [W.SWIZZLE_32_4_4, W.NO_SWIZZLE]
+    return F.scaled_mm(a, b.t(), sa, kinds, sb, kinds, swizzle_a=sw, swizzle_b=sw, output_dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("lpbench::block_scaled_mm", mutates_args=())
@@ -177,14 +152,8 @@ def _block_scaled_mm_op(
     torch.compile keeps the layouts (inductor has no lowering for these scalings) and traces no FP4 or E8M0
     tensors."""
     scale_dtype = torch.float8_e8m0fnu if global_a is None else torch.float8_e4m3fn
-    return scaled_mm(
-        a.view(getattr(torch, dtype_a)),
-        scale_a.view(scale_dtype),
-        b.view(getattr(torch, dtype_b)),
-        scale_b.view(scale_dtype),
-        global_a,
-        global_b,
-    )
+    a, b = a.view(getattr(torch, dtype_a)), b.view(getattr(torch, dtype_b))
+    return scaled_mm(a, scale_a.view(scale_dtype), b, scale_b.view(scale_dtype), global_a, global_b)
 
 
 @_block_scaled_mm_op.register_fake

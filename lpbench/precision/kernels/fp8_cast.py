@@ -2,15 +2,14 @@
 
 Hand-written (Triton) because torch.compile cannot do it: the kernel that writes the
 transposed copy is a tiled element-wise kernel, and inductor will not reduce a whole-tensor
-amax inside it, so the compiled cast reads the operand twice (once to cast, once for the amax
-the next step's scale needs). Here each tile is read once, cast, stored row-major and
-transposed, and its amax folded into one FP32 by an integer atomic max on the bit patterns (for
-non-negative floats the integer order is the float order, and NaN sorts above +inf, so a NaN
-anywhere gives NaN, as ``abs().amax()`` does).
+amax inside it, so the compiled cast reads the operand twice. Here each tile is read once, cast,
+stored row-major and transposed, and its amax folded into one FP32 by an integer atomic max on the
+bit patterns (for non-negative floats the integer order is the float order, and NaN sorts above
++inf, so a NaN anywhere gives NaN, as ``abs().amax()`` does).
 
 * tensorwise scaling: the scale of the amax (:func:`tensorwise_cast_into`: the scale launch, the
   cast, the decode scale), or of the amax its producer reduced (the compiled path; the cast then
-  reduces no amax, which takes a fifth of its time);
+  reduces no amax);
 * delayed scaling (Transformer Engine's rule, ``quantize.delayed_update``): the cast reads the
   module's persistent scale buffer, so it needs nothing computed first; :func:`record_amax` then
   gives the decode scale of that cast and, in the same single-program launch, shifts the amax into
@@ -18,15 +17,13 @@ anywhere gives NaN, as ``abs().amax()`` does).
 * :func:`transpose_codes`: the transposed copy of FP8 codes, one byte in and one out per element.
   On the compiled path the producer of a 16-bit operand (RMSNorm, SwiGLU, ...) writes the row-major
   codes itself (``fp8_linear``), and wgrad's transposed codes are made from those: exact (the same
-  bytes), and half the traffic of transposing the 16-bit operand. Inductor would fuse a transposed
-  store into the producer instead, the slow pattern described above.
+  bytes), and half the traffic of transposing the 16-bit operand.
 
-Scales divide in FP64 and round once, as the reference does (Triton's FP32 ``/`` is approximate).
-A cast kernel that computed a scale itself (an FP64 division) once took 221 registers a thread
-instead of 127 on an H200 (13 % occupancy), so no cast kernel does. Used for 16-bit and FP32 CUDA
-operands when Triton is present; everything else takes the compiler-fused ops of ``fp8_linear.cast``,
-with which this is bit-exact (``gpu`` tests). The kernels are ``triton_op``s: torch.compile launches
-them from its generated code, without the Python dispatch of an opaque custom op on every call.
+Scales divide in FP64 and round once, as the reference does (Triton's FP32 ``/`` is approximate),
+in their own launch: no cast kernel computes a scale (it costs the cast occupancy). Used for 16-bit
+and FP32 CUDA operands when Triton is present; everything else takes the compiler-fused ops of
+``fp8_linear.cast``, with which this is bit-exact (``gpu`` tests). The kernels are ``triton_op``s:
+torch.compile launches them from its generated code, without an opaque custom op's Python dispatch.
 """
 
 from __future__ import annotations

@@ -3,30 +3,23 @@
 The weight gradient of grouped experts reduces over each expert's tokens, so its FP8 operands (the output
 gradient and the input, rows sorted by expert in a :class:`lpbench.models.moe.Groups` buffer) take one
 scale per expert and column: the amax of each column over the expert's rows; the grouped GEMM takes them
-transposed. Hand-written (Triton) because the compiled ops take more: inductor reduced blocks of rows in one
-kernel and scattered the block maxima by expert in another (``scatter_reduce``), 2.7 ms a micro-batch on
-mixtral-8x7b@2L (an H200), and its transposed writes are slow (as ``kernels/fp8_cast.py`` found).
+transposed. Hand-written (Triton) because the compiled ops read the operand more than once (a block reduction,
+then a ``scatter_reduce`` by expert) and write the transposed copy slowly (benchmarks/RESULTS.md, issue 19).
 
 :func:`group_amax`: each program walks down ``ROWS`` rows of ``COLS`` columns in blocks of the caller's
 ``block`` rows (ALIGN in a Groups buffer: no block straddles two experts, the reference's own assumption,
 whose group is that of its first row), keeps the running column maxima in registers while the expert stays
 the same, and folds them into the expert's row of the result by an integer atomic max on the bit patterns of
-``|x|`` when the expert changes and at its end, as ``kernels/fp8_cast.py`` does for tensor amaxes: for
-non-negative floats the integer order is the float order, and NaN sorts above +inf, so a NaN in an expert's
-column gives NaN there, as the definition (the dense quantizer's ``abs().amax()``) and the reference on the
-CPU do (CUDA's eager ``scatter_reduce`` takes ``fmaxf``, which drops NaN). Max is exact in any order, so the
+``|x|`` when the expert changes and at its end, as ``kernels/fp8_cast.py`` does for tensor amaxes. So a NaN in
+an expert's column gives NaN there, as the definition (the dense quantizer's ``abs().amax()``) does, and the
 result is the reference's bit for bit (up to a NaN's payload, which no scale carries). Experts with no rows
 keep 0, as the reference's zero-initialised scatter does. For the output gradient, whose data-gradient codes
-are row-wise, the same read also stores each block of columns' row maxima, which the op reduces (an atomic
-max per row from every column block had cost 2-6 % more). Programs of 128 rows by 512 columns of 4 warps, in
-blocks of 16 rows: on an H200 (``benchmarks/group_amax.py``) mixtral-8x7b's gate_up gradient (8320 x 28672,
-BF16) takes 229 us with its row amaxes, as long as a copy of it (227); 256 columns took 556.
+are row-wise, the same read also stores each block of columns' row maxima, which the op reduces.
 
 :func:`group_cast`: ``kernels/fp8_cast.py``'s tiled cast with a scale per row's group and column (gathered from
 the [groups, columns] encode scales): the transposed codes, and for the output gradient the row-wise codes of
 the data gradient from the same read. The scales are the torch ops' (``fp8_encode_scale``), so the codes are
-``encode``'s bit for bit (saturate, NaN kept, round to nearest even). Tiles of 64 x 64 of 4 warps: 278 us for
-both codes of that gradient, where 128 x 128 of 8 warps took 349.
+``encode``'s bit for bit (saturate, NaN kept, round to nearest even).
 """
 
 from __future__ import annotations
