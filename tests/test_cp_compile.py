@@ -1,0 +1,113 @@
+"""Context parallelism inside compiled blocks (CPU, gloo, CP 2): the K/V all-gather and the chunked attention (its
+lower-right ``CausalBias`` masks made outside the block) trace into the block's one graph, with no graph break,
+as the block without CP does; with packed SFT's document mask too. The compiled CP model's loss and gradients
+equal the unsplit eager model's up to FP32 summation order.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lpbench.parallel.env import shutdown
+
+
+def _compiled_run(rank: int, cp_size: int, docs: bool) -> dict:
+    """Graphs and graph breaks Dynamo counted for a 2-block tiny model with compiled blocks (CP 2 or none), and
+    its loss's and gradients' max relative error against the unsplit eager model."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from lpbench.models import build_model
+    from lpbench.models.registry import ModelConfig
+    from lpbench.parallel.cp import apply_cp
+    from lpbench.parallel.plan import compile_blocks
+
+    cfg = ModelConfig("test-two-blocks", 2, 64, 128, 4, 2, 256, rope_theta=10_000.0, max_seq_len=128)
+    ref, model = (build_model(cfg, device="cpu", seed=0) for _ in range(2))
+    cp = apply_cp(model, dist.group.WORLD, rank, cp_size) if cp_size > 1 else None
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(model, head=False)
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 256, (2, 64), generator=gen), torch.randint(0, 256, (2, 64), generator=gen)
+    doc = (torch.arange(64) >= 23).long().expand(2, 64) + (torch.arange(64) >= 40).long()
+    args = [ids, labels] + ([doc] if docs else [])
+    whole = ref(*args)
+    whole.backward()
+    loss = model(*(args if cp is None else cp.shard(args)))
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    if cp is not None:  # each rank's loss is its share of the mean x CP size
+        for t in [loss := loss.detach().clone(), *grads]:
+            dist.all_reduce(t)
+            t /= cp_size
+    errors = [float((loss - whole).abs() / whole.abs())]
+    errors += [float((g - p.grad).abs().max() / p.grad.abs().max()) for g, p in zip(grads, ref.parameters())]
+    return {
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": sum(counters["graph_break"].values()),
+        "error": max(errors),
+    }
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    results = {f"cp{n}-{docs}": _compiled_run(rank, n, docs) for n in (1, 2) for docs in (False, True)}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    shutdown()
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, spawn_ranks):
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("cp-compile"), 2)
+
+
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+def test_a_compiled_block_under_cp_has_the_graphs_it_has_without(world2, docs):
+    for rank in world2:
+        plain, split = rank[f"cp1-{docs}"], rank[f"cp2-{docs}"]
+        assert split["breaks"] == plain["breaks"] == 0, (plain, split)
+        assert split["graphs"] == plain["graphs"], (plain, split)
+        assert split["error"] < 1e-5 and plain["error"] < 1e-5, (plain, split)  # FP32 summation order
+
+
+@pytest.mark.gpu
+def test_compiled_cp_attention_keeps_flash_attention_on_cuda():
+    """On CUDA the compiled chunked attention (a group of one, the keys whole) traces with no graph break, runs
+    flash attention's kernel (its bottom-right causal alignment) and equals causal SDPA, forward and backward."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    from lpbench.parallel.cp import ContextParallel
+
+    one = ContextParallel(None, 0, 1)
+    one.positions(1024, "cuda")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 1024, 128, generator=gen).cuda().bfloat16() for h in (32, 8, 8))
+    torch._dynamo.reset()
+    counters.clear()
+    attend = torch.compile(lambda q, k, v: one.attention(q, k, v, True))
+    results = []
+    for fn in (
+        attend,
+        lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+    ):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = fn(*leaves)
+            out.float().sum().backward()
+        results.append([out, *(t.grad for t in leaves)])
+        if fn is attend:
+            assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+            assert any("_scaled_dot_product_flash_attention" in e.name for e in prof.events())
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
