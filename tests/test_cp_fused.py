@@ -1,7 +1,10 @@
-"""Context parallelism inside compiled blocks (CPU, gloo, CP 2): the K/V all-gather and the chunked attention (its
-lower-right ``CausalBias`` masks made outside the block) trace into the block's one graph, with no graph break,
-as the block without CP does; with packed SFT's document mask too. The compiled CP model's loss and gradients
-equal the unsplit eager model's up to FP32 summation order.
+"""Context parallelism and the fused paths: compiled blocks, flash attention, the FP8 SwiGLU epilogue.
+
+CPU, gloo, CP 2: the K/V all-gather and the chunked attention (its lower-right ``CausalBias`` masks made outside
+the block) trace into the block's one graph, with no graph break, as the block without CP does; with packed
+SFT's document mask too. The compiled CP model's loss and gradients equal the unsplit eager model's up to FP32
+summation order. CUDA: the compiled chunked attention runs flash attention; the FP8 linear's SwiGLU epilogue
+kernel still casts gate_up's gradient when CP holds part of the tokens (its amax all-reduced).
 """
 
 import json
@@ -111,3 +114,50 @@ def test_compiled_cp_attention_keeps_flash_attention_on_cuda():
             assert any("_scaled_dot_product_flash_attention" in e.name for e in prof.events())
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_swiglu_epilogue_kernel_runs_under_cp(precise_casts, monkeypatch, request, recipe, compiled):
+    """A fused FP8 gate+up linear whose tokens are a CP share (a group of one: the all-reduced amax is the
+    rank's own) still casts its gradient in SwiGLU's backward kernel, bit for bit with SwiGLU after the linear."""
+    import torch._dynamo
+    from torch.distributed import HashStore
+
+    from lpbench.parallel.cp import ContextParallel
+    from lpbench.precision.kernels import swiglu as sw
+    from lpbench.precision.linear import QuantizedLinear
+    from lpbench.precision.recipes import get_recipe
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=HashStore(), rank=0, world_size=1)
+        request.addfinalizer(dist.destroy_process_group)
+    calls = []
+    for name in ("backward_amax", "backward_cast"):
+        original = getattr(sw.Epilogue, name)
+        monkeypatch.setattr(sw.Epilogue, name, staticmethod(lambda *a, f=original: calls.append(1) or f(*a)))
+    runs = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        mod = QuantizedLinear.from_linear(
+            torch.nn.Linear(96, 400, bias=False, device="cuda"), get_recipe(recipe), native=True
+        )
+        mod.cp_shard = ContextParallel(dist.group.WORLD, 0, 1)
+        fn = (lambda x: sw.swiglu_of(mod, x)) if fused else (lambda x: sw.swiglu(mod(x)))
+        if compiled:
+            torch._dynamo.reset()
+            fn = torch.compile(fn)
+        out = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x = (torch.randn(2, 40, 96, generator=g) * 3).cuda().requires_grad_()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = fn(x)
+            y.backward(torch.randn(y.shape, generator=g).to("cuda", y.dtype))
+            out += [y.detach(), x.grad, mod.weight.grad.clone()]
+            mod.weight.grad = None
+        runs.append(out)
+    assert calls  # the epilogue kernel cast the split gradient
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
