@@ -9,14 +9,23 @@ chunks unchanged. RoPE and learned positions are those of the tokens' places in 
 sequence (:meth:`ContextParallel.positions`).
 
 Attention: all-gather of K and V over the CP group, as Llama 3's training did, instead of a ring.
-It works on every device and process-group backend (gloo on CPU included), keeps one SDPA kernel
-per local query chunk (flash or cuDNN on CUDA) and is exact: each query chunk attends to the
-gathered keys up to its own end under a causal mask aligned at the lower right
-(``torch.nn.attention.bias.causal_lower_right``). The gather is autograd-aware
-(``all_gather_tensor_autograd``: the gradients of K and V are reduce-scattered back, summed over
-the ranks whose queries used them). The cost is the gathered K/V of one layer at a time, which GQA
-keeps small; torch's ``context_parallel`` ring attention is CUDA-only and patches SDPA globally,
-so it is not used.
+It works on every device and process-group backend (gloo on CPU included) and is exact. The gather
+(:meth:`ContextParallel.gather`) is autograd-aware (``all_gather_tensor_autograd``: the gradients of K
+and V are reduce-scattered back, summed over the ranks whose queries used them); its cost is the
+gathered K/V of one layer at a time, which GQA keeps small. torch's ``context_parallel`` ring attention
+is CUDA-only and patches SDPA globally, so it is not used.
+
+* Causal (pretraining): one SDPA call per local query chunk over the gathered keys up to its end, under
+  a causal mask aligned at the lower right (``torch.nn.attention.bias.causal_lower_right``), which SDPA
+  runs as flash attention's own bottom-right alignment on CUDA (no mask in memory, no masked blocks
+  computed). The masks are made once per local length outside the compiled blocks (Dynamo traces SDPA
+  given a ``CausalBias``, not the bias's construction), so a compiled block keeps the gather and its
+  attention in its one graph. An explicit boolean mask would cost S²/N bytes and rule flash out;
+  flex_attention would need compiling even eagerly and trails flash on the dense causal case.
+* Packed SFT (document masking): every rank keeps the whole sequences' document ids (``shard`` leaves
+  them whole), and its queries attend to the gathered keys of their own document up to their place
+  (:func:`lpbench.models.decoder.document_mask` with ``query``: flex's block mask on CUDA, SDPA's bool
+  mask elsewhere); positions restart at each document as without CP.
 
 The loss: each rank's cross-entropy sum over its tokens, divided by the whole sequence's label count
 (all-reduced over the CP group) and multiplied by ``N``, so that the average over the CP ranks (FSDP's
@@ -24,7 +33,8 @@ gradient reduction over ``dp_shard_cp``, the logged loss's over ``loss``) is the
 global tokens. Quantized linears reduce their per-tensor amaxes of activations and gradients (and
 NVFP4's global scales) over the CP group (``cp_shard`` on each
 :class:`lpbench.precision.linear.QuantizedGemms`), so the local chunks quantize as the whole sequence
-would. Packed SFT (document masking) and MoE layers are refused under CP (``RunConfig.validate``).
+would. MoE layers route each rank's own tokens; their load-balancing loss counts the tokens of every
+data-parallel and CP rank (``MoE.count_group``: the ``loss`` mesh).
 """
 
 from __future__ import annotations
