@@ -719,8 +719,6 @@ class RunConfig:
                 f"sequence parallelism needs each CP rank's {self.seq_len // self.cp} tokens divisible by --tp "
                 f"{self.tp} (or --no-sequence-parallel)"
             )
-        if self.workload == "lora":
-            raise UsageError("--cp with --workload lora is not supported yet: its adapters are untested under CP")
         if self.pp > 1:
             raise UsageError("--cp with --pp is not supported yet: a pipeline stage does not split its sequences")
         if self.backend != "lpbench":

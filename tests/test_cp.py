@@ -297,7 +297,6 @@ def test_a_cp2_checkpoint_is_refused_under_another_cp_size(world2, capsys, tmp_p
         (["--cp", "2", "--nproc-per-node", "2", "--seq-len", "66"], "--seq-len 66 must be divisible by 4"),
         (["--cp", "2", "--nproc-per-node", "2", "--precision", "mxfp8"], "must be a multiple of 128"),
         (["--cp", "3", "--nproc-per-node", "2"], "world size 2 is not divisible by --tp 1 x --cp 3"),
-        (["--cp", "2", "--nproc-per-node", "2", "--workload", "lora"], "--cp with --workload lora"),
         (["--cp", "0"], "--cp must be positive"),
         (["--cp", "2", "--pp", "2", "--nproc-per-node", "4"], "--cp with --pp is not supported yet"),
     ],
