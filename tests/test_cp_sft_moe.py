@@ -7,7 +7,7 @@ summation order (the softmax sums its keys in another grouping, each rank's weig
 MoE: each rank routes its own tokens; the load-balancing loss counts the tokens of every data-parallel and CP
 rank (``count_group``: the ``loss`` mesh), experts under EP are summed over their replicas on the CP ranks too.
 LoRA (SFT's data, adapters per token, a frozen base stored as FP8 codes whose linears reduce their amaxes over
-CP as trained ones do). Whole runs (CP 2; CP 2 x FSDP 2; CP 2 x EP 2) match one process: FP32 to summation order at every step, BF16
+CP as trained ones do). Whole runs (CP 2; CP 2 x FSDP 2; CP 2 x EP 2; CP 2 x TP 2) match one process: FP32 to summation order at every step, BF16
 within ``test_cp``'s tolerances (the same weights, BF16 roundings of sums in another order, amplified after the
 first Adam step).
 """
@@ -37,6 +37,7 @@ RUNS = {  # name -> (world, settings, precisions)
     "cp2-fsdp2-sft": (4, dict(cp=2, mbs=2, **SFT), PRECISIONS),
     "cp2-fsdp2-moe": (4, dict(cp=2, mbs=2, **MOE), PRECISIONS),
     "cp2-ep2-moe": (4, dict(cp=2, ep=2, mbs=2, **MOE), PRECISIONS),
+    "cp2-tp2-moe": (4, dict(cp=2, tp=2, **MOE), PRECISIONS),  # experts split by TP, summed over dp x cp
 }
 
 
