@@ -304,7 +304,7 @@ class RunConfig:
         metadata=arg(
             "context-parallel size: each sequence split over this many ranks (2 x CP chunks, rank i holding chunks "
             "i and 2CP-1-i), attention over the whole sequence's keys (all-gathered), weights sharded with FSDP "
-            "over the CP ranks too; pretraining of dense models",
+            "over the CP ranks too; every workload (packed samples keep their document masks), dense and MoE",
             section="parallel",
             resume=True,
             layout=True,
