@@ -4,7 +4,8 @@ CPU, gloo, CP 2: the K/V all-gather and the chunked attention (its lower-right `
 the block) trace into the block's one graph, with no graph break, as the block without CP does; with packed
 SFT's document mask too. The compiled CP model's loss and gradients equal the unsplit eager model's up to FP32
 summation order. CUDA: the compiled chunked attention runs flash attention; the FP8 linear's SwiGLU epilogue
-kernel still casts gate_up's gradient when CP holds part of the tokens (its amax all-reduced).
+kernel still casts gate_up's gradient, and the fused NVFP4 quantizer its round-to-nearest operands, when CP
+holds part of the tokens (their amaxes all-reduced).
 """
 
 import json
@@ -160,5 +161,40 @@ def test_the_swiglu_epilogue_kernel_runs_under_cp(precise_casts, monkeypatch, re
             mod.weight.grad = None
         runs.append(out)
     assert calls  # the epilogue kernel cast the split gradient
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_the_fused_nvfp4_quantizer_runs_under_cp(monkeypatch, request):
+    """An NVFP4 linear (round-to-nearest gradients) whose tokens are a CP share (a group of one) quantizes its
+    input and gradient in the fused kernel with the all-reduced amaxes: bit for bit with the unsplit linear."""
+    from torch.distributed import HashStore
+
+    from lpbench.parallel.cp import ContextParallel
+    from lpbench.precision.kernels import nvfp4
+    from lpbench.precision.linear import QuantizedLinear
+    from lpbench.precision.recipes import get_recipe
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=HashStore(), rank=0, world_size=1)
+        request.addfinalizer(dist.destroy_process_group)
+    reduced = []
+    original = nvfp4.quantize
+    monkeypatch.setattr(nvfp4, "quantize", lambda *a, **kw: reduced.append(kw["reduce_amax"]) or original(*a, **kw))
+    runs = []
+    for split in (True, False):
+        torch.manual_seed(0)
+        mod = QuantizedLinear.from_linear(
+            torch.nn.Linear(256, 128, bias=False, device="cuda"), get_recipe("nvfp4-no-sr"), native=False
+        )
+        if split:
+            mod.cp_shard = ContextParallel(dist.group.WORLD, 0, 1)
+        g = torch.Generator().manual_seed(1)
+        x = (torch.randn(2, 64, 256, generator=g) * 3).cuda().bfloat16().requires_grad_()
+        y = mod(x)
+        y.backward(torch.randn(y.shape, generator=g).to("cuda", y.dtype))
+        runs.append([y.detach(), x.grad, mod.weight.grad])
+    assert sum(r is not None for r in reduced) >= 2  # the input's and the gradient's copies, amaxes all-reduced
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
