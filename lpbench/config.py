@@ -304,7 +304,7 @@ class RunConfig:
         metadata=arg(
             "context-parallel size: each sequence split over this many ranks (2 x CP chunks, rank i holding chunks "
             "i and 2CP-1-i), attention over the whole sequence's keys (all-gathered), weights sharded with FSDP "
-            "over the CP ranks too; pretraining of dense models",
+            "over the CP ranks too; every workload (packed samples keep their document masks), dense and MoE",
             section="parallel",
             resume=True,
             layout=True,
@@ -719,10 +719,6 @@ class RunConfig:
                 f"sequence parallelism needs each CP rank's {self.seq_len // self.cp} tokens divisible by --tp "
                 f"{self.tp} (or --no-sequence-parallel)"
             )
-        if self.workload != "pretrain":
-            raise UsageError(f"--cp supports pretraining only: packed {self.workload}'s document masks are not split")
-        if model.n_experts:
-            raise UsageError(f"--cp does not support mixture-of-experts models yet ({self.model}): use --cp 1")
         if self.pp > 1:
             raise UsageError("--cp with --pp is not supported yet: a pipeline stage does not split its sequences")
         if self.backend != "lpbench":

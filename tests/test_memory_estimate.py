@@ -184,6 +184,17 @@ def test_cp_splits_the_tokens_shards_the_weights_and_keeps_the_gathered_kv():
     assert "gathered K/V (CP)" not in estimate(HAND, get_recipe("bf16"), seq_len=128, mbs=1).parts
 
 
+def test_packed_samples_hold_their_document_mask_under_cp_for_this_ranks_queries():
+    sft = dict(seq_len=256, mbs=2, workload="sft", compiled=False)
+    # SDPA's bool mask: a byte per query x key, the queries this rank's 128 of each sequence under CP 2
+    assert estimate(HAND, get_recipe("bf16"), cp=2, cuda=False, **sft).parts["document mask"] == 2 * 128 * 256
+    assert estimate(HAND, get_recipe("bf16"), cuda=False, **sft).parts["document mask"] == 2 * 256 * 256
+    # flex's block tables on CUDA: 16 bytes per 128 x 128 block (1 x 2 under CP 2, 2 x 2 without)
+    assert estimate(HAND, get_recipe("bf16"), cp=2, **sft).parts["document mask"] == 2 * 1 * 2 * 16
+    assert estimate(HAND, get_recipe("bf16"), **sft).parts["document mask"] == 2 * 2 * 2 * 16
+    assert "document mask" not in estimate(HAND, get_recipe("bf16"), seq_len=256, mbs=2, cp=2).parts
+
+
 def test_lora_base_stored_quantized_is_its_codes_and_adapters_keep_bf16_inputs():
     e = estimate(
         HAND,

@@ -405,7 +405,8 @@ from lpbench.parallel.dims import ParallelDims
 dist.init_process_group("fake", store=FakeStore(), rank=int(sys.argv[1]), world_size=8)
 out = {}
 for name, kw in {"hsdp-ep": dict(model="tiny-moe", fsdp=True, dp_replicate=2, ep=2),
-                 "hsdp-tp": dict(fsdp=True, dp_replicate=2, tp=2), "ddp-ep": dict(model="tiny-moe", ep=4)}.items():
+                 "hsdp-tp": dict(fsdp=True, dp_replicate=2, tp=2), "ddp-ep": dict(model="tiny-moe", ep=4),
+                 "cp-ep": dict(model="tiny-moe", cp=2, ep=2)}.items():
     meshes = ParallelDims.of(RunConfig(**kw).with_world(8)).mesh("cpu")
     out[name] = {n: None if meshes[n] is None else meshes[n].mesh.tolist()
                  for n in ("dp", "fsdp", "dp_replicate", "ep", "ep_replicate", "tp", "loss")}
@@ -432,3 +433,5 @@ def test_named_meshes_of_eight_ranks():
     assert m["hsdp-tp"]["dp"] == m["hsdp-tp"]["loss"] == [1, 3, 5, 7]
     assert m["ddp-ep"]["dp_replicate"] == list(range(8)) and m["ddp-ep"]["fsdp"] is None
     assert m["ddp-ep"]["ep"] == [4, 5, 6, 7] and m["ddp-ep"]["ep_replicate"] == [1, 5]
+    assert m["cp-ep"]["ep"] == [5, 7] and m["cp-ep"]["ep_replicate"] == [0, 1, 4, 5]  # CP ranks hold the same experts
+    assert m["cp-ep"]["dp"] == [1, 3, 5, 7] and m["cp-ep"]["loss"] == list(range(8))

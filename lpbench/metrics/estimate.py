@@ -277,6 +277,13 @@ def estimate(
     activations = saved * len(checkpointed) + kept * (m.n_layers - len(checkpointed))
     # context parallelism: each block whose forward is kept holds the K and V it all-gathered (BF16)
     kv_gathered = 2.0 * 2 * m.n_kv_heads * m.hd * mbs * seq_len / tp if cp > 1 else 0.0
+    # packed samples (SFT, LoRA): the document mask, made once per forward and held through the backward: on CUDA
+    # flex's block tables, 16 bytes per 128 x 128 block of queries x keys (four int32 index tables: partial and
+    # full blocks, by query and by key), elsewhere SDPA's bool mask, a byte per query x key; under CP the queries
+    # are this rank's tokens, the keys the whole sequence's
+    queries = seq_len // cp
+    pairs = math.ceil(queries / 128) * math.ceil(seq_len / 128) * 16 if cuda else queries * seq_len
+    doc_mask = mbs * pairs if workload in ("sft", "lora") else 0.0
     # gradient accumulation: the earlier micro-batches' gradients, FSDP's unsharded in its reduction dtype
     experts = sum(p.numel() for n, p in model.layers.named_parameters() if ".experts." in n) if ep > 1 else 0
     accumulated = (
@@ -304,6 +311,7 @@ def estimate(
             "weight copies held for backward": copies,
             f"activations ({recompute})": activations,
             "gathered K/V (CP)": kv_gathered * (m.n_layers - len(checkpointed)),
+            "document mask": doc_mask,
             "logits and loss": logits,
         }
     }
@@ -316,6 +324,7 @@ def estimate(
             "weight copies held for backward": copies,
             f"activations ({recompute})": activations,
             "gathered K/V (CP)": kv_gathered * (m.n_layers - len(checkpointed) + 1),
+            "document mask": doc_mask,
             "one block recomputed": kept,
         }
     # the end of the backward: every gradient; under FSDP the root's (embeddings, head) still unsharded, in the

@@ -143,29 +143,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        gqa = self.n_kv != self.n_heads
-        if mask is None and self.context_parallel is not None:
-            out = self.context_parallel.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gqa)
+        gqa, cp = self.n_kv != self.n_heads, self.context_parallel
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cp is not None:  # this rank's queries attend to the whole sequence's keys
+            k, v = cp.gather(k, v)
+        if mask is None and cp is not None:
+            out = cp.attention(q, k, v, gqa)
         elif mask is None:
-            out = gemm.attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                is_causal=True,
-                enable_gqa=gqa,
-            )
+            out = gemm.attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif isinstance(mask, torch.Tensor):
-            out = gemm.attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=mask,
-                enable_gqa=gqa,
-            )
+            out = gemm.attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
-            out = _flex_attention(
-                q.transpose(1, 2), k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2), mask, gqa
-            )
+            out = _flex_attention(q, k.to(q.dtype), v.to(q.dtype), mask, gqa)
         return self.o(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -245,11 +234,15 @@ class Decoder(nn.Module):
         rope = mask = positions = None
         if cp is not None:
             positions = cp.positions(S, input_ids.device)
-        if doc_ids is not None:
-            if doc_ids.shape != input_ids.shape:
-                raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must have input_ids' shape {tuple(input_ids.shape)}")
+        if doc_ids is not None:  # under CP the whole sequences' ids (ContextParallel.shard keeps them whole)
+            whole = (input_ids.shape[0], S * (1 if cp is None else cp.size))
+            if doc_ids.shape != whole:
+                raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must be {whole}: the whole sequences' ids")
             runs, positions = document_runs(doc_ids)
-            mask = document_mask(runs)
+            query = None if cp is None else cp.index(whole[1], input_ids.device)
+            if query is not None:
+                positions = positions[:, query]
+            mask = document_mask(runs, query=query)
         if self.cfg.positions == "learned":
             if self.pos_embeddings is not None:
                 h = h + self.pos_embeddings(torch.arange(S, device=h.device) if positions is None else positions)
@@ -294,28 +287,34 @@ def document_runs(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return starts.long().cumsum(dim=1), idx - run_start
 
 
-def document_mask(runs: torch.Tensor, backend: str | None = None):
-    """Causal attention confined to each run: a flex ``BlockMask`` or a bool SDPA mask [B, 1, S, S]."""
+def document_mask(runs: torch.Tensor, backend: str | None = None, query: torch.Tensor | None = None):
+    """Causal attention confined to each run: a flex ``BlockMask`` or a bool SDPA mask [B, 1, Q, S].
+
+    ``query``: the places in the sequence of the queries (context parallelism: this rank's tokens, attending to
+    the whole sequence's keys); None: every place, Q = S. A query at place p sees the keys at places <= p of
+    its own run."""
     global _compiled_block_mask
     backend = backend or DOC_MASK_BACKEND
     if backend == "auto":
         backend = "flex" if runs.is_cuda else "sdpa"
     B, S = runs.shape
+    keys = torch.arange(S, device=runs.device)
+    query = keys if query is None else query
     if backend == "sdpa":
-        causal = torch.ones(S, S, dtype=torch.bool, device=runs.device).tril()
-        return ((runs[:, :, None] == runs[:, None, :]) & causal)[:, None]
+        return ((runs[:, query, None] == runs[:, None, :]) & (query[:, None] >= keys))[:, None]
     if backend != "flex":
         raise ValueError(f"unknown document-mask backend {backend!r}; valid: auto, flex, sdpa")
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(b, h, q_idx, kv_idx):
-        return (runs[b, q_idx] == runs[b, kv_idx]) & (q_idx >= kv_idx)
+        place = query[q_idx]
+        return (runs[b, place] == runs[b, kv_idx]) & (place >= kv_idx)
 
-    if runs.is_cuda and not torch.compiler.is_compiling():  # fused: no [B, S, S] mask in memory
+    if runs.is_cuda and not torch.compiler.is_compiling():  # fused: no [B, Q, S] mask in memory
         if _compiled_block_mask is None:
             _compiled_block_mask = torch.compile(create_block_mask)
-        return _compiled_block_mask(same_document_causal, B, None, S, S, device=runs.device)
-    return create_block_mask(same_document_causal, B, None, S, S, device=runs.device)
+        return _compiled_block_mask(same_document_causal, B, None, len(query), S, device=runs.device)
+    return create_block_mask(same_document_causal, B, None, len(query), S, device=runs.device)
 
 
 def _flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:

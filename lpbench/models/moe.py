@@ -10,7 +10,7 @@ Auxiliary losses, per layer, summed over layers (Megatron's definitions; T token
 
 * load balancing: ``E · Σ_e f_e · P_e`` with f_e the share of the T·k routed slots that went to
   expert e and P_e the mean router probability of e (1 when perfectly balanced). Across
-  data-parallel ranks (``MoE.count_group``) f_e counts the tokens of every rank, as Megatron's
+  data-parallel and context-parallel ranks (``MoE.count_group``) f_e counts the tokens of every rank, as Megatron's
   global auxiliary loss does, and P_e stays each rank's own mean: the mean over ranks of their
   losses (and of their gradients, as data parallelism averages them) is the loss of the whole
   global batch;
@@ -243,7 +243,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = Experts(cfg)
         self.ep = None  # lpbench.parallel.ep.ExpertParallel when experts are spread over ranks
-        self.count_group = None  # data-parallel ranks whose token counts the load-balancing loss sums
+        self.count_group = None  # data- and context-parallel ranks whose token counts the load-balancing loss sums
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts), persistent=False)
         self.register_buffer("loss_sums", torch.zeros(3), persistent=False)  # aux, z, forwards
 

@@ -9,14 +9,23 @@ chunks unchanged. RoPE and learned positions are those of the tokens' places in 
 sequence (:meth:`ContextParallel.positions`).
 
 Attention: all-gather of K and V over the CP group, as Llama 3's training did, instead of a ring.
-It works on every device and process-group backend (gloo on CPU included), keeps one SDPA kernel
-per local query chunk (flash or cuDNN on CUDA) and is exact: each query chunk attends to the
-gathered keys up to its own end under a causal mask aligned at the lower right
-(``torch.nn.attention.bias.causal_lower_right``). The gather is autograd-aware
-(``all_gather_tensor_autograd``: the gradients of K and V are reduce-scattered back, summed over
-the ranks whose queries used them). The cost is the gathered K/V of one layer at a time, which GQA
-keeps small; torch's ``context_parallel`` ring attention is CUDA-only and patches SDPA globally,
-so it is not used.
+It works on every device and process-group backend (gloo on CPU included) and is exact. The gather
+(:meth:`ContextParallel.gather`) is autograd-aware (``all_gather_tensor_autograd``: the gradients of K
+and V are reduce-scattered back, summed over the ranks whose queries used them); its cost is the
+gathered K/V of one layer at a time, which GQA keeps small. torch's ``context_parallel`` ring attention
+is CUDA-only and patches SDPA globally, so it is not used.
+
+* Causal (pretraining): one SDPA call per local query chunk over the gathered keys up to its end, under
+  a causal mask aligned at the lower right (``torch.nn.attention.bias.causal_lower_right``), which SDPA
+  runs as flash attention's own bottom-right alignment on CUDA (no mask in memory, no masked blocks
+  computed). The masks are made once per local length outside the compiled blocks (Dynamo traces SDPA
+  given a ``CausalBias``, not the bias's construction), so a compiled block keeps the gather and its
+  attention in its one graph. An explicit boolean mask would cost S²/N bytes and rule flash out;
+  flex_attention would need compiling even eagerly and trails flash on the dense causal case.
+* Packed SFT (document masking): every rank keeps the whole sequences' document ids (``shard`` leaves
+  them whole), and its queries attend to the gathered keys of their own document up to their place
+  (:func:`lpbench.models.decoder.document_mask` with ``query``: flex's block mask on CUDA, SDPA's bool
+  mask elsewhere); positions restart at each document as without CP.
 
 The loss: each rank's cross-entropy sum over its tokens, divided by the whole sequence's label count
 (all-reduced over the CP group) and multiplied by ``N``, so that the average over the CP ranks (FSDP's
@@ -24,7 +33,8 @@ gradient reduction over ``dp_shard_cp``, the logged loss's over ``loss``) is the
 global tokens. Quantized linears reduce their per-tensor amaxes of activations and gradients (and
 NVFP4's global scales) over the CP group (``cp_shard`` on each
 :class:`lpbench.precision.linear.QuantizedGemms`), so the local chunks quantize as the whole sequence
-would. Packed SFT (document masking) and MoE layers are refused under CP (``RunConfig.validate``).
+would. MoE layers route each rank's own tokens; their load-balancing loss counts the tokens of every
+data-parallel and CP rank (``MoE.count_group``: the ``loss`` mesh).
 """
 
 from __future__ import annotations
@@ -79,28 +89,33 @@ class ContextParallel:
         return (rows[:, None] * whole + self.index(whole, device)).flatten()
 
     def shard(self, args: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's chunks (along dim 1) of each ``[B, S]`` tensor of a micro-batch."""
+        """This rank's chunks (along dim 1) of a micro-batch's ``input_ids`` and ``labels`` [B, S]; a third argument,
+        packed SFT's ``doc_ids``, stays whole: every rank's queries need the documents of all the keys."""
         idx = self.index(args[0].shape[1], args[0].device)
-        return [t.index_select(1, idx) for t in args]
+        return [t.index_select(1, idx) for t in args[:2]] + list(args[2:])
 
     def label_count(self, labels: torch.Tensor) -> torch.Tensor:
         """The number of tokens with a label (not -100) in the whole sequences, over the CP group."""
         n = (labels != -100).sum().float()
         return funcol.wait_tensor(funcol.all_reduce(n, "sum", self.group))
 
-    @torch.compiler.disable  # eager inside a compiled block: Dynamo does not trace causal_lower_right's mask type
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
-        """Causal attention of this rank's queries ``q`` [B, H, S_local, D] over the whole sequence's keys.
-
-        ``k``, ``v``: this rank's [B, H_kv, S_local, D]; gathered over the group (rank-major, so
-        reordered to sequence order), then each local query chunk ``c`` attends to the first
-        ``(c + 1)`` chunks' keys under a lower-right causal mask (on CUDA, flash attention's own
-        bottom-right alignment)."""
-        chunk = q.shape[2] // 2
+    def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole sequence's keys and values [B, H_kv, S, D] from this rank's [B, H_kv, S_local, D]: one
+        all-gather over the group (rank-major, reordered to sequence order) whose backward reduce-scatters the
+        gradients back, summed over the ranks whose queries used them."""
+        chunk = k.shape[2] // 2
         kv = torch.cat([k, v], dim=1).transpose(0, 2).contiguous()  # [S_local, H_kv k + v, B, D]: gathered on dim 0
         kv = _all_gather(kv, gather_dim=0, group=self.group)
         kv = kv.index_select(0, self._order(chunk, kv.device)).transpose(0, 2)
-        k, v = kv.split([k.shape[1], v.shape[1]], dim=1)
+        return kv.split([k.shape[1], v.shape[1]], dim=1)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
+        """Causal attention of this rank's queries ``q`` [B, H, S_local, D] over the whole sequence's keys ``k``,
+        ``v`` [B, H_kv, S, D] (:meth:`gather`): each local query chunk ``c`` attends to the first ``(c + 1)``
+        chunks' keys under its lower-right causal mask (on CUDA, flash attention's own bottom-right alignment).
+        The masks are made outside the compiled blocks (:meth:`positions`): Dynamo traces SDPA given a
+        ``CausalBias`` but not its construction, so a compiled block keeps attention in its one graph."""
+        chunk = q.shape[2] // 2
         outs = []
         for n, (c, mask) in enumerate(zip(self.chunks(), self.masks)):
             end = (c + 1) * chunk
@@ -116,11 +131,12 @@ class ContextParallel:
         return torch.cat(outs, dim=2)
 
     def _order(self, chunk: int, device: torch.device) -> torch.Tensor:
-        """Where each of the sequence's tokens lies in the rank-major gather: rank r holds chunks r and 2N-1-r."""
-        where = torch.empty(2 * self.size, dtype=torch.long)
-        for r in range(self.size):
-            where[r], where[2 * self.size - 1 - r] = 2 * r, 2 * r + 1
-        return (where[:, None] * chunk + torch.arange(chunk)).flatten().to(device)
+        """Where each of the sequence's tokens lies in the rank-major gather: rank r holds chunks r and 2N-1-r, so
+        chunk j < N is the gather's chunk 2j and chunk j >= N its chunk 2(2N-1-j)+1 (torch ops on ``device``: no
+        host copy inside a compiled block)."""
+        j = torch.arange(2 * self.size, device=device)
+        where = torch.where(j < self.size, 2 * j, 2 * (2 * self.size - 1 - j) + 1)
+        return (where[:, None] * chunk + torch.arange(chunk, device=device)).flatten()
 
 
 def apply_cp(model: nn.Module, group: dist.ProcessGroup, rank: int, size: int) -> ContextParallel:

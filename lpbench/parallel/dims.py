@@ -17,13 +17,13 @@ ranks adjacent so a TP group stays inside a node; only the dims larger than 1), 
 every consumer takes its group from are views of it, flattened where they span several dims:
 
 ======================  ===========================================================================
-``dp`` / ``batch``      every data-parallel rank: which data shard a rank reads, the MoE token counts
+``dp`` / ``batch``      every data-parallel rank: which data shard a rank reads
 ``dp_replicate``        DDP's all-reduce (all of ``dp``), or HSDP's replica dim
 ``dp_shard``            FSDP2's shard group (``dp_shard_cp`` adds the CP ranks, which shard too)
 ``fsdp``                what ``fully_shard`` gets: ``dp_shard_cp``, or 2-D ``(dp_replicate, dp_shard_cp)``
 ``ep``                  one expert-parallel group (all-to-all); ``ep_replicate``: the ranks holding
-                        the same experts (their gradients are summed over it)
-``loss``                ranks whose losses are averaged (``dp × cp``)
+                        the same experts, CP ranks included (their gradients are summed over it)
+``loss``                ranks whose losses are averaged (``dp × cp``), whose tokens the MoE counts sum
 ``cp``, ``tp``, ``pp``  context, tensor and pipeline parallel groups
 ======================  ===========================================================================
 
@@ -158,7 +158,7 @@ class ParallelDims:
             "dp_shard": shard,
             "dp_shard_cp": (*shard, "cp"),
             "ep": ("ep",),
-            "ep_replicate": ("rep", "shard") if self.ep > 1 else (),
+            "ep_replicate": ("rep", "shard", "cp") if self.ep > 1 else (),
             "loss": (*dp, "cp"),
             "cp": ("cp",),
             "tp": ("tp",),

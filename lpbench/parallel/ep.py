@@ -19,8 +19,8 @@ GEMMs (``Looped``: delayed scaling's histories, the block formats) run unchunked
 
 Gradients: an expert's weight gradient sums the losses of every rank of its group (their tokens
 reached it through the exchange), each loss already the mean over that rank's batch; so it is
-summed over the replicas of the expert (the same expert in the other groups) and divided by the
-data-parallel size, which gives the single-process gradient of the mean loss
+summed over the replicas of the expert (the same expert in the other groups and CP ranks) and divided by
+the data-parallel size (times CP's), which gives the single-process gradient of the mean loss
 (:func:`sync_expert_grads`). The gradient norm sums the experts' squares over the group
 (:func:`expert_params`). Experts split by tensor parallelism (:mod:`lpbench.parallel.tp`) are handled
 alike: the TP group holds the parts, the data-parallel ranks the replicas. Built on torch.distributed (NCCL or gloo) only.
@@ -196,7 +196,8 @@ def expert_params(model: nn.Module) -> tuple[list[nn.Parameter], object]:
 @torch.no_grad()
 def sync_expert_grads(model: nn.Module, dp: int, replicas) -> None:
     """Split experts' gradients summed over their replicas (``replicas``: the group of ranks holding the same
-    part, ``ep_replicate`` or for TP-split experts ``dp``; None: no other) and divided by the data-parallel size."""
+    part, ``ep_replicate`` or for TP-split experts ``loss``; None: no other) and divided by ``dp``, the ranks whose
+    losses are averaged (data-parallel × CP: a CP rank's loss is its share of the sequences' mean × CP size)."""
     for moe, _ in _split_layers(model):
         for p in moe.experts.parameters():
             if p.grad is None:

@@ -109,8 +109,8 @@ def shard(
     if dims.ep_enabled:
         apply_ep(model, meshes["ep"], cfg.ep_chunks)
     context = apply_cp(model, meshes.group("cp"), meshes.rank("cp"), dims.cp) if dims.cp_enabled else None
-    for moe in moe_layers(model):  # the load-balancing loss counts the tokens of every data-parallel rank
-        moe.count_group = meshes.group("dp")
+    for moe in moe_layers(model):  # the load-balancing loss counts the tokens of every data-parallel and CP rank
+        moe.count_group = meshes.group("loss")
     if not dims.fsdp_enabled:
         materialize(model, device, cfg.seed)
     apply_recompute(model, cfg.recompute, cfg.recompute_every)

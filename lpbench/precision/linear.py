@@ -381,13 +381,14 @@ class QuantizedGemms(DelayedScaling):
         (transposed, :meth:`_wgrad_layout`) if ``col``; None for a copy not asked for. Delayed scaling
         records ``t``'s amax either way.
 
-        NVFP4 with 1x16 blocks on a BF16 CUDA operand without tensor parallelism takes the fused
-        quantizer (``kernels/nvfp4.py``, bit-exact with the reference): two reads of ``t`` for both
-        copies. The native path takes its codes and block scales as QTensors (it writes the emulation's
+        NVFP4 with 1x16 blocks on a BF16 CUDA operand takes the fused quantizer (``kernels/nvfp4.py``,
+        bit-exact with the reference): two reads of ``t`` for both copies; a TP or CP part of the operand
+        all-reduces the kernel's amaxes, unless it rounds stochastically (the kernel draws by local place). The native path takes its codes and block scales as QTensors (it writes the emulation's
         BF16 operands as well: one extra write, left until a Blackwell GPU can measure it).
         """
         recipe, encode_scale = self.recipe, self._delayed_scale(role, t)
-        if recipe.scaling is Scaling.NVFP4 and not self.split(role) and (row or col):
+        split, stochastic = self.split(role), recipe.operand(role, gemm).stochastic
+        if recipe.scaling is Scaling.NVFP4 and not (split and stochastic) and (row or col):
             from lpbench.precision.kernels import nvfp4
 
             if recipe.block == nvfp4.BLOCK and capability.nvfp4_kernel(t):
@@ -397,8 +398,9 @@ class QuantizedGemms(DelayedScaling):
                     col=col,
                     rht=recipe.rht_wgrad,
                     signs=recipe.rht_signs,
-                    stochastic=recipe.operand(role, gemm).stochastic,
+                    stochastic=stochastic,
                     with_codes=self.native,
+                    reduce_amax=(lambda amax: self.reduce_amax(role, amax)) if split else None,
                 )
                 return tuple(self.kernel.fp4_operand(c, nvfp4.BLOCK) for c in copies)
         spec_col = recipe.operand(role, "wgrad")

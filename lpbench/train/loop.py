@@ -323,7 +323,7 @@ def train_step(run: Run, prefetch: bool, measure: bool = False) -> tuple[torch.T
     loss_sum = micro_batches(run) if par.pipeline is None else pipelined(run, measure)
     run.converters.after_backward()
     if cfg.ep > 1 or cfg.tp > 1:
-        sync_expert_grads(par.module, cfg.dp, par.meshes.group("ep_replicate" if cfg.ep > 1 else "dp"))
+        sync_expert_grads(par.module, cfg.dp * cfg.cp, par.meshes.group("ep_replicate" if cfg.ep > 1 else "loss"))
     pipeline = None if par.pipeline is None else (par.meshes.group("pp"), *run.pipeline_index)
     grad_norm = clip_grad_norm_(run.params, cfg.grad_clip, run.optimizer, run.spread, pipeline)
     run.optimizer.step()

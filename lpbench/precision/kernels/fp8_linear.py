@@ -142,17 +142,20 @@ class Fused:
     def epilogue_operands(mod, epilogue, y, grad, row, col):
         """:meth:`operands` of the gradient of ``y`` (``role`` "grad") from ``grad``, the gradient of
         ``epilogue.forward(y)``: its codes (delayed) or amax (tensorwise) come out of the epilogue's backward
-        kernel, which reads y once (``kernels/swiglu.py``); bit-exact with casting ``epilogue.backward(y, grad)``."""
-        if mod.split("grad") or not epilogue.fuses_cast(y, grad):
+        kernel, which reads y once (``kernels/swiglu.py``); bit-exact with casting ``epilogue.backward(y, grad)``.
+        Where this rank holds part of the gradient (TP's columns, CP's tokens) the kernel's amax is all-reduced to
+        the whole gradient's before it scales (tensorwise) or is recorded (delayed: the codes are cast with the
+        scale buffer, which every part shares)."""
+        if not epilogue.fuses_cast(y, grad):
             return Fused.operands(mod, epilogue.backward(y, grad), "grad", "dgrad", row, col)
-        fmt = mod.recipe.element_format("grad")
+        fmt, split = mod.recipe.element_format("grad"), mod.split("grad")
         if mod.recipe.scaling is Scaling.DELAYED:
             scale = mod.scale_buffer("grad")
             q, qt, amax = epilogue.backward_cast(y, grad, scale, fmt, col)
-            dec = _record(mod, "grad", amax, q)
+            dec = _record(mod, "grad", mod.reduce_amax("grad", amax.amax()) if split else amax, q)
         else:
             g, amax = epilogue.backward_amax(y, grad)
-            q, qt, dec = _quantize(mod, "grad", g, col, amax=amax)
+            q, qt, dec = _quantize(mod, "grad", g, col, amax=mod.reduce_amax("grad", amax) if split else amax)
         return (q, dec), ((qt, dec) if col else None)
 
     @staticmethod

@@ -57,6 +57,7 @@ def quantize(
     signs: tuple[int, ...] = TE_RHT_SIGNS,
     seed: torch.Tensor | None = None,
     with_codes: bool = False,
+    reduce_amax=None,
 ) -> tuple[Copy | None, Copy | None]:
     """NVFP4 copies of ``x`` [M, N]: row-major ([M, N], 1x16 blocks along N, the last one partial
     if 16 does not divide N) if ``row``, and transposed ([N, M'], M' = M rounded up to 16; 1x16
@@ -65,7 +66,9 @@ def quantize(
 
     ``stochastic``: stochastic rounding from ``seed`` (an int64 CUDA tensor of one element; drawn
     from torch's generator when None). ``with_codes`` also returns codes and block scales
-    ([M, ⌈N/16⌉] and [N, M'/16]).
+    ([M, ⌈N/16⌉] and [N, M'/16]). ``reduce_amax``: where ``x`` is one rank's part of a tensor (TP's features,
+    CP's tokens; blocks never straddle parts), maps the part's [row, col] amaxes to the whole tensor's, so the
+    copies are the whole tensor's rows or columns (round-to-nearest only: stochastic draws follow local places).
     """
     x = x.contiguous()
     if seed is None:
@@ -73,6 +76,8 @@ def quantize(
     h = (_RHT_BF16 if signs == TE_RHT_SIGNS else rht_matrix(signs).bfloat16()).to(x.device)
     tile = TILES[stochastic]
     amax = _amax(x, h, row, col, rht, *tile)
+    if reduce_amax is not None:
+        amax = reduce_amax(amax)
     block_enc, g_dec = nvfp4_global_scales(amax)
     scales = torch.cat([block_enc, g_dec])  # [row block factor, col block factor, row g_dec, col g_dec]
     mp = -(-x.shape[0] // BLOCK) * BLOCK
