@@ -209,7 +209,7 @@ def materialize(
     parameter's current name to that name where a converter renamed it (LoRA's ``.base``). Each rank keeps
     its shard of those values (rows of TP-fused weights interleaved as ``apply_tp`` stores them), so the
     gathered weights equal a single process's bit for bit. Buffers start at zero, but delayed scaling's
-    scales at 1.0. Parameters ``values`` does not name (LoRA's adapters) are left to ``after_block``.
+    scales at 1.0 and stochastic rounding's module indices at their values. Parameters ``values`` does not name (LoRA's adapters) are left to ``after_block``.
 
     Unsharded, the model is allocated part by part: first everything outside ``model.layers``, then each
     block in turn, and ``after_block(name, block)`` runs once a block holds its values, before the next
