@@ -265,7 +265,8 @@ class Pipeline:
                 dist.recv(x, src=dist.get_global_rank(self.group, owner[s - 1]), group=self.group)
             x = self.stages[i].submod(x, **kwargs)
             if s < self.n_stages - 1 and owner[s + 1] != me:
-                dist.send(x.contiguous(), dst=dist.get_global_rank(self.group, owner[s + 1]), group=self.group)
+                out = x.to(self.examples[i][1].dtype).contiguous()  # as the schedule sends it
+                dist.send(out, dst=dist.get_global_rank(self.group, owner[s + 1]), group=self.group)
         return x if self.has_last else None
 
     def sync_tied(self) -> None:
