@@ -1,7 +1,9 @@
 """Stochastic rounding's keyed draws (lpbench.precision.noise): a function of the key, not of the process's RNG."""
 
+import contextlib
 import dataclasses
 
+import pytest
 import torch
 
 from lpbench.convert.quantize import apply_recipe
@@ -24,18 +26,17 @@ def test_uniforms_are_uniform_and_a_function_of_the_key():
     assert abs(float(torch.corrcoef(torch.stack([u.flatten(), other.flatten()]))[0, 1])) < 5e-3
 
 
-def _grads(micro_batch: int | None, rng_seed: int) -> list[torch.Tensor]:
+def _grads(micro_batch: int | None, rng_seed: int, device: torch.device = CPU) -> list[torch.Tensor]:
     """Gradients of one backward of a model with every block in nvfp4 (stochastic rounding of the gradients),
-    under the draw key of ``micro_batch`` (None: outside a step), with torch's generator seeded ``rng_seed``."""
-    model = build_model(TINY3, device="cpu", seed=0)
-    apply_recipe(model, "nvfp4-no-bf16-tail", device="cpu", emulate=True)
-    ids = torch.randint(0, TINY3.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    under the draw key of ``micro_batch`` (None: outside a step), with torch's generator seeded ``rng_seed``. On
+    CUDA in BF16 autocast: the fused quantizer's Philox draws (kernels/nvfp4.py), seeded by the key."""
+    model = build_model(TINY3, device=device, seed=0)
+    apply_recipe(model, "nvfp4-no-bf16-tail", device=device, emulate=True)
+    ids = torch.randint(0, TINY3.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)).to(device)
     torch.manual_seed(rng_seed)
-    if micro_batch is None:
+    draws = contextlib.nullcontext() if micro_batch is None else noise.drawing(0, 0, micro_batch, device)
+    with draws, torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         model(ids, labels=ids).backward()
-    else:
-        with noise.drawing(0, 0, micro_batch, CPU):
-            model(ids, labels=ids).backward()
     return [p.grad for p in model.parameters()]
 
 
@@ -43,10 +44,12 @@ def _equal(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_keyed_draws_ignore_the_process_generator_and_follow_the_micro_batch():
-    assert _equal(_grads(0, 1), _grads(0, 2))  # another process's RNG state: the same draws
-    assert not _equal(_grads(0, 1), _grads(1, 1))  # another micro-batch: other draws
-    assert not _equal(_grads(None, 1), _grads(None, 2))  # outside a step: torch's generator
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_keyed_draws_ignore_the_process_generator_and_follow_the_micro_batch(device):
+    device = torch.device(device)
+    assert _equal(_grads(0, 1, device), _grads(0, 2, device))  # another process's RNG state: the same draws
+    assert not _equal(_grads(0, 1, device), _grads(1, 1, device))  # another micro-batch: other draws
+    assert not _equal(_grads(None, 1, device), _grads(None, 2, device))  # outside a step: torch's generator
 
 
 def test_every_quantized_module_keeps_its_index_through_materialization():
