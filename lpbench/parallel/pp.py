@@ -207,7 +207,8 @@ class Pipeline:
         self.clock = BusyClock(self.stages, device)
         for stage in self.stages:
             for name in BusyClock.METHODS:
-                setattr(stage, name, self._keyed(getattr(stage, name)))
+                if hasattr(stage, name):
+                    setattr(stage, name, self._keyed(getattr(stage, name)))
         self.bubble: float | None = None  # the idle fraction of the last step measured (``measure``)
 
     def _keyed(self, fn):
@@ -298,7 +299,7 @@ class BusyClock:
     def __init__(self, stages: list, device: torch.device):
         self.cuda, self.on = device.type == "cuda", False
         self.spans: list = []  # (start, end) of each call: events on CUDA, else perf_counter times
-        self.step: tuple = ()
+        self.t0 = None  # the step's start (an event or a time)
         for stage in stages:
             for name in self.METHODS:
                 if hasattr(stage, name):
@@ -314,11 +315,11 @@ class BusyClock:
     def start(self, on: bool) -> None:
         self.on, self.spans = on, []
         if on:
-            self.step = (self._mark(),)
+            self.t0 = self._mark()
 
     def stop(self) -> float:
         """The idle fraction since :meth:`start`: 1 − busy time / wall time."""
-        t0, t1 = self.step[0], self._mark()
+        t0, t1 = self.t0, self._mark()
         self.on = False
         if self.cuda:
             t1.synchronize()
