@@ -771,8 +771,6 @@ class RunConfig:
                 f"--pp {self.pp} x --vp {self.vp} = {self.pp * self.vp} pipeline stages need at least as many "
                 f"blocks; {self.label} has {model.n_layers}"
             )
-        if self.pp > 1 and self.eval_every:
-            raise UsageError("--eval-every with --pp is not supported yet: judge by the training loss (--eval-every 0)")
         if self.pp > 1 and self.compile_scope == "model":
             raise UsageError("--compile-scope model compiles one graph; pipeline stages need --compile-scope block")
         if self.ep > 1 and self.workload == "lora":

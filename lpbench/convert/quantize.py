@@ -19,11 +19,11 @@ from torch.distributed.tensor import DTensor
 from lpbench.convert.lora import set_kernel
 from lpbench.errors import UsageError
 from lpbench.models.moe import Experts
-from lpbench.precision import fp8_allgather
+from lpbench.precision import fp8_allgather, noise
 from lpbench.precision.capability import emulation_reason
 from lpbench.precision.frozen import FrozenQuantizedLinear
 from lpbench.precision.grouped import experts_kernel
-from lpbench.precision.linear import QuantizedLinear
+from lpbench.precision.linear import QuantizedGemms, QuantizedLinear
 from lpbench.precision.recipes import Recipe, get_recipe
 
 
@@ -89,6 +89,8 @@ def apply_recipe(
             parent, _, child = full.rpartition(".")
             setattr(model.get_submodule(parent), child, QuantizedLinear.from_linear(mod, recipe, native=native))
         result["quantized"].append(full)
+    if recipe.stochastic_grads:  # stochastic rounding draws by each module's index in the whole model
+        noise.number(model, (QuantizedGemms,))
     result["kernels"] = sorted(
         {
             m.gemm.name if isinstance(m, Experts) else m.kernel.name

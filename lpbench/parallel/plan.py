@@ -39,6 +39,7 @@ from lpbench.parallel.pp import (
     tie_groups,
 )
 from lpbench.parallel.recompute import apply_recompute
+from lpbench.precision import noise
 from lpbench.precision.delayed import DelayedScaling
 from lpbench.convert.quantize import apply_fp8_all_gather
 from lpbench.parallel.tp import apply_tp, interleave
@@ -173,7 +174,17 @@ def pipeline(
     first = view.tok_embeddings.weight if view.tok_embeddings is not None else None
     head = view.lm_head.weight if view.lm_head is not None else None
     run = Pipeline(
-        modules, ids, n_stages, schedule, cfg.grad_accum, device, meshes.group("pp"), examples, tie_group, (first, head)
+        modules,
+        ids,
+        n_stages,
+        schedule,
+        cfg.grad_accum,
+        device,
+        meshes.group("pp"),
+        examples,
+        tie_group,
+        (first, head),
+        draws=(cfg.seed, cfg.dp, meshes.rank("batch")),
     )
     return Parallelized(view, None, dims, meshes, meshes.rank("batch"), pipeline=run)
 
@@ -198,7 +209,7 @@ def materialize(
     parameter's current name to that name where a converter renamed it (LoRA's ``.base``). Each rank keeps
     its shard of those values (rows of TP-fused weights interleaved as ``apply_tp`` stores them), so the
     gathered weights equal a single process's bit for bit. Buffers start at zero, but delayed scaling's
-    scales at 1.0. Parameters ``values`` does not name (LoRA's adapters) are left to ``after_block``.
+    scales at 1.0 and stochastic rounding's module indices at their values. Parameters ``values`` does not name (LoRA's adapters) are left to ``after_block``.
 
     Unsharded, the model is allocated part by part: first everything outside ``model.layers``, then each
     block in turn, and ``after_block(name, block)`` runs once a block holds its values, before the next
@@ -240,6 +251,7 @@ def materialize(
             for sub in module.modules() if recurse else [module]:
                 if isinstance(sub, DelayedScaling):  # scales start at 1.0
                     sub.reset_delayed_state()
+                noise.restore_index(sub)  # stochastic rounding's module index
 
     def write(name: str, full: torch.Tensor) -> None:
         param = model.get_parameter(name)

@@ -25,9 +25,15 @@ copy of the embedding matrix as its LM head, initialised from the same draw; aft
 two gradients are summed over the pair of ranks (:meth:`Pipeline.sync_tied`), so both copies take the same
 update, as Megatron's embedding group does. Only the first stage's copy enters the gradient norm.
 
+Stochastic rounding draws by (step, micro-batch, module, operand), not by process: each stage's forward and
+backward of one micro-batch runs under the draw key one process gives that micro-batch
+(:mod:`lpbench.precision.noise`). Validation (:meth:`Pipeline.evaluate`) runs every stage's forward in stage order
+with point-to-point sends, without the schedule.
+
 What is ours and why: the stage cut (torch's ``pipeline()`` tracer splits an ``nn.Module`` by an FX graph,
-which the quantized linears' autograd functions and MoE routing do not trace through), the tie and
-the micro-batch bookkeeping; the schedules and the point-to-point transfers are torch's.
+which the quantized linears' autograd functions and MoE routing do not trace through), the tie,
+the micro-batch bookkeeping and the forward-only validation pass; the schedules and the training step's
+point-to-point transfers are torch's.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from torch.distributed.pipelining import schedules
 
 from lpbench.config import PP_SCHEDULES
 from lpbench.errors import UsageError
+from lpbench.precision import noise
 
 SCHEDULES = dict(  # --pp-schedule: torch's class
     zip(
@@ -176,9 +183,13 @@ class Pipeline:
         examples: list[tuple[torch.Tensor, torch.Tensor]],
         tie_group=None,
         tied: tuple[nn.Parameter | None, nn.Parameter | None] = (None, None),
+        draws: tuple[int, int, int] = (0, 1, 0),
     ):
         self.ids, self.n_stages, self.name, self.micro_batches = ids, n_stages, schedule, micro_batches
-        self.pp = dist.get_world_size(group)
+        self.device, self.examples = device, examples
+        self.seed, self.dp, self.dp_rank = draws
+        self.draw_step = 0  # the optimizer step the draws are keyed by (``step``)
+        self.pp, self.group = dist.get_world_size(group), group
         self.vp = len(ids)
         self.stages = [
             PipelineStage(m, i, n_stages, device, input_args=x, output_args=y, group=group)
@@ -194,16 +205,32 @@ class Pipeline:
         self.losses: list[torch.Tensor] = []
         self.tie_group, self.tied = tie_group, tied
         self.clock = BusyClock(self.stages, device)
+        for stage in self.stages:
+            for name in BusyClock.METHODS:
+                if hasattr(stage, name):
+                    setattr(stage, name, self._keyed(getattr(stage, name)))
         self.bubble: float | None = None  # the idle fraction of the last step measured (``measure``)
+
+    def _keyed(self, fn):
+        """``fn`` (a stage's forward or backward of one micro-batch) drawing stochastic rounding's noise by the
+        micro-batch's place in the global batch, as one process draws (:mod:`lpbench.precision.noise`)."""
+
+        def run(chunk: int, *args, **kwargs):
+            with noise.drawing(self.seed, self.draw_step, chunk * self.dp + self.dp_rank, self.device):
+                return fn(chunk, *args, **kwargs)
+
+        return run
 
     def _loss(self, output: torch.Tensor, target) -> torch.Tensor:
         self.losses.append(output.detach())
         return output / self.micro_batches
 
-    def step(self, batches: list[tuple], measure: bool = False) -> torch.Tensor:
+    def step(self, batches: list[tuple], draw_step: int = 0, measure: bool = False) -> torch.Tensor:
         """Forward and backward of ``batches`` (``Batch.model_args`` of each micro-batch: input_ids, labels[,
-        doc_ids]); returns the sum of the micro-batches' losses on the last stage's rank, else zero. ``measure``: time
-        this rank's compute in the schedule (:class:`BusyClock`) and set ``bubble``."""
+        doc_ids]); returns the sum of the micro-batches' losses on the last stage's rank, else zero. ``draw_step``: the
+        optimizer step stochastic rounding's draws are keyed by; ``measure``: time this rank's compute in the schedule
+        (:class:`BusyClock`) and set ``bubble``."""
+        self.draw_step = draw_step
         args = [torch.cat(parts) for parts in zip(*batches)]
         kwargs = {"labels": args[1]} | ({"doc_ids": args[2]} if len(args) > 2 else {})
         self.losses = []
@@ -217,6 +244,31 @@ class Pipeline:
         if not self.losses:
             return torch.zeros((), device=args[0].device)
         return torch.stack(self.losses).sum()
+
+    @torch.no_grad()
+    def evaluate(self, args: tuple) -> torch.Tensor | None:
+        """The loss of one micro-batch (``Batch.model_args``) without gradients: every stage's forward in stage
+        order, each stage's rank receiving its input from the rank of the stage before and sending its output on;
+        the loss on the last stage's rank, None elsewhere. Not the schedule's ``eval``: this runs any number of
+        validation micro-batches on every schedule (the zero-bubble ones included) and keeps nothing for a
+        backward pass."""
+        kwargs = {"labels": args[1]} | ({"doc_ids": args[2]} if len(args) > 2 else {})
+        owner = {s: r for r in range(self.pp) for s in rank_stages(r, self.pp, self.vp, self.name)}
+        me = dist.get_rank(self.group)
+        x = args[0]
+        for s in range(self.n_stages):
+            if owner[s] != me:
+                continue
+            i = self.ids.index(s)
+            if s > 0 and owner[s - 1] != me:
+                example = self.examples[i][0]
+                x = torch.empty(example.shape, dtype=example.dtype, device=self.device)
+                dist.recv(x, src=dist.get_global_rank(self.group, owner[s - 1]), group=self.group)
+            x = self.stages[i].submod(x, **kwargs)
+            if s < self.n_stages - 1 and owner[s + 1] != me:
+                out = x.to(self.examples[i][1].dtype).contiguous()  # as the schedule sends it
+                dist.send(out, dst=dist.get_global_rank(self.group, owner[s + 1]), group=self.group)
+        return x if self.has_last else None
 
     def sync_tied(self) -> None:
         """Sum the tied embedding's two gradients (first stage's embedding, last stage's head) over their ranks."""
@@ -233,48 +285,58 @@ def bubble_theory(pp: int, vp: int, micro_batches: int) -> float:
 
 
 class BusyClock:
-    """Measures a rank's compute time inside a step: forward pre/post hooks on every stage module and the
-    autograd engine's time inside them are hard to separate, so the clock times the stage's forward and
-    backward calls as the schedule makes them (``PipelineStage.forward_one_chunk``, ``backward_one_chunk``
-    and ``backward_weight_one_chunk``: the compute, after the schedule waited for its inputs), synchronising the
-    device at each end. The bubble is one minus the busy time over the schedule's wall time. Synchronising costs a little throughput, so a run measures it on one step only
-    (``measure``)."""
+    """Measures a rank's compute time inside a step: the stage's forward and backward calls as the schedule makes
+    them (``PipelineStage.forward_one_chunk``, ``backward_one_chunk`` and ``backward_weight_one_chunk``: the
+    compute, after the schedule waited for its inputs; forward pre/post hooks on the stage modules would not
+    separate the autograd engine's time). On CUDA each call is bracketed by two timing events on the current
+    stream, and the step by two more: the device is synchronised once, when the step's last event has passed, and
+    the busy time is the sum of the calls' elapsed times (what the device spent on them, whatever the host ran
+    ahead), the wall time the step's first to last event. Elsewhere the host's clock times both. The bubble is
+    one minus busy over wall time. A run measures it on one step only (``measure``)."""
 
     METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
     def __init__(self, stages: list, device: torch.device):
-        self.device, self.busy, self.on, self.t0 = device, 0.0, False, 0.0
+        self.cuda, self.on = device.type == "cuda", False
+        self.spans: list = []  # (start, end) of each call: events on CUDA, else perf_counter times
+        self.t0 = None  # the step's start (an event or a time)
         for stage in stages:
             for name in self.METHODS:
                 if hasattr(stage, name):
                     setattr(stage, name, self._timed(getattr(stage, name)))
 
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def start(self, on: bool) -> None:
-        self.on, self.busy = on, 0.0
+        self.on, self.spans = on, []
         if on:
-            self._sync()
-            self.t0 = time.perf_counter()
+            self.t0 = self._mark()
 
     def stop(self) -> float:
         """The idle fraction since :meth:`start`: 1 − busy time / wall time."""
-        self._sync()
-        wall = time.perf_counter() - self.t0
+        t0, t1 = self.t0, self._mark()
         self.on = False
-        return max(0.0, 1.0 - self.busy / wall)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.cuda:
+            t1.synchronize()
+            wall = t0.elapsed_time(t1)
+            busy = sum(a.elapsed_time(b) for a, b in self.spans)
+        else:
+            wall, busy = t1 - t0, sum(b - a for a, b in self.spans)
+        self.spans = []
+        return max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0
 
     def _timed(self, fn):
         def run(*args, **kwargs):
             if not self.on:
                 return fn(*args, **kwargs)
-            self._sync()
-            t0 = time.perf_counter()
+            t0 = self._mark()
             out = fn(*args, **kwargs)
-            self._sync()
-            self.busy += time.perf_counter() - t0
+            self.spans.append((t0, self._mark()))
             return out
 
         return run

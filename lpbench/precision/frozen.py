@@ -75,6 +75,9 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
     def from_linear(cls, linear: QuantizedLinear) -> FrozenQuantizedLinear:
         """The stored form of ``linear`` (its recipe, path and delayed-scaling histories and scales)."""
         new = cls(linear.weight, linear.bias, linear.recipe, native=linear.native)
+        if hasattr(linear, "_noise_index"):  # its stochastic rounding's draws (lpbench.precision.noise)
+            new._noise_index = linear._noise_index
+            new.register_buffer("noise_index", linear.noise_index.clone(), persistent=False)
         if linear.recipe.scaling is Scaling.DELAYED:
             for role in ("input", "grad"):
                 new.amax_history(role).copy_(linear.amax_history(role))

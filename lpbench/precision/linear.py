@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lpbench.precision import capability, fp8_allgather
+from lpbench.precision import capability, fp8_allgather, noise
 from lpbench.precision.delayed import DelayedScaling
 from lpbench.precision.formats import E2M1
 from lpbench.gemm import compute_dtype, hp_mm, local_linear, mm_fp32
@@ -297,7 +297,8 @@ class QuantizedLinearFn(torch.autograd.Function):
                 dw = hp_mm(dy2.t(), x2.t(), ctx.x_dtype).to(ctx.w_dtype)
             if ctx.needs_input_grad[2]:
                 db = dy2.float().sum(0).to(ctx.w_dtype)
-        ctx.w_dgrad = ctx.x_wgrad = None
+        if torch.compiler.is_compiling() or not torch._C._autograd._get_current_graph_task_keep_graph():
+            ctx.w_dgrad = ctx.x_wgrad = None  # freed now; kept where the graph is (a zero-bubble weight pass reruns it)
         return dx, dw, db, None, None, None
 
 
@@ -352,7 +353,8 @@ class QuantizedGemms(DelayedScaling):
         TP splits dim 1 of the operand where ``gemm`` reduces over the split features (dgrad
         column-wise, fprop row-wise), else dim 0; CP splits the tokens (dim 0, dim 1 of wgrad's
         transposed layout). Scaling groups spanning a split dim take the amax of all parts;
-        stochastic rounding draws for the whole operand and keeps this rank's part.
+        stochastic rounding draws for the whole operand and keeps this rank's part (keyed draws inside a training
+        step, :mod:`lpbench.precision.noise`).
         """
         spec, tp, cp = self.recipe.operand(role, gemm), self.tp_shard, self._cp(role)
         splits = []  # (dim, group, whole size, this rank's positions along dim)
@@ -363,18 +365,19 @@ class QuantizedGemms(DelayedScaling):
             dim = 1 if gemm == "wgrad" else 0
             n = t.shape[dim]
             splits.append((dim, cp.group, n * cp.size, lambda: cp.token_index(n, t.device)))
-        if not splits:
+        key = noise.key(self, role, gemm, t.device) if spec.stochastic else None
+        if not splits and key is None:
             return quantize(t, spec, encode_scale=encode_scale)
-        noise = None
+        draws = None
         if spec.stochastic:
             shape = list(t.shape)
             for dim, _, whole, _ in splits:
                 shape[dim] = whole
-            noise = torch.rand(shape, device=t.device)
+            draws = noise.uniform(key, shape, t.device)
             for dim, _, _, index in splits:
-                noise = noise.index_select(dim, index())
+                draws = draws.index_select(dim, index())
         groups = tuple(g for dim, g, _, _ in splits if spec.scaling is Scaling.NVFP4 or spec.block[dim] is None)
-        return quantize(t, spec, encode_scale=encode_scale, noise=noise, amax_group=groups or None)
+        return quantize(t, spec, encode_scale=encode_scale, noise=draws, amax_group=groups or None)
 
     def _operands(self, t: torch.Tensor, role: str, gemm: str, row: bool, col: bool):
         """``t`` [tokens, C] quantized as operand ``role`` of ``gemm`` if ``row``, and of wgrad
@@ -399,6 +402,7 @@ class QuantizedGemms(DelayedScaling):
                     rht=recipe.rht_wgrad,
                     signs=recipe.rht_signs,
                     stochastic=stochastic,
+                    seed=noise.seed31(noise.key(self, role, "fused", t.device)) if stochastic else None,
                     with_codes=self.native,
                     reduce_amax=(lambda amax: self.reduce_amax(role, amax)) if split else None,
                 )

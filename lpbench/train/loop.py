@@ -33,6 +33,7 @@ from lpbench.parallel.env import World, all_reduce, init_distributed
 from lpbench.parallel.plan import Parallelized, parallelize
 from lpbench.parallel.pp import bubble_theory
 from lpbench import gemm
+from lpbench.precision import noise
 from lpbench.precision.delayed import is_delayed_state
 from lpbench.precision.recipes import get_recipe
 from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError
@@ -298,7 +299,8 @@ def micro_batches(run: Run) -> torch.Tensor:
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(cfg.grad_accum):
         batch = run.par.local(next(run.data).model_args(run.device))
-        with grad_sync(run.par.module, micro == cfg.grad_accum - 1, run.keep_unsharded):
+        draws = noise.drawing(cfg.seed, run.scheduler.last_epoch, micro * cfg.dp + run.par.dp_rank, run.device)
+        with grad_sync(run.par.module, micro == cfg.grad_accum - 1, run.keep_unsharded), draws:
             with run.autocast:
                 loss = run.par.forward(*batch)  # input_ids, labels[, doc_ids]
             (loss / cfg.grad_accum).backward()
@@ -311,7 +313,7 @@ def pipelined(run: Run, measure: bool = False) -> torch.Tensor:
     micro-batches through this rank's stages; returns their loss sum on the last stage's rank, zero elsewhere."""
     batches = [next(run.data).model_args(run.device) for _ in range(run.cfg.grad_accum)]
     with run.autocast:
-        return run.par.pipeline.step(batches, measure)
+        return run.par.pipeline.step(batches, run.scheduler.last_epoch, measure)
 
 
 def train_step(run: Run, prefetch: bool, measure: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -423,6 +425,7 @@ def train(
                     device,
                     run.autocast,
                     par.local,
+                    None if par.pipeline is None else par.pipeline.evaluate,
                 )
                 run.converters.after_evaluate()
                 take_moe_stats(par.module)  # the next step's MoE statistics count training forwards only
@@ -594,10 +597,18 @@ def prefetch_weights(step: int, cfg: RunConfig, evaluates: bool, saves: bool) ->
 
 
 def evaluate(
-    module: torch.nn.Module, batches, n_batches: int, device: torch.device, autocast, local=lambda args: args
+    module: torch.nn.Module,
+    batches,
+    n_batches: int,
+    device: torch.device,
+    autocast,
+    local=lambda args: args,
+    forward=None,
 ) -> float:
     """Mean loss per label token over ``n_batches`` micro-batches on every rank, without gradients
-    (``local``: a batch's model arguments as this rank takes them, :meth:`Parallelized.local`).
+    (``local``: a batch's model arguments as this rank takes them, :meth:`Parallelized.local`; ``forward``: the loss
+    of those arguments, or None on a rank that holds none (a pipeline's, :meth:`lpbench.parallel.pp.Pipeline.evaluate`),
+    by default ``module``'s).
 
     Delayed scaling's amax histories and scales (the buffers a forward changes) are restored afterwards:
     evaluating does not change the training that follows (as in TE, whose no-grad forwards update no scale).
@@ -614,8 +625,10 @@ def evaluate(
             # mean (lpbench.parallel.cp), so it weighs its part of their count
             n = int((whole[1] >= 0).sum()) * args[1].numel() / whole[1].numel()
             with autocast:
-                total += module(*args).item() * n
-            count += n
+                loss = module(*args) if forward is None else forward(args)
+            if loss is not None:
+                total += loss.item() * n
+                count += n
     for buf, old in zip(state, saved):
         buf.copy_(old)
     module.train()
