@@ -52,7 +52,8 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         super().__init__()
         self._init_gemms(recipe, native, weight.device, roles=("input", "grad"))
         (self.out_features, self.in_features), self.weight_dtype = weight.shape, weight.dtype
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        frozen = isinstance(bias, nn.Parameter) and not bias.requires_grad  # kept: a meta model's name for it
+        self.bias = bias if bias is None or frozen else nn.Parameter(bias.detach(), requires_grad=False)
         self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._blocks: dict[str, tuple] = {}
         spec_f, spec_d = recipe.operand("weight", "fprop"), recipe.operand("weight", "dgrad")
@@ -83,6 +84,20 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
                 new.amax_history(role).copy_(linear.amax_history(role))
                 new.scale_buffer(role).copy_(linear.scale_buffer(role))
         return new
+
+    @torch.no_grad()
+    def stored_values(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The whole values of this module's stored parameters (flat bytes, by name) for the whole weight
+        ``weight``: quantized as construction quantizes it, then cut to this rank's rows or columns as
+        :meth:`tp_local` cut this module (its ``tp_shard``, set under tensor parallelism). A model built on the
+        meta device gets its stored base from these, one weight at a time."""
+        whole = FrozenQuantizedLinear(weight.to(self.weight_dtype), None, self.recipe, native=self.native)
+        shard = getattr(self, "tp_shard", None)
+        if shard is not None:
+            whole.tp_local(shard.dim, shard.index(weight.device))
+        if whole._layout != self._layout:
+            raise ValueError(f"stored operands {whole._layout} do not match this module's {self._layout}")
+        return {name: getattr(whole, name).detach() for name in self._layout}
 
     @property
     def tp_multiple(self) -> int:
