@@ -240,3 +240,52 @@ def test_a_sharded_hf_import_reads_each_ranks_part_and_equals_the_whole_import(w
             assert case["read"] == case["held_elements"] < case["whole_elements"]
         else:  # a base stored quantized is read whole, to quantize it; the rest as the rank holds it
             assert 0 < case["read"] < case["whole_elements"]
+
+
+def _bad_checkpoint(folder, **change):
+    """A tiny checkpoint whose config.json has ``change`` applied (its weights no longer fit, or its class)."""
+    from lpbench.models import build_model
+    from lpbench.models.hf import export_hf_checkpoint
+
+    export_hf_checkpoint(build_model(MODEL, device="cpu", seed=3), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (None, "no such file"),
+        ({"intermediate_size": 512}, "tensor model.layers.0.mlp.gate_proj.weight has shape (256, 128), expected (512"),
+        ({"num_hidden_layers": 7}, "missing tensor(s) model.layers.6."),
+        ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
+    ],
+)
+def test_a_bad_checkpoint_exits_2_with_one_line_before_any_work(change, message, capsys, tmp_path):
+    from lpbench.cli import main
+
+    folder = tmp_path / "missing" if change is None else _bad_checkpoint(tmp_path / "hf", **change)
+    results = tmp_path / "results"
+    argv = ["run", "--hf-checkpoint", str(folder), "--workload", "lora", "--lora-base-storage", "quantized"]
+    argv += ["--precision", "fp8-tensorwise", "--fsdp", "--nproc-per-node", "2", "--mbs", "1", "--gbs", "2"]
+    assert main([*argv, "--seq-len", "16", "--steps", "1", "--device", "cpu", "--results", str(results)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not results.exists()
+
+
+def test_a_bad_output_path_exits_2_before_any_weight_is_read(capsys, tmp_path, monkeypatch):
+    import safetensors
+
+    from lpbench.cli import main
+
+    folder = _bad_checkpoint(tmp_path / "hf")  # a good one
+    read = []
+    monkeypatch.setattr(safetensors, "safe_open", _CountingOpen(safetensors.safe_open, read))
+    (tmp_path / "file").write_text("")
+    argv = ["run", "--hf-checkpoint", str(folder), "--steps", "1", "--device", "cpu", "--precision", "bf16", "--seq-len", "16"]
+    assert main([*argv, "--results", str(tmp_path / "file" / "results")]) == 2
+    err = capsys.readouterr().err
+    assert "--results" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert read == []

@@ -551,6 +551,14 @@ def hf_values(path: PathLike, cfg: ModelConfig, device: torch.device | str = "cp
             yield name, value if lazy else value.read_whole()
 
 
+def check_hf_checkpoint(path: PathLike, cfg: ModelConfig) -> None:
+    """Raise the UsageError :func:`hf_values` would for checkpoint folder ``path`` and ``cfg``, from the files'
+    headers alone (no tensor is read)."""
+    values = hf_values(path, cfg, lazy=True)
+    next(values, None)
+    values.close()
+
+
 @torch.no_grad()
 def load_hf_weights(model: Decoder, path: PathLike) -> Decoder:
     """Fill ``model``'s parameters from the safetensors files of checkpoint folder ``path`` (:func:`hf_values`:

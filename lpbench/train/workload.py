@@ -33,7 +33,7 @@ from lpbench.config import RunConfig
 from lpbench.data.loader import build_dataset
 from lpbench.data.sft import build_sft_dataset
 from lpbench.metrics.flops import flops_per_token, lora_flops_per_token, packed_flops_per_token
-from lpbench.models.hf import hf_values
+from lpbench.models.hf import check_hf_checkpoint, hf_values
 from lpbench.models.registry import ModelConfig
 from lpbench.parallel.plan import materialize
 from lpbench.convert import Converters, FrozenQuantized, LoRA, Quantize, converters_for
@@ -66,9 +66,7 @@ def prepare_model(
             materialize(module, device, cfg.seed, values=values, names=renamed, after_block=converters.after_materialize)
 
         if cfg.hf_checkpoint:  # every problem with the files (from their headers) before anything is allocated
-            check = hf_values(cfg.hf_checkpoint, model.cfg, device, lazy=True)
-            next(check)
-            check.close()
+            check_hf_checkpoint(cfg.hf_checkpoint, model.cfg)
 
         converters.materialize = fill
         if cfg.world_size == 1:
