@@ -9,6 +9,8 @@ back into lpbench with the logits of the adapted model it came from.
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,7 +25,9 @@ MODEL = ModelConfig("test-lora-export", 6, 128, 256, 4, 2, 256, rope_theta=10_00
 BASE = RunConfig(model=MODEL.name, seq_len=16, mbs=2, gbs=4, steps=1, device="cpu")
 LORA = dict(workload="lora", lora_rank=8)
 CASES = {
-    "fsdp2 lora fp8-tensorwise stored": dict(LORA, precision="fp8-tensorwise", lora_base_storage="quantized", fsdp=True),
+    "fsdp2 lora fp8-tensorwise stored": dict(
+        LORA, precision="fp8-tensorwise", lora_base_storage="quantized", fsdp=True
+    ),
     "tp2 lora nvfp4 stored": dict(LORA, precision="nvfp4", lora_base_storage="quantized", tp=2, mbs=4),
     "tp2 lora bf16": dict(LORA, precision="bf16", tp=2, mbs=4),
     "fsdp2 lora bf16": dict(LORA, precision="bf16", fsdp=True),
@@ -44,7 +48,9 @@ def set_adapters(model) -> None:
         b = torch.randn(mod.lora_b.shape, generator=gen) * 0.1
         split = getattr(mod, "tp_shard", None)
         if split is not None:  # the split dim's parts in each rank's order
-            order = torch.cat([dataclasses.replace(split, rank=r).index(torch.device("cpu")) for r in range(split.size)])
+            order = torch.cat(
+                [dataclasses.replace(split, rank=r).index(torch.device("cpu")) for r in range(split.size)]
+            )
             a, b = (a, b.index_select(0, order)) if split.dim == 0 else (a.index_select(1, order), b)
         with torch.no_grad():
             assign(mod.lora_a, a.to(mod.lora_a.dtype))
@@ -115,9 +121,41 @@ def test_a_sharded_export_equals_the_one_process_merge_and_loads_back(exported, 
     unequal = [k for k in ref if got[k].dtype != ref[k].dtype or not torch.equal(got[k], ref[k])]
     assert not unequal, unequal
     index = json.loads((exported / name / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) == MODEL.n_layers + 1  # a file per block (the first with the embeddings)
+    assert (
+        len(set(index["weight_map"].values())) == MODEL.n_layers + 1
+    )  # a file per block (the first with the embeddings)
     back = load_hf_checkpoint(exported / name)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         logits = back(x).float()
     if "stored" not in name:  # quantized compute differs from the merged BF16 weights' by more than rounding
         assert torch.allclose(logits, want, rtol=0.05, atol=0.05), (logits - want).abs().max()
+
+
+def test_run_export_hf_on_two_ranks_writes_a_checkpoint_a_run_starts_from(tmp_path):
+    from lpbench.cli import main
+    from lpbench.models.hf import load_hf_checkpoint
+
+    common = ["run", "--model", "tiny", "--seq-len", "32", "--mbs", "1", "--gbs", "2", "--device", "cpu"]
+    common += ["--precision", "fp8-tensorwise", "--warmup-steps", "0", "--results", str(tmp_path / "results")]
+    argv = [*common, "--workload", "lora", "--lora-base-storage", "quantized", "--fsdp", "--nproc-per-node", "2"]
+    argv += ["--steps", "2", "--export-hf", str(tmp_path / "hf")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-m", "lpbench", *argv], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "model exported as a Hugging Face checkpoint" in out.stdout
+    merged = load_hf_checkpoint(tmp_path / "hf")
+    assert (
+        merged.cfg.n_layers == MODELS["tiny"].n_layers and (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    )
+    assert main([*common, "--steps", "1", "--hf-checkpoint", str(tmp_path / "hf")]) == 0
+
+
+def test_export_hf_refuses_what_it_cannot_gather(tmp_path, capsys):
+    from lpbench.cli import main
+
+    argv = ["run", "--model", "tiny", "--seq-len", "32", "--steps", "1", "--precision", "bf16"]
+    argv += ["--results", str(tmp_path / "results")]
+    assert main([*argv, "--pp", "2", "--nproc-per-node", "2", "--export-hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "--export-hf gathers FSDP and TP layouts only" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "results").exists()

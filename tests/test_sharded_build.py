@@ -120,7 +120,7 @@ def _case(cfg: RunConfig) -> dict:
     built, held = [], []
     real_build, real_parallelize, real_values = loop.build_model, loop.parallelize, plan.initial_values
 
-    def build_model(*args, **kwargs):
+    def watched_build(*args, **kwargs):
         built.append(real_build(*args, **kwargs))
         return built[-1]
 
@@ -134,7 +134,7 @@ def _case(cfg: RunConfig) -> dict:
             yield item
 
     read, real_open = [], safetensors.safe_open
-    loop.build_model, loop.parallelize, plan.initial_values = build_model, parallelize, values
+    loop.build_model, loop.parallelize, plan.initial_values = watched_build, parallelize, values
     safetensors.safe_open = _CountingOpen(real_open, read)
     try:
         run = loop.build(cfg, log=lambda line: None)
@@ -284,7 +284,19 @@ def test_a_bad_output_path_exits_2_before_any_weight_is_read(capsys, tmp_path, m
     read = []
     monkeypatch.setattr(safetensors, "safe_open", _CountingOpen(safetensors.safe_open, read))
     (tmp_path / "file").write_text("")
-    argv = ["run", "--hf-checkpoint", str(folder), "--steps", "1", "--device", "cpu", "--precision", "bf16", "--seq-len", "16"]
+    argv = [
+        "run",
+        "--hf-checkpoint",
+        str(folder),
+        "--steps",
+        "1",
+        "--device",
+        "cpu",
+        "--precision",
+        "bf16",
+        "--seq-len",
+        "16",
+    ]
     assert main([*argv, "--results", str(tmp_path / "file" / "results")]) == 2
     err = capsys.readouterr().err
     assert "--results" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err

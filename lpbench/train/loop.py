@@ -36,6 +36,7 @@ from lpbench.precision import noise
 from lpbench.precision.delayed import is_delayed_state
 from lpbench.precision.recipes import get_recipe
 from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError
+from lpbench.train.export import export_merged
 from lpbench.train.workload import build_data, describe_lora, prepare_model, run_flops_per_token, weight_bytes
 from lpbench.train.optim import build_optimizer, build_scheduler
 from lpbench.train import memory_plan
@@ -440,6 +441,9 @@ def train(
     finally:
         profile = profiler.close()  # a run that stopped inside the profiled steps still gets its trace
         scalars.close()
+    if cfg.export_hf and result.status == "ok":  # every rank gathers, rank 0 writes
+        export_merged(run.model, cfg.export_hf)
+        log(f"lpbench: model exported as a Hugging Face checkpoint to {cfg.export_hf}")
     result.metrics = summarize(result.steps, cfg, run.fpt, run.gpu, run.precision_info, device)
     if start:
         result.metrics["resumed_from_step"] = start

@@ -63,7 +63,9 @@ def prepare_model(
 
         def fill(module: nn.Module) -> None:
             values = hf_values(cfg.hf_checkpoint, model.cfg, device, lazy=True) if cfg.hf_checkpoint else None
-            materialize(module, device, cfg.seed, values=values, names=renamed, after_block=converters.after_materialize)
+            materialize(
+                module, device, cfg.seed, values=values, names=renamed, after_block=converters.after_materialize
+            )
 
         if cfg.hf_checkpoint:  # every problem with the files (from their headers) before anything is allocated
             check_hf_checkpoint(cfg.hf_checkpoint, model.cfg)
