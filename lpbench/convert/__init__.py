@@ -68,10 +68,12 @@ class LoRA(Converter):
         )
 
     def after_materialize(self, name, block):
-        if self.generator is None:  # seeded as apply_lora's, drawn in the same order
+        i = int(name.split(".")[1])
+        if self.generator is None or i < self.next:  # seeded as apply_lora's, drawn in the same order
             device = next(block.parameters()).device
-            self.generator = torch.Generator(device=device).manual_seed(self.cfg.seed)
-        init_adapters(block, self.generator)
+            self.generator, self.next = torch.Generator(device=device).manual_seed(self.cfg.seed), 0
+        init_adapters(block, self.generator, skip=i - self.next)  # skipped: other pipeline stages' blocks
+        self.next = i + 1
 
 
 class Quantize(Converter):

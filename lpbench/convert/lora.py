@@ -112,11 +112,15 @@ class LoRALinear(nn.Module):
             self.reset_parameters(generator)
 
     @torch.no_grad()
-    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """A as nn.Linear's default init (as PEFT), drawn whole from ``generator`` (a sharded A keeps its part);
-        B zeros."""
+    def draw_a(self, generator: torch.Generator | None = None) -> torch.Tensor:
+        """A whole, as nn.Linear's default init (as PEFT), drawn from ``generator``."""
         a = torch.empty(self.lora_a.shape, dtype=self.lora_a.dtype, device=self.lora_a.device)
-        assign(self.lora_a, nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator))
+        return nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """A drawn whole from ``generator`` (:meth:`draw_a`; a sharded A keeps its part); B zeros."""
+        assign(self.lora_a, self.draw_a(generator))
         self.lora_b.zero_()
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,12 +225,17 @@ class ExpertLoRA(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Each expert's A as :class:`LoRALinear` draws it, in turn from ``generator``; B zeros."""
+        """A drawn whole from ``generator`` (:meth:`draw_a`; a sharded A keeps its part); B zeros."""
+        assign(self.lora_a, self.draw_a(generator))
+        self.lora_b.zero_()
+
+    @torch.no_grad()
+    def draw_a(self, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Each expert's A as :class:`LoRALinear` draws it, in turn from ``generator``."""
         full = torch.empty(self.lora_a.shape, dtype=self.lora_a.dtype, device=self.lora_a.device)
         for a in full:
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-        assign(self.lora_a, full)
-        self.lora_b.zero_()
+        return full
 
     def delta(self, x: torch.Tensor, groups) -> torch.Tensor:
         """``scaling · (x_e A_eᵀ) B_eᵀ`` for every expert's rows of the sorted buffer ``x`` (``groups``)."""
@@ -361,10 +370,14 @@ def apply_lora(
     }
 
 
-def init_adapters(module: nn.Module, generator: torch.Generator) -> None:
+def init_adapters(module: nn.Module, generator: torch.Generator, skip: int = 0) -> None:
     """Draw the adapters of ``module`` (e.g. one block of a model LoRA was applied to on the meta device, once
     allocated) from ``generator`` in module order: drawn block after block from one generator seeded as
-    ``apply_lora``'s, they equal the adapters it draws on a materialized model."""
+    ``apply_lora``'s, they equal the adapters it draws on a materialized model. ``skip``: first draw (and drop)
+    the adapters of that many blocks like ``module`` (another pipeline stage's blocks)."""
+    for _ in range(skip):
+        for _, m in lora_modules(module):
+            m.draw_a(generator)
     for _, m in lora_modules(module):
         m.reset_parameters(generator)
 

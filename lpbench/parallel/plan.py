@@ -171,6 +171,10 @@ def pipeline(
     tied = model.lm_head.weight is model.tok_embeddings.weight
     untie = tied and last_rank != 0
     stages = [stage_module(model, blocks[i], i == 0, i == n_stages - 1, untie) for i in ids]
+    trained = tied and model.tok_embeddings.weight.requires_grad  # LoRA: frozen, no gradients to sum
+    for stage in stages:  # a last stage's own copy of a tied embedding trains as the embedding does
+        if untie and stage.lm_head is not None:
+            stage.lm_head.weight.requires_grad_(trained)
     tp_sp = cfg.tp > 1 and cfg.sequence_parallel
     for stage in stages:  # the hidden states between stages: each TP rank's part of the sequence
         stage.seq_shards = cfg.tp if tp_sp else 1
@@ -185,7 +189,7 @@ def pipeline(
     ids_example = torch.empty((cfg.mbs, cfg.seq_len), dtype=torch.long, device="meta")
     loss = torch.empty((), dtype=torch.float32, device="meta")
     examples = [(ids_example if i == 0 else hidden, loss if i == n_stages - 1 else hidden) for i in ids]
-    tie_group = tie_groups(meshes.world.mesh, cfg.pp, 0, last_rank) if untie else None
+    tie_group = tie_groups(meshes.world.mesh, cfg.pp, 0, last_rank) if untie and trained else None
     first = view.tok_embeddings.weight if view.tok_embeddings is not None else None
     head = view.lm_head.weight if view.lm_head is not None else None
     run = Pipeline(
