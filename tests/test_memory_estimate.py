@@ -196,17 +196,8 @@ def test_packed_samples_hold_their_document_mask_under_cp_for_this_ranks_queries
 
 
 def test_lora_base_stored_quantized_is_its_codes_and_adapters_keep_bf16_inputs():
-    e = estimate(
-        HAND,
-        get_recipe("fp8-tensorwise"),
-        seq_len=4,
-        mbs=1,
-        workload="lora",
-        lora_rank=2,
-        lora_quantized_base=True,
-        compiled=False,
-        cuda=False,
-    )
+    kw = dict(seq_len=4, mbs=1, workload="lora", lora_rank=2, lora_quantized_base=True, compiled=False, cuda=False)
+    e = estimate(HAND, get_recipe("fp8-tensorwise"), **kw)
     # codes 1 byte per block-linear element, the block's norms in BF16, embeddings and head FP32 (frozen)
     base = LINEARS + 2 * (BLOCK - LINEARS) + 4 * (PARAMS - BLOCK)
     assert e.parts["frozen base"] == base
@@ -218,19 +209,7 @@ def test_lora_base_stored_quantized_is_its_codes_and_adapters_keep_bf16_inputs()
     # values, their BF16 cast, the scaled and the saturated FP32 values and the FP8 codes, 4 + 2 + 9 bytes an element
     assert e.build == base + (4 + 2 + 9) * 256
     # on 2 ranks (FSDP): each rank's half of the base, allocated at once, and that one whole weight
-    two = estimate(
-        HAND,
-        get_recipe("fp8-tensorwise"),
-        seq_len=4,
-        mbs=1,
-        workload="lora",
-        lora_rank=2,
-        lora_quantized_base=True,
-        compiled=False,
-        cuda=False,
-        fsdp=True,
-        dp=2,
-    )
+    two = estimate(HAND, get_recipe("fp8-tensorwise"), **kw, fsdp=True, dp=2)
     assert two.build == base / 2 + (4 + 2 + 9) * 256
     # MXFP8 scales W and Wᵀ along different dims: two stored copies, each 1 + 1/32 bytes an element
     mx = estimate(
