@@ -191,7 +191,7 @@ def test_gpu_streamed_build_equals_the_whole_build(case):
 
 
 @pytest.mark.gpu
-def test_gpu_quantized_base_build_peak_is_the_stored_base_plus_one_block(monkeypatch):
+def test_gpu_quantized_base_build_peak_is_the_stored_base_plus_one_weight(monkeypatch):
     """A LoRA base stored in FP8, built streamed on CUDA: the allocator's peak is far below the BF16 base
     alone, and within 10 % of the estimator's build peak."""
     from lpbench.metrics.estimate import GB
