@@ -152,12 +152,12 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
     if args.precision is None:  # the default comparison runs anywhere: emulate what the device lacks
         base = base.with_(emulate=True if args.emulate is None else args.emulate)
     precisions = args.precision or DEFAULT_PRECISIONS
-    if len(precisions) > 1 and (args.save_dir or args.load):
-        raise UsageError(f"--save-dir and --load take a single --precision, not {','.join(precisions)}")
+    if len(precisions) > 1 and (args.save_dir or args.load or args.export_hf):
+        raise UsageError(f"--save-dir, --load and --export-hf take a single --precision, not {','.join(precisions)}")
     lists = {f.name: getattr(args, f.name, None) for f in flag_fields() if fact(f, "many")}
     configs = spread(base, {**lists, "precision": list(precisions)})
-    if len(configs) > len(precisions) and (args.save_dir or args.load):
-        raise UsageError("--save-dir and --load take one run, not a comma-separated list of settings")
+    if len(configs) > len(precisions) and (args.save_dir or args.load or args.export_hf):
+        raise UsageError("--save-dir, --load and --export-hf take one run, not a comma-separated list of settings")
     return [validated(cfg) for cfg in configs]
 
 
@@ -178,6 +178,8 @@ def cmd_run(args) -> int:
         check_file(args.json, "--json")
     if args.save_dir:
         check_dir(args.save_dir, "--save-dir")
+    if args.export_hf:
+        check_dir(args.export_hf, "--export-hf")
     if needs_relaunch(args.nproc_per_node):
         return relaunch(args.nproc_per_node)
     is_main = detect_world().is_main  # only rank 0 writes the database and prints the table

@@ -557,6 +557,19 @@ class RunConfig:
             sweep=False,
         ),
     )
+    export_hf: str | None = field(
+        default=None,
+        metadata=arg(
+            "at the end of the run write its model as a Hugging Face checkpoint in DIR (config.json, one safetensors "
+            "file per block and their index; a LoRA run's adapters merged into the base), gathered one parameter at a "
+            "time from any FSDP/TP layout; needs one --precision",
+            "none",
+            metavar="DIR",
+            section="observe",
+            key=False,
+            sweep=False,
+        ),
+    )
     load: str | None = field(
         default=None,
         metadata=arg(
@@ -659,6 +672,13 @@ class RunConfig:
     def label(self) -> str:
         """The model as tables and the results store name it: ``llama3-8b@16L`` when cut to 16 blocks."""
         return model_label(self.model, self.num_layers)
+
+    def _validate_export(self) -> None:
+        if self.pp > 1 or self.ep > 1:
+            raise UsageError("--export-hf gathers FSDP and TP layouts only: run without --pp and --ep")
+        from lpbench.models.hf import hf_config_dict
+
+        hf_config_dict(self.model_config())  # an architecture HF Llama/Qwen3 can hold
 
     def _validate_workload(self) -> None:
         if self.workload not in WORKLOADS:
@@ -829,6 +849,8 @@ class RunConfig:
             raise UsageError("vocab_size overrides a zoo model's vocabulary: >= 2, and not with --hf-checkpoint")
         if self.save_every < 0:
             raise UsageError(f"--save-every must be >= 0, got {self.save_every}")
+        if self.export_hf is not None:
+            self._validate_export()
         if bool(self.save_every) != bool(self.save_dir):
             raise UsageError(
                 "--save-every K needs --save-dir DIR"

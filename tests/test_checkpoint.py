@@ -265,7 +265,7 @@ def test_a_setting_the_checkpoint_predates_counts_as_its_default(saved, tmp_path
         (["--save-every", "-1", "--save-dir", "{dir}"], "--save-every must be >= 0"),
         (
             ["--precision", "bf16,fp8-delayed", "--save-every", "2", "--save-dir", "{dir}"],
-            "--save-dir and --load take a single --precision",
+            "--save-dir, --load and --export-hf take a single --precision",
         ),
         (["--save-every", "2", "--save-dir", "{file}/ckpt"], "cannot create it ({file} is a file, not a folder)"),
     ],

@@ -106,7 +106,7 @@ def test_every_setting_is_a_run_flag_a_config_key_and_a_sweep_key(tmp_path):
         except UsageError as exc:
             assert "belong to one run" in str(exc) and not fact(f, "sweep"), (f.name, exc)
     assert run_flags == config_keys == declared
-    assert sweep_keys == declared - {"save_every", "save_dir", "load"}
+    assert sweep_keys == declared - {"save_every", "save_dir", "load", "export_hf"}
 
 
 def test_the_facts_lists_come_from_the_declaration():
@@ -138,6 +138,7 @@ def test_the_facts_lists_come_from_the_declaration():
         "save_every",
         "save_dir",
         "load",
+        "export_hf",
         "profile_steps",
         "tensorboard",
         "wandb",

@@ -196,17 +196,8 @@ def test_packed_samples_hold_their_document_mask_under_cp_for_this_ranks_queries
 
 
 def test_lora_base_stored_quantized_is_its_codes_and_adapters_keep_bf16_inputs():
-    e = estimate(
-        HAND,
-        get_recipe("fp8-tensorwise"),
-        seq_len=4,
-        mbs=1,
-        workload="lora",
-        lora_rank=2,
-        lora_quantized_base=True,
-        compiled=False,
-        cuda=False,
-    )
+    kw = dict(seq_len=4, mbs=1, workload="lora", lora_rank=2, lora_quantized_base=True, compiled=False, cuda=False)
+    e = estimate(HAND, get_recipe("fp8-tensorwise"), **kw)
     # codes 1 byte per block-linear element, the block's norms in BF16, embeddings and head FP32 (frozen)
     base = LINEARS + 2 * (BLOCK - LINEARS) + 4 * (PARAMS - BLOCK)
     assert e.parts["frozen base"] == base
@@ -214,9 +205,12 @@ def test_lora_base_stored_quantized_is_its_codes_and_adapters_keep_bf16_inputs()
     # rank 2 adapters on qkv (8 in, 16 out), o (8, 8), gate_up (8, 32), down (16, 8)
     assert e.parts["master weights (fp32)"] == 4 * 2 * (24 + 16 + 40 + 24)
     assert e.parts["activations (none)"] == 4 * EAGER  # frozen linears keep no input, adapters the BF16 one
-    # the streamed build: the base as stored, one BF16 block, and its largest weight (gate+up, 32 x 8) quantized:
-    # the scaled and the saturated FP32 values and the FP8 codes, 9 bytes an element
-    assert e.build == base + 2 * BLOCK + 9 * 256
+    # the streamed build: the base as stored and its largest weight (gate+up, 32 x 8) being quantized: its FP32
+    # values, their BF16 cast, the scaled and the saturated FP32 values and the FP8 codes, 4 + 2 + 9 bytes an element
+    assert e.build == base + (4 + 2 + 9) * 256
+    # on 2 ranks (FSDP): each rank's half of the base, allocated at once, and that one whole weight
+    two = estimate(HAND, get_recipe("fp8-tensorwise"), **kw, fsdp=True, dp=2)
+    assert two.build == base / 2 + (4 + 2 + 9) * 256
     # MXFP8 scales W and Wᵀ along different dims: two stored copies, each 1 + 1/32 bytes an element
     mx = estimate(
         HAND, get_recipe("mxfp8"), seq_len=4, mbs=1, workload="lora", lora_quantized_base=True, compiled=False

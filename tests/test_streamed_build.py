@@ -66,39 +66,29 @@ def test_streamed_build_equals_the_whole_build(case):
         assert torch.equal(eager(x, x.roll(-1, 1)), streamed(x, x.roll(-1, 1)))
 
 
-def test_a_quantized_base_is_never_in_high_precision_more_than_one_block_at_a_time(monkeypatch):
+def test_a_quantized_base_is_never_in_high_precision_more_than_one_weight_at_a_time(monkeypatch):
     cfg = CASES["lora, nvfp4 base stored quantized"]
     model = build_model(cfg.model_config(), device="meta", seed=cfg.seed)
-    blocks, held, seen = list(model.layers), [], []  # weak references to each block's high-precision bases
+    values, live, frozen_on_meta = plan.initial_values, [], []
 
-    def live_blocks() -> int:
-        gc.collect()
-        return len({i for i, ref in held if ref() is not None})
+    def watched(*args, **kwargs):  # weak references to every whole value handed out
+        frozen_on_meta.append(sum(isinstance(m, FrozenQuantizedLinear) for m in model.modules()))
+        for name, full in values(*args, **kwargs):
+            gc.collect()
+            live.append(sum(ref() is not None for ref in refs))  # earlier values still alive
+            refs.append(weakref.ref(full))
+            yield name, full
+            del full
 
-    materialize = plan.materialize
-
-    def watched(*args, after_block, **kwargs):
-        def hook(name, block):
-            i = int(name.split(".")[1])
-            later = [p for b in blocks[i + 1 :] for p in b.parameters()]
-            assert all(p.is_meta for p in later)  # the blocks after this one do not exist yet
-            held.extend((i, weakref.ref(m.weight)) for m in block.modules() if isinstance(m, QuantizedLinear))
-            seen.append(live_blocks())
-            after_block(name, block)
-            seen.append(live_blocks())
-
-        return materialize(*args, after_block=hook, **kwargs)
-
-    monkeypatch.setattr("lpbench.train.workload.materialize", watched)
+    refs = []
+    monkeypatch.setattr(plan, "initial_values", watched)
     prepare_model(model, cfg, get_recipe(cfg.precision), device=CPU, emulate=True, use_compile=False)
-    n = len(blocks)
-    # NVFP4 keeps its last blocks in BF16 (recipe.last_bf16_layers): those blocks' bases stay, unquantized
-    kept = get_recipe(cfg.precision).last_bf16_layers
-    quantized = n - kept
-    assert quantized >= 2 and len(seen) == 2 * n
-    # before block i's hook: block i alone holds high-precision bases; after it: none (up to the kept blocks)
-    assert seen[: 2 * quantized] == [1, 0] * quantized
+    kept = get_recipe(cfg.precision).last_bf16_layers  # NVFP4 keeps its last blocks in BF16, unquantized
+    quantized = len(model.layers) - kept
+    assert quantized >= 2 and frozen_on_meta[0] == 4 * quantized  # stored quantized before any value exists
+    assert live and max(live) == 0  # each whole value freed before the next is read
     assert not any(isinstance(m, QuantizedLinear) for m in model.layers[:quantized].modules())
+    assert not any(p.dtype == torch.bfloat16 for p in model.layers[:quantized].parameters() if p.ndim == 2)
 
 
 HF = {
@@ -201,7 +191,7 @@ def test_gpu_streamed_build_equals_the_whole_build(case):
 
 
 @pytest.mark.gpu
-def test_gpu_quantized_base_build_peak_is_the_stored_base_plus_one_block(monkeypatch):
+def test_gpu_quantized_base_build_peak_is_the_stored_base_plus_one_weight(monkeypatch):
     """A LoRA base stored in FP8, built streamed on CUDA: the allocator's peak is far below the BF16 base
     alone, and within 10 % of the estimator's build peak."""
     from lpbench.metrics.estimate import GB

@@ -23,11 +23,16 @@ from lpbench.train.loop import RunResult
 
 def validated(cfg):
     """``cfg`` validated (``RunConfig.validate``), its layout (:class:`ParallelDims`) possible, runnable here
-    (``--backend torchao`` needs torchao installed), and with ``--load``, resumable from its checkpoint."""
+    (``--backend torchao`` needs torchao installed), ``--hf-checkpoint``'s files fit its config.json, and with
+    ``--load``, resumable from its checkpoint."""
     from lpbench.parallel.dims import ParallelDims
 
     cfg.validate()
     ParallelDims.of(cfg)
+    if cfg.hf_checkpoint is not None:  # the weight files' names, shapes and dtypes, from their headers
+        from lpbench.models.hf import check_hf_checkpoint
+
+        check_hf_checkpoint(cfg.hf_checkpoint, cfg.model_config())
     if cfg.backend == "torchao":
         from lpbench.convert.torchao import missing
 

@@ -7,9 +7,9 @@ compiled code sees the converted model; ``owned``: the parameters no data-parall
 may start now) and ``after_evaluate``. The trainer calls :class:`Converters`' hooks, never a converter's
 internals.
 
-A model converted on the meta device (one process) is then materialized block by block
-(:func:`lpbench.parallel.plan.materialize`): ``after_materialize`` runs on each block once it holds its values,
-before the next block exists, for what needs values (LoRA's adapters drawn, frozen bases quantized).
+A model converted on the meta device is then materialized block by block (one process) or shard by shard
+(several ranks, after parallelization; :func:`lpbench.parallel.plan.materialize`): ``after_materialize`` runs on
+each block once it holds its values, for what needs values (LoRA's adapters drawn).
 
 The run's converters, in order (:func:`converters_for`): SwiGLU's kernel, LoRA adapters (:mod:`.lora`), the precision
 recipe (:mod:`.quantize`, or torchao's linears, :mod:`.torchao`), frozen quantized bases, the weight cache
@@ -27,6 +27,7 @@ from lpbench.convert.quantize import apply_recipe, store_frozen_quantized
 from lpbench.models.decoder import MLP
 from lpbench.models.moe import Experts, silu_mul
 from lpbench.precision.kernels.swiglu import swiglu, swiglu_of
+from lpbench.precision.linear import QuantizedLinear
 
 
 class Converter:
@@ -67,10 +68,12 @@ class LoRA(Converter):
         )
 
     def after_materialize(self, name, block):
-        if self.generator is None:  # seeded as apply_lora's, drawn in the same order
+        i = int(name.split(".")[1])
+        if self.generator is None or i < self.next:  # seeded as apply_lora's, drawn in the same order
             device = next(block.parameters()).device
-            self.generator = torch.Generator(device=device).manual_seed(self.cfg.seed)
-        init_adapters(block, self.generator)
+            self.generator, self.next = torch.Generator(device=device).manual_seed(self.cfg.seed), 0
+        init_adapters(block, self.generator, skip=i - self.next)  # skipped: other pipeline stages' blocks
+        self.next = i + 1
 
 
 class Quantize(Converter):
@@ -85,14 +88,19 @@ class Quantize(Converter):
 
 
 class FrozenQuantized(Converter):
-    """Frozen quantized bases stored quantized once (LoRA's ``--lora-base-storage quantized``)."""
+    """Frozen quantized bases stored quantized once (LoRA's ``--lora-base-storage quantized``). On the meta device
+    the stored codes and scales are shapes only; materializing fills them from each whole weight in turn
+    (``FrozenQuantizedLinear.stored_values``), so the high-precision base never exists. ``sources``: on the meta
+    device, each stored weight's name (``<linear>.weight``) -> the weight it replaced."""
 
     def convert(self, model):
-        meta = next(model.parameters()).is_meta  # then each block once it holds its values
-        self.names = [] if meta else store_frozen_quantized(model)
-
-    def after_materialize(self, name, block):
-        self.names += store_frozen_quantized(block, prefix=f"{name}.")
+        meta = next(model.parameters()).is_meta
+        self.sources = {
+            f"{name}.weight": m.weight
+            for name, m in model.named_modules()
+            if meta and isinstance(m, QuantizedLinear) and not m.weight.requires_grad
+        }
+        self.names = store_frozen_quantized(model)
 
 
 class WeightCache(Converter):
@@ -147,7 +155,11 @@ class BF16Weights(Converter):
 
 
 class Converters(list):
-    """A run's converters, in order: each hook calls theirs."""
+    """A run's converters, in order: each hook calls theirs. ``materialize(module)``: for a model converted on the
+    meta device, fills ``module`` (the model or a pipeline stage, once split) with its values
+    (``train/workload.py: prepare_model`` sets it)."""
+
+    materialize = None
 
     def _each(self, hook: str, *args) -> None:
         for c in self:

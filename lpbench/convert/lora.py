@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lpbench.errors import UsageError
-from lpbench.models.decoder import expand_targets
+from lpbench.models.decoder import assign, expand_targets
 from lpbench.models.moe import Experts
 from lpbench import gemm
 from lpbench.gemm import AllReduce, GradAllReduce
@@ -112,9 +112,15 @@ class LoRALinear(nn.Module):
             self.reset_parameters(generator)
 
     @torch.no_grad()
+    def draw_a(self, generator: torch.Generator | None = None) -> torch.Tensor:
+        """A whole, as nn.Linear's default init (as PEFT), drawn from ``generator``."""
+        a = torch.empty(self.lora_a.shape, dtype=self.lora_a.dtype, device=self.lora_a.device)
+        return nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+
+    @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """A as nn.Linear's default init (as PEFT), drawn from ``generator``; B zeros."""
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5), generator=generator)
+        """A drawn whole from ``generator`` (:meth:`draw_a`; a sharded A keeps its part); B zeros."""
+        assign(self.lora_a, self.draw_a(generator))
         self.lora_b.zero_()
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,19 +143,21 @@ class LoRALinear(nn.Module):
     def split_tp(self, mesh, shard, sequence_parallel: bool) -> None:
         """Keep this rank's part of the base and the adapters (``shard``: ``parallel/tp.py: TPShard``; see the
         module doc). The base's rows (columns) ``shard.index`` are taken in the fused layout's local order."""
-        index = shard.index(self.lora_a.device)
+        index = shard.index(torch.device("cpu") if self.lora_a.is_meta else self.lora_a.device)
         base = self.base
         if shard.dim == 1 and getattr(base, "bias", None) is not None:
             raise UsageError("--tp with LoRA needs row-parallel linears (attn.o, mlp.down) without a bias: use --tp 1")
         if hasattr(base, "tp_local"):  # stored quantized: its codes and scales
             base.tp_local(shard.dim, index)
         else:
+            index = index.to(base.weight.device)
             base.weight = nn.Parameter(base.weight.index_select(shard.dim, index), requires_grad=False)
             if shard.dim == 0 and base.bias is not None:
                 base.bias = nn.Parameter(base.bias.index_select(0, index), requires_grad=False)
             base.in_features, base.out_features = base.weight.shape[1], base.weight.shape[0]
         base.tp_shard = shard  # quantized GEMMs quantize the shards as the whole tensors
         a, b = self.lora_a.detach(), self.lora_b.detach()
+        index = index.to(a.device)
         if shard.dim == 0:
             a, b, placements = a, b.index_select(0, index), ([Replicate()], [Shard(0)])
         else:
@@ -217,10 +225,17 @@ class ExpertLoRA(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Each expert's A as :class:`LoRALinear` draws it, in turn from ``generator``; B zeros."""
-        for a in self.lora_a:
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        """A drawn whole from ``generator`` (:meth:`draw_a`; a sharded A keeps its part); B zeros."""
+        assign(self.lora_a, self.draw_a(generator))
         self.lora_b.zero_()
+
+    @torch.no_grad()
+    def draw_a(self, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Each expert's A as :class:`LoRALinear` draws it, in turn from ``generator``."""
+        full = torch.empty(self.lora_a.shape, dtype=self.lora_a.dtype, device=self.lora_a.device)
+        for a in full:
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        return full
 
     def delta(self, x: torch.Tensor, groups) -> torch.Tensor:
         """``scaling · (x_e A_eᵀ) B_eᵀ`` for every expert's rows of the sorted buffer ``x`` (``groups``)."""
@@ -355,10 +370,14 @@ def apply_lora(
     }
 
 
-def init_adapters(module: nn.Module, generator: torch.Generator) -> None:
+def init_adapters(module: nn.Module, generator: torch.Generator, skip: int = 0) -> None:
     """Draw the adapters of ``module`` (e.g. one block of a model LoRA was applied to on the meta device, once
     allocated) from ``generator`` in module order: drawn block after block from one generator seeded as
-    ``apply_lora``'s, they equal the adapters it draws on a materialized model."""
+    ``apply_lora``'s, they equal the adapters it draws on a materialized model. ``skip``: first draw (and drop)
+    the adapters of that many blocks like ``module`` (another pipeline stage's blocks)."""
+    for _ in range(skip):
+        for _, m in lora_modules(module):
+            m.draw_a(generator)
     for _, m in lora_modules(module):
         m.reset_parameters(generator)
 

@@ -384,23 +384,28 @@ def build_peak(
     quantized_base: bool,
     shards: int = 1,
 ) -> float:
-    """The build's peak. Streamed (``parallel/plan.py: materialize``; a LoRA run on one process, any other run):
-    the model's FP32 parameters (sharded: this rank's) and one parameter's FP32 values drawn whole; for LoRA,
-    everything outside the blocks (FP32), the blocks converted before, and the block being converted: its
-    BF16 parameters and, for a base stored quantized, its largest weight's quantization (``quantize``, FP8
-    scalings: the scaled and the saturated FP32 values and the codes, 9 bytes an element; MX and NVFP4 also
-    the FP32 copy and the scales spread per element, 13), else that weight's FP32 values; or, if more, the first moment: the embeddings allocated and drawn (FP32 values).
-    A LoRA run on several ranks builds its model whole in FP32 first."""
+    """The build's peak (``parallel/plan.py: materialize``: on the meta device, then value by value). Without LoRA:
+    the model's FP32 parameters (sharded: this rank's) and one parameter's FP32 values drawn whole. LoRA: the
+    model as built (the base as stored, everything outside the blocks FP32; on several ranks, this rank's share,
+    allocated at once), and the value being written: the largest weight's FP32 values and, for a base stored
+    quantized, their BF16 cast and quantization (``quantize``, FP8 scalings: the scaled and the saturated FP32
+    values and the codes, 9 bytes an element; MX and NVFP4 also the FP32 copy and the scales spread per element,
+    13); a BF16 base on one process also its block in BF16. Or, if more, the embeddings' values drawn whole
+    (FP32): on one process, when only the parts outside the blocks exist."""
     largest = m.ffn_dim * (2 if m.gated else 1) * m.dim * max(1, m.n_experts)  # a block's
     whole = 4.0 * (block * m.n_layers + rest)
+    embeddings = 4.0 * m.vocab_size * m.dim
     if not lora:  # the embeddings' values are drawn whole too, but before any block
         return whole / shards + 4.0 * max(largest, m.vocab_size * m.dim)
     done = frozen_base_bytes(m, recipe, linear, block, rest, quantized_base)
     fp8 = recipe.scaling in (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW, Scaling.BLOCK)
-    quantizing = (9.0 if fp8 else 13.0) * largest if quantized_base and recipe.quantized else 4.0 * largest
+    if quantized_base and recipe.quantized:
+        value = (4.0 + 2.0 + (9.0 if fp8 else 13.0)) * largest
+    else:
+        value = 4.0 * largest + (2.0 * block if shards == 1 else 0.0)
     if shards > 1:
-        return whole + quantizing
-    return max(done + 2.0 * block + quantizing, 4.0 * rest + 4.0 * m.vocab_size * m.dim)
+        return done / shards + max(value, embeddings)
+    return max(done + value, 4.0 * rest + embeddings)
 
 
 def in_flight(pp: int, vp: int, micro_batches: int, schedule: str, rank: int) -> int:

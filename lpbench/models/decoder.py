@@ -31,7 +31,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lpbench.errors import UsageError
 from lpbench.models.fused_loss import linear_cross_entropy
@@ -379,6 +379,16 @@ def initial_values(cfg: ModelConfig, seed: int, device: torch.device | str, std:
                 0.0, out_std if name.endswith(("attn.o.weight", "down.weight", "experts.down")) else std, generator=gen
             )
         yield name, full
+
+
+@torch.no_grad()
+def assign(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy ``full`` (the whole values of ``param``) into the part of it this rank holds: a DTensor's local
+    shard (cut locally, no communication), else all of it."""
+    if isinstance(param, DTensor):
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param = param.to_local()
+    param.copy_(full)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "meta", seed: int = 0) -> Decoder:

@@ -425,11 +425,72 @@ def _read_error(f: Path, exc: BaseException) -> UsageError:
     return UsageError(f"{f}: not a readable safetensors file: {exc}")
 
 
-def hf_values(path: PathLike, cfg: ModelConfig, device: torch.device | str = "cpu"):
+class HFValue:
+    """One parameter's values in a checkpoint, read when asked (:meth:`read`): all of them, or only the rows and
+    columns a rank keeps. ``sources``: ``(file, handle, HF key, first row, end row, expert)`` of each HF tensor
+    it is assembled from (fused QKV and gate+up rows, stacked experts)."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device, sources: list):
+        self.shape, self.dtype, self.device, self.sources = shape, dtype, device, sources
+
+    def read(self, index: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The values (``index``: for each dim, the positions to keep, in order; None: all). Only the rows kept are
+        read from the files (``safe_open(...).get_slice``), and only the columns kept when they are contiguous."""
+        from safetensors import SafetensorError
+
+        if index is None or any(src[5] for src in self.sources):  # stacked experts: read whole, then cut
+            full = self.read_whole()
+            for dim, positions in enumerate(index or []):
+                full = full.index_select(dim, positions.to(full.device))
+            return full
+        rows = index[0].tolist()
+        cols = index[1].tolist() if len(index) > 1 else None
+        span = bool(cols) and cols == list(range(cols[0], cols[0] + len(cols)))
+        out = torch.empty((len(rows), *([len(cols)] if cols is not None else self.shape[1:])), dtype=self.dtype)
+        for f, fh, key, lo, hi, _ in self.sources:
+            lo, hi = lo or 0, hi if hi is not None else self.shape[0]
+            at = 0
+            while at < len(rows):  # each run of consecutive rows inside this tensor, read as one slice
+                if not lo <= rows[at] < hi:
+                    at += 1
+                    continue
+                end = at + 1
+                while end < len(rows) and rows[end] == rows[end - 1] + 1 and rows[end] < hi:
+                    end += 1
+                try:
+                    piece = fh.get_slice(key)
+                    r0, r1 = rows[at] - lo, rows[end - 1] + 1 - lo
+                    t = piece[r0:r1, cols[0] : cols[-1] + 1] if span else piece[r0:r1]
+                except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+                    raise _read_error(f, exc) from None
+                if cols is not None and not span:
+                    t = t[:, cols]
+                out[at:end].copy_(t)
+                at = end
+        return out.to(self.device)
+
+    def read_whole(self) -> torch.Tensor:
+        """All the values (every HF tensor read whole)."""
+        from safetensors import SafetensorError
+
+        full = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        for f, fh, key, lo, hi, expert in self.sources:
+            try:
+                t = fh.get_tensor(key)
+            except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+                raise _read_error(f, exc) from None
+            dst = full[int(expert)] if expert else full
+            (dst if lo is None else dst[lo:hi]).copy_(t)
+            del t
+        return full
+
+
+def hf_values(path: PathLike, cfg: ModelConfig, device: torch.device | str = "cpu", lazy: bool = False):
     """Yield ``(lpbench parameter name, full values)`` from checkpoint folder ``path``, in ``Decoder(cfg)``'s
     parameter order (:func:`lpbench.models.decoder.initial_values`' order), each assembled (fused QKV and
     gate+up rows, stacked experts) in the construction dtype on ``device`` when it is reached: only that
     parameter's tensors are read (``safe_open`` maps the files; a tensor's bytes are read when it is taken).
+    ``lazy``: yield each as an :class:`HFValue`, read when and as far as the taker asks (a rank its own rows).
 
     Every problem is found before the first value: unexpected, missing or duplicated tensors, wrong shapes
     or non-floating-point dtypes (from the files' headers), unreadable files.
@@ -486,17 +547,16 @@ def hf_values(path: PathLike, cfg: ModelConfig, device: torch.device | str = "cp
                         f"{f.name}: tensor {key} has shape {shape}, expected {tuple(dst.shape)} from config.json"
                     )
         for name, p in shapes.items():
-            full = torch.empty(p.shape, dtype=p.dtype, device=device)
-            for key, lo, hi, index in sources[name]:
-                f, fh = where[key]
-                try:
-                    t = fh.get_tensor(key)
-                except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-                    raise _read_error(f, exc) from None
-                dst = full[int(index)] if index else full
-                (dst if lo is None else dst[lo:hi]).copy_(t)
-                del t
-            yield name, full
+            value = HFValue(p.shape, p.dtype, device, [(*where[key], key, *rows) for key, *rows in sources[name]])
+            yield name, value if lazy else value.read_whole()
+
+
+def check_hf_checkpoint(path: PathLike, cfg: ModelConfig) -> None:
+    """Raise the UsageError :func:`hf_values` would for checkpoint folder ``path`` and ``cfg``, from the files'
+    headers alone (no tensor is read)."""
+    values = hf_values(path, cfg, lazy=True)
+    next(values, None)
+    values.close()
 
 
 @torch.no_grad()
@@ -515,66 +575,6 @@ def load_hf_weights(model: Decoder, path: PathLike) -> Decoder:
     for name, full in hf_values(path, cfg):
         params[name].copy_(full)
     return model
-
-
-@torch.no_grad()
-def load_hf_shards(model: Decoder, path: PathLike) -> Decoder:
-    """Fill a row-sharded ``model`` (FSDP2: every parameter a DTensor sharded along dim 0, or plain) from checkpoint
-    folder ``path``, each rank reading only the rows it holds (``safe_open(...).get_slice``): no rank reads or
-    holds a whole copy of any tensor. The files are checked as :func:`hf_values` checks them, from their headers."""
-    from safetensors import safe_open
-
-    cfg = model.cfg
-    wmap = hf_weight_map(cfg)
-    params = dict(model.named_parameters())
-    with torch.device("meta"):
-        shapes = dict(Decoder(cfg).named_parameters())
-    loaded: set[str] = set()
-    for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for key in fh.keys():
-                if key not in wmap:
-                    continue
-                lp, lo, hi = wmap[key]
-                base, _, expert = lp.partition("[")
-                dst = shapes[base][int(expert[:-1])] if expert else shapes[base]
-                dst = dst if lo is None else dst[lo:hi]
-                piece = fh.get_slice(key)
-                if tuple(piece.get_shape()) != tuple(dst.shape) or not piece.get_dtype().startswith(("F", "BF")):
-                    raise UsageError(f"{f.name}: tensor {key} is not the {tuple(dst.shape)} weights config.json says")
-                _copy_rows(params[base], int(expert[:-1]) if expert else None, lo or 0, piece)
-                loaded.add(key)
-    if missing := [k for k in wmap if k not in loaded]:
-        raise UsageError(f"{path}: missing tensor(s) {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
-    return model
-
-
-def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The tensor this rank holds of ``param`` and the first global row of it (a DTensor sharded along dim 0 on
-    every mesh dim it shards; whole otherwise)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(param, DTensor):
-        return param, 0
-    if any(isinstance(p, Shard) and p.dim != 0 for p in param.placements):
-        raise UsageError("a sharded HF import reads row shards only (FSDP); load it whole under --tp")
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return param.to_local(), offset[0]
-
-
-def _copy_rows(param: torch.Tensor, expert: int | None, lo: int, src) -> None:
-    """Copy HF tensor ``src`` (a safetensors slice) into rows ``lo ...`` of ``param`` (of expert ``expert`` of a
-    stacked one), reading only the rows this rank holds."""
-    local, first = _local_rows(param)
-    if expert is not None:  # stacked experts: dim 0 is the expert
-        if first <= expert < first + local.shape[0]:
-            local[expert - first][lo : lo + src.get_shape()[0]].copy_(src[:])
-        return
-    start, stop = max(first, lo), min(first + local.shape[0], lo + src.get_shape()[0])
-    if start < stop:
-        local[start - first : stop - first].copy_(src[start - lo : stop - lo])
 
 
 def load_hf_checkpoint(

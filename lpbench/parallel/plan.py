@@ -15,15 +15,17 @@ same seed, so all layouts start from identical weights.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch._inductor.config
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lpbench.config import RunConfig
-from lpbench.models.decoder import initial_values
+from lpbench.models.decoder import assign, initial_values
 from lpbench.models.moe import Experts, moe_layers
 from lpbench.parallel.cp import ContextParallel, apply_cp
 from lpbench.parallel.dims import Meshes, ParallelDims
@@ -61,9 +63,18 @@ class Parallelized:
 
 
 def parallelize(
-    model: nn.Module, cfg: RunConfig, device: torch.device, compute_dtype: torch.dtype, use_compile: bool
+    model: nn.Module,
+    cfg: RunConfig,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    use_compile: bool,
+    init: Callable[[nn.Module], None] | None = None,
 ) -> Parallelized:
     """Apply ``cfg``'s TP / FSDP / DDP to ``model`` in place, and ``torch.compile``.
+
+    ``init(module)`` materializes a meta-device model (or pipeline stage) once it is split (default:
+    :func:`materialize` with ``cfg``'s seed; ``train/workload.py: prepare_model`` gives the run's: its
+    converters' hooks and ``--hf-checkpoint``'s values).
 
     ``--compile-scope block`` (default): each block is compiled before wrapping, as torchtitan
     does; the blocks share one code object, so one block's compilation serves all of them.
@@ -77,8 +88,9 @@ def parallelize(
     whole = use_compile and cfg.compile_scope == "model"
     by_block = use_compile and not whole
     dims = ParallelDims.of(cfg)
+    init = init or (lambda module: materialize(module, device, cfg.seed))
     if cfg.world_size == 1:
-        materialize(model, device, cfg.seed)
+        init(model)
         apply_recompute(model, cfg.recompute, cfg.recompute_every)
         if by_block:
             compile_blocks(model, head=not cfg.offload_optimizer)
@@ -88,8 +100,8 @@ def parallelize(
         return Parallelized(model, torch.compile(model) if whole else model, dims, None, 0)
     meshes = dims.mesh(device.type)
     if dims.pp_enabled:
-        return pipeline(model, cfg, dims, meshes, device, compute_dtype, by_block)
-    module, context = shard(model, cfg, dims, meshes, device, compute_dtype, by_block)
+        return pipeline(model, cfg, dims, meshes, device, compute_dtype, by_block, init)
+    module, context = shard(model, cfg, dims, meshes, device, compute_dtype, by_block, init)
     forward = torch.compile(module) if whole else module
     return Parallelized(module, forward, dims, meshes, meshes.rank("batch"), context)
 
@@ -102,9 +114,11 @@ def shard(
     device: torch.device,
     compute_dtype: torch.dtype,
     by_block: bool,
+    init: Callable[[nn.Module], None],
 ) -> tuple[nn.Module, ContextParallel | None]:
-    """TP, EP, CP, recompute, per-block compile, FSDP2 or DDP on ``model`` (a decoder, or a pipeline stage); returns
-    the module to call (wrapped by DDP, or ``model`` itself) and CP's sequence split."""
+    """TP, EP, CP, recompute, per-block compile, FSDP2 or DDP on ``model`` (a decoder, or a pipeline stage), which
+    ``init`` materializes once split (before DDP, which needs the values); returns the module to call (wrapped by
+    DDP, or ``model`` itself) and CP's sequence split."""
     if dims.tp_enabled:
         apply_tp(model, meshes["tp"], cfg.sequence_parallel)
     if dims.ep_enabled:
@@ -113,7 +127,7 @@ def shard(
     for moe in moe_layers(model):  # the load-balancing loss counts the tokens of every data-parallel and CP rank
         moe.count_group = meshes.group("loss")
     if not dims.fsdp_enabled:
-        materialize(model, device, cfg.seed)
+        init(model)
     apply_recompute(model, cfg.recompute, cfg.recompute_every)
     if by_block:
         compile_blocks(model, head=not cfg.fsdp and cfg.tp == 1 and model.lm_head is not None)
@@ -131,7 +145,7 @@ def shard(
             reduce_dtype(cfg.grad_reduce_dtype),
             cfg.fsdp_shard,
         )
-        materialize(model, device, cfg.seed)
+        init(model)
     elif dims.ddp_enabled:
         module = apply_ddp(model, meshes["dp_replicate"], device, reduce_dtype(cfg.grad_reduce_dtype))
     return module, context
@@ -145,6 +159,7 @@ def pipeline(
     device: torch.device,
     compute_dtype: torch.dtype,
     by_block: bool,
+    init: Callable[[nn.Module], None],
 ) -> Parallelized:
     """``model`` cut into this rank's pipeline stages (:mod:`lpbench.parallel.pp`), each sharded as a whole model
     would be (:func:`shard`), and the schedule that runs them."""
@@ -156,10 +171,14 @@ def pipeline(
     tied = model.lm_head.weight is model.tok_embeddings.weight
     untie = tied and last_rank != 0
     stages = [stage_module(model, blocks[i], i == 0, i == n_stages - 1, untie) for i in ids]
+    trained = tied and model.tok_embeddings.weight.requires_grad  # LoRA: frozen, no gradients to sum
+    for stage in stages:  # a last stage's own copy of a tied embedding trains as the embedding does
+        if untie and stage.lm_head is not None:
+            stage.lm_head.weight.requires_grad_(trained)
     tp_sp = cfg.tp > 1 and cfg.sequence_parallel
     for stage in stages:  # the hidden states between stages: each TP rank's part of the sequence
         stage.seq_shards = cfg.tp if tp_sp else 1
-    modules = [shard(stage, cfg, dims, meshes, device, compute_dtype, by_block)[0] for stage in stages]
+    modules = [shard(stage, cfg, dims, meshes, device, compute_dtype, by_block, init)[0] for stage in stages]
     view = rank_view(model, stages)
     hidden = torch.empty(
         (cfg.mbs, cfg.seq_len // cfg.tp if tp_sp else cfg.seq_len, model.cfg.dim),
@@ -170,7 +189,7 @@ def pipeline(
     ids_example = torch.empty((cfg.mbs, cfg.seq_len), dtype=torch.long, device="meta")
     loss = torch.empty((), dtype=torch.float32, device="meta")
     examples = [(ids_example if i == 0 else hidden, loss if i == n_stages - 1 else hidden) for i in ids]
-    tie_group = tie_groups(meshes.world.mesh, cfg.pp, 0, last_rank) if untie else None
+    tie_group = tie_groups(meshes.world.mesh, cfg.pp, 0, last_rank) if untie and trained else None
     first = view.tok_embeddings.weight if view.tok_embeddings is not None else None
     head = view.lm_head.weight if view.lm_head is not None else None
     run = Pipeline(
@@ -207,16 +226,20 @@ def materialize(
     ``values`` yields ``(name, full tensor)`` in the plain decoder's parameter order (default:
     ``initial_values``: one seeded generator, each parameter drawn whole in turn); ``names`` maps a
     parameter's current name to that name where a converter renamed it (LoRA's ``.base``). Each rank keeps
-    its shard of those values (rows of TP-fused weights interleaved as ``apply_tp`` stores them), so the
-    gathered weights equal a single process's bit for bit. Buffers start at zero, but delayed scaling's
-    scales at 1.0 and stochastic rounding's module indices at their values. Parameters ``values`` does not name (LoRA's adapters) are left to ``after_block``.
+    its part of each value as it comes: its DTensor shard (rows of TP-fused weights interleaved as ``apply_tp``
+    stores them), or the rows or columns of a weight tensor parallelism split as plain tensors (LoRA's bases,
+    ``TPShard.index``), so the gathered weights equal a single process's bit for bit whatever the layout. A
+    frozen base stored quantized (a module with ``stored_values``: ``precision/frozen.py``) takes its codes and
+    scales, quantized from the whole weight, in place of the weight. Buffers start at zero, but delayed
+    scaling's scales at 1.0 and stochastic rounding's module indices at their values. Parameters ``values`` does not name (LoRA's adapters) are left to ``after_block``.
 
-    Unsharded, the model is allocated part by part: first everything outside ``model.layers``, then each
-    block in turn, and ``after_block(name, block)`` runs once a block holds its values, before the next
-    exists (a LoRA base is quantized there, so the whole high-precision model never exists at once).
-    Sharded (FSDP2's DTensors), it is allocated whole. A model not on the meta device is left as it is.
-    A pipeline stage (:func:`lpbench.parallel.pp.stage_module`) keeps the values of its own parameters (the
-    draws are the whole model's); a last stage's own copy of a tied embedding takes the embedding's.
+    ``after_block(name, block)`` runs once a block holds its values, before the next block's first value is read.
+    Unsharded, the model is allocated part by part: first everything outside ``model.layers``, then each block in
+    turn, so blocks after the current one do not exist yet. Sharded (any DTensor), this rank's parts are allocated
+    at once. Either way a rank holds its own parts plus the one whole value being cut, never the whole model.
+    A model not on the meta device is left as it is. A pipeline stage (:func:`lpbench.parallel.pp.stage_module`)
+    keeps the values of its own parameters (the draws are the whole model's); a last stage's own copy of a tied
+    embedding takes the embedding's.
     """
     if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         return
@@ -228,9 +251,10 @@ def materialize(
     del owners
     splits = {name: m.tp_shard for name, m in model.named_modules() if getattr(m, "tp_shard", None) is not None}
     experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
+    stored = {f"{name}.weight": m for name, m in model.named_modules() if hasattr(m, "stored_values")}
     current = {old: new for new, old in (names or {}).items()}
     blocks = {f"layers.{i}": block for i, block in model.layers.named_children()}  # a stage's: global indices
-    mine = {name for name, _ in model.named_parameters()}
+    mine = {name for name, _ in model.named_parameters()} | set(stored)
     own_head = (  # a last pipeline stage's copy of a tied embedding
         model.cfg.tie_embeddings
         and model.lm_head is not None
@@ -253,20 +277,31 @@ def materialize(
                     sub.reset_delayed_state()
                 noise.restore_index(sub)  # stochastic rounding's module index
 
-    def write(name: str, full: torch.Tensor) -> None:
+    def write(name: str, full) -> None:
+        lazy = not isinstance(full, torch.Tensor)  # read when asked (``models/hf.py: HFValue``)
+        if name in stored:  # a frozen base stored quantized: its codes and scales, from the whole weight
+            module = stored[name]
+            for part, whole in module.stored_values(full.read() if lazy else full).items():
+                assign(module.get_parameter(part), whole)
+            return
         param = model.get_parameter(name)
         owner = experts.get(name.rpartition(".")[0])
+        if lazy:  # only this rank's rows and columns are read
+            index = None if owner is not None else local_index(param, full.shape, splits.get(name.rpartition(".")[0]))
+            if index is not None:
+                (param.to_local() if isinstance(param, DTensor) else param).copy_(full.read(index))
+                return
+            full = full.read()
         if owner is not None:  # expert parallelism: this rank's experts; tensor parallelism: their slices
             full = full[owner.first : owner.first + owner.n_experts]
             if owner.gemm.tp is not None:
                 full = owner.gemm.tp.local(name.rpartition(".")[2], full)
         split = splits.get(name.rpartition(".")[0])
-        if split is not None and split.dim == 0 and len(split.sections) > 1:
+        if split is not None and param.shape != full.shape:  # split as plain tensors: this rank's rows or columns
+            full = full.index_select(split.dim, split.index(full.device))
+        elif split is not None and split.dim == 0 and len(split.sections) > 1:
             full = interleave(full, split.sections, split.size)
-        if isinstance(param, DTensor):
-            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-            param = param.to_local()
-        param.copy_(full)
+        assign(param, full)
 
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     if sharded:
@@ -290,5 +325,23 @@ def materialize(
             allocate([blocks[block]])
         open_block = block
         write(name, full)
+        del full
     if open_block is not None and after_block is not None:
         after_block(open_block, blocks[open_block])
+
+
+def local_index(param: torch.Tensor, shape: torch.Size, split) -> list[torch.Tensor] | None:
+    """For each dim of ``param``'s whole values (``shape``), the positions of the values this rank holds, in its
+    order, as :func:`materialize` cuts them (``split``: the module's ``tp_shard``); None where the cut is not of
+    rows and columns alone (FSDP over a TP-sharded dim)."""
+    positions = [torch.arange(n) for n in shape]
+    if split is not None and param.shape != shape:  # split as plain tensors: this rank's rows or columns
+        positions[split.dim] = split.index(torch.device("cpu"))
+    elif split is not None and split.dim == 0 and len(split.sections) > 1:
+        positions[0] = interleave(positions[0], split.sections, split.size)
+    if isinstance(param, DTensor):
+        if any(type(p) not in (Shard, Replicate) for p in param.placements):
+            return None
+        local, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        positions = [p[o : o + n] for p, o, n in zip(positions, offset, local)]
+    return positions

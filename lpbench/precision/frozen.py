@@ -52,7 +52,8 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         super().__init__()
         self._init_gemms(recipe, native, weight.device, roles=("input", "grad"))
         (self.out_features, self.in_features), self.weight_dtype = weight.shape, weight.dtype
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        frozen = isinstance(bias, nn.Parameter) and not bias.requires_grad  # kept: a meta model's name for it
+        self.bias = bias if bias is None or frozen else nn.Parameter(bias.detach(), requires_grad=False)
         self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._blocks: dict[str, tuple] = {}
         spec_f, spec_d = recipe.operand("weight", "fprop"), recipe.operand("weight", "dgrad")
@@ -84,6 +85,20 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
                 new.scale_buffer(role).copy_(linear.scale_buffer(role))
         return new
 
+    @torch.no_grad()
+    def stored_values(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The whole values of this module's stored parameters (flat bytes, by name) for the whole weight
+        ``weight``: quantized as construction quantizes it, then cut to this rank's rows or columns as
+        :meth:`tp_local` cut this module (its ``tp_shard``, set under tensor parallelism). A model built on the
+        meta device gets its stored base from these, one weight at a time."""
+        whole = FrozenQuantizedLinear(weight.to(self.weight_dtype), None, self.recipe, native=self.native)
+        shard = getattr(self, "tp_shard", None)
+        if shard is not None:
+            whole.tp_local(shard.dim, shard.index(weight.device))
+        if whole._layout != self._layout:
+            raise ValueError(f"stored operands {whole._layout} do not match this module's {self._layout}")
+        return {name: getattr(whole, name).detach() for name in self._layout}
+
     @property
     def tp_multiple(self) -> int:
         """A tensor-parallel split must keep whole blocks (``parallel/tp.py: apply_tp`` checks it)."""
@@ -93,9 +108,9 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         self._layout[name] = (t.dtype, tuple(t.shape))
         setattr(self, name, nn.Parameter(t.contiguous().reshape(-1).view(torch.uint8), requires_grad=False))
 
-    def _get(self, name: str) -> torch.Tensor:
+    def _get(self, name: str, parts: dict | None = None) -> torch.Tensor:
         dtype, shape = self._layout[name]
-        return getattr(self, name).view(dtype).reshape(shape)
+        return (parts or {}).get(name, getattr(self, name)).view(dtype).reshape(shape)
 
     def _store(self, name: str, q: QTensor) -> None:
         codes = q.codes
@@ -107,13 +122,20 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
             self._put(f"{name}_global", q.global_scale)
         self._blocks[name] = (q.block, q.fmt, q.codes.shape[1])
 
-    def _stored(self, name: str) -> QTensor:
+    def _stored(self, name: str, parts: dict | None = None) -> QTensor:
         block, fmt, width = self._blocks[name]
-        codes = self._get(f"{name}_codes")
+        codes = self._get(f"{name}_codes", parts)
         if fmt.dtype is None:
             codes = unpack_e2m1(codes)[:, :width]
-        glob = self._get(f"{name}_global") if f"{name}_global" in self._layout else None
-        return QTensor(codes, self._get(f"{name}_scale"), block, fmt, glob)
+        glob = self._get(f"{name}_global", parts) if f"{name}_global" in self._layout else None
+        return QTensor(codes, self._get(f"{name}_scale", parts), block, fmt, glob)
+
+    @torch.no_grad()
+    def dequantized(self, parts: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The weight this module holds, dequantized (FP32; under TP this rank's rows or columns) from its fprop
+        copy: what :meth:`merge_lora_delta` adds to. ``parts``: its stored parameters' whole bytes by name, where
+        they are sharded (FSDP)."""
+        return self._stored("w", parts).dequantize()
 
     @torch.no_grad()
     def tp_local(self, dim: int, index: torch.Tensor) -> None:
@@ -160,7 +182,7 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
     @torch.no_grad()
     def merge_lora_delta(self, delta: torch.Tensor) -> QuantizedLinear:
         """``lora.merge_lora``'s hook: a frozen QuantizedLinear with weight dequantize(W) + delta."""
-        w = self.weight_operand("fprop").dequantize()
+        w = self.dequantized()
         w = w + delta.to(w.device).float()
         linear = nn.Linear(
             self.in_features, self.out_features, bias=self.bias is not None, device=w.device, dtype=self.weight_dtype

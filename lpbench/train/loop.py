@@ -25,7 +25,6 @@ from lpbench.models import build_model, count_parameters
 from lpbench.models.decoder import configure_loss
 from lpbench.models.registry import ModelConfig
 from lpbench.convert import Converters
-from lpbench.models.hf import load_hf_checkpoint
 from lpbench.models.moe import configure_moe, moe_layers, take_moe_stats
 from lpbench.parallel.dp import clip_grad_norm_, grad_sync
 from lpbench.parallel.ep import expert_params, sync_expert_grads
@@ -37,6 +36,7 @@ from lpbench.precision import noise
 from lpbench.precision.delayed import is_delayed_state
 from lpbench.precision.recipes import get_recipe
 from lpbench.train.checkpoint import Checkpointer, CheckpointSaveError
+from lpbench.train.export import export_merged
 from lpbench.train.workload import build_data, describe_lora, prepare_model, run_flops_per_token, weight_bytes
 from lpbench.train.optim import build_optimizer, build_scheduler
 from lpbench.train import memory_plan
@@ -166,13 +166,8 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
     memory.reset_peak(device)  # the build's peak from here
     torch.manual_seed(cfg.seed)
     # on the meta device: one process materializes it block by block once converted (prepare_model), several
-    # ranks once sharded (parallelize); a LoRA run on several ranks, or one from --hf-checkpoint, builds whole
-    meta = world.size == 1 or (cfg.workload != "lora" and not cfg.hf_checkpoint)
-    model = (
-        load_hf_checkpoint(cfg.hf_checkpoint, device=device)
-        if cfg.hf_checkpoint and not meta
-        else build_model(model_cfg, device="meta" if meta else device, seed=cfg.seed)
-    )
+    # ranks their own parts once split (parallelize), so no rank ever holds the whole model
+    model = build_model(model_cfg, device="meta", seed=cfg.seed)
     n_params = count_parameters(model)
     converters, precision_info, workload_metrics = prepare_model(
         model, cfg, recipe, device=device, emulate=emulate, use_compile=use_compile
@@ -181,7 +176,7 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
     if use_compile:  # runs in one process (several precisions, converge) each get Dynamo's full recompile budget
         torch._dynamo.reset()
     order = {name: i for i, (name, p) in enumerate((n, p) for n, p in model.named_parameters() if p.requires_grad)}
-    par = parallelize(model, cfg, device, recipe.compute_dtype, use_compile)
+    par = parallelize(model, cfg, device, recipe.compute_dtype, use_compile, converters.materialize)
     fused_loss = configure_loss(model, cfg.fused_loss, 1.0 / cfg.grad_accum)
     if par.pipeline is not None:  # the stages compute the loss (the last one)
         fused_loss = any([configure_loss(s, cfg.fused_loss, 1.0 / cfg.grad_accum) for s in par.module.forward_roots])
@@ -446,6 +441,9 @@ def train(
     finally:
         profile = profiler.close()  # a run that stopped inside the profiled steps still gets its trace
         scalars.close()
+    if cfg.export_hf and result.status == "ok":  # every rank gathers, rank 0 writes
+        export_merged(run.model, cfg.export_hf)
+        log(f"lpbench: model exported as a Hugging Face checkpoint to {cfg.export_hf}")
     result.metrics = summarize(result.steps, cfg, run.fpt, run.gpu, run.precision_info, device)
     if start:
         result.metrics["resumed_from_step"] = start

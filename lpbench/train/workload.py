@@ -33,7 +33,7 @@ from lpbench.config import RunConfig
 from lpbench.data.loader import build_dataset
 from lpbench.data.sft import build_sft_dataset
 from lpbench.metrics.flops import flops_per_token, lora_flops_per_token, packed_flops_per_token
-from lpbench.models.hf import hf_values
+from lpbench.models.hf import check_hf_checkpoint, hf_values
 from lpbench.models.registry import ModelConfig
 from lpbench.parallel.plan import materialize
 from lpbench.convert import Converters, FrozenQuantized, LoRA, Quantize, converters_for
@@ -46,17 +46,33 @@ def prepare_model(
     """The run's converters (:func:`lpbench.convert.converters_for`) applied to ``model``: ``(converters, the
     recipe's result of apply_recipe, metrics)``.
 
-    A model on the meta device in a one-process run is then materialized on ``device`` block by block
-    (:func:`lpbench.parallel.plan.materialize`, the converters' ``after_materialize`` on each block): its
-    initial weights, or ``--hf-checkpoint``'s read one block at a time, equal an eager build's bit for bit.
-    Several ranks materialize in ``parallelize``, after sharding."""
+    A model on the meta device is materialized by ``converters.materialize(module)``
+    (:func:`lpbench.parallel.plan.materialize`, the converters' ``after_materialize`` on each block): its initial
+    weights, or ``--hf-checkpoint``'s read one parameter at a time (each rank its own rows and columns; a base stored
+    quantized whole, to quantize it), equal an eager build's bit for bit. One process materializes here, block by
+    block; several ranks in ``parallelize``, each its own parts once split. The checkpoint's files are checked
+    first, from their headers."""
     converters = converters_for(cfg, recipe, device, emulate, use_compile)
     plain = {id(p): name for name, p in model.named_parameters()}
     converters.convert(model)
-    if cfg.world_size == 1 and next(model.parameters()).is_meta:
+    if next(model.parameters()).is_meta:
         renamed = {name: plain[id(p)] for name, p in model.named_parameters() if plain.get(id(p), name) != name}
-        values = hf_values(cfg.hf_checkpoint, model.cfg, device) if cfg.hf_checkpoint else None
-        materialize(model, device, cfg.seed, values=values, names=renamed, after_block=converters.after_materialize)
+        stored = converters.find(FrozenQuantized)
+        if stored is not None:  # a base stored quantized takes its codes from the weight it replaced
+            renamed.update({name: plain[id(p)] for name, p in stored.sources.items()})
+
+        def fill(module: nn.Module) -> None:
+            values = hf_values(cfg.hf_checkpoint, model.cfg, device, lazy=True) if cfg.hf_checkpoint else None
+            materialize(
+                module, device, cfg.seed, values=values, names=renamed, after_block=converters.after_materialize
+            )
+
+        if cfg.hf_checkpoint:  # every problem with the files (from their headers) before anything is allocated
+            check_hf_checkpoint(cfg.hf_checkpoint, model.cfg)
+
+        converters.materialize = fill
+        if cfg.world_size == 1:
+            fill(model)
     metrics = {
         "workload": cfg.workload,
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
