@@ -103,7 +103,9 @@ def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
     est = predict(cfg, gpu)
     lines = [
         f"{cfg.label} {cfg.precision} {cfg.workload} | seq {cfg.seq_len} MBS {cfg.mbs} GA {cfg.grad_accum} | "
-        f"dp {cfg.dp}{' (fsdp)' if cfg.fsdp or cfg.cp > 1 else ''} x tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} | "
+        f"dp {cfg.dp}{' (fsdp)' if cfg.fsdp or cfg.cp > 1 else ''} x tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''}"
+        f"{f' x pp {cfg.pp}' if cfg.pp > 1 else ''}{f' (vp {cfg.vp})' if cfg.vp > 1 else ''}"
+        f"{f' x ep {cfg.ep}' if cfg.ep > 1 else ''} | "
         f"recompute {cfg.recompute}"
         f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}",
         f"predicted peak: {est.gb:.1f} GB per GPU",
