@@ -292,6 +292,8 @@ def test_layout_of_a_config():
     assert BASE.with_(pp=1, cp=1, dp_replicate=1, fsdp_shard="zero3").key() == BASE.key()  # defaults keep keys
     cp = ParallelDims.of(BASE.with_(seq_len=64, cp=2).with_world(8))  # CP shards over every DP x CP rank
     assert (cp.dp_replicate, cp.dp_shard, cp.fsdp_enabled, cp.hsdp_enabled) == (1, 4, True, False)
+    alone = ParallelDims.of(BASE.with_(fsdp=True, tp=2).with_world(2))  # --fsdp without data-parallel ranks: no-op
+    assert (alone.fsdp_enabled, alone.dp) == (False, 1)
     hsdp = ParallelDims.of(BASE.with_(seq_len=64, cp=2, dp_replicate=2).with_world(8))
     assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.hsdp_enabled) == (2, 2, True)
 

@@ -62,8 +62,8 @@ class ParallelDims:
         for name in ("dp", "dp_replicate", "tp", "pp", "cp", "ep"):
             if getattr(cfg, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-        fsdp = cfg.fsdp or cfg.cp > 1  # CP ranks hold one model: FSDP2 shards it over dp × cp (dp_shard_cp)
-        sharded = fsdp and cfg.dp > 1
+        sharded = (cfg.fsdp or cfg.cp > 1) and cfg.dp > 1  # CP: FSDP2 shards over every dp × cp rank
+        fsdp = sharded or cfg.cp > 1  # CP ranks hold one model: FSDP2 shards it over them (dp_shard_cp)
         if cfg.dp_replicate > 1 and not sharded:
             raise UsageError(
                 f"--dp-replicate {cfg.dp_replicate} is HSDP's replica count: it needs --fsdp (or --cp) and "
