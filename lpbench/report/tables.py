@@ -741,7 +741,7 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                         "–",
                         "–",
                     ]
-                label = precision_name(r["precision"])
+                label = " ".join(filter(None, (precision_name(r["precision"]), r.get("optimizer"))))
                 label += ", base stored quantized" if r.get("lora_stored_quantized") else ""  # not for bf16
                 label += f", resumed from step {r['resumed_from_step']}" if r.get("resumed_from_step") else ""
                 table.rows.append(cfg_cells + [label, r.get("backend") or "lpbench", r.get("path") or "–", *metric])
