@@ -85,6 +85,21 @@ def layout_keys(numbers_only: bool = False) -> tuple[str, ...]:
     return tuple(f.name for f in fields(RunConfig) if fact(f, "layout") and (not numbers_only or field_type(f) is int))
 
 
+def layout_choices(r: dict) -> list[str]:
+    """A row's layout settings beyond its sizes that differ from their defaults, as the run table names them:
+    ``zero-bubble``, ``HSDP2``, ``zero1``, ``EP-chunks 2``, ``recompute selective/2``, ``offloaded optimizer``."""
+    vp = r.get("vp") or 1
+    default_schedule = None if (r.get("pp") or 1) == 1 else "1f1b" if vp == 1 else "interleaved-1f1b"
+    out = [r["pp_schedule"]] if r.get("pp_schedule") not in (None, default_schedule) else []
+    out += [f"HSDP{_int(r['dp_replicate'])}"] if (r.get("dp_replicate") or 1) > 1 else []
+    out += [r["fsdp_shard"]] if r.get("fsdp_shard") not in (None, "zero3") else []
+    out += [f"EP-chunks {_int(r['ep_chunks'])}"] if (r.get("ep_chunks") or 1) > 1 else []
+    if r.get("recompute") not in (None, "none"):
+        every = r.get("recompute_every") or 1
+        out.append(f"recompute {r['recompute']}" + (f"/{_int(every)}" if every > 1 else ""))
+    return out + (["offloaded optimizer"] if r.get("offload_optimizer") else [])
+
+
 def run_group(r: dict) -> tuple:
     """A run's group: its database and its ``lpbench run`` invocation or sweep."""
     return r.get("results"), r.get("sweep_id") or r.get("group_id")
@@ -424,11 +439,12 @@ def to_rich(rows: list[dict], title: str | None = None, width: int | None = None
         return _status_cell(r)
 
     def layout(r):
+        sizes = [
+            f"{k.upper()}{_int(r[k])}" for k in ("tp", "pp", "vp", "cp", "ep", "dp") if r.get(k, 1) not in (1, None)
+        ]
         return (
-            " ".join(
-                f"{k.upper()}{_int(r[k])}" for k in ("tp", "pp", "vp", "cp", "ep", "dp") if r.get(k, 1) not in (1, None)
-            )
-            + (" FSDP" if r.get("fsdp") else "")
+            " ".join(sizes + layout_choices(r))
+            + (" FSDP" if r.get("fsdp") or (r.get("cp") or 1) > 1 else "")  # CP runs under FSDP2
             + (" compiled" if r.get("compile") else "")
             or "-"
         )
