@@ -510,3 +510,18 @@ def test_report_names_each_runs_optimizer_settings(tmp_path, capsys):
     assert main(["report", "--results", str(tmp_path)]) == 0
     cells = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| BF16")]
     assert cells == ["BF16", "BF16 (bf16 weights, 8bit states)", "BF16 (fp8 states, offloaded)"]
+
+
+def test_report_names_the_recompute_mode_and_pipeline_schedule(tmp_path, capsys):
+    """The report's Layout column says how each group ran (recompute mode, a non-default pipeline schedule);
+    without it, --recompute full and none showed the same row but for RECOMPUTE_EVERY."""
+    s = ResultsStore(tmp_path)
+    _run(s, "bf16", 10000, group="g1", extra_config={"recompute": "full"})
+    _run(s, "bf16", 9000, group="g2", extra_config={"pp": 2, "vp": 2, "pp_schedule": "zbv", "recompute": "none"})
+    _run(s, "bf16", 8000, group="g3", extra_config={"recompute": "none"})
+    s.close()
+    assert main(["report", "--results", str(tmp_path)]) == 0
+    lines = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    col = [c.strip() for c in lines[0]].index("Layout")
+    rows = [line for line in lines[1:] if len(line) == len(lines[0])]  # the pretraining table's (shared cells folded)
+    assert sorted(line[col].strip() for line in rows) == ["recompute full", "zbv", "–"]

@@ -87,7 +87,7 @@ def layout_keys(numbers_only: bool = False) -> tuple[str, ...]:
 
 def layout_choices(r: dict) -> list[str]:
     """A row's layout settings beyond its sizes that differ from their defaults, as the run table names them:
-    ``zero-bubble``, ``HSDP2``, ``zero1``, ``EP-chunks 2``, ``recompute selective/2``, ``offloaded optimizer``."""
+    ``zero-bubble``, ``HSDP2``, ``zero1``, ``EP-chunks 2``, ``recompute selective/2``."""
     vp = r.get("vp") or 1
     default_schedule = None if (r.get("pp") or 1) == 1 else "1f1b" if vp == 1 else "interleaved-1f1b"
     out = [r["pp_schedule"]] if r.get("pp_schedule") not in (None, default_schedule) else []
@@ -97,7 +97,7 @@ def layout_choices(r: dict) -> list[str]:
     if r.get("recompute") not in (None, "none"):
         every = r.get("recompute_every") or 1
         out.append(f"recompute {r['recompute']}" + (f"/{_int(every)}" if every > 1 else ""))
-    return out + (["offloaded optimizer"] if r.get("offload_optimizer") else [])
+    return out  # --offload-optimizer: the precision cell says it (optimizer_label)
 
 
 def run_group(r: dict) -> tuple:
@@ -695,13 +695,15 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
         layout = [k for k in layout_keys(numbers_only=True) if any(k in r for r in mine)]
         show_fsdp = any(r.get("fsdp") for r in mine)
         fsdp_col = ["FSDP"] if show_fsdp else []
+        show_choices = any(layout_choices(r) for r in mine)  # schedule, recompute, HSDP, shard mode
+        fsdp_col += ["Layout"] if show_choices else []
         config_cols = ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length", *[k.upper() for k in layout], *fsdp_col]
         config_cols += ["GA", "Steps", "Group (when, UTC): what differs"]
         tflops = tflops_header(mine, "Model TFLOP / sec / GPU")
         metric_cols = ["Precision", "Backend", "Path", "Step ms (IQR)", "Tokens / sec / GPU", tflops, "MFU"]
         metric_cols += ["Speedup over BF16", "Peak mem (GB)", "Loss (last-steps mean)", "Δ loss vs BF16"]
         columns = config_cols + metric_cols
-        text = {"Model", "System", "Group (when, UTC): what differs", "Precision", "Backend", "Path"}
+        text = {"Model", "System", "Layout", "Group (when, UTC): what differs", "Precision", "Backend", "Path"}
         table = TextTable(
             title=WORKLOAD_TITLES.get(wl, wl),
             columns=columns,
@@ -719,6 +721,7 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                     cfg_cells = [r["model"], r["system"], str(r.get("num_gpus") or 1)]
                     cfg_cells += [str(r["gbs"]), str(r["mbs"]), str(r["seq_len"])]
                     cfg_cells += [str(_int(r.get(k, ""))) for k in layout] + ([fsdp] if show_fsdp else [])
+                    cfg_cells += [" ".join(layout_choices(r)) or "–"] if show_choices else []
                     cfg_cells += [str(r.get("grad_accum") or ""), str(r.get("steps") or "")]
                     cfg_cells.append(group + (f": {r['group_differs']}" if r.get("group_differs") else ""))
                 else:
