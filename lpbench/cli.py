@@ -25,7 +25,7 @@ from rich.table import Table
 from lpbench import __version__
 from lpbench.console import Parser, console, csv_list, stdout_failed, usable_streams
 from lpbench.errors import Terminated, UsageError, raise_terminated
-from lpbench.paths import check_dir, check_file, write_file
+from lpbench.paths import check_dir, check_export_dir, check_file, write_file
 
 if TYPE_CHECKING:  # imported where used: `lpbench --help` imports no torch
     from lpbench.config import RunConfig
@@ -179,7 +179,7 @@ def cmd_run(args) -> int:
     if args.save_dir:
         check_dir(args.save_dir, "--save-dir")
     if args.export_hf:
-        check_dir(args.export_hf, "--export-hf")
+        check_export_dir(args.export_hf, "--export-hf")
     if needs_relaunch(args.nproc_per_node):
         return relaunch(args.nproc_per_node)
     is_main = detect_world().is_main  # only rank 0 writes the database and prints the table

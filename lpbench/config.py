@@ -825,6 +825,8 @@ class RunConfig:
             )
         if self.fsdp_shard not in FSDP_SHARDS:
             raise UsageError(f"unknown --fsdp-shard {self.fsdp_shard!r}; valid: {', '.join(FSDP_SHARDS)}")
+        if self.fsdp_shard != "zero3" and not (self.fsdp or self.cp > 1):
+            raise UsageError(f"--fsdp-shard {self.fsdp_shard} needs FSDP2 (--fsdp, or --cp > 1)")
         if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
             raise UsageError(
                 f"unknown --grad-reduce-dtype {self.grad_reduce_dtype!r}; valid: {', '.join(GRAD_REDUCE_DTYPES)}"
@@ -838,6 +840,8 @@ class RunConfig:
             raise UsageError(f"unknown --recompute {self.recompute!r}; valid: {', '.join(RECOMPUTES)}")
         if self.recompute_every < 1:
             raise UsageError(f"--recompute-every must be >= 1, got {self.recompute_every}")
+        if self.recompute_every != 1 and self.recompute == "none":
+            raise UsageError(f"--recompute-every {self.recompute_every} needs --recompute selective or full")
         self._validate_optimizer()
         if self.lr is not None and self.lr <= 0:
             raise UsageError(f"--lr must be positive, got {self.lr}")

@@ -3,7 +3,8 @@
 ``check_dir``/``check_file`` refuse (UsageError: one line, exit 2) a path that cannot be used
 as asked: an empty path, a file where a folder is meant or the reverse, a symlink that leads
 nowhere (dangling or a loop), a file that holds results (a SQLite database such as
-``results.db``, or a checkpoint's file), and a place where nothing can be written. Writability is
+``results.db``, or a checkpoint's file), a folder that holds a Hugging Face checkpoint
+(``check_export_dir``), and a place where nothing can be written. Writability is
 probed, not guessed from permission bits (which say nothing about /proc, /sys, read-only mounts
 or root): a file is created and removed where the output will go, in the folder itself or in its
 nearest existing ancestor, so a rejected command leaves the disk as it was. ``write_file``
@@ -78,6 +79,18 @@ def check_dir(path: str | os.PathLike, flag: str) -> Path:
         raise UsageError(f"{flag} {path}: a file is there, not a folder")
     if why := _where_to_write(path):
         raise UsageError(f"{flag} {path}: {'the folder is not writable: ' if path.is_dir() else ''}{why}")
+    return path
+
+
+def check_export_dir(path: str | os.PathLike, flag: str) -> Path:
+    """``check_dir``, and the folder holds no Hugging Face checkpoint (``config.json``, ``*.safetensors``)
+    that an export would overwrite or mix its files with."""
+    path = check_dir(path, flag)
+    if path.is_dir() and ((path / "config.json").exists() or any(path.glob("*.safetensors"))):
+        raise UsageError(
+            f"{flag} {path}: a Hugging Face checkpoint is there; lpbench does not overwrite results "
+            "(choose another folder)"
+        )
     return path
 
 

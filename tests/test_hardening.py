@@ -545,3 +545,33 @@ def test_a_trained_run_the_database_cannot_take_goes_to_pending_runs(fault, tmp_
     assert "runs will be kept in" in said_before_training[0], said_before_training
     [kept] = (results / "pending-runs").glob("*.json")
     assert json.loads(kept.read_text())["row"]["status"] == "ok"
+
+
+# ----------------------------------------------------------------------------- 8. flags that need another flag
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--fsdp-shard", "zero1"], "--fsdp-shard zero1 needs FSDP2 (--fsdp, or --cp > 1)"),
+        (["--recompute-every", "2"], "--recompute-every 2 needs --recompute selective or full"),
+    ],
+)
+def test_a_flag_without_the_layout_it_tunes_is_refused(flags, message, tmp_path, no_training, capsys):
+    """A tuning flag is refused, not silently ignored, where the feature it tunes is off."""
+    assert message in _refused(["run", *TINY, "--results", str(tmp_path / "r"), *flags], capsys)
+    assert _tree(tmp_path) == []
+
+
+@pytest.mark.parametrize("what", ["hf-export", "hf-checkpoint-itself", "safetensors-only"])
+def test_export_hf_never_overwrites_a_checkpoint(what, tmp_path, no_training, capsys):
+    """--export-hf into a folder holding a Hugging Face checkpoint (an earlier export, the run's own
+    --hf-checkpoint) is refused before work: its files would be overwritten or mixed with stale shards."""
+    folder = _hf_folder(tmp_path)
+    if what == "safetensors-only":
+        (folder / "config.json").unlink()
+    extra = ["--hf-checkpoint", str(folder)] if what == "hf-checkpoint-itself" else []
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    argv = ["run", *TINY, "--results", str(tmp_path / "r"), "--export-hf", str(folder), *extra]
+    if what == "hf-checkpoint-itself":
+        argv.remove("--model"), argv.remove("tiny")
+    assert "a Hugging Face checkpoint is there; lpbench does not overwrite results" in _refused(argv, capsys)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -36,6 +36,7 @@ def _run(
     path="native",
     sweep_id=None,
     extra_metrics=None,
+    extra_config=None,
 ):
     config = {
         "model": "llama3-8b",
@@ -46,6 +47,7 @@ def _run(
         "dp": 8,
         "tp": 1,
         "steps": steps,
+        **(extra_config or {}),
     }
     metrics = {
         "tokens_per_sec_per_gpu": tps,
@@ -72,7 +74,7 @@ def _run(
             metrics=metrics,
             steps=curve,
             env={"gpu": gpu},
-            run_key=f"{group}-{precision}-{seq}-{workload}",
+            run_key=f"{group}-{precision}-{seq}-{workload}" + "".join(f"-{v}" for v in (extra_config or {}).values()),
             group_id=group,
             workload=workload,
             num_gpus=8,
@@ -495,3 +497,31 @@ def test_recipes_carry_their_presentation():
     }
     assert tolerance_for("nvfp4-no-rht") == RECIPES["nvfp4"].tolerance == 1.5
     assert len({r.colour for r in RECIPES.values()}) == len(RECIPES)  # every recipe its own colour
+
+
+def test_report_names_each_runs_optimizer_settings(tmp_path, capsys):
+    """Runs that differ only by --master-weights/--optimizer-states/--offload-optimizer are told apart in the
+    report's precision cell, as in the run's own table, not printed as identical BF16 rows."""
+    s = ResultsStore(tmp_path)
+    _run(s, "bf16", 10000)
+    _run(s, "bf16", 9000, extra_config={"master_weights": "bf16", "optimizer_states": "8bit"})
+    _run(s, "bf16", 8000, extra_config={"optimizer_states": "fp8", "offload_optimizer": True})
+    s.close()
+    assert main(["report", "--results", str(tmp_path)]) == 0
+    cells = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| BF16")]
+    assert cells == ["BF16", "BF16 (bf16 weights, 8bit states)", "BF16 (fp8 states, offloaded)"]
+
+
+def test_report_names_the_recompute_mode_and_pipeline_schedule(tmp_path, capsys):
+    """The report's Layout column says how each group ran (recompute mode, a non-default pipeline schedule);
+    without it, --recompute full and none showed the same row but for RECOMPUTE_EVERY."""
+    s = ResultsStore(tmp_path)
+    _run(s, "bf16", 10000, group="g1", extra_config={"recompute": "full"})
+    _run(s, "bf16", 9000, group="g2", extra_config={"pp": 2, "vp": 2, "pp_schedule": "zbv", "recompute": "none"})
+    _run(s, "bf16", 8000, group="g3", extra_config={"recompute": "none"})
+    s.close()
+    assert main(["report", "--results", str(tmp_path)]) == 0
+    lines = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    col = [c.strip() for c in lines[0]].index("Layout")
+    rows = [line for line in lines[1:] if len(line) == len(lines[0])]  # the pretraining table's (shared cells folded)
+    assert sorted(line[col].strip() for line in rows) == ["recompute full", "zbv", "–"]

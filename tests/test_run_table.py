@@ -208,3 +208,37 @@ def test_the_sweep_table_fits_the_console_it_is_printed_on(tmp_path, monkeypatch
     table = out[out.index("┏") : out.index("┘")]
     assert "…" not in table and "fp8-tensorwise" in table
     assert max(len(line) for line in table.splitlines()) <= 80
+
+
+@pytest.mark.parametrize(
+    "config,layout",
+    [
+        (
+            {"pp": 2, "vp": 2, "pp_schedule": "zbv", "recompute": "selective", "recompute_every": 2},
+            "PP2 VP2 zbv recompute selective/2",
+        ),
+        ({"pp": 2, "vp": 2, "pp_schedule": "interleaved-1f1b", "recompute": "none"}, "PP2 VP2 ·"),
+        ({"cp": 2, "dp": 4, "dp_replicate": 2, "fsdp_shard": "zero1"}, "CP2 DP4 HSDP2 zero1 FSDP"),
+        ({"ep": 2, "ep_chunks": 2}, "EP2 EP-chunks 2 ·"),
+    ],
+)
+def test_the_title_names_the_layout_that_ran(config, layout, tmp_path):
+    """The run table's layout names the pipeline schedule (when not the default), recomputation, HSDP, the
+    FSDP shard mode and EP chunks: runs differing only by those are told apart."""
+    store = ResultsStore(tmp_path)
+    store.add_run(
+        RunRecord(
+            config={"model": "tiny", "precision": "bf16", "seq_len": 32, "mbs": 2, "gbs": 4, "steps": 2, **config},
+            status="ok",
+            error=None,
+            metrics={"step_time_s": 0.1, "tokens_per_sec_per_gpu": 100.0, "final_loss": 7.0},
+            steps=[{"step": 1, "loss": 7.0}, {"step": 2, "loss": 7.0}],
+            env={"gpu": None},
+            run_key="k",
+            group_id="g",
+            workload="pretrain",
+            num_gpus=4,
+        )
+    )
+    text = " ".join(_render(summary_rows(store.runs()), 200).split())
+    assert f"layout {layout}" in text, text

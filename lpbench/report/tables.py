@@ -85,6 +85,21 @@ def layout_keys(numbers_only: bool = False) -> tuple[str, ...]:
     return tuple(f.name for f in fields(RunConfig) if fact(f, "layout") and (not numbers_only or field_type(f) is int))
 
 
+def layout_choices(r: dict) -> list[str]:
+    """A row's layout settings beyond its sizes that differ from their defaults, as the run table names them:
+    ``zero-bubble``, ``HSDP2``, ``zero1``, ``EP-chunks 2``, ``recompute selective/2``."""
+    vp = r.get("vp") or 1
+    default_schedule = None if (r.get("pp") or 1) == 1 else "1f1b" if vp == 1 else "interleaved-1f1b"
+    out = [r["pp_schedule"]] if r.get("pp_schedule") not in (None, default_schedule) else []
+    out += [f"HSDP{_int(r['dp_replicate'])}"] if (r.get("dp_replicate") or 1) > 1 else []
+    out += [r["fsdp_shard"]] if r.get("fsdp_shard") not in (None, "zero3") else []
+    out += [f"EP-chunks {_int(r['ep_chunks'])}"] if (r.get("ep_chunks") or 1) > 1 else []
+    if r.get("recompute") not in (None, "none"):
+        every = r.get("recompute_every") or 1
+        out.append(f"recompute {r['recompute']}" + (f"/{_int(every)}" if every > 1 else ""))
+    return out  # --offload-optimizer: the precision cell says it (optimizer_label)
+
+
 def run_group(r: dict) -> tuple:
     """A run's group: its database and its ``lpbench run`` invocation or sweep."""
     return r.get("results"), r.get("sweep_id") or r.get("group_id")
@@ -424,11 +439,12 @@ def to_rich(rows: list[dict], title: str | None = None, width: int | None = None
         return _status_cell(r)
 
     def layout(r):
+        sizes = [
+            f"{k.upper()}{_int(r[k])}" for k in ("tp", "pp", "vp", "cp", "ep", "dp") if r.get(k, 1) not in (1, None)
+        ]
         return (
-            " ".join(
-                f"{k.upper()}{_int(r[k])}" for k in ("tp", "pp", "vp", "cp", "ep", "dp") if r.get(k, 1) not in (1, None)
-            )
-            + (" FSDP" if r.get("fsdp") else "")
+            " ".join(sizes + layout_choices(r))
+            + (" FSDP" if r.get("fsdp") or (r.get("cp") or 1) > 1 else "")  # CP runs under FSDP2
             + (" compiled" if r.get("compile") else "")
             or "-"
         )
@@ -679,13 +695,15 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
         layout = [k for k in layout_keys(numbers_only=True) if any(k in r for r in mine)]
         show_fsdp = any(r.get("fsdp") for r in mine)
         fsdp_col = ["FSDP"] if show_fsdp else []
+        show_choices = any(layout_choices(r) for r in mine)  # schedule, recompute, HSDP, shard mode
+        fsdp_col += ["Layout"] if show_choices else []
         config_cols = ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length", *[k.upper() for k in layout], *fsdp_col]
         config_cols += ["GA", "Steps", "Group (when, UTC): what differs"]
         tflops = tflops_header(mine, "Model TFLOP / sec / GPU")
         metric_cols = ["Precision", "Backend", "Path", "Step ms (IQR)", "Tokens / sec / GPU", tflops, "MFU"]
         metric_cols += ["Speedup over BF16", "Peak mem (GB)", "Loss (last-steps mean)", "Δ loss vs BF16"]
         columns = config_cols + metric_cols
-        text = {"Model", "System", "Group (when, UTC): what differs", "Precision", "Backend", "Path"}
+        text = {"Model", "System", "Layout", "Group (when, UTC): what differs", "Precision", "Backend", "Path"}
         table = TextTable(
             title=WORKLOAD_TITLES.get(wl, wl),
             columns=columns,
@@ -703,6 +721,7 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                     cfg_cells = [r["model"], r["system"], str(r.get("num_gpus") or 1)]
                     cfg_cells += [str(r["gbs"]), str(r["mbs"]), str(r["seq_len"])]
                     cfg_cells += [str(_int(r.get(k, ""))) for k in layout] + ([fsdp] if show_fsdp else [])
+                    cfg_cells += [" ".join(layout_choices(r)) or "–"] if show_choices else []
                     cfg_cells += [str(r.get("grad_accum") or ""), str(r.get("steps") or "")]
                     cfg_cells.append(group + (f": {r['group_differs']}" if r.get("group_differs") else ""))
                 else:
@@ -741,7 +760,7 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                         "–",
                         "–",
                     ]
-                label = precision_name(r["precision"])
+                label = " ".join(filter(None, (precision_name(r["precision"]), r.get("optimizer"))))
                 label += ", base stored quantized" if r.get("lora_stored_quantized") else ""  # not for bf16
                 label += f", resumed from step {r['resumed_from_step']}" if r.get("resumed_from_step") else ""
                 table.rows.append(cfg_cells + [label, r.get("backend") or "lpbench", r.get("path") or "–", *metric])
