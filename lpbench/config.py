@@ -187,7 +187,8 @@ class RunConfig:
         metadata=arg(
             "LM head + cross-entropy over chunks of tokens, never the whole batch's FP32 logits (exact: the unfused "
             "head's loss and gradients up to summation order); cuts memory where the head runs eagerly (CPU, "
-            "--no-compile); benchmarks/RESULTS.md compares the two",
+            "--no-compile); not under FSDP2 or CP, whose sharded LM head it does not take (the run header then says "
+            "'LM loss unfused'); benchmarks/RESULTS.md compares the two",
             section="model",
         ),
     )
