@@ -5,11 +5,18 @@ A forward with side effects — delayed scaling's amax histories, MoE's token st
 once, as without recomputation. The recompute wraps a block's first pass in :func:`first` and its rerun in
 :func:`rerun` of the same record (a dict the side effects may keep their first-pass results in, keyed by
 their owner). This sits below models and precision so that both can ask, neither importing the other.
+
+A backward can run twice too: the zero-bubble pipeline schedules compute a micro-batch's input gradients
+with the graph retained and its weight gradients later, rerunning each autograd Function's backward.
+:func:`backward_pass` treats those two runs as a first pass and its rerun, so a gradient's amax is recorded
+once per micro-batch, as in one process.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+
+import torch
 
 _record: dict | None = None  # the record of the recomputed forward running now
 _again = False  # whether that forward is the rerun (takes results back) or the first pass (keeps them)
@@ -44,3 +51,18 @@ def current() -> tuple[dict | None, bool]:
 def rerunning() -> bool:
     """Whether a forward runs now as activation recomputation's rerun (its side effects happened already)."""
     return _record is not None and _again
+
+
+def backward_pass(ctx):
+    """The pass an autograd Function's backward (``ctx`` its context) runs in: the first of two where the graph is
+    kept for another backward (a zero-bubble schedule's input-gradient pass), whose record ``ctx`` keeps; the rerun
+    of that record in the next backward (the weight-gradient pass); an ordinary pass otherwise (compiled too: a
+    compiled graph keeps no record)."""
+    record = getattr(ctx, "backward_record", None)
+    if record is not None:
+        ctx.backward_record = None
+        return rerun(record)
+    if torch.compiler.is_compiling() or not torch._C._autograd._get_current_graph_task_keep_graph():
+        return nullcontext()
+    ctx.backward_record = record = {}
+    return first(record)

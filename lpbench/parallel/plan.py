@@ -172,9 +172,6 @@ def pipeline(
     untie = tied and last_rank != 0
     stages = [stage_module(model, blocks[i], i == 0, i == n_stages - 1, untie) for i in ids]
     trained = tied and model.tok_embeddings.weight.requires_grad  # LoRA: frozen, no gradients to sum
-    for stage in stages:  # a last stage's own copy of a tied embedding trains as the embedding does
-        if untie and stage.lm_head is not None:
-            stage.lm_head.weight.requires_grad_(trained)
     tp_sp = cfg.tp > 1 and cfg.sequence_parallel
     for stage in stages:  # the hidden states between stages: each TP rank's part of the sequence
         stage.seq_shards = cfg.tp if tp_sp else 1
