@@ -25,6 +25,10 @@ copy of the embedding matrix as its LM head, initialised from the same draw; aft
 two gradients are summed over the pair of ranks (:meth:`Pipeline.sync_tied`), so both copies take the same
 update, as Megatron's embedding group does. Only the first stage's copy enters the gradient norm.
 
+Under context parallelism each stage splits its sequences over its CP group (:mod:`lpbench.parallel.cp`, applied
+to each stage as to a whole model): the schedule is given each micro-batch's local chunks, and the hidden states a
+stage sends are its CP rank's, received by the same CP rank of the next stage (``pp`` is the mesh's outermost dim).
+
 Stochastic rounding draws by (step, micro-batch, module, operand), not by process: each stage's forward and
 backward of one micro-batch runs under the draw key one process gives that micro-batch
 (:mod:`lpbench.precision.noise`). Validation (:meth:`Pipeline.evaluate`) runs every stage's forward in stage order
