@@ -14,7 +14,8 @@ once per micro-batch, as in one process.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+import copy
+from contextlib import nullcontext
 
 import torch
 
@@ -22,25 +23,34 @@ _record: dict | None = None  # the record of the recomputed forward running now
 _again = False  # whether that forward is the rerun (takes results back) or the first pass (keeps them)
 
 
-@contextmanager
-def _in(record: dict, again: bool):
-    global _record, _again
-    outer = _record, _again
-    _record, _again = record, again
-    try:
-        yield
-    finally:
-        _record, _again = outer
+class _Pass:
+    """A pass over ``record``: the first (its results kept) or a rerun (taken back). Re-enterable: a rerun leaves
+    the record as it found it, so the rerun of a graph kept for a second backward takes the same results again."""
+
+    def __init__(self, record: dict, again: bool):
+        self.record, self.again = record, again
+
+    def __enter__(self):
+        global _record, _again
+        self.outer = _record, _again
+        self.kept = {owner: copy.copy(results) for owner, results in self.record.items()} if self.again else None
+        _record, _again = self.record, self.again
+
+    def __exit__(self, *exc):
+        global _record, _again
+        _record, _again = self.outer
+        if self.kept is not None:
+            self.record.update(self.kept)
 
 
-def first(record: dict):
+def first(record: dict) -> _Pass:
     """A recomputed forward's first pass: side effects happen and may keep their results in ``record``."""
-    return _in(record, False)
+    return _Pass(record, False)
 
 
-def rerun(record: dict):
+def rerun(record: dict) -> _Pass:
     """The recomputation of the forward that filled ``record``: its results taken back, no side effect again."""
-    return _in(record, True)
+    return _Pass(record, True)
 
 
 def current() -> tuple[dict | None, bool]:

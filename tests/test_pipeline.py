@@ -53,6 +53,8 @@ SCENARIOS = {
         # the weight pass reruns the backward: each gradient's amax still recorded once (lpbench.passes)
         "pp2-vp2-zero-bubble-fp8-delayed": dict(pp=2, vp=2, pp_schedule="zero-bubble", precision="fp8-delayed"),
         "pp2-zbv-fp8-delayed": dict(pp=2, vp=2, pp_schedule="zbv", precision="fp8-delayed"),
+        # and a recomputed block's forward, rerun in each of the two backward passes, takes its first pass's scales
+        "pp2-zbv-fp8-delayed-recompute": dict(pp=2, vp=2, pp_schedule="zbv", precision="fp8-delayed", recompute="full"),
         # every block quantized: stochastic rounding on both ranks, interleaved, and in zbv's split backward
         "pp2-vp2-nvfp4-all": dict(pp=2, vp=2, precision="nvfp4-no-bf16-tail"),
         "pp2-zbv-nvfp4-all": dict(pp=2, vp=2, pp_schedule="zbv", precision="nvfp4-no-bf16-tail"),
@@ -194,6 +196,7 @@ def _merged(ranks: list, name: str) -> dict:
         "pp2-vp2-zero-bubble-fp8-tensorwise",
         "pp2-vp2-zero-bubble-fp8-delayed",
         "pp2-zbv-fp8-delayed",
+        "pp2-zbv-fp8-delayed-recompute",
         "pp2-vp2-nvfp4-all",
         "pp2-zbv-nvfp4-all",
     ],
