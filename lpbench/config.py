@@ -740,8 +740,6 @@ class RunConfig:
                 f"sequence parallelism needs each CP rank's {self.seq_len // self.cp} tokens divisible by --tp "
                 f"{self.tp} (or --no-sequence-parallel)"
             )
-        if self.pp > 1:
-            raise UsageError("--cp with --pp is not supported yet: a pipeline stage does not split its sequences")
         if self.backend != "lpbench":
             raise UsageError(f"--cp needs --backend lpbench: {self.backend}'s linears reduce no amaxes over CP")
 

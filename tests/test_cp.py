@@ -298,7 +298,6 @@ def test_a_cp2_checkpoint_is_refused_under_another_cp_size(world2, capsys, tmp_p
         (["--cp", "2", "--nproc-per-node", "2", "--precision", "mxfp8"], "must be a multiple of 128"),
         (["--cp", "3", "--nproc-per-node", "2"], "world size 2 is not divisible by --tp 1 x --cp 3"),
         (["--cp", "0"], "--cp must be positive"),
-        (["--cp", "2", "--pp", "2", "--nproc-per-node", "4"], "--cp with --pp is not supported yet"),
     ],
 )
 def test_impossible_cp_layouts_exit_2_with_one_line(argv, message, capsys, tmp_path):

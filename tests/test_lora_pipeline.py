@@ -22,6 +22,8 @@ RUNS = {
         workload="lora", precision="fp8-tensorwise", lora_base_storage="quantized", vp=2
     ),
     "lora nvfp4 stored": dict(workload="lora", precision="nvfp4", lora_base_storage="quantized"),
+    "lora nvfp4 stored vp2": dict(workload="lora", precision="nvfp4", lora_base_storage="quantized", vp=2),
+    "lora nvfp4 vp2": dict(workload="lora", precision="nvfp4", vp=2),
     "sft bf16": dict(workload="sft", precision="bf16"),
 }
 

@@ -451,3 +451,11 @@ def test_pipeline_rank_keeps_the_micro_batches_its_schedule_has_in_flight(vp, ch
     assert "logits and loss" not in e.parts  # the first rank, the peak here, has no head
     half = estimate(dataclasses.replace(HAND4, n_layers=2), get_recipe("bf16"), **kw)
     assert e.parts["master weights (fp32)"] == half.parts["master weights (fp32)"]  # its 2 blocks' weights
+
+
+def test_pipeline_rank_keeps_the_gathered_kv_of_its_chunks_in_flight():
+    """PP 2 x CP 2: rank 0 keeps 2 micro-batches of its 2 blocks, each with the whole sequence's K and V in BF16:
+    2 bytes x (K, V) x 1 KV head x head_dim 4 x 8 tokens = 128 bytes a block, 4 blocks' worth in flight."""
+    kw = dict(seq_len=8, mbs=1, grad_accum=4, compiled=False, cuda=False, cp=2)
+    e = estimate(HAND4, get_recipe("bf16"), pp=2, vp=1, **kw)
+    assert e.parts["gathered K/V (CP)"] == 2 * 2 * 1 * 4 * 8 * 4

@@ -11,7 +11,10 @@ draws by step, micro-batch and module, not by process: lpbench.precision.noise).
   instead of accumulated by autograd in one process, another FP32 order: that weight alone may differ in its last
   bits (losses and norms still agree to rel 1e-6);
 * with DP, TP or EP beside PP the single-process comparison is the other layouts' (test_parallel_layout.py):
-  summation order over ranks (FP32 rel 1e-5; bf16 rel 2e-3).
+  summation order over ranks (FP32 rel 1e-5; bf16 rel 2e-3);
+* with CP beside PP (PP 2 x CP 2): CP's tolerances against one process (test_cp.py: attention and weight gradients
+  summed over other blocks of tokens); against CP 2 alone, whose arithmetic it is, the first loss bit for bit and
+  the rest within rel 1e-6, the validation loss within 1e-5 (the gradient norm summed over the stages: another FP32 order).
 """
 
 import dataclasses
@@ -36,6 +39,7 @@ BASE = RunConfig(
     model=UNTIED.name, seq_len=32, mbs=2, gbs=8, steps=3, warmup_steps=1, device="cpu", eval_every=3, eval_batches=3
 )
 
+CP_PRECISIONS = ("fp32", "bf16", "fp8-tensorwise", "fp8-delayed")
 SCENARIOS = {
     2: {
         **{f"pp2-{p}": dict(pp=2, precision=p) for p in ("bf16", "fp8-tensorwise", "fp8-delayed")},
@@ -46,15 +50,27 @@ SCENARIOS = {
         "pp2-vp2-zero-bubble-bf16": dict(pp=2, vp=2, pp_schedule="zero-bubble", precision="bf16"),
         "pp2-zbv-bf16": dict(pp=2, vp=2, pp_schedule="zbv", precision="bf16"),
         "pp2-vp2-zero-bubble-fp8-tensorwise": dict(pp=2, vp=2, pp_schedule="zero-bubble", precision="fp8-tensorwise"),
+        # the weight pass reruns the backward: each gradient's amax still recorded once (lpbench.passes)
+        "pp2-vp2-zero-bubble-fp8-delayed": dict(pp=2, vp=2, pp_schedule="zero-bubble", precision="fp8-delayed"),
+        "pp2-zbv-fp8-delayed": dict(pp=2, vp=2, pp_schedule="zbv", precision="fp8-delayed"),
+        # and a recomputed block's forward, rerun in each of the two backward passes, takes its first pass's scales
+        "pp2-zbv-fp8-delayed-recompute": dict(pp=2, vp=2, pp_schedule="zbv", precision="fp8-delayed", recompute="full"),
         # every block quantized: stochastic rounding on both ranks, interleaved, and in zbv's split backward
         "pp2-vp2-nvfp4-all": dict(pp=2, vp=2, precision="nvfp4-no-bf16-tail"),
         "pp2-zbv-nvfp4-all": dict(pp=2, vp=2, pp_schedule="zbv", precision="nvfp4-no-bf16-tail"),
+        # CP 2 alone: what PP 2 x CP 2 (world 4) computes, stage by stage
+        **{f"cp2-{p}": dict(cp=2, precision=p, seq_len=64) for p in CP_PRECISIONS},
+        "cp2-nvfp4": dict(cp=2, precision="nvfp4", model=UNTIED6.name, seq_len=64),
     },
     4: {
         "pp4-bf16": dict(pp=4, precision="bf16"),
         "pp2-dp2-fsdp-fp32": dict(pp=2, fsdp=True, precision="fp32", gbs=8),
         "pp2-tp2-fp32": dict(pp=2, tp=2, precision="fp32"),
         "pp2-ep2-moe-fp32": dict(pp=2, ep=2, precision="fp32", model="tiny-moe", gbs=8),
+        # each stage splits its sequences over its CP pair (64 tokens: NVFP4's 16-token blocks in each chunk)
+        **{f"pp2-cp2-{p}": dict(pp=2, cp=2, precision=p, seq_len=64) for p in CP_PRECISIONS},
+        "pp2-cp2-nvfp4": dict(pp=2, cp=2, precision="nvfp4", model=UNTIED6.name, seq_len=64),
+        "pp2-vp2-cp2-zbv-bf16": dict(pp=2, vp=2, cp=2, pp_schedule="zbv", precision="bf16", seq_len=64),
     },
 }
 
@@ -107,10 +123,11 @@ def _worker(rank: int, world: int, ckpt: str, port: int, out: str) -> None:
             results[name] = _train(BASE.with_(**kw).with_world(world))
         except Exception as exc:  # noqa: BLE001 -- the test names the failure
             results[name] = {"status": "raised", "error": f"{type(exc).__name__}: {exc}"[:400]}
-    if world == 2:  # a PP 2 run saving after step 2, and its checkpoint resumed for step 3
-        cfg = BASE.with_(pp=2, precision="fp8-delayed").with_world(world)
-        results["saving"] = _train(cfg.with_(save_every=2, save_dir=ckpt))
-        results["resumed"] = _train(cfg.with_(load=os.path.join(ckpt, "step-2")))
+    # a PP 2 (world 4: PP 2 x CP 2) run saving after step 2, and its checkpoint resumed for step 3
+    cfg = BASE.with_(pp=2, precision="fp8-delayed", **({} if world == 2 else dict(cp=2, seq_len=64)))
+    cfg = cfg.with_world(world)
+    results["saving"] = _train(cfg.with_(save_every=2, save_dir=ckpt))
+    results["resumed"] = _train(cfg.with_(load=os.path.join(ckpt, "step-2")))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     shutdown()
@@ -128,7 +145,7 @@ def world2(tmp_path_factory, spawn_ranks, pp_ckpt):
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory, spawn_ranks):
-    return spawn_ranks(_worker, 4, tmp_path_factory.mktemp("pp4"), 4, "")
+    return spawn_ranks(_worker, 4, tmp_path_factory.mktemp("pp4"), 4, str(tmp_path_factory.mktemp("ckpt4")))
 
 
 @pytest.fixture(scope="module")
@@ -144,12 +161,17 @@ def reference():
         runs = {}
         try:
             for kw in [*SCENARIOS[2].values(), *SCENARIOS[4].values()]:
-                key = (kw.get("model", UNTIED.name), kw["precision"])
+                key = _key(kw)
                 if key not in runs:
-                    runs[key] = _train(BASE.with_(model=key[0], precision=key[1]))
+                    runs[key] = _train(BASE.with_(model=key[0], precision=key[1], seq_len=key[2]))
         finally:
             torch.set_num_threads(threads)
         return runs
+
+
+def _key(kw: dict) -> tuple:
+    """A scenario's single-process reference: model, precision, sequence length."""
+    return kw.get("model", UNTIED.name), kw["precision"], kw.get("seq_len", BASE.seq_len)
 
 
 def _merged(ranks: list, name: str) -> dict:
@@ -172,13 +194,16 @@ def _merged(ranks: list, name: str) -> dict:
         "pp2-vp2-zero-bubble-bf16",
         "pp2-zbv-bf16",
         "pp2-vp2-zero-bubble-fp8-tensorwise",
+        "pp2-vp2-zero-bubble-fp8-delayed",
+        "pp2-zbv-fp8-delayed",
+        "pp2-zbv-fp8-delayed-recompute",
         "pp2-vp2-nvfp4-all",
         "pp2-zbv-nvfp4-all",
     ],
 )
 def test_pipeline_trains_bit_for_bit_like_one_process(world2, reference, name):
     kw = SCENARIOS[2][name]
-    ref = reference[(kw.get("model", UNTIED.name), kw["precision"])]
+    ref = reference[_key(kw)]
     for r in world2:  # every rank reports the last stage's loss, and the validation loss
         assert r[name]["status"] == "ok", r[name]["error"]
         assert r[name]["loss"] == ref["loss"]
@@ -190,7 +215,7 @@ def test_pipeline_trains_bit_for_bit_like_one_process(world2, reference, name):
 
 
 def test_pipeline_with_a_tied_embedding_differs_only_in_that_weight(world2, reference):
-    ref, run = reference[("tiny", "bf16")], world2[0]["pp2-tied-bf16"]
+    ref, run = reference[("tiny", "bf16", BASE.seq_len)], world2[0]["pp2-tied-bf16"]
     assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)
     assert run["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
     weights = _merged(world2, "pp2-tied-bf16")
@@ -268,10 +293,10 @@ def test_bubble_clock_times_the_device_without_synchronising_it():
     assert 0.2 < _clocked_bubble(device, 0.05, 0.05) < 0.5
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS[4]))
+@pytest.mark.parametrize("name", [n for n in SCENARIOS[4] if "-cp2-" not in n])
 def test_pipeline_composes_with_other_layouts(world4, reference, name):
     kw = SCENARIOS[4][name]
-    ref = reference[(kw.get("model", UNTIED.name), kw["precision"])]
+    ref = reference[_key(kw)]
     run = world4[0][name]
     assert run["status"] == "ok", run["error"]
     assert all(r[name]["loss"] == run["loss"] for r in world4)
@@ -314,3 +339,45 @@ def test_pipeline_rules_directly():
     check_pipeline(2, 2, None, 4)  # interleaved by default
     with pytest.raises(Exception, match="zbv"):
         check_pipeline(2, 1, "zbv", 4)
+
+
+@pytest.mark.parametrize("name", [n for n in SCENARIOS[4] if "-cp2-" in n])
+def test_pipeline_composes_with_context_parallel(world4, reference, name):
+    """PP 2 x CP 2 against one process, with CP's tolerances (test_cp.py: its split attention sums the softmax
+    and each rank's weight gradient over other blocks of tokens, so only FP32 agrees to summation order)."""
+    kw = SCENARIOS[4][name]
+    ref, run = reference[_key(kw)], world4[0][name]
+    assert run["status"] == "ok", run["error"]
+    assert all(r[name]["loss"] == run["loss"] for r in world4)  # every rank reports the global loss
+    assert run["metrics"]["pp"] == 2 and run["metrics"]["cp"] == 2
+    if kw["precision"] == "fp32":  # summation order only
+        assert run["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert run["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+        assert run["val_loss"][-1] == pytest.approx(ref["val_loss"][-1], rel=1e-5)
+        return
+    assert run["loss"][0] == pytest.approx(ref["loss"][0], rel=5e-4)
+    assert run["grad_norm"][0] == pytest.approx(ref["grad_norm"][0], rel=1e-2)
+    assert run["loss"] == pytest.approx(ref["loss"], rel=5e-3)
+    assert run["val_loss"][-1] == pytest.approx(ref["val_loss"][-1], rel=5e-3)
+
+
+@pytest.mark.parametrize("name", [n for n in SCENARIOS[4] if n.startswith("pp2-cp2-")])
+def test_pipeline_with_context_parallel_is_context_parallel_bit_for_bit(world2, world4, name):
+    """Cutting a CP 2 run into two pipeline stages changes the forward and backward arithmetic in nothing (the same
+    chunks, the same gathers): the first loss is CP 2's bit for bit. The gradient norm is the stages' squared norms
+    summed (FSDP's, one per stage) where CP 2 alone takes one FSDP norm: another FP32 order, so the clipped update
+    and what follows may differ in the last bits."""
+    run, cp = world4[0][name], world2[0][name.replace("pp2-", "")]
+    assert cp["status"] == "ok", cp["error"]
+    assert run["loss"][0] == cp["loss"][0]
+    assert run["loss"] == pytest.approx(cp["loss"], rel=1e-6, abs=0)
+    assert run["grad_norm"] == pytest.approx(cp["grad_norm"], rel=1e-6, abs=0)
+    assert run["val_loss"][-1] == pytest.approx(cp["val_loss"][-1], rel=1e-5, abs=0)  # BF16 rounds those last bits
+
+
+def test_a_pipeline_with_context_parallel_resumes_exactly(world4):
+    straight, resumed = world4[0]["saving"], world4[0]["resumed"]
+    assert resumed["status"] == "ok", resumed["error"]
+    assert resumed["metrics"]["resumed_from_step"] == 2
+    assert resumed["loss"] == straight["loss"][2:] and resumed["grad_norm"] == straight["grad_norm"][2:]
+    assert _merged(world4, "resumed") == _merged(world4, "saving")

@@ -420,8 +420,9 @@ def in_flight(pp: int, vp: int, micro_batches: int, schedule: str, rank: int) ->
 def pipeline_estimate(m: ModelConfig, recipe: Recipe, pp: int, vp: int, schedule: str | None, **kw) -> Estimate:
     """The peak of the busier of the first and the last pipeline rank: each counted as a model of its share of
     the blocks (``ceil(n / pp)``; the embeddings and the LM head counted on both, an overcount of one
-    vocabulary-sized matrix), whose activations are those of the stage-chunks it keeps in flight
-    (:func:`in_flight`) instead of one micro-batch's; the logits only on the last rank."""
+    vocabulary-sized matrix), whose activations, and under CP the K and V its blocks gathered, are those of the
+    stage-chunks it keeps in flight (:func:`in_flight`) instead of one micro-batch's; the logits only on the last
+    rank."""
     from dataclasses import replace
 
     schedule = schedule or ("1f1b" if vp == 1 else "interleaved-1f1b")
@@ -433,7 +434,7 @@ def pipeline_estimate(m: ModelConfig, recipe: Recipe, pp: int, vp: int, schedule
         parts = dict(share.parts)
         chunks = in_flight(pp, vp, kw["grad_accum"], schedule, rank)
         for name in parts:
-            if name.startswith("activations ("):
+            if name.startswith("activations (") or name == "gathered K/V (CP)":
                 parts[name] *= chunks * per_chunk / blocks
         if rank != pp - 1:
             parts.pop("logits and loss", None)

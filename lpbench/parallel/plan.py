@@ -172,21 +172,20 @@ def pipeline(
     untie = tied and last_rank != 0
     stages = [stage_module(model, blocks[i], i == 0, i == n_stages - 1, untie) for i in ids]
     trained = tied and model.tok_embeddings.weight.requires_grad  # LoRA: frozen, no gradients to sum
-    for stage in stages:  # a last stage's own copy of a tied embedding trains as the embedding does
-        if untie and stage.lm_head is not None:
-            stage.lm_head.weight.requires_grad_(trained)
     tp_sp = cfg.tp > 1 and cfg.sequence_parallel
     for stage in stages:  # the hidden states between stages: each TP rank's part of the sequence
         stage.seq_shards = cfg.tp if tp_sp else 1
-    modules = [shard(stage, cfg, dims, meshes, device, compute_dtype, by_block, init)[0] for stage in stages]
+    sharded = [shard(stage, cfg, dims, meshes, device, compute_dtype, by_block, init) for stage in stages]
+    modules, context = [m for m, _ in sharded], sharded[0][1]  # each stage's CP split: the same chunks
     view = rank_view(model, stages)
+    seq = cfg.seq_len // cfg.cp  # under CP a stage takes and passes on its CP rank's chunks
     hidden = torch.empty(
-        (cfg.mbs, cfg.seq_len // cfg.tp if tp_sp else cfg.seq_len, model.cfg.dim),
+        (cfg.mbs, seq // cfg.tp if tp_sp else seq, model.cfg.dim),
         dtype=compute_dtype if dims.fsdp_enabled and device.type == "cuda" else torch.float32,
         device="meta",
         requires_grad=True,  # the received activations: their gradient goes back to the stage before
     )
-    ids_example = torch.empty((cfg.mbs, cfg.seq_len), dtype=torch.long, device="meta")
+    ids_example = torch.empty((cfg.mbs, seq), dtype=torch.long, device="meta")
     loss = torch.empty((), dtype=torch.float32, device="meta")
     examples = [(ids_example if i == 0 else hidden, loss if i == n_stages - 1 else hidden) for i in ids]
     tie_group = tie_groups(meshes.world.mesh, cfg.pp, 0, last_rank) if untie and trained else None
@@ -205,7 +204,7 @@ def pipeline(
         (first, head),
         draws=(cfg.seed, cfg.dp, meshes.rank("batch")),
     )
-    return Parallelized(view, None, dims, meshes, meshes.rank("batch"), pipeline=run)
+    return Parallelized(view, None, dims, meshes, meshes.rank("batch"), context, pipeline=run)
 
 
 def compile_blocks(model: nn.Module, head: bool) -> None:

@@ -25,6 +25,10 @@ copy of the embedding matrix as its LM head, initialised from the same draw; aft
 two gradients are summed over the pair of ranks (:meth:`Pipeline.sync_tied`), so both copies take the same
 update, as Megatron's embedding group does. Only the first stage's copy enters the gradient norm.
 
+Under context parallelism each stage splits its sequences over its CP group (:mod:`lpbench.parallel.cp`, applied
+to each stage as to a whole model): the schedule is given each micro-batch's local chunks, and the hidden states a
+stage sends are its CP rank's, received by the same CP rank of the next stage (``pp`` is the mesh's outermost dim).
+
 Stochastic rounding draws by (step, micro-batch, module, operand), not by process: each stage's forward and
 backward of one micro-batch runs under the draw key one process gives that micro-batch
 (:mod:`lpbench.precision.noise`). Validation (:meth:`Pipeline.evaluate`) runs every stage's forward in stage order
@@ -117,7 +121,8 @@ class Blocks(nn.ModuleDict):
 
 def stage_module(model: nn.Module, blocks: range, first: bool, last: bool, untie: bool) -> nn.Module:
     """The decoder of one stage: ``model``'s modules shared, the others None. ``untie``: the last stage's LM head
-    gets its own weight (a new parameter on ``model``'s device, not initialised), where ``model`` ties it."""
+    gets its own weight (a new parameter on ``model``'s device, not initialised, frozen where the embedding is),
+    where ``model`` ties it."""
     stage = copy.copy(model)
     stage._modules = dict(model._modules)
     stage._parameters, stage._buffers = dict(model._parameters), dict(model._buffers)
@@ -130,8 +135,8 @@ def stage_module(model: nn.Module, blocks: range, first: bool, last: bool, untie
     elif untie and model.lm_head.weight is model.tok_embeddings.weight:
         head = copy.copy(model.lm_head)
         head._parameters = dict(head._parameters)
-        w = model.lm_head.weight  # a model already allocated (LoRA, a Hugging Face checkpoint): its values
-        head.weight = nn.Parameter(torch.empty_like(w) if w.is_meta else w.detach().clone())
+        w = model.lm_head.weight  # trains, or stays frozen (LoRA), as the embedding does
+        head.weight = nn.Parameter(torch.empty_like(w), requires_grad=w.requires_grad)
         stage.lm_head = head
     return stage
 

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lpbench import passes
 from lpbench.precision import capability, fp8_allgather, noise
 from lpbench.precision.delayed import DelayedScaling
 from lpbench.precision.formats import E2M1
@@ -284,10 +285,11 @@ class QuantizedLinearFn(torch.autograd.Function):
             dy2 = dy.reshape(-1, dy.shape[-1])
             x2, y, *x_wgrad = ctx.saved_tensors
             ctx.x_wgrad = ctx.x_wgrad_of(x_wgrad)
-            if ctx.epilogue is None:
-                gq, gq_wgrad = kernel.operands(mod, dy2, "grad", "dgrad", need_dx, ctx.quantized_wgrad)
-            else:  # dy2 is the gradient of the epilogue's output
-                gq, gq_wgrad = kernel.epilogue_operands(mod, ctx.epilogue, y, dy2, need_dx, ctx.quantized_wgrad)
+            with passes.backward_pass(ctx):  # a zero-bubble weight pass: the gradient's amax recorded once
+                if ctx.epilogue is None:
+                    gq, gq_wgrad = kernel.operands(mod, dy2, "grad", "dgrad", need_dx, ctx.quantized_wgrad)
+                else:  # dy2 is the gradient of the epilogue's output
+                    gq, gq_wgrad = kernel.epilogue_operands(mod, ctx.epilogue, y, dy2, need_dx, ctx.quantized_wgrad)
             if need_dx:
                 wt = mod.weight_operand("dgrad") if ctx.w_dgrad is None else ctx.w_dgrad
                 dx = kernel.mm(mod, gq, wt, ctx.x_dtype, None, mod.recipe.fast_accum_grads).reshape(ctx.x_shape)

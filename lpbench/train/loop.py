@@ -306,7 +306,7 @@ def micro_batches(run: Run) -> torch.Tensor:
 def pipelined(run: Run, measure: bool = False) -> torch.Tensor:
     """The step's forward and backward passes under pipeline parallelism: the schedule runs the step's
     micro-batches through this rank's stages; returns their loss sum on the last stage's rank, zero elsewhere."""
-    batches = [next(run.data).model_args(run.device) for _ in range(run.cfg.grad_accum)]
+    batches = [run.par.local(next(run.data).model_args(run.device)) for _ in range(run.cfg.grad_accum)]
     with run.autocast:
         return run.par.pipeline.step(batches, run.scheduler.last_epoch, measure)
 

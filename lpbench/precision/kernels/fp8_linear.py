@@ -150,7 +150,7 @@ class Fused:
             return Fused.operands(mod, epilogue.backward(y, grad), "grad", "dgrad", row, col)
         fmt, split = mod.recipe.element_format("grad"), mod.split("grad")
         if mod.recipe.scaling is Scaling.DELAYED:
-            scale = mod.scale_buffer("grad")
+            scale = mod.scale_buffer("grad") if torch.compiler.is_compiling() else mod.cast_scale("grad")
             q, qt, amax = epilogue.backward_cast(y, grad, scale, fmt, col)
             dec = _record(mod, "grad", mod.reduce_amax("grad", amax.amax()) if split else amax, q)
         else:
