@@ -29,6 +29,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def one_thread():
+    """The test's own (single-process) runs on one thread, as spawned ranks run: a CPU GEMM's sums depend on the
+    thread count, so bit-for-bit comparisons need the same count on both sides."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def precise_casts():
     """Compiled code rounds where eager code rounds, as ``lpbench run`` configures inductor."""
     import torch._inductor.config
@@ -58,10 +68,16 @@ def spawn_ranks():
     import torch.multiprocessing as mp
 
     def spawn(worker, nprocs: int, out: Path, *args) -> list:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(worker, args=(*args, port, str(out)), nprocs=nprocs, join=True)
+        for attempt in range(3):  # the free port may be taken before rank 0 listens on it (tests running beside)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            try:
+                mp.spawn(worker, args=(*args, port, str(out)), nprocs=nprocs, join=True)
+                break
+            except mp.ProcessRaisedException as exc:
+                if "EADDRINUSE" not in str(exc) or attempt == 2:
+                    raise
         return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
     return spawn

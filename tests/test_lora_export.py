@@ -104,7 +104,9 @@ def _tensors(folder) -> dict:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_sharded_export_equals_the_one_process_merge_and_loads_back(exported, name, tmp_path, monkeypatch):
+def test_a_sharded_export_equals_the_one_process_merge_and_loads_back(
+    exported, name, tmp_path, monkeypatch, one_thread
+):
     from lpbench.convert.lora import lora_modules, merge_lora
     from lpbench.models.hf import export_hf_checkpoint, load_hf_checkpoint
 

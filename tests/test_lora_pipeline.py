@@ -51,7 +51,7 @@ def piped(tmp_path_factory, spawn_ranks):
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_lora_and_sft_on_two_pipeline_stages_train_like_one_process(piped, name):
+def test_lora_and_sft_on_two_pipeline_stages_train_like_one_process(piped, name, one_thread):
     import lpbench.train.loop as loop
 
     kw = {k: v for k, v in RUNS[name].items() if k != "vp"}
