@@ -29,10 +29,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def one_thread():
+def one_thread(monkeypatch):
     """The test's own (single-process) runs on one thread, as spawned ranks run: a CPU GEMM's sums depend on the
-    thread count, so bit-for-bit comparisons need the same count on both sides."""
+    thread count, so bit-for-bit comparisons need the same count on both sides. ``OMP_NUM_THREADS`` too: a run
+    sets its threads from it (:func:`lpbench.threads.configure`), else from the CPUs."""
     threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
