@@ -269,3 +269,37 @@ def test_adapters_merged_into_a_stored_quantized_base_export_to_hf_and_back(tmp_
     merged = dict(model.named_parameters())
     for name, p in back.named_parameters():
         assert torch.equal(p, merged[name].float()), name
+
+
+def test_a_stored_base_shards_under_an_fsdp2_that_makes_its_parameters_requiring_grad(monkeypatch):
+    """FSDP2 before torch 2.12 made each shard ``nn.Parameter(shard)`` and set ``requires_grad`` afterwards, which
+    an integer dtype refuses (pytorch/pytorch#177844): emulated here, a base stored as uint8 bytes still shards on
+    one gloo rank, its bytes frozen and unchanged."""
+    from types import ModuleType
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    from lpbench.convert.quantize import apply_recipe, store_frozen_quantized
+    from lpbench.parallel.dp import apply_fsdp, one_rank_mesh
+    from lpbench.parallel.env import shutdown
+
+    class Pre212Parameter(torch.nn.Parameter):
+        def __new__(cls, data=None, requires_grad=True):
+            p = torch.nn.Parameter(data)  # requires_grad=True, as torch before 2.12 made it
+            return p.requires_grad_(requires_grad)
+
+    old_nn = ModuleType("nn")
+    old_nn.__dict__.update(vars(torch.nn), Parameter=Pre212Parameter)
+    monkeypatch.setattr(_fsdp_param, "nn", old_nn)
+    model = build_model(TINY, device="cpu", seed=0)
+    apply_lora(model, rank=4, alpha=8)
+    apply_recipe(model, "fp8-tensorwise", device="cpu", emulate=True)
+    assert store_frozen_quantized(model)
+    stored = {n: p.clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+    try:
+        apply_fsdp(model, one_rank_mesh(torch.device("cpu")), None)
+    finally:
+        shutdown()
+    sharded = {n: p for n, p in model.named_parameters() if n in stored}
+    assert stored and sharded.keys() == stored.keys()
+    assert all(not p.requires_grad and torch.equal(p.full_tensor(), stored[n]) for n, p in sharded.items())

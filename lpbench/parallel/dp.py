@@ -70,7 +70,8 @@ def apply_fsdp(
         reshard = shard == "zero3" and i < len(blocks) - 1  # the last block's backward follows its forward
         codes = [m for m in block.modules() if isinstance(m, FrozenQuantizedLinear)]
         if codes:  # as bytes: no parameter dtype (see the module doc)
-            fully_shard(codes, mesh=mesh, mp_policy=MixedPrecisionPolicy(), reshard_after_forward=reshard)
+            with _integer_parameters_without_grad():
+                fully_shard(codes, mesh=mesh, mp_policy=MixedPrecisionPolicy(), reshard_after_forward=reshard)
         fully_shard(
             block, mesh=mesh, mp_policy=mp, offload_policy=policy, ignored_params=ignored, reshard_after_forward=reshard
         )
@@ -80,6 +81,27 @@ def apply_fsdp(
         before[0].set_modules_to_forward_prefetch(after)
         after[0].set_modules_to_backward_prefetch(before)
     return root
+
+
+@contextmanager
+def _integer_parameters_without_grad():
+    """Within: ``nn.Parameter(t)`` of an integer tensor ``t`` is made without a gradient.
+
+    FSDP2 before torch 2.12 wraps each shard as ``nn.Parameter(shard)`` and sets its ``requires_grad`` afterwards
+    (pytorch/pytorch#177844); the default ``requires_grad=True`` is refused for integer dtypes, so a stored base's
+    uint8 bytes could not be sharded. Later versions pass ``requires_grad`` and are unaffected."""
+    original = nn.Parameter.__dict__["__new__"]
+
+    def new(cls, data=None, requires_grad=True):
+        if data is not None and not (data.is_floating_point() or data.is_complex()):
+            requires_grad = False
+        return original.__func__(cls, data, requires_grad)
+
+    nn.Parameter.__new__ = staticmethod(new)
+    try:
+        yield
+    finally:
+        nn.Parameter.__new__ = original
 
 
 def one_rank_mesh(device: torch.device) -> DeviceMesh:
