@@ -159,10 +159,14 @@ def _encode(value: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | Non
 def compiled_update():
     """:func:`fused_update` compiled (whole graph, static shapes: every bucket holds :data:`CHUNK` elements), with
     eager numerics: no fused multiply-adds but those the lowering writes on purpose (``emulate_precision_casts``),
-    divisions correctly rounded (``eager_numerics.division_rounding``, where this torch has it)."""
+    divisions correctly rounded (``eager_numerics.division_rounding``; before torch 2.12
+    ``emulate_divison_rounding``, so spelt)."""
     options = {"emulate_precision_casts": True}
-    if hasattr(torch._inductor.config, "eager_numerics"):
+    config = torch._inductor.config
+    if hasattr(config, "eager_numerics"):
         options["eager_numerics.division_rounding"] = True
+    elif hasattr(config, "emulate_divison_rounding"):
+        options["emulate_divison_rounding"] = True
     return torch.compile(fused_update, fullgraph=True, dynamic=False, options=options)
 
 
