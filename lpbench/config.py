@@ -17,6 +17,7 @@ from lpbench.models.registry import ModelConfig, first_blocks, get_model_config,
 from lpbench.precision.capability import EMULATE_ALWAYS
 from lpbench.precision.quantize import Scaling
 from lpbench.precision.recipes import get_recipe
+from lpbench.sharding import fsdp_requested
 
 WORKLOADS = ("pretrain", "sft", "lora")  # lpbench/train/workload.py
 LORA_BASE_STORAGES = ("bf16", "quantized")
@@ -824,7 +825,7 @@ class RunConfig:
             )
         if self.fsdp_shard not in FSDP_SHARDS:
             raise UsageError(f"unknown --fsdp-shard {self.fsdp_shard!r}; valid: {', '.join(FSDP_SHARDS)}")
-        if self.fsdp_shard != "zero3" and not (self.fsdp or self.cp > 1):
+        if self.fsdp_shard != "zero3" and not fsdp_requested(self.fsdp, self.cp):
             raise UsageError(f"--fsdp-shard {self.fsdp_shard} needs FSDP2 (--fsdp, or --cp > 1)")
         if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
             raise UsageError(
@@ -832,7 +833,7 @@ class RunConfig:
             )
         if self.compile_scope not in COMPILE_SCOPES:
             raise UsageError(f"unknown --compile-scope {self.compile_scope!r}; valid: {', '.join(COMPILE_SCOPES)}")
-        if self.compile_scope == "model" and (self.fsdp or self.tp > 1 or self.cp > 1):
+        if self.compile_scope == "model" and (fsdp_requested(self.fsdp, self.cp) or self.tp > 1):
             raise UsageError("--compile-scope model needs one process or DDP; FSDP, TP and CP compile each block")
         self._validate_workload()
         if self.recompute not in RECOMPUTES:

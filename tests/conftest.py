@@ -64,10 +64,12 @@ def benchmark_script():
 
 @pytest.fixture(scope="session")
 def spawn_ranks():
-    """Runs ``worker(rank, *args, port, out)`` in ``nprocs`` processes that meet on a free local port (gloo),
-    each writing ``out/rank{rank}.json``; returns those documents in rank order:
-    ``spawn_ranks(worker, nprocs, out, *args)``."""
+    """Runs ``worker(rank, *args)`` (a module-level function) in ``nprocs`` processes of one gloo world on a free
+    local port, one thread each (``_dist.run_rank``); returns what each rank's call returned, in rank order, as
+    JSON makes it: ``spawn_ranks(worker, nprocs, out, *args)``, ``out`` the folder the ranks write it to."""
     import torch.multiprocessing as mp
+
+    from _dist import run_rank
 
     def spawn(worker, nprocs: int, out: Path, *args) -> list:
         for attempt in range(3):  # the free port may be taken before rank 0 listens on it (tests running beside)
@@ -75,7 +77,7 @@ def spawn_ranks():
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             try:
-                mp.spawn(worker, args=(*args, port, str(out)), nprocs=nprocs, join=True)
+                mp.spawn(run_rank, args=(worker, nprocs, port, str(out), args), nprocs=nprocs, join=True)
                 break
             except mp.ProcessRaisedException as exc:
                 if "EADDRINUSE" not in str(exc) or attempt == 2:

@@ -14,7 +14,6 @@ discontinuous: ``test_parallel_quant.test_quantized_backward_amplifies_last_bit_
 """
 
 import dataclasses
-import json
 import os
 
 import pytest
@@ -25,7 +24,6 @@ import lpbench.train.loop as loop
 from lpbench.cli import main
 from lpbench.config import RunConfig
 from lpbench.models.registry import MODELS, ModelConfig
-from lpbench.parallel.env import shutdown
 from lpbench.precision.recipes import RECIPES
 
 BASE = RunConfig(
@@ -134,11 +132,7 @@ def _trained(cfg: RunConfig) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, out: str) -> dict:
     results = {}
     for layout, kw in LAYOUTS[world].items():
         for precision in TRAIN_RECIPES:
@@ -157,19 +151,19 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             results[f"module-{name}-no-reduce"] = _module_errors(name, rank, "no-reduce")
         results["module-nvfp4-local-noise"] = _module_errors("nvfp4", rank, "local-noise")
         results["checkpoint"] = _checkpoint_runs(out)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    shutdown()
+    return results
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory, spawn_ranks):
-    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("cp-world2"), 2)
+    out = tmp_path_factory.mktemp("cp-world2")
+    return spawn_ranks(_worker, 2, out, 2, str(out))
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory, spawn_ranks):
-    return spawn_ranks(_worker, 4, tmp_path_factory.mktemp("cp-world4"), 4)
+    out = tmp_path_factory.mktemp("cp-world4")
+    return spawn_ranks(_worker, 4, out, 4, str(out))
 
 
 @pytest.fixture(scope="module")

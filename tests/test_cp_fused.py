@@ -8,14 +8,9 @@ kernel still casts gate_up's gradient, and the fused NVFP4 quantizer its round-t
 holds part of the tokens (their amaxes all-reduced).
 """
 
-import json
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-
-from lpbench.parallel.env import shutdown
 
 
 def _compiled_run(rank: int, cp_size: int, docs: bool) -> dict:
@@ -57,21 +52,13 @@ def _compiled_run(rank: int, cp_size: int, docs: bool) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    results = {f"cp{n}-{docs}": _compiled_run(rank, n, docs) for n in (1, 2) for docs in (False, True)}
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    shutdown()
+def _worker(rank: int) -> dict:
+    return {f"cp{n}-{docs}": _compiled_run(rank, n, docs) for n in (1, 2) for docs in (False, True)}
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory, spawn_ranks):
-    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("cp-compile"), 2)
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("cp-compile"))
 
 
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])

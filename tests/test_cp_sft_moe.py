@@ -12,16 +12,12 @@ within ``test_cp``'s tolerances (the same weights, BF16 roundings of sums in ano
 first Adam step).
 """
 
-import json
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import lpbench.train.loop as loop
 from lpbench.config import RunConfig
-from lpbench.parallel.env import shutdown
 
 BASE = RunConfig(
     model="tiny", seq_len=64, mbs=4, gbs=4, steps=3, warmup_steps=1, eval_every=3, eval_batches=1, device="cpu"
@@ -89,11 +85,7 @@ def _trained(cfg: RunConfig) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int) -> dict:
     results = {}
     for name, (size, kw, precisions) in RUNS.items():
         if size == world:
@@ -101,9 +93,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 results[f"{name}-{precision}"] = _trained(BASE.with_(precision=precision, **kw).with_world(world))
     if world == 2:
         results["model-sft"] = _sft_model_errors(rank)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    shutdown()
+    return results
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ LAYERS = [
         "lpbench.gemm",
         "lpbench.passes",
         "lpbench.parsing",
+        "lpbench.sharding",
     ],
     ["lpbench.models", "lpbench.data", "lpbench.corpus", "lpbench.precision", "lpbench.metrics"],
     ["lpbench.convert"],

@@ -57,29 +57,22 @@ def set_adapters(model) -> None:
             assign(mod.lora_b, b.to(mod.lora_b.dtype))
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, out: str) -> dict:
     MODELS[MODEL.name] = MODEL
     import lpbench.train.loop as loop
-    from lpbench.parallel.env import shutdown
     from lpbench.train.export import export_merged
 
     for name, kw in CASES.items():
         run = loop.build(BASE.with_(**kw).with_world(world), log=lambda line: None)
         set_adapters(run.model)
         export_merged(run.model, f"{out}/{name}")
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump({}, f)
-    shutdown()
+    return {}
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, spawn_ranks):
     out = tmp_path_factory.mktemp("lora-export")
-    spawn_ranks(_worker, 2, out, 2)
+    spawn_ranks(_worker, 2, out, 2, str(out))
     return out
 
 

@@ -11,8 +11,6 @@ to 1 %; the stored shards themselves are exact (``test_a_stored_base_split_keeps
 """
 
 import dataclasses
-import json
-import os
 
 import pytest
 import torch
@@ -115,15 +113,10 @@ def _step(cfg: RunConfig, recipe, count_bytes: bool = False, micro: int = 1) -> 
     return {"loss": loss.item(), "grads": grads, "gathered_bytes": sum(gathered), "stored_elements": stored}
 
 
-def _worker(rank: int, world: int, layouts: dict, port: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _worker(rank: int, layouts: dict) -> dict:
     MODELS[MODEL.name] = MODEL
     import torch.distributed as dist
 
-    from lpbench.parallel.env import init_distributed, shutdown
-
-    init_distributed("cpu")
     results = {}
     for precision in PRECISIONS:
         recipe = _recipe(precision)
@@ -134,19 +127,17 @@ def _worker(rank: int, world: int, layouts: dict, port: int, out: str) -> None:
             run = cfg.with_(mbs=cfg.gbs // layout.get("dp", 1), **layout)
             results[f"{name}-{precision}"] = _step(run, recipe, count_bytes=name == "fsdp2")
         dist.barrier()
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    shutdown()
+    return results
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory, spawn_ranks):
-    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("lora-world2"), 2, LAYOUTS2)
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("lora-world2"), LAYOUTS2)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory, spawn_ranks):
-    return spawn_ranks(_worker, 4, tmp_path_factory.mktemp("lora-world4"), 4, LAYOUTS4)
+    return spawn_ranks(_worker, 4, tmp_path_factory.mktemp("lora-world4"), LAYOUTS4)
 
 
 def _tolerance(layout: dict, precision: str) -> float:
@@ -233,22 +224,15 @@ RUNS = {  # on 2 ranks; the reference: one process, the same micro-batches (GA =
 }
 
 
-def _train_worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
+def _train_worker(rank: int, world: int) -> dict:
     MODELS[MODEL.name] = MODEL
     import lpbench.train.loop as loop
-    from lpbench.parallel.env import shutdown
 
     results = {}
     for name, kw in RUNS.items():
         r = loop.train(RUN.with_(**kw).with_world(world), log=lambda line: None)
         results[name] = {"status": r.status, "loss": [s["loss"] for s in r.steps], "metrics": r.metrics}
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    shutdown()
+    return results
 
 
 @pytest.fixture(scope="module")

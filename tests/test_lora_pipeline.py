@@ -7,11 +7,7 @@ generator does (the other stages' draws skipped), a last stage's own copy of a f
 frozen, and packed samples' document ids reach every stage.
 """
 
-import json
-import os
-
 import pytest
-import torch
 
 from lpbench.config import RunConfig
 
@@ -28,21 +24,14 @@ RUNS = {
 }
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int) -> dict:
     import lpbench.train.loop as loop
-    from lpbench.parallel.env import shutdown
 
     results = {}
     for name, kw in RUNS.items():
         r = loop.train(RUN.with_(**kw, pp=2).with_world(world), log=lambda line: None)
         results[name] = {"status": r.status, "steps": [(s["loss"], s["grad_norm"]) for s in r.steps]}
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    shutdown()
+    return results
 
 
 @pytest.fixture(scope="module")

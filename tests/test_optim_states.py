@@ -2,7 +2,6 @@
 the low-precision AdamW against torch's AdamW with its states passed through those references, resume, FSDP2."""
 
 import copy
-import json
 import math
 import struct
 import subprocess
@@ -458,13 +457,10 @@ def test_the_compiled_update_is_the_per_parameter_update_on_gpu(states, master, 
 FSDP_SHAPES = [(6, 512), (5, 256), (512,), (3, 100)]  # uneven rows across 2 ranks; a 1-D and a partial-block one
 
 
-def _fsdp_worker(rank, states, master, port, out):
-    import torch.distributed as dist
+def _fsdp_worker(rank, states, master):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2,))
     dtype = torch.bfloat16 if master == "bf16" else torch.float32
     g = torch.Generator().manual_seed(5)
@@ -492,9 +488,7 @@ def _fsdp_worker(rank, states, master, port, out):
 
     sd = get_optimizer_state_dict(torch.nn.ParameterList(params), opt)  # the states as DCP sees them
     kinds = sorted({type(v).__name__ for st in sd["state"].values() for k, v in st.items() if k != "step"})
-    result = {"weights": [p.full_tensor().float().tolist() for p in params], "state_kinds": kinds, "same": same}
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    return {"weights": [p.full_tensor().float().tolist() for p in params], "state_kinds": kinds, "same": same}
 
 
 @pytest.mark.parametrize("states,master", [("8bit", "fp32"), ("fp8", "fp32"), ("bf16", "fp32"), ("8bit", "bf16")])
@@ -742,18 +736,13 @@ def test_sweep_keys_make_a_grid_and_bad_values_leave_no_run():
 LOOP_SCENARIOS = {"fsdp": dict(fsdp=True), "ddp": dict()}
 
 
-def _loop_worker(rank, port, out):
+def _loop_worker(rank, out):
     import os
 
     import lpbench.train.loop as loop
     from lpbench.config import RunConfig
     from lpbench.models.registry import MODELS, ModelConfig
-    from lpbench.parallel.env import shutdown
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
     MODELS["test-optim"] = ModelConfig(*WIDE, max_seq_len=64)
     base = RunConfig(**{**WIDE_RUN, "mbs": 1})
     results = {}
@@ -765,13 +754,12 @@ def _loop_worker(rank, port, out):
             for c in (cfg, cfg.with_(save_every=2, save_dir=folder), cfg.with_(load=folder + "/step-2"))
         ]
         results[name] = [[(s["loss"], s["grad_norm"]) for s in r.steps] for r in runs]
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
-    shutdown()
+    return results
 
 
 def test_two_ranks_with_bf16_weights_and_8bit_states_save_and_resume_exactly(spawn_ranks, tmp_path):
     """FSDP2 and DDP on two gloo ranks through the training loop and distributed checkpoints."""
-    for rank in spawn_ranks(_loop_worker, 2, tmp_path):
+    for rank in spawn_ranks(_loop_worker, 2, tmp_path, str(tmp_path)):
         for name in LOOP_SCENARIOS:
             straight, saving, resumed = rank[name]
             assert len(straight) == 4 and saving == straight and saving[:2] + resumed == straight, name

@@ -21,7 +21,6 @@ from lpbench.cli import main
 from lpbench.config import RunConfig
 from lpbench.models.registry import MODELS, ModelConfig
 from lpbench.parallel.dims import ParallelDims
-from lpbench.parallel.env import shutdown
 
 BASE = RunConfig(model="tiny", seq_len=32, mbs=8, gbs=8, steps=2, warmup_steps=1, precision="fp32", device="cpu")
 MOE = ModelConfig("test-moe-l", 2, 64, 128, 4, 2, 512, n_experts=4, top_k=2, max_seq_len=256)
@@ -97,11 +96,7 @@ def _mesh_ranks(world: int) -> dict:
     return {name: meshes[name].mesh.tolist() for name in ("dp", "fsdp", "ep", "ep_replicate", "dp_replicate")}
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int) -> dict:
     MODELS.update({MOE.name: MOE, MOE5.name: MOE5})
     loop.build_optimizer = _fused_adamw(loop.build_optimizer)
     counts = _count_fsdp_collectives()
@@ -123,9 +118,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         }
     if world == 4:
         results["mesh"] = _mesh_ranks(world)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    shutdown()
+    return results
 
 
 @pytest.fixture(scope="module")

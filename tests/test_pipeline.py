@@ -19,7 +19,6 @@ draws by step, micro-batch and module, not by process: lpbench.precision.noise).
 
 import dataclasses
 import hashlib
-import json
 import os
 import time
 
@@ -30,7 +29,6 @@ import lpbench.train.loop as loop
 from lpbench.cli import main
 from lpbench.config import RunConfig
 from lpbench.models.registry import MODELS
-from lpbench.parallel.env import shutdown
 from lpbench.parallel.pp import BusyClock, bubble_theory, check_pipeline, rank_stages, stage_blocks
 
 UNTIED = dataclasses.replace(MODELS["tiny"], name="test-pp-untied", tie_embeddings=False, n_layers=4)
@@ -106,16 +104,7 @@ def _train(cfg: RunConfig) -> dict:
     }
 
 
-def _worker(rank: int, world: int, ckpt: str, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",  # one thread, as the reference: a CPU GEMM's sums depend on the thread count
-    )
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, ckpt: str) -> dict:
     MODELS.update({UNTIED.name: UNTIED, UNTIED6.name: UNTIED6})
     results = {}
     for name, kw in SCENARIOS[world].items():
@@ -128,9 +117,7 @@ def _worker(rank: int, world: int, ckpt: str, port: int, out: str) -> None:
     cfg = cfg.with_world(world)
     results["saving"] = _train(cfg.with_(save_every=2, save_dir=ckpt))
     results["resumed"] = _train(cfg.with_(load=os.path.join(ckpt, "step-2")))
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    shutdown()
+    return results
 
 
 @pytest.fixture(scope="module")

@@ -225,25 +225,15 @@ RUN = RunConfig(
 LAYOUTS = {"fsdp": dict(fsdp=True), "ddp-ga": dict(mbs=2, gbs=8), "tp": dict(tp=2, mbs=4, gbs=8)}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    import json
-    import os
-
+def _worker(rank: int) -> dict:
     import lpbench.train.loop as loop
-    from lpbench.parallel.env import shutdown
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
     runs = {}
     for name, kw in LAYOUTS.items():
         for mode in ("none", "full", "selective"):
             r = loop.train(RUN.with_(**kw, recompute=mode).with_world(2), log=lambda line: None)
             runs[f"{name}-{mode}"] = [[s["loss"], s["grad_norm"]] for s in r.steps] + [r.status]
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(runs, f)
-    shutdown()
+    return runs
 
 
 def test_recomputation_under_fsdp_ddp_and_tp_trains_bit_for_bit_like_none(tmp_path, spawn_ranks):

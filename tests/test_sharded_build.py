@@ -11,7 +11,6 @@ weight before it is quantized, is not the model's).
 
 import itertools
 import json
-import os
 
 import pytest
 import torch
@@ -174,21 +173,13 @@ def _case(cfg: RunConfig) -> dict:
     }
 
 
-def _worker(rank: int, world: int, cases: dict, folder: str, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, cases: dict, folder: str) -> dict:
     MODELS[MODEL.name] = MODEL
-    from lpbench.parallel.env import shutdown
-
     results = {}
     for name, kw in cases.items():
         cfg = BASE.with_(**kw, hf_checkpoint=folder if name.startswith("hf ") else None)
         results[name] = _case(cfg.with_world(world))
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    shutdown()
+    return results
 
 
 def _spawn(spawn_ranks, out, world: int, cases: dict) -> list:

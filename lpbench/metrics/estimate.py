@@ -38,6 +38,7 @@ from lpbench.models.registry import ModelConfig
 from lpbench.precision.optim_states import BLOCK, blockwise
 from lpbench.precision.quantize import Scaling
 from lpbench.precision.recipes import Recipe
+from lpbench.sharding import shards_data_parallel, uses_fsdp
 
 GB = 1024**3  # as metrics/memory.py reports measured peaks
 
@@ -217,8 +218,8 @@ def estimate(
     ) / m.n_layers
     rest = sum(p.numel() for p in model.parameters()) - block * m.n_layers  # embeddings, final norm, LM head
     head = m.vocab_size * m.dim  # the LM head's (or the tied embeddings') weight
-    sharded = ((fsdp or cp > 1) and dp > 1) or offload_optimizer  # FSDP over the data-parallel ranks (CP: always)
-    fsdp = sharded or cp > 1
+    sharded = shards_data_parallel(fsdp, dp, cp) or offload_optimizer  # one process offloads through FSDP2
+    fsdp = uses_fsdp(fsdp, dp, cp) or offload_optimizer
     shards = (dp if sharded else 1) * cp * tp  # CP ranks shard the weights too (dp_shard_cp)
     lora = workload == "lora"
     quantized_blocks = (

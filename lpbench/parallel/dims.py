@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lpbench.config import RunConfig
 from lpbench.errors import UsageError
 from lpbench.parallel.pp import check_pipeline
+from lpbench.sharding import shards_data_parallel, uses_fsdp
 
 MESH_DIMS = ("pp", "rep", "shard", "ep", "cp", "tp")  # the mesh's own dims, outermost first
 
@@ -54,7 +55,7 @@ class ParallelDims:
     tp: int
     pp: int
     ep: int
-    fsdp: bool  # the data-parallel ranks run FSDP2 (shard) rather than DDP
+    fsdp: bool  # FSDP2 wraps the model (lpbench/sharding.py says when), else DDP or nothing
 
     @classmethod
     def of(cls, cfg: RunConfig) -> "ParallelDims":
@@ -62,8 +63,7 @@ class ParallelDims:
         for name in ("dp", "dp_replicate", "tp", "pp", "cp", "ep"):
             if getattr(cfg, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-        sharded = (cfg.fsdp or cfg.cp > 1) and cfg.dp > 1  # CP: FSDP2 shards over every dp × cp rank
-        fsdp = sharded or cfg.cp > 1  # CP ranks hold one model: FSDP2 shards it over them (dp_shard_cp)
+        sharded = shards_data_parallel(cfg.fsdp, cfg.dp, cfg.cp)
         if cfg.dp_replicate > 1 and not sharded:
             raise UsageError(
                 f"--dp-replicate {cfg.dp_replicate} is HSDP's replica count: it needs --fsdp (or --cp) and "
@@ -73,7 +73,7 @@ class ParallelDims:
             raise UsageError(f"--dp-replicate {cfg.dp_replicate} does not divide the data-parallel size {cfg.dp}")
         check_pipeline(cfg.pp, cfg.vp, cfg.pp_schedule, cfg.grad_accum)
         replicate = cfg.dp_replicate if sharded else cfg.dp
-        dims = cls(replicate, cfg.dp // replicate, cfg.cp, cfg.tp, cfg.pp, cfg.ep, fsdp)
+        dims = cls(replicate, cfg.dp // replicate, cfg.cp, cfg.tp, cfg.pp, cfg.ep, uses_fsdp(cfg.fsdp, cfg.dp, cfg.cp))
         dims.validate()
         return dims
 

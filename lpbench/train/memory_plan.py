@@ -11,6 +11,7 @@ from lpbench.config import RunConfig
 from lpbench.metrics.estimate import Estimate, estimate
 from lpbench.metrics.hardware import detect_gpu
 from lpbench.precision.recipes import get_recipe
+from lpbench.sharding import fsdp_requested
 
 
 def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compiled: bool | None = None) -> Estimate:
@@ -66,7 +67,7 @@ def suggestions(cfg: RunConfig, capacity: float, gpu: str | None = None) -> list
         tries.append(("--recompute-every 1", dict(recompute_every=1)))
     if not cfg.fused_loss:
         tries.append(("--fused-loss", dict(fused_loss=True)))
-    if cfg.dp > 1 and not cfg.fsdp and cfg.cp == 1 and cfg.workload != "lora":
+    if cfg.dp > 1 and not fsdp_requested(cfg.fsdp, cfg.cp) and cfg.workload != "lora":
         tries.append(("--fsdp", dict(fsdp=True)))
     if cfg.optimizer_states not in ("fp8", "8bit"):
         tries.append(("--optimizer-states 8bit", dict(optimizer_states="8bit")))
@@ -103,7 +104,7 @@ def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
     est = predict(cfg, gpu)
     lines = [
         f"{cfg.label} {cfg.precision} {cfg.workload} | seq {cfg.seq_len} MBS {cfg.mbs} GA {cfg.grad_accum} | "
-        f"dp {cfg.dp}{' (fsdp)' if cfg.fsdp or cfg.cp > 1 else ''} x tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''}"
+        f"dp {cfg.dp}{' (fsdp)' if fsdp_requested(cfg.fsdp, cfg.cp) else ''} x tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''}"
         f"{f' x pp {cfg.pp}' if cfg.pp > 1 else ''}{f' (vp {cfg.vp})' if cfg.vp > 1 else ''}"
         f"{f' x ep {cfg.ep}' if cfg.ep > 1 else ''} | "
         f"recompute {cfg.recompute}"
