@@ -272,8 +272,8 @@ def test_adapters_merged_into_a_stored_quantized_base_export_to_hf_and_back(tmp_
 
 
 def test_a_stored_base_shards_under_an_fsdp2_that_makes_its_parameters_requiring_grad(monkeypatch):
-    """FSDP2 before torch 2.12 made each shard ``nn.Parameter(shard)`` and set ``requires_grad`` afterwards, which
-    an integer dtype refuses (pytorch/pytorch#177844): emulated here, a base stored as uint8 bytes still shards on
+    """FSDP2 of some torch versions (2.11 among them) makes each shard ``nn.Parameter(shard)`` and sets
+    ``requires_grad`` afterwards, which an integer dtype refuses (pytorch/pytorch#177844): emulated here, a base stored as uint8 bytes still shards on
     one gloo rank, its bytes frozen and unchanged."""
     from types import ModuleType
 
@@ -285,7 +285,7 @@ def test_a_stored_base_shards_under_an_fsdp2_that_makes_its_parameters_requiring
 
     class Pre212Parameter(torch.nn.Parameter):
         def __new__(cls, data=None, requires_grad=True):
-            p = torch.nn.Parameter(data)  # requires_grad=True, as torch before 2.12 made it
+            p = torch.nn.Parameter(data)  # requires_grad=True, as those versions make it
             return p.requires_grad_(requires_grad)
 
     old_nn = ModuleType("nn")

@@ -87,9 +87,10 @@ def apply_fsdp(
 def _integer_parameters_without_grad():
     """Within: ``nn.Parameter(t)`` of an integer tensor ``t`` is made without a gradient.
 
-    FSDP2 before torch 2.12 wraps each shard as ``nn.Parameter(shard)`` and sets its ``requires_grad`` afterwards
-    (pytorch/pytorch#177844); the default ``requires_grad=True`` is refused for integer dtypes, so a stored base's
-    uint8 bytes could not be sharded. Later versions pass ``requires_grad`` and are unaffected."""
+    FSDP2 in some torch versions (2.11 among them; pytorch/pytorch#177844) wraps each shard as
+    ``nn.Parameter(shard)`` and sets its ``requires_grad`` afterwards; the default ``requires_grad=True`` is refused
+    for integer dtypes, so a stored base's uint8 bytes could not be sharded. Versions that pass ``requires_grad``
+    are unaffected."""
     original = nn.Parameter.__dict__["__new__"]
 
     def new(cls, data=None, requires_grad=True):

@@ -159,8 +159,8 @@ def _encode(value: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | Non
 def compiled_update():
     """:func:`fused_update` compiled (whole graph, static shapes: every bucket holds :data:`CHUNK` elements), with
     eager numerics: no fused multiply-adds but those the lowering writes on purpose (``emulate_precision_casts``),
-    divisions correctly rounded (``eager_numerics.division_rounding``; before torch 2.12
-    ``emulate_divison_rounding``, so spelt)."""
+    divisions correctly rounded (``eager_numerics.division_rounding``, or ``emulate_divison_rounding``, so spelt,
+    in the torch versions without the former)."""
     options = {"emulate_precision_casts": True}
     config = torch._inductor.config
     if hasattr(config, "eager_numerics"):
