@@ -283,13 +283,13 @@ def test_a_stored_base_shards_under_an_fsdp2_that_makes_its_parameters_requiring
     from lpbench.parallel.dp import apply_fsdp, one_rank_mesh
     from lpbench.parallel.env import shutdown
 
-    class Pre212Parameter(torch.nn.Parameter):
+    class GradFirstParameter(torch.nn.Parameter):
         def __new__(cls, data=None, requires_grad=True):
             p = torch.nn.Parameter(data)  # requires_grad=True, as those versions make it
             return p.requires_grad_(requires_grad)
 
     old_nn = ModuleType("nn")
-    old_nn.__dict__.update(vars(torch.nn), Parameter=Pre212Parameter)
+    old_nn.__dict__.update(vars(torch.nn), Parameter=GradFirstParameter)
     monkeypatch.setattr(_fsdp_param, "nn", old_nn)
     model = build_model(TINY, device="cpu", seed=0)
     apply_lora(model, rank=4, alpha=8)
