@@ -37,6 +37,7 @@ from lpbench.parallel.pp import (
     rank_stages,
     rank_view,
     stage_blocks,
+    stage_fsdp_shard,
     stage_module,
     tie_groups,
 )
@@ -169,13 +170,16 @@ def pipeline(
     ids = rank_stages(meshes.rank("pp"), cfg.pp, cfg.vp, schedule)
     last_rank = next(r for r in range(cfg.pp) if n_stages - 1 in rank_stages(r, cfg.pp, cfg.vp, schedule))
     tied = model.lm_head.weight is model.tok_embeddings.weight
-    untie = tied and last_rank != 0
+    # a last stage on another rank holds its own copy; so does one beside the first stage on a rank whose stages are
+    # each wrapped (TP, FSDP, DDP: shard() per stage), which would otherwise shard or replicate the one weight twice
+    untie = tied and (last_rank != 0 or dims.world_size > dims.pp)
     stages = [stage_module(model, blocks[i], i == 0, i == n_stages - 1, untie) for i in ids]
     trained = tied and model.tok_embeddings.weight.requires_grad  # LoRA: frozen, no gradients to sum
     tp_sp = cfg.tp > 1 and cfg.sequence_parallel
     for stage in stages:  # the hidden states between stages: each TP rank's part of the sequence
         stage.seq_shards = cfg.tp if tp_sp else 1
-    sharded = [shard(stage, cfg, dims, meshes, device, compute_dtype, by_block, init) for stage in stages]
+    staged = cfg.with_(fsdp_shard=stage_fsdp_shard(cfg.fsdp_shard, schedule))
+    sharded = [shard(stage, staged, dims, meshes, device, compute_dtype, by_block, init) for stage in stages]
     modules, context = [m for m, _ in sharded], sharded[0][1]  # each stage's CP split: the same chunks
     view = rank_view(model, stages)
     seq = cfg.seq_len // cfg.cp  # under CP a stage takes and passes on its CP rank's chunks
