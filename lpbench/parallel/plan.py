@@ -193,8 +193,8 @@ def pipeline(
     loss = torch.empty((), dtype=torch.float32, device="meta")
     examples = [(ids_example if i == 0 else hidden, loss if i == n_stages - 1 else hidden) for i in ids]
     tie_group = tie_groups(meshes.world.mesh, cfg.pp, 0, last_rank) if untie and trained else None
-    first = view.tok_embeddings.weight if view.tok_embeddings is not None else None
-    head = view.lm_head.weight if view.lm_head is not None else None
+    first = view.tok_embeddings.weight if untie and trained and view.tok_embeddings is not None else None
+    head = view.lm_head.weight if untie and trained and view.lm_head is not None else None
     run = Pipeline(
         modules,
         ids,

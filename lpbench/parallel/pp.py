@@ -193,6 +193,8 @@ class Pipeline:
 
     ``modules``: the stages as the schedule calls them (FSDP- or DDP-wrapped); ``ids``: their stage indices;
     ``examples``: ``(input, output)`` meta tensors of each stage, its shapes for the point-to-point transfers.
+    ``tied``: this rank's copies of a trained tied embedding (the first stage's, the last stage's own), None where
+    the model ties none, or the rank holds neither; ``tie_group``: the pair of ranks where they are apart.
     """
 
     def __init__(
