@@ -314,6 +314,7 @@ def test_stage_cut_and_placement():
         (["--pp", "2", "--pp-schedule", "zbv", "--gbs", "8"], "needs --vp 2"),
         (["--pp", "2", "--vp", "2", "--pp-schedule", "zbv", "--gbs", "8", "--nproc-per-node", "4"], "dp 2"),
         (["--pp", "2", "--vp", "2", "--pp-schedule", "zero-bubble", "--fsdp", "--nproc-per-node", "4"], "dp 2"),
+        (["--pp", "2", "--vp", "2", "--pp-schedule", "zbv", "--tp", "2", "--nproc-per-node", "4"], "ties its"),
     ],
 )
 def test_impossible_pipeline_layouts_exit_2_in_one_line(tmp_path, capsys, argv, words):

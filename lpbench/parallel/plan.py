@@ -170,9 +170,10 @@ def pipeline(
     ids = rank_stages(meshes.rank("pp"), cfg.pp, cfg.vp, schedule)
     last_rank = next(r for r in range(cfg.pp) if n_stages - 1 in rank_stages(r, cfg.pp, cfg.vp, schedule))
     tied = model.lm_head.weight is model.tok_embeddings.weight
-    # a last stage on another rank holds its own copy; so does one beside the first stage on a rank whose stages are
-    # each wrapped (TP, FSDP, DDP: shard() per stage), which would otherwise shard or replicate the one weight twice
-    untie = tied and (last_rank != 0 or dims.world_size > dims.pp)
+    # a last stage on another rank holds its own copy; so does one beside the first stage (zbv) under FSDP2, which
+    # shards each stage on its own and so would shard the one weight twice (DDP beside zbv, and TP with a tied
+    # embedding: refused)
+    untie = tied and (last_rank != 0 or dims.fsdp_enabled)
     stages = [stage_module(model, blocks[i], i == 0, i == n_stages - 1, untie) for i in ids]
     trained = tied and model.tok_embeddings.weight.requires_grad  # LoRA: frozen, no gradients to sum
     tp_sp = cfg.tp > 1 and cfg.sequence_parallel

@@ -24,9 +24,9 @@ Tied embeddings: where the first and last stages sit on different ranks, the las
 copy of the embedding matrix as its LM head, initialised from the same draw; after the backward pass the
 two gradients are summed over the pair of ranks (:meth:`Pipeline.sync_tied`), so both copies take the same
 update, as Megatron's embedding group does. Only the first stage's copy enters the gradient norm. Where one
-rank holds both (``zbv``'s V) the stages share the weight, unless the stages are wrapped (TP, FSDP, DDP: each
-stage on its own, which would shard or replicate the one weight twice): then the last stage has its copy too,
-and the two gradients are summed on the rank.
+rank holds both (``zbv``'s V) the stages share the weight, unless FSDP2 shards them (each stage on its own,
+which would shard the one weight twice): then the last stage has its copy too, and the two gradients are summed
+on the rank. (zbv beside DDP, or beside TP with a tied embedding, is refused.)
 
 Under context parallelism each stage splits its sequences over its CP group (:mod:`lpbench.parallel.cp`, applied
 to each stage as to a whole model): the schedule is given each micro-batch's local chunks, and the hidden states a
