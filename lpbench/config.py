@@ -793,6 +793,11 @@ class RunConfig:
             )
         if self.pp > 1 and self.compile_scope == "model":
             raise UsageError("--compile-scope model compiles one graph; pipeline stages need --compile-scope block")
+        if self.pp > 1 and self.pp_schedule == "zbv" and self.tp > 1 and model.tie_embeddings:
+            raise UsageError(
+                f"--pp-schedule zbv with --tp: {self.model} ties its embedding and LM head, which zbv puts on one "
+                "rank in two stages that TP would split apart; use interleaved-1f1b or zero-bubble"
+            )
         if self.ep > 1 and self.workload == "lora":
             raise UsageError("--ep > 1 does not train LoRA adapters: use --ep 1")
         if self.tp > 1 and self.sequence_parallel and self.seq_len % self.tp:

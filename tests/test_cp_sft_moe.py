@@ -10,6 +10,13 @@ LoRA (SFT's data, adapters per token, a frozen base stored as FP8 codes whose li
 CP as trained ones do). Whole runs (CP 2; CP 2 x FSDP 2; CP 2 x EP 2; CP 2 x TP 2) match one process: FP32 to summation order at every step, BF16
 within ``test_cp``'s tolerances (the same weights, BF16 roundings of sums in another order, amplified after the
 first Adam step).
+
+Under pipeline parallelism (PP 2 x CP 2, 4 ranks; PP 2 x CP 2 x EP 2 beside DP 2, 8 ranks) each stage splits its
+sequences over its CP pair as CP alone does, the document ids reach every stage, the load-balancing loss of each
+stage's MoE layers counts the tokens of the ``loss`` mesh: the same tolerances against one process (FP32: summation
+order, the stages' gradient norms summed in another order; BF16: ``test_cp``'s). The zero-bubble schedules are run
+too: their separate weight pass needs each stage's blocks left unsharded after the forward, and a rank holding both
+ends of ``zbv``'s V its own copy of a tied embedding (:mod:`lpbench.parallel.pp`).
 """
 
 import pytest
@@ -34,6 +41,18 @@ RUNS = {  # name -> (world, settings, precisions)
     "cp2-fsdp2-moe": (4, dict(cp=2, mbs=2, **MOE), PRECISIONS),
     "cp2-ep2-moe": (4, dict(cp=2, ep=2, mbs=2, **MOE), PRECISIONS),
     "cp2-tp2-moe": (4, dict(cp=2, tp=2, **MOE), PRECISIONS),  # experts split by TP, summed over dp x cp
+}
+PP = dict(pp=2, cp=2, mbs=2, eval_batches=2)  # two micro-batches of 2 on one data-parallel rank
+ZB = dict(vp=2, pp_schedule="zero-bubble")
+ZBV = dict(vp=2, pp_schedule="zbv")
+PP_RUNS = {  # name -> (world, settings, precisions, the reference's name)
+    "pp2-cp2-sft": (4, dict(**PP, **SFT), PRECISIONS, "sft-mbs2"),
+    "pp2-cp2-moe": (4, dict(**PP, **MOE), PRECISIONS, "moe-mbs2"),
+    "pp2-vp2-cp2-zero-bubble-sft": (4, dict(**PP, **ZB, **SFT), ["fp32"], "sft-mbs2"),
+    "pp2-vp2-cp2-zbv-sft": (4, dict(**PP, **ZBV, **SFT), ["fp32"], "sft-mbs2"),
+    "pp2-vp2-cp2-zbv-moe": (4, dict(**PP, **ZBV, **MOE), ["fp32"], "moe-mbs2"),
+    # DP 2: the load-balancing loss counts 4 sequences per micro-batch, as one process's micro-batches of 4
+    "pp2-cp2-ep2-moe": (8, dict(pp=2, cp=2, ep=2, mbs=2, gbs=8, **MOE), ["fp32"], "moe-gbs8"),
 }
 
 
@@ -87,7 +106,8 @@ def _trained(cfg: RunConfig) -> dict:
 
 def _worker(rank: int, world: int) -> dict:
     results = {}
-    for name, (size, kw, precisions) in RUNS.items():
+    runs = [(name, *run[:3]) for name, run in [*RUNS.items(), *PP_RUNS.items()]]
+    for name, size, kw, precisions in runs:
         if size == world:
             for precision in precisions:
                 results[f"{name}-{precision}"] = _trained(BASE.with_(precision=precision, **kw).with_world(world))
@@ -107,15 +127,22 @@ def world4(tmp_path_factory, spawn_ranks):
 
 
 @pytest.fixture(scope="module")
+def world8(tmp_path_factory, spawn_ranks):
+    return spawn_ranks(_worker, 8, tmp_path_factory.mktemp("cp-sft-moe-8"), 8)
+
+
+@pytest.fixture(scope="module")
 def reference():
     """One process. Packed SFT's loss is each micro-batch's mean over its labels, so two data-parallel ranks of 2
     sequences each are one process accumulating two micro-batches of 2 (evaluating both); the MoE runs (every
     token labelled, the load-balancing loss counting the tokens of every data-parallel rank) are one micro-batch
-    of 4."""
+    of 4. A pipeline's micro-batches of 2 are one process's (``-mbs2``); with DP 2 beside it, micro-batches of 4."""
     return {
         "sft-mbs4": {p: _trained(BASE.with_(precision=p, **SFT)) for p in PRECISIONS},
         "sft-mbs2": {p: _trained(BASE.with_(precision=p, mbs=2, eval_batches=2, **SFT)) for p in PRECISIONS},
         "moe": {p: _trained(BASE.with_(precision=p, **MOE)) for p in PRECISIONS},
+        "moe-mbs2": {p: _trained(BASE.with_(precision=p, mbs=2, eval_batches=2, **MOE)) for p in PRECISIONS},
+        "moe-gbs8": {"fp32": _trained(BASE.with_(precision="fp32", gbs=8, **MOE))},
         "lora": {p: _trained(BASE.with_(precision=p, **LORA)) for p in RUNS["cp2-lora"][2]},
     }
 
@@ -153,6 +180,22 @@ def test_cp2_sft_lora_and_moe_train_like_one_process(world2, reference, name, pr
 def test_cp2_with_fsdp2_or_ep2_trains_like_one_process(world4, reference, name, precision):
     ref = reference["moe" if name.endswith("moe") else "sft-mbs2"][precision]
     _assert_like_one_process(world4[0][f"{name}-{precision}"], ref, precision)
+
+
+@pytest.mark.parametrize(
+    "name,precision",
+    [  # 8 ranks on the CI's 2 cores: about a minute, left to --run-slow
+        pytest.param(n, p, marks=[pytest.mark.slow] if size > 4 else [])
+        for n, (size, _, ps, _) in PP_RUNS.items()
+        for p in ps
+    ],
+)
+def test_pipeline_with_cp_trains_packed_sft_and_moe_like_one_process(request, reference, name, precision):
+    size, _, _, ref = PP_RUNS[name]
+    ranks = request.getfixturevalue(f"world{size}")
+    run = ranks[0][f"{name}-{precision}"]
+    assert all(r[f"{name}-{precision}"]["loss"] == run["loss"] for r in ranks)  # every stage reports the global loss
+    _assert_like_one_process(run, reference[ref][precision], precision)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

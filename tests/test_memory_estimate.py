@@ -460,3 +460,18 @@ def test_pipeline_rank_keeps_the_gathered_kv_of_its_chunks_in_flight():
     kw = dict(seq_len=8, mbs=1, grad_accum=4, compiled=False, cuda=False, cp=2)
     e = estimate(HAND4, get_recipe("bf16"), pp=2, vp=1, **kw)
     assert e.parts["gathered K/V (CP)"] == 2 * 2 * 1 * 4 * 8 * 4
+
+
+def test_split_backward_pipeline_stages_keep_their_blocks_gathered_as_zero2():
+    """Under zero-bubble and zbv (CP 2 beside them: FSDP2) a stage's blocks stay gathered from forward to backward
+    (lpbench.parallel.pp.stage_fsdp_shard): the prediction is zero2's; interleaved 1F1B keeps zero3's two blocks."""
+    from lpbench.train.memory_plan import predict
+
+    cfg = RunConfig(model="tiny", seq_len=64, mbs=1, gbs=4, pp=2, vp=2, cp=2).with_world(4)
+
+    def gathered(**kw):
+        return predict(cfg.with_(**kw), "h100").parts["FSDP gathered weights"]
+
+    for schedule in ("zero-bubble", "zbv"):
+        assert gathered(pp_schedule=schedule) == gathered(pp_schedule=schedule, fsdp_shard="zero2")
+    assert gathered(pp_schedule="zbv") == gathered(fsdp_shard="zero2") > gathered()

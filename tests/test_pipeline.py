@@ -312,6 +312,9 @@ def test_stage_cut_and_placement():
         (["--vp", "2"], "need pipeline parallelism"),
         (["--pp", "2", "--vp", "8", "--gbs", "8"], "16 pipeline stages"),
         (["--pp", "2", "--pp-schedule", "zbv", "--gbs", "8"], "needs --vp 2"),
+        (["--pp", "2", "--vp", "2", "--pp-schedule", "zbv", "--gbs", "8", "--nproc-per-node", "4"], "dp 2"),
+        (["--pp", "2", "--vp", "2", "--pp-schedule", "zero-bubble", "--fsdp", "--nproc-per-node", "4"], "dp 2"),
+        (["--pp", "2", "--vp", "2", "--pp-schedule", "zbv", "--tp", "2", "--nproc-per-node", "4"], "ties its"),
     ],
 )
 def test_impossible_pipeline_layouts_exit_2_in_one_line(tmp_path, capsys, argv, words):
@@ -326,6 +329,9 @@ def test_pipeline_rules_directly():
     check_pipeline(2, 2, None, 4)  # interleaved by default
     with pytest.raises(Exception, match="zbv"):
         check_pipeline(2, 1, "zbv", 4)
+    check_pipeline(2, 2, "zbv", 4, dp=1)  # context parallel beside it: dp 1
+    with pytest.raises(Exception, match="data parallelism"):
+        check_pipeline(2, 2, "zero-bubble", 4, dp=2)
 
 
 @pytest.mark.parametrize("name", [n for n in SCENARIOS[4] if "-cp2-" in n])

@@ -71,7 +71,7 @@ class ParallelDims:
             )
         if cfg.dp % cfg.dp_replicate:
             raise UsageError(f"--dp-replicate {cfg.dp_replicate} does not divide the data-parallel size {cfg.dp}")
-        check_pipeline(cfg.pp, cfg.vp, cfg.pp_schedule, cfg.grad_accum)
+        check_pipeline(cfg.pp, cfg.vp, cfg.pp_schedule, cfg.grad_accum, cfg.dp)
         replicate = cfg.dp_replicate if sharded else cfg.dp
         dims = cls(replicate, cfg.dp // replicate, cfg.cp, cfg.tp, cfg.pp, cfg.ep, uses_fsdp(cfg.fsdp, cfg.dp, cfg.cp))
         dims.validate()

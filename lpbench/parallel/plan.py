@@ -37,6 +37,7 @@ from lpbench.parallel.pp import (
     rank_stages,
     rank_view,
     stage_blocks,
+    stage_fsdp_shard,
     stage_module,
     tie_groups,
 )
@@ -169,13 +170,17 @@ def pipeline(
     ids = rank_stages(meshes.rank("pp"), cfg.pp, cfg.vp, schedule)
     last_rank = next(r for r in range(cfg.pp) if n_stages - 1 in rank_stages(r, cfg.pp, cfg.vp, schedule))
     tied = model.lm_head.weight is model.tok_embeddings.weight
-    untie = tied and last_rank != 0
+    # a last stage on another rank holds its own copy; so does one beside the first stage (zbv) under FSDP2, which
+    # shards each stage on its own and so would shard the one weight twice (DDP beside zbv, and TP with a tied
+    # embedding: refused)
+    untie = tied and (last_rank != 0 or dims.fsdp_enabled)
     stages = [stage_module(model, blocks[i], i == 0, i == n_stages - 1, untie) for i in ids]
     trained = tied and model.tok_embeddings.weight.requires_grad  # LoRA: frozen, no gradients to sum
     tp_sp = cfg.tp > 1 and cfg.sequence_parallel
     for stage in stages:  # the hidden states between stages: each TP rank's part of the sequence
         stage.seq_shards = cfg.tp if tp_sp else 1
-    sharded = [shard(stage, cfg, dims, meshes, device, compute_dtype, by_block, init) for stage in stages]
+    staged = cfg.with_(fsdp_shard=stage_fsdp_shard(cfg.fsdp_shard, schedule))
+    sharded = [shard(stage, staged, dims, meshes, device, compute_dtype, by_block, init) for stage in stages]
     modules, context = [m for m, _ in sharded], sharded[0][1]  # each stage's CP split: the same chunks
     view = rank_view(model, stages)
     seq = cfg.seq_len // cfg.cp  # under CP a stage takes and passes on its CP rank's chunks
@@ -189,8 +194,8 @@ def pipeline(
     loss = torch.empty((), dtype=torch.float32, device="meta")
     examples = [(ids_example if i == 0 else hidden, loss if i == n_stages - 1 else hidden) for i in ids]
     tie_group = tie_groups(meshes.world.mesh, cfg.pp, 0, last_rank) if untie and trained else None
-    first = view.tok_embeddings.weight if view.tok_embeddings is not None else None
-    head = view.lm_head.weight if view.lm_head is not None else None
+    first = view.tok_embeddings.weight if untie and trained and view.tok_embeddings is not None else None
+    head = view.lm_head.weight if untie and trained and view.lm_head is not None else None
     run = Pipeline(
         modules,
         ids,

@@ -23,7 +23,10 @@ the micro-batch count and the gradients are not rescaled afterwards, the arithme
 Tied embeddings: where the first and last stages sit on different ranks, the last stage holds its own
 copy of the embedding matrix as its LM head, initialised from the same draw; after the backward pass the
 two gradients are summed over the pair of ranks (:meth:`Pipeline.sync_tied`), so both copies take the same
-update, as Megatron's embedding group does. Only the first stage's copy enters the gradient norm.
+update, as Megatron's embedding group does. Only the first stage's copy enters the gradient norm. Where one
+rank holds both (``zbv``'s V) the stages share the weight, unless FSDP2 shards them (each stage on its own,
+which would shard the one weight twice): then the last stage has its copy too, and the two gradients are summed
+on the rank. (zbv beside DDP, or beside TP with a tied embedding, is refused.)
 
 Under context parallelism each stage splits its sequences over its CP group (:mod:`lpbench.parallel.cp`, applied
 to each stage as to a whole model): the schedule is given each micro-batch's local chunks, and the hidden states a
@@ -64,14 +67,18 @@ SCHEDULES = dict(  # --pp-schedule: torch's class
 )
 
 
+SPLIT_BACKWARD = ("zero-bubble", "zbv")  # schedules whose weight gradients come in a later pass of their own
+
+
 def default_schedule(vp: int) -> str:
     """``--pp-schedule``'s default: 1F1B with one stage per rank, interleaved 1F1B with virtual stages."""
     return "1f1b" if vp == 1 else "interleaved-1f1b"
 
 
-def check_pipeline(pp: int, vp: int, schedule: str | None, micro_batches: int) -> None:
-    """The pipeline's layout rules (one line each, UsageError): virtual stages, schedule and micro-batch count (the
-    model's, enough blocks for the stages, is :meth:`lpbench.config.RunConfig.validate`'s)."""
+def check_pipeline(pp: int, vp: int, schedule: str | None, micro_batches: int, dp: int = 1) -> None:
+    """The pipeline's layout rules (one line each, UsageError): virtual stages, schedule, micro-batch count and data
+    parallelism beside a split backward (the model's, enough blocks for the stages, is
+    :meth:`lpbench.config.RunConfig.validate`'s)."""
     if vp < 1:
         raise UsageError(f"--vp must be positive, got {vp}")
     if pp == 1:
@@ -85,6 +92,11 @@ def check_pipeline(pp: int, vp: int, schedule: str | None, micro_batches: int) -
         raise UsageError(f"--pp-schedule 1f1b runs one stage per rank: use interleaved-1f1b for --vp {vp}")
     if schedule == "zbv" and vp != 2:
         raise UsageError(f"--pp-schedule zbv runs two stages per rank in a V: it needs --vp 2, got {vp}")
+    if schedule in SPLIT_BACKWARD and dp > 1:
+        raise UsageError(
+            f"--pp-schedule {schedule} does not run beside data parallelism (dp {dp}): torch's separate weight-gradient "
+            "pass escapes DDP's and FSDP's gradient reduction over the data-parallel ranks; use 1f1b or interleaved-1f1b"
+        )
     if micro_batches < pp:
         raise UsageError(
             f"--pp {pp} needs at least {pp} micro-batches per step; GBS / (MBS x DP) = {micro_batches}: raise --gbs"
@@ -94,6 +106,13 @@ def check_pipeline(pp: int, vp: int, schedule: str | None, micro_batches: int) -
             f"--pp-schedule {schedule} needs the micro-batches per step (GBS / (MBS x DP) = {micro_batches}) "
             f"to be a multiple of --pp {pp}"
         )
+
+
+def stage_fsdp_shard(fsdp_shard: str, schedule: str) -> str:
+    """FSDP2's sharding of a pipeline stage's blocks: ``zero3`` becomes ``zero2`` (no resharding after the forward)
+    under a split backward, whose input pass finds the weights' gradient nodes among the parameters the stage holds
+    then; resharded ones are not those the forward used, and their gradients would be lost."""
+    return "zero2" if fsdp_shard == "zero3" and schedule in SPLIT_BACKWARD else fsdp_shard
 
 
 def stage_blocks(n_layers: int, n_stages: int) -> list[range]:
@@ -174,6 +193,8 @@ class Pipeline:
 
     ``modules``: the stages as the schedule calls them (FSDP- or DDP-wrapped); ``ids``: their stage indices;
     ``examples``: ``(input, output)`` meta tensors of each stage, its shapes for the point-to-point transfers.
+    ``tied``: this rank's copies of a trained tied embedding (the first stage's, the last stage's own), None where
+    the model ties none, or the rank holds neither; ``tie_group``: the pair of ranks where they are apart.
     """
 
     def __init__(
@@ -276,12 +297,23 @@ class Pipeline:
         return x if self.has_last else None
 
     def sync_tied(self) -> None:
-        """Sum the tied embedding's two gradients (first stage's embedding, last stage's head) over their ranks."""
+        """Sum the tied embedding's two gradients (first stage's embedding, last stage's head): over their ranks, or
+        on this rank where it holds both stages, each with its own copy."""
+        first, head = self.tied
+        if first is not None and head is not None and first is not head:
+            if first.grad is not None:  # trained (LoRA freezes it)
+                _local(first.grad).add_(_local(head.grad))
+                _local(head.grad).copy_(_local(first.grad))
+            return
         if self.tie_group is None:
             return
-        p = self.tied[0] if self.tied[0] is not None else self.tied[1]
-        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        dist.all_reduce(grad, group=self.tie_group)
+        p = first if first is not None else head
+        dist.all_reduce(_local(p.grad), group=self.tie_group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A gradient's local tensor (this rank's shard of a DTensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def bubble_theory(pp: int, vp: int, micro_batches: int) -> float:
