@@ -301,6 +301,17 @@ class RunConfig:
             layout=True,
         ),
     )
+    pp_split: str = field(
+        default="balanced",
+        metadata=arg(
+            "how the blocks are split over the pipeline stages: balanced (each rank's blocks plus, on the last "
+            "stage's rank, the LM head counted as its FLOPs in blocks, as even as whole blocks allow), even (the "
+            "first stages take the blocks left over), or one block count per stage in stage order (4,4,5,3)",
+            metavar="balanced|even|N,N,...",
+            section="parallel",
+            layout=True,  # a checkpoint resumes on the same block counts, however asked (bench/runner.py)
+        ),
+    )
     cp: int = field(
         default=1,
         metadata=arg(
@@ -670,6 +681,29 @@ class RunConfig:
 
         return hf_model_config(self.model, self.hf_checkpoint)
 
+    def pp_split_counts(self) -> list[int] | None:
+        """``--pp-split``'s block counts per stage; None for ``balanced`` and ``even``."""
+        if self.pp_split in ("balanced", "even"):
+            return None
+        return [int(n) for n in self.pp_split.split(",")]
+
+    def _check_pp_split(self, n_layers: int) -> None:
+        flag = f"--pp-split {self.pp_split}"
+        if self.pp == 1:
+            raise UsageError(f"{flag} needs pipeline parallelism (--pp > 1)")
+        if self.pp_split == "even":
+            return
+        try:
+            counts = self.pp_split_counts()
+        except ValueError:
+            raise UsageError(f"{flag}: give balanced, even or one block count per stage (4,4,5,3)") from None
+        stages = self.pp * self.vp
+        if len(counts) != stages or min(counts) < 1 or sum(counts) != n_layers:
+            raise UsageError(
+                f"{flag}: give {stages} block counts (--pp {self.pp} x --vp {self.vp} stages), each at least 1, "
+                f"summing to {self.label}'s {n_layers} blocks"
+            )
+
     @property
     def label(self) -> str:
         """The model as tables and the results store name it: ``llama3-8b@16L`` when cut to 16 blocks."""
@@ -791,6 +825,8 @@ class RunConfig:
                 f"--pp {self.pp} x --vp {self.vp} = {self.pp * self.vp} pipeline stages need at least as many "
                 f"blocks; {self.label} has {model.n_layers}"
             )
+        if self.pp_split != "balanced":
+            self._check_pp_split(model.n_layers)
         if self.pp > 1 and self.compile_scope == "model":
             raise UsageError("--compile-scope model compiles one graph; pipeline stages need --compile-scope block")
         if self.pp > 1 and self.pp_schedule == "zbv" and self.tp > 1 and model.tie_embeddings:

@@ -19,17 +19,31 @@ draws by step, micro-batch and module, not by process: lpbench.precision.noise).
 
 import dataclasses
 import hashlib
+import json
 import os
+import shutil
 import time
 
 import pytest
 import torch
 
 import lpbench.train.loop as loop
+from lpbench.bench.runner import check_resume
 from lpbench.cli import main
 from lpbench.config import RunConfig
+from lpbench.errors import UsageError
 from lpbench.models.registry import MODELS
-from lpbench.parallel.pp import BusyClock, bubble_theory, check_pipeline, rank_stages, stage_blocks
+from lpbench.parallel.pp import (
+    BusyClock,
+    balanced_sizes,
+    bubble_theory,
+    check_pipeline,
+    even_sizes,
+    head_units,
+    rank_stages,
+    stage_blocks,
+    stage_sizes,
+)
 
 UNTIED = dataclasses.replace(MODELS["tiny"], name="test-pp-untied", tie_embeddings=False, n_layers=4)
 UNTIED6 = dataclasses.replace(UNTIED, name="test-pp-untied6", n_layers=6)  # nvfp4 keeps blocks 0, 5 in BF16
@@ -45,6 +59,9 @@ SCENARIOS = {
         "pp2-vp2-bf16": dict(pp=2, vp=2, precision="bf16"),
         "pp2-vp2-fp8-delayed": dict(pp=2, vp=2, precision="fp8-delayed"),
         "pp2-tied-bf16": dict(pp=2, precision="bf16", model="tiny"),
+        # the default split is balanced (3,1: the head counts 1.3 blocks); the even one and a split given per stage
+        "pp2-even-bf16": dict(pp=2, pp_split="even", precision="bf16"),
+        "pp2-vp2-given-bf16": dict(pp=2, vp=2, pp_split="2,1,1,2", precision="bf16", model=UNTIED6.name),
         "pp2-vp2-zero-bubble-bf16": dict(pp=2, vp=2, pp_schedule="zero-bubble", precision="bf16"),
         "pp2-zbv-bf16": dict(pp=2, vp=2, pp_schedule="zbv", precision="bf16"),
         "pp2-vp2-zero-bubble-fp8-tensorwise": dict(pp=2, vp=2, pp_schedule="zero-bubble", precision="fp8-tensorwise"),
@@ -173,6 +190,8 @@ def _merged(ranks: list, name: str) -> dict:
     "name",
     [
         "pp2-bf16",
+        "pp2-even-bf16",
+        "pp2-vp2-given-bf16",
         "pp2-fp8-tensorwise",
         "pp2-fp8-delayed",
         "pp2-nvfp4",
@@ -201,6 +220,22 @@ def test_pipeline_trains_bit_for_bit_like_one_process(world2, reference, name):
         assert world2[0][name]["metrics"]["quantized_linears"] > 0
 
 
+@pytest.mark.parametrize(
+    "name, blocks, first_rank",
+    [
+        ("pp2-bf16", "3,1", {0, 1, 2}),
+        ("pp2-even-bf16", "2,2", {0, 1}),
+        ("pp2-vp2-given-bf16", "2,1,1,2", {0, 1, 3}),  # rank 0: stages 0 and 2
+        ("pp2-zbv-bf16", "1,1,1,1", {0, 3}),  # rank 0: stages 0 and 3
+    ],
+)
+def test_each_rank_holds_its_stages_blocks_as_split(world2, name, blocks, first_rank):
+    assert all(r[name]["metrics"]["pp_stage_blocks"] == blocks for r in world2)
+    held = [{int(k.split(".")[1]) for k in r[name]["weights"] if k.startswith("layers.")} for r in world2]
+    n_layers = sum(map(int, blocks.split(",")))
+    assert held[0] == first_rank and held[1] == set(range(n_layers)) - first_rank
+
+
 def test_pipeline_with_a_tied_embedding_differs_only_in_that_weight(world2, reference):
     ref, run = reference[("tiny", "bf16", BASE.seq_len)], world2[0]["pp2-tied-bf16"]
     assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)
@@ -225,6 +260,29 @@ def test_resuming_under_another_pipeline_is_refused_in_one_line(world2, pp_ckpt,
     assert main([*argv, "--results", str(tmp_path / "db")]) == 2
     err = capsys.readouterr().err.strip()
     assert "pp 2 (this run: 1)" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "db").exists()
+
+
+def test_resuming_under_another_split_is_refused_in_one_line(world2, pp_ckpt, tmp_path, capsys, monkeypatch):
+    """The checkpoint's stages hold 3,1 blocks (balanced); a checkpoint saved before --pp-split, without the counts
+    in its lpbench.json, holds the even split's 2,2. The refusal names the --pp-split that resumes it."""
+    monkeypatch.setitem(MODELS, UNTIED.name, UNTIED)
+    cfg = BASE.with_(pp=2, precision="fp8-delayed", load=str(pp_ckpt / "step-2")).with_world(2)
+    check_resume(cfg)
+    with pytest.raises(UsageError, match="hold 3,1 blocks, this run's 2,2: resume with --pp-split 3,1$"):
+        check_resume(cfg.with_(pp_split="even"))
+    check_resume(cfg.with_(pp_split="3,1"))
+    legacy = tmp_path / "legacy"
+    shutil.copytree(pp_ckpt / "step-2", legacy)
+    meta = json.loads((legacy / "lpbench.json").read_text())
+    del meta["pp_stage_blocks"]
+    (legacy / "lpbench.json").write_text(json.dumps(meta))
+    check_resume(cfg.with_(load=str(legacy), pp_split="even"))
+    argv = ["run", "--model", UNTIED.name, "--precision", "fp8-delayed", "--seq-len", "32", "--mbs", "2", "--gbs", "8"]
+    argv += ["--steps", "3", "--device", "cpu", "--nproc-per-node", "2", "--pp", "2", "--load", str(legacy)]
+    assert main([*argv, "--results", str(tmp_path / "db")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "hold 2,2 blocks, this run's 3,1: resume with --pp-split 2,2" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "db").exists()
 
 
@@ -296,16 +354,61 @@ def test_pipeline_composes_with_other_layouts(world4, reference, name):
 
 
 def test_stage_cut_and_placement():
-    assert stage_blocks(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
-    assert stage_blocks(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]  # extras go first
+    assert stage_blocks(even_sizes(8, 4)) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert stage_blocks(even_sizes(10, 4)) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]  # extras first
     assert rank_stages(1, 4, 2, "interleaved-1f1b") == [1, 5]
     assert rank_stages(0, 2, 2, "zbv") == [0, 3]
     assert bubble_theory(4, 5, 32) == pytest.approx(3 / (32 * 5 + 3))
 
 
+def _owners(pp: int, vp: int, schedule: str) -> list[int]:
+    return [next(r for r in range(pp) if s in rank_stages(r, pp, vp, schedule)) for s in range(pp * vp)]
+
+
+@pytest.mark.parametrize(
+    "n, pp, vp, schedule, head, sizes",
+    [
+        # 34.4 units over 8 ranks: seven stages of 4 blocks and the last of 2 + 2.4 leave 2 blocks, which go to the
+        # later stages; the busiest stage has 5 units (even: 4 + 2.4 = 6.4)
+        (32, 8, 1, "1f1b", 2.4, [4, 4, 4, 4, 4, 5, 5, 2]),
+        # interleaved, rank r holding stages r and r + 4: ranks of 8, 9, 9 and 4 + 2 + 2.4 = 8.4 units (even: the
+        # last rank 10.4)
+        (32, 4, 2, "interleaved-1f1b", 2.4, [4, 4, 4, 4, 4, 5, 5, 2]),
+        (32, 2, 1, "1f1b", 2.4, [17, 15]),  # 17 and 17.4 units (even: 16 and 18.4)
+        (32, 2, 2, "zbv", 2.4, [9, 8, 9, 6]),  # rank 0 holds stages 0 and 3: 9 + 6 + 2.4 = 17.4; rank 1 17
+        (10, 4, 1, "1f1b", 0.0, [2, 2, 3, 3]),  # no head: even, the blocks left over on the later stages
+        (4, 4, 1, "1f1b", 5.0, [1, 1, 1, 1]),  # as many stages as blocks: nothing to balance
+        (4, 2, 1, "1f1b", 1.3, [3, 1]),  # a tiny model: 3 and 2.3 units
+        # a head heavier than the rest: the last rank keeps one block per stage, the others take every other block
+        (8, 2, 2, "interleaved-1f1b", 10.0, [3, 1, 3, 1]),
+    ],
+)
+def test_the_balanced_split_by_hand(n, pp, vp, schedule, head, sizes):
+    assert balanced_sizes(n, _owners(pp, vp, schedule), head) == sizes
+
+
+def test_the_head_counts_its_flops_in_blocks():
+    m = MODELS["llama3-8b"]  # the megatron count per token, over 6 (forward and backward): GEMMs and causal attention
+    block = 3 * 4096 * 14336 + 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 4096 * 8192
+    assert head_units(m, 8192) == pytest.approx(4096 * 128256 / block)  # 2.09
+    moe = MODELS["mixtral-8x7b"]  # a MoE block: its two active experts' GEMMs
+    block = 2 * 3 * 4096 * 14336 + 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 4096 * 4096
+    assert head_units(moe, 4096) == pytest.approx(4096 * 32000 / block)
+    cfg = RunConfig(model="llama3-8b", seq_len=8192, gbs=32, pp=4, vp=2).with_world(4)
+    assert stage_sizes(cfg, m) == [4, 4, 4, 4, 4, 5, 5, 2]
+    assert stage_sizes(cfg.with_(pp_split="even"), m) == [4] * 8
+    assert stage_sizes(cfg.with_(pp_split="4,4,4,4,4,4,5,3"), m) == [4, 4, 4, 4, 4, 4, 5, 3]
+    assert stage_sizes(cfg.with_(pp=2, vp=1), m) == [17, 15]
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
+        (["--pp", "2", "--pp-split", "4,3", "--gbs", "8"], "give 2 block counts"),
+        (["--pp", "2", "--vp", "2", "--pp-split", "3,3,1,3", "--gbs", "8"], "summing to tiny's 8 blocks"),
+        (["--pp", "2", "--pp-split", "8,0", "--gbs", "8"], "each at least 1"),
+        (["--pp", "2", "--pp-split", "halves", "--gbs", "8"], "give balanced, even or one block count per stage"),
+        (["--pp-split", "even"], "--pp-split even needs pipeline parallelism"),
         (["--pp", "2", "--vp", "2", "--pp-schedule", "1f1b", "--gbs", "8"], "1f1b runs one stage per rank"),
         (["--pp", "2", "--gbs", "1"], "at least 2 micro-batches"),
         (["--pp", "2", "--vp", "2", "--gbs", "3"], "multiple of --pp 2"),

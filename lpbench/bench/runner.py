@@ -17,6 +17,7 @@ from lpbench.config import settings
 from lpbench.console import console
 from lpbench.bench.store import RunRecord
 from lpbench.errors import UsageError
+from lpbench.parallel.pp import even_sizes, stage_sizes
 from lpbench.train import loop
 from lpbench.train.loop import RunResult
 
@@ -45,7 +46,8 @@ def validated(cfg):
 
 def check_resume(cfg) -> None:
     """The checkpoint ``cfg.load`` names can resume ``cfg``: the settings declared ``resume`` match (a setting
-    the checkpoint predates counts as its default), and steps are left to train."""
+    the checkpoint predates counts as its default), under PP so do the stages' block counts, and steps are left
+    to train."""
     from dataclasses import fields
 
     from lpbench.train.checkpoint import find_checkpoint, read_metadata
@@ -60,6 +62,15 @@ def check_resume(cfg) -> None:
     ]
     if diff:
         raise UsageError(f"--load {ckpt}: checkpoint does not match this run: {'; '.join(diff)}")
+    if cfg.pp > 1:  # a checkpoint saved before --pp-split existed: the even split
+        m = cfg.model_config()
+        then, now = meta.get("pp_stage_blocks") or even_sizes(m.n_layers, cfg.pp * cfg.vp), stage_sizes(cfg, m)
+        if then != now:
+            blocks = ",".join(map(str, then))
+            raise UsageError(
+                f"--load {ckpt}: its pipeline stages hold {blocks} blocks, this run's "
+                f"{','.join(map(str, now))}: resume with --pp-split {blocks}"
+            )
     if meta["step"] >= cfg.steps:
         raise UsageError(
             f"--load {ckpt}: checkpoint is at step {meta['step']}, --steps {cfg.steps} leaves nothing to train"

@@ -26,7 +26,7 @@ quantized weight's FP8 shard codes, kept for the optimizer step. The build's pea
 
 A model (shapes only) built on the meta device gives the parameter counts; the rest are formulas, so
 this runs without a GPU. It counts tensors, as ``torch.cuda.max_memory_allocated`` does: no CUDA context,
-NCCL buffers or allocator fragmentation. Not modelled: the torchao backend, pipeline stages, DDP's buckets.
+NCCL buffers or allocator fragmentation. Not modelled: the torchao backend, DDP's buckets.
 """
 
 from __future__ import annotations
@@ -191,6 +191,7 @@ def estimate(
     pp: int = 1,
     vp: int = 1,
     pp_schedule: str | None = None,
+    pp_rank_blocks: list[int] | None = None,
 ) -> Estimate:
     """The predicted peak of one rank (module doc); ``m``'s parameters counted on a meta-device model.
 
@@ -202,13 +203,18 @@ def estimate(
     ``master_weights``, ``optimizer_states``, ``offload_optimizer``: the run's settings of the same names (one
     process only offloads: FSDP2 on one rank, so its gathers are counted as FSDP's). The estimate's ``parts``
     are what is live at the peak, ``when`` names that moment, ``build`` is the streamed build's peak
-    (:func:`build_peak`). ``pp``, ``vp``, ``pp_schedule``: pipeline parallelism (:func:`pipeline_estimate`).
+    (:func:`build_peak`). ``pp``, ``vp``, ``pp_schedule``, ``pp_rank_blocks`` (the blocks of each pipeline rank):
+    pipeline parallelism (:func:`pipeline_estimate`).
     """
     from lpbench.models.decoder import build_model
 
     if pp > 1:
-        kw = {k: v for k, v in locals().items() if k not in ("m", "recipe", "pp", "vp", "pp_schedule", "build_model")}
-        return pipeline_estimate(m, recipe, pp, vp, pp_schedule, **kw)
+        kw = {
+            k: v
+            for k, v in locals().items()
+            if k not in ("m", "recipe", "pp", "vp", "pp_schedule", "pp_rank_blocks", "build_model")
+        }
+        return pipeline_estimate(m, recipe, pp, vp, pp_schedule, pp_rank_blocks, **kw)
 
     model = build_model(m, device="meta")
     block = sum(p.numel() for p in model.layers.parameters()) / m.n_layers
@@ -418,26 +424,31 @@ def in_flight(pp: int, vp: int, micro_batches: int, schedule: str, rank: int) ->
     return min((vp - 1) * pp + 2 * (pp - 1 - rank) + 1, micro_batches * vp)
 
 
-def pipeline_estimate(m: ModelConfig, recipe: Recipe, pp: int, vp: int, schedule: str | None, **kw) -> Estimate:
-    """The peak of the busier of the first and the last pipeline rank: each counted as a model of its share of
-    the blocks (``ceil(n / pp)``; the embeddings and the LM head counted on both, an overcount of one
-    vocabulary-sized matrix), whose activations, and under CP the K and V its blocks gathered, are those of the
-    stage-chunks it keeps in flight (:func:`in_flight`) instead of one micro-batch's; the logits only on the last
-    rank."""
+def pipeline_estimate(
+    m: ModelConfig, recipe: Recipe, pp: int, vp: int, schedule: str | None, rank_blocks: list[int] | None = None, **kw
+) -> Estimate:
+    """The peak of the busiest pipeline rank: each counted as a model of its blocks (``rank_blocks[r]``, the
+    split's, :func:`lpbench.parallel.pp.rank_blocks`; default ``ceil(n / pp)`` on every rank; the embeddings and
+    the LM head counted on every rank, an overcount of one vocabulary-sized matrix), whose activations, and under
+    CP the K and V its blocks gathered, are those of the stage-chunks it keeps in flight (:func:`in_flight`)
+    instead of one micro-batch's; the logits only on the last stage's rank."""
     from dataclasses import replace
 
     schedule = schedule or ("1f1b" if vp == 1 else "interleaved-1f1b")
-    blocks = -(-m.n_layers // pp)
-    share = estimate(replace(m, n_layers=blocks), recipe, **kw)
-    per_chunk = blocks / vp  # blocks of one stage
+    rank_blocks = rank_blocks or [-(-m.n_layers // pp)] * pp
+    last = 0 if schedule == "zbv" else pp - 1  # the rank of the last stage
+    shares: dict[int, Estimate] = {}
     out = []
-    for rank in (0, pp - 1):
+    for rank, blocks in enumerate(rank_blocks):
+        if blocks not in shares:
+            shares[blocks] = estimate(replace(m, n_layers=blocks), recipe, **kw)
+        share = shares[blocks]
         parts = dict(share.parts)
         chunks = in_flight(pp, vp, kw["grad_accum"], schedule, rank)
         for name in parts:
             if name.startswith("activations (") or name == "gathered K/V (CP)":
-                parts[name] *= chunks * per_chunk / blocks
-        if rank != pp - 1:
+                parts[name] *= chunks / vp  # a stage-chunk: one micro-batch through a stage, 1/vp of the blocks
+        if rank != last:
             parts.pop("logits and loss", None)
         out.append(Estimate(parts, when=share.when, build=share.build))
     return max(out, key=lambda e: e.total)

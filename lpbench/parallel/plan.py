@@ -39,6 +39,7 @@ from lpbench.parallel.pp import (
     stage_blocks,
     stage_fsdp_shard,
     stage_module,
+    stage_sizes,
     tie_groups,
 )
 from lpbench.parallel.recompute import apply_recompute
@@ -166,7 +167,7 @@ def pipeline(
     would be (:func:`shard`), and the schedule that runs them."""
     schedule = cfg.pp_schedule or default_schedule(cfg.vp)
     n_stages = cfg.pp * cfg.vp
-    blocks = stage_blocks(len(model.layers), n_stages)
+    blocks = stage_blocks(stage_sizes(cfg, model.cfg))
     ids = rank_stages(meshes.rank("pp"), cfg.pp, cfg.vp, schedule)
     last_rank = next(r for r in range(cfg.pp) if n_stages - 1 in rank_stages(r, cfg.pp, cfg.vp, schedule))
     tied = model.lm_head.weight is model.tok_embeddings.weight
@@ -208,6 +209,7 @@ def pipeline(
         tie_group,
         (first, head),
         draws=(cfg.seed, cfg.dp, meshes.rank("batch")),
+        sizes=[len(b) for b in blocks],
     )
     return Parallelized(view, None, dims, meshes, meshes.rank("batch"), context, pipeline=run)
 

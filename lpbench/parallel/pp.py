@@ -55,8 +55,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules
 
-from lpbench.config import PP_SCHEDULES
+from lpbench.config import PP_SCHEDULES, RunConfig
 from lpbench.errors import UsageError
+from lpbench.metrics.flops import flops_per_token
+from lpbench.models.registry import ModelConfig
 from lpbench.precision import noise
 
 SCHEDULES = dict(  # --pp-schedule: torch's class
@@ -115,12 +117,66 @@ def stage_fsdp_shard(fsdp_shard: str, schedule: str) -> str:
     return "zero2" if fsdp_shard == "zero3" and schedule in SPLIT_BACKWARD else fsdp_shard
 
 
-def stage_blocks(n_layers: int, n_stages: int) -> list[range]:
-    """The global block indices of each stage (see the module doc for an uneven split)."""
+def head_units(m: ModelConfig, seq_len: int) -> float:
+    """The LM head's training FLOPs per token in blocks: ``6 · dim · vocab`` over one block's share of the rest of
+    :func:`lpbench.metrics.flops.flops_per_token` (the megatron count at ``seq_len``: the block's GEMMs, a MoE
+    block's active experts, causal attention)."""
+    head = 6.0 * m.dim * m.vocab_size
+    return head / ((flops_per_token(m, seq_len) - head) / m.n_layers)
+
+
+def balanced_sizes(n_layers: int, owners: list[int], head: float) -> list[int]:
+    """The block count of each stage (``owners[s]``: the pipeline rank running stage ``s``; the last stage also
+    runs the head, worth ``head`` blocks): every stage starts with one block, and the rest are dealt one at a time
+    to the stage on the least-loaded rank (a rank's load: its stages' blocks, plus ``head`` on the last stage's
+    rank), within that rank to its least-loaded stage, ties to the later stage."""
+    n_stages = len(owners)
+    sizes = [1] * n_stages
+    stage_load = [1.0] * (n_stages - 1) + [1.0 + head]
+    rank_load: dict[int, float] = {}
+    for s, r in enumerate(owners):
+        rank_load[r] = rank_load.get(r, 0.0) + stage_load[s]
+    for _ in range(n_layers - n_stages):
+        s = min(range(n_stages), key=lambda s: (rank_load[owners[s]], stage_load[s], -s))
+        sizes[s] += 1
+        stage_load[s] += 1
+        rank_load[owners[s]] += 1
+    return sizes
+
+
+def even_sizes(n_layers: int, n_stages: int) -> list[int]:
+    """``n_layers`` blocks split evenly over ``n_stages`` stages, the first ``n_layers mod n_stages`` taking one
+    more."""
     base, extra = divmod(n_layers, n_stages)
-    sizes = [base + (s < extra) for s in range(n_stages)]
-    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [base + (s < extra) for s in range(n_stages)]
+
+
+def stage_sizes(cfg: RunConfig, m: ModelConfig) -> list[int]:
+    """The block count of each of ``cfg``'s ``pp × vp`` stages of model ``m`` by ``--pp-split`` (module doc)."""
+    n_stages = cfg.pp * cfg.vp
+    if cfg.pp_split == "even":
+        return even_sizes(m.n_layers, n_stages)
+    if cfg.pp_split != "balanced":
+        return cfg.pp_split_counts()
+    schedule = cfg.pp_schedule or default_schedule(cfg.vp)
+    owners = [0] * n_stages
+    for r in range(cfg.pp):
+        for s in rank_stages(r, cfg.pp, cfg.vp, schedule):
+            owners[s] = r
+    return balanced_sizes(m.n_layers, owners, head_units(m, cfg.seq_len))
+
+
+def stage_blocks(sizes: list[int]) -> list[range]:
+    """The global block indices of each stage, from the stages' block counts (consecutive, in stage order)."""
+    starts = [sum(sizes[:s]) for s in range(len(sizes))]
     return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def rank_blocks(cfg: RunConfig, m: ModelConfig) -> list[int]:
+    """The blocks each pipeline rank holds (its stages' together), by rank."""
+    sizes = stage_sizes(cfg, m)
+    schedule = cfg.pp_schedule or default_schedule(cfg.vp)
+    return [sum(sizes[s] for s in rank_stages(r, cfg.pp, cfg.vp, schedule)) for r in range(cfg.pp)]
 
 
 def rank_stages(rank: int, pp: int, vp: int, schedule: str) -> list[int]:
@@ -194,7 +250,8 @@ class Pipeline:
     ``modules``: the stages as the schedule calls them (FSDP- or DDP-wrapped); ``ids``: their stage indices;
     ``examples``: ``(input, output)`` meta tensors of each stage, its shapes for the point-to-point transfers.
     ``tied``: this rank's copies of a trained tied embedding (the first stage's, the last stage's own), None where
-    the model ties none, or the rank holds neither; ``tie_group``: the pair of ranks where they are apart.
+    the model ties none, or the rank holds neither; ``tie_group``: the pair of ranks where they are apart;
+    ``sizes``: every stage's block count (the split, for the log).
     """
 
     def __init__(
@@ -210,9 +267,10 @@ class Pipeline:
         tie_group=None,
         tied: tuple[nn.Parameter | None, nn.Parameter | None] = (None, None),
         draws: tuple[int, int, int] = (0, 1, 0),
+        sizes: list[int] | None = None,
     ):
         self.ids, self.n_stages, self.name, self.micro_batches = ids, n_stages, schedule, micro_batches
-        self.device, self.examples = device, examples
+        self.device, self.examples, self.sizes = device, examples, sizes
         self.seed, self.dp, self.dp_rank = draws
         self.draw_step = 0  # the optimizer step the draws are keyed by (``step``)
         self.pp, self.group = dist.get_world_size(group), group

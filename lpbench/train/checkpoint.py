@@ -68,6 +68,7 @@ from lpbench import __version__
 from lpbench.config import settings
 from lpbench.errors import UsageError
 from lpbench.parallel.ep import expert_params
+from lpbench.parallel.pp import stage_sizes
 from lpbench.precision.delayed import SCALE, is_delayed_state
 
 META_FILE = "lpbench.json"
@@ -429,6 +430,7 @@ class Checkpointer:
                     "steps": self.cfg.steps,
                     "world_size": self.world,
                     "config": keys,
+                    "pp_stage_blocks": stage_sizes(self.cfg, self.cfg.model_config()) if self.cfg.pp > 1 else None,
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "files": _manifest(tmp),
                     "history": history,

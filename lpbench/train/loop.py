@@ -493,7 +493,11 @@ def train(
 def pipeline_line(run: Run) -> str:
     """The log header's pipeline part: stages, the blocks of this rank's stages, schedule, micro-batches."""
     pipe, cfg = run.par.pipeline, run.cfg
-    return f" | pp {cfg.pp} x vp {cfg.vp} ({pipe.n_stages} stages, {pipe.name}, {pipe.micro_batches} micro-batches)"
+    split = cfg.pp_split if cfg.pp_split in ("balanced", "even") else "as given"
+    return (
+        f" | pp {cfg.pp} x vp {cfg.vp} ({pipe.n_stages} stages of {','.join(map(str, pipe.sizes))} blocks, {split}; "
+        f"{pipe.name}, {pipe.micro_batches} micro-batches)"
+    )
 
 
 def pipeline_metrics(run: Run, log: Callable[[str], None]) -> dict:
@@ -502,6 +506,7 @@ def pipeline_metrics(run: Run, log: Callable[[str], None]) -> dict:
     pipe, cfg = run.par.pipeline, run.cfg
     theory = bubble_theory(cfg.pp, cfg.vp, cfg.grad_accum)
     out = {"pp": cfg.pp, "vp": cfg.vp, "pp_schedule": pipe.name, "pp_bubble_theory": theory}
+    out["pp_stage_blocks"] = ",".join(map(str, pipe.sizes))
     if pipe.bubble is not None:
         out["pp_bubble"] = all_reduce([pipe.bubble], "sum", run.device)[0] / run.world.size
         log(

@@ -10,7 +10,7 @@ import torch
 from lpbench.config import RunConfig
 from lpbench.metrics.estimate import Estimate, estimate
 from lpbench.metrics.hardware import detect_gpu
-from lpbench.parallel.pp import default_schedule, stage_fsdp_shard
+from lpbench.parallel.pp import default_schedule, rank_blocks, stage_fsdp_shard, stage_sizes
 from lpbench.precision.recipes import get_recipe
 from lpbench.sharding import fsdp_requested
 
@@ -49,6 +49,7 @@ def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compil
         pp=cfg.pp,
         vp=cfg.vp,
         pp_schedule=cfg.pp_schedule,
+        pp_rank_blocks=rank_blocks(cfg, cfg.model_config()) if cfg.pp > 1 else None,
     )
 
 
@@ -104,10 +105,12 @@ def suggestions(cfg: RunConfig, capacity: float, gpu: str | None = None) -> list
 def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
     """The lines ``lpbench memory`` prints for ``cfg`` and whether it fits ``gpu`` (None: memory unknown)."""
     est = predict(cfg, gpu)
+    stages = ",".join(map(str, stage_sizes(cfg, cfg.model_config()))) if cfg.pp > 1 else ""
     lines = [
         f"{cfg.label} {cfg.precision} {cfg.workload} | seq {cfg.seq_len} MBS {cfg.mbs} GA {cfg.grad_accum} | "
         f"dp {cfg.dp}{' (fsdp)' if fsdp_requested(cfg.fsdp, cfg.cp) else ''} x tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''}"
         f"{f' x pp {cfg.pp}' if cfg.pp > 1 else ''}{f' (vp {cfg.vp})' if cfg.vp > 1 else ''}"
+        f"{f' (blocks {stages})' if cfg.pp > 1 else ''}"
         f"{f' x ep {cfg.ep}' if cfg.ep > 1 else ''} | "
         f"recompute {cfg.recompute}"
         f"{f' every {cfg.recompute_every}' if cfg.recompute_every > 1 else ''}",
