@@ -454,6 +454,29 @@ def test_pipeline_rank_keeps_the_micro_batches_its_schedule_has_in_flight(vp, ch
     assert e.parts["master weights (fp32)"] == half.parts["master weights (fp32)"]  # its 2 blocks' weights
 
 
+def test_pipeline_ranks_count_the_blocks_of_the_split():
+    """Each rank is counted with its own blocks: 3 on rank 0 (2 micro-batches in flight), or 3 on the last rank (1
+    in flight, and the logits), whichever peaks."""
+    kw = dict(seq_len=4, mbs=1, grad_accum=4, compiled=False, cuda=False)
+    three = estimate(dataclasses.replace(HAND4, n_layers=3), get_recipe("bf16"), **kw)
+    first = estimate(HAND4, get_recipe("bf16"), pp=2, vp=1, pp_rank_blocks=[3, 1], **kw)
+    assert first.parts["activations (none)"] == 4 * EAGER * 3 * 2 and "logits and loss" not in first.parts
+    assert first.parts["master weights (fp32)"] == three.parts["master weights (fp32)"]
+    last = estimate(HAND4, get_recipe("bf16"), pp=2, vp=1, pp_rank_blocks=[1, 3], **kw)
+    assert last.parts["activations (none)"] == 4 * EAGER * 3 and last.parts["logits and loss"] > 0
+
+
+def test_the_predicted_peak_follows_the_runs_split():
+    from lpbench.config import RunConfig
+    from lpbench.train.memory_plan import predict, report
+
+    cfg = RunConfig(model="llama3-8b", seq_len=8192, mbs=1, gbs=32, pp=2, fsdp=True, precision="bf16").with_world(4)
+    assert "x pp 2 (blocks 17,15) |" in report(cfg, "h100")[0][0]  # `lpbench memory`'s first line
+    balanced, even = predict(cfg).total, predict(cfg.with_(pp_split="even")).total
+    assert balanced == predict(cfg.with_(pp_split="17,15")).total  # llama3-8b's balanced split at PP 2
+    assert even == predict(cfg.with_(pp_split="16,16")).total and even < balanced  # rank 0 holds one block more
+
+
 def test_pipeline_rank_keeps_the_gathered_kv_of_its_chunks_in_flight():
     """PP 2 x CP 2: rank 0 keeps 2 micro-batches of its 2 blocks, each with the whole sequence's K and V in BF16:
     2 bytes x (K, V) x 1 KV head x head_dim 4 x 8 tokens = 128 bytes a block, 4 blocks' worth in flight."""

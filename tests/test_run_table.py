@@ -218,12 +218,14 @@ def test_the_sweep_table_fits_the_console_it_is_printed_on(tmp_path, monkeypatch
             "PP2 VP2 zbv recompute selective/2",
         ),
         ({"pp": 2, "vp": 2, "pp_schedule": "interleaved-1f1b", "recompute": "none"}, "PP2 VP2 ·"),
+        ({"pp": 2, "pp_split": "even"}, "PP2 split even"),
+        ({"pp": 2, "pp_split": "balanced"}, "PP2 ·"),
         ({"cp": 2, "dp": 4, "dp_replicate": 2, "fsdp_shard": "zero1"}, "CP2 DP4 HSDP2 zero1 FSDP"),
         ({"ep": 2, "ep_chunks": 2}, "EP2 EP-chunks 2 ·"),
     ],
 )
 def test_the_title_names_the_layout_that_ran(config, layout, tmp_path):
-    """The run table's layout names the pipeline schedule (when not the default), recomputation, HSDP, the
+    """The run table's layout names the pipeline schedule and split (when not the default), recomputation, HSDP, the
     FSDP shard mode and EP chunks: runs differing only by those are told apart."""
     store = ResultsStore(tmp_path)
     store.add_run(

@@ -1,9 +1,15 @@
 """Pipeline parallelism (``--pp``, ``--vp``, ``--pp-schedule``) on ``torch.distributed.pipelining``.
 
-The decoder's blocks are cut into ``pp × vp`` stages of consecutive blocks: the embedding goes with the
-first stage, the final norm, LM head and loss with the last. Blocks split evenly; where ``pp × vp`` does
-not divide them, the first ``n mod (pp × vp)`` stages take one block more (the last stage, which also
-runs the head and the loss over the vocabulary, gets an extra block only when every stage does).
+The decoder's blocks are cut into ``pp × vp`` stages of consecutive blocks, in order: the embedding goes with
+the first stage, the final norm, LM head and loss with the last. ``--pp-split balanced`` (the default,
+:func:`balanced_sizes`) counts work in blocks: the LM head as its FLOPs per token over one block's
+(:func:`head_units`, the megatron count of :mod:`lpbench.metrics.flops` at ``--seq-len``: 2.1 blocks for
+llama3-8b at 8,192 tokens), the embedding (a lookup) and the loss as nothing. Every stage gets one block; the
+others are dealt one at a time to the stage on the least-loaded pipeline rank (a rank's load: its stages'
+blocks, plus the head on the last stage's rank), within that rank to its least-loaded stage, ties to the later
+stage (whose rank keeps fewer micro-batches in flight). The busiest rank, which sets the pipeline's pace, so
+carries as little as whole blocks allow, and each rank's stages are as even as its blocks allow. ``even``: the
+first ``n mod (pp × vp)`` stages take one block more; a list (``4,4,5,3``): each stage's count.
 
 Stage ``s`` runs on pipeline rank ``s mod pp`` (``1f1b``, ``interleaved-1f1b``, ``zero-bubble``: rank r
 holds stages r, r + pp, ...), or in a V (``zbv``: rank r holds stages r and 2·pp − 1 − r). Each stage

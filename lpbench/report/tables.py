@@ -87,10 +87,11 @@ def layout_keys(numbers_only: bool = False) -> tuple[str, ...]:
 
 def layout_choices(r: dict) -> list[str]:
     """A row's layout settings beyond its sizes that differ from their defaults, as the run table names them:
-    ``zero-bubble``, ``HSDP2``, ``zero1``, ``EP-chunks 2``, ``recompute selective/2``."""
+    ``zero-bubble``, ``split even``, ``HSDP2``, ``zero1``, ``EP-chunks 2``, ``recompute selective/2``."""
     vp = r.get("vp") or 1
     default_schedule = None if (r.get("pp") or 1) == 1 else "1f1b" if vp == 1 else "interleaved-1f1b"
     out = [r["pp_schedule"]] if r.get("pp_schedule") not in (None, default_schedule) else []
+    out += [f"split {r['pp_split']}"] if r.get("pp_split") not in (None, "balanced") else []
     out += [f"HSDP{_int(r['dp_replicate'])}"] if (r.get("dp_replicate") or 1) > 1 else []
     out += [r["fsdp_shard"]] if r.get("fsdp_shard") not in (None, "zero3") else []
     out += [f"EP-chunks {_int(r['ep_chunks'])}"] if (r.get("ep_chunks") or 1) > 1 else []
