@@ -273,7 +273,8 @@ class RunConfig:
         default=1,
         metadata=arg(
             "pipeline-parallel size: the blocks cut into this many stages of consecutive blocks, one per rank "
-            "(embedding with the first, norm and LM head with the last); GBS / (MBS x DP) micro-batches per step",
+            "(embedding with the first, norm and LM head with the last; how many each: --pp-split); "
+            "GBS / (MBS x DP) micro-batches per step",
             section="parallel",
             resume=True,
             layout=True,
