@@ -44,7 +44,8 @@ backward of one micro-batch runs under the draw key one process gives that micro
 with point-to-point sends, without the schedule.
 
 What is ours and why: the stage cut (torch's ``pipeline()`` tracer splits an ``nn.Module`` by an FX graph,
-which the quantized linears' autograd functions and MoE routing do not trace through), the tie,
+which the quantized linears' autograd functions and MoE routing do not trace through) and its split by work
+(torch's ``pipeline()`` places split points where it is told), the tie,
 the micro-batch bookkeeping and the forward-only validation pass; the schedules and the training step's
 point-to-point transfers are torch's.
 """

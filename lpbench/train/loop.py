@@ -491,7 +491,7 @@ def train(
 
 
 def pipeline_line(run: Run) -> str:
-    """The log header's pipeline part: stages, the blocks of this rank's stages, schedule, micro-batches."""
+    """The log header's pipeline part: stages, every stage's block count and the split, schedule, micro-batches."""
     pipe, cfg = run.par.pipeline, run.cfg
     split = cfg.pp_split if cfg.pp_split in ("balanced", "even") else "as given"
     return (
