@@ -93,6 +93,7 @@ PATH_FLAGS = (
     "config",
     "data",
     "hf-checkpoint",
+    "export-hf",
     "root",
     "tokenizer",
     "json",
