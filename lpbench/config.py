@@ -48,6 +48,11 @@ FACTS = {
 }
 
 
+def default_schedule(vp: int) -> str:
+    """``--pp-schedule``'s default: 1F1B with one stage per rank, interleaved 1F1B with virtual stages."""
+    return "1f1b" if vp == 1 else "interleaved-1f1b"
+
+
 def check_number(name: str, value, kind: type) -> None:
     """One numeric setting (flag or sweep-spec value) is usable: finite, and integers in range."""
     flag = f"--{name.replace('_', '-')}"
@@ -704,6 +709,11 @@ class RunConfig:
                 f"{flag}: give {stages} block counts (--pp {self.pp} x --vp {self.vp} stages), each at least 1, "
                 f"summing to {self.label}'s {n_layers} blocks"
             )
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule: ``--pp-schedule``, or its default for ``--vp``."""
+        return self.pp_schedule or default_schedule(self.vp)
 
     @property
     def label(self) -> str:

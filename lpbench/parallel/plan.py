@@ -33,7 +33,6 @@ from lpbench.parallel.dp import apply_ddp, apply_fsdp, one_rank_mesh, reduce_dty
 from lpbench.parallel.ep import apply_ep
 from lpbench.parallel.pp import (
     Pipeline,
-    default_schedule,
     rank_stages,
     rank_view,
     stage_blocks,
@@ -165,7 +164,7 @@ def pipeline(
 ) -> Parallelized:
     """``model`` cut into this rank's pipeline stages (:mod:`lpbench.parallel.pp`), each sharded as a whole model
     would be (:func:`shard`), and the schedule that runs them."""
-    schedule = cfg.pp_schedule or default_schedule(cfg.vp)
+    schedule = cfg.schedule
     n_stages = cfg.pp * cfg.vp
     blocks = stage_blocks(stage_sizes(cfg, model.cfg))
     ids = rank_stages(meshes.rank("pp"), cfg.pp, cfg.vp, schedule)

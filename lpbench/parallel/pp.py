@@ -62,7 +62,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules
 
-from lpbench.config import PP_SCHEDULES, RunConfig
+from lpbench.config import PP_SCHEDULES, RunConfig, default_schedule
 from lpbench.errors import UsageError
 from lpbench.metrics.flops import flops_per_token
 from lpbench.models.registry import ModelConfig
@@ -77,11 +77,6 @@ SCHEDULES = dict(  # --pp-schedule: torch's class
 
 
 SPLIT_BACKWARD = ("zero-bubble", "zbv")  # schedules whose weight gradients come in a later pass of their own
-
-
-def default_schedule(vp: int) -> str:
-    """``--pp-schedule``'s default: 1F1B with one stage per rank, interleaved 1F1B with virtual stages."""
-    return "1f1b" if vp == 1 else "interleaved-1f1b"
 
 
 def check_pipeline(pp: int, vp: int, schedule: str | None, micro_batches: int, dp: int = 1) -> None:
@@ -165,10 +160,9 @@ def stage_sizes(cfg: RunConfig, m: ModelConfig) -> list[int]:
         return even_sizes(m.n_layers, n_stages)
     if cfg.pp_split != "balanced":
         return cfg.pp_split_counts()
-    schedule = cfg.pp_schedule or default_schedule(cfg.vp)
     owners = [0] * n_stages
     for r in range(cfg.pp):
-        for s in rank_stages(r, cfg.pp, cfg.vp, schedule):
+        for s in rank_stages(r, cfg.pp, cfg.vp, cfg.schedule):
             owners[s] = r
     return balanced_sizes(m.n_layers, owners, head_units(m, cfg.seq_len))
 
@@ -182,8 +176,7 @@ def stage_blocks(sizes: list[int]) -> list[range]:
 def rank_blocks(cfg: RunConfig, m: ModelConfig) -> list[int]:
     """The blocks each pipeline rank holds (its stages' together), by rank."""
     sizes = stage_sizes(cfg, m)
-    schedule = cfg.pp_schedule or default_schedule(cfg.vp)
-    return [sum(sizes[s] for s in rank_stages(r, cfg.pp, cfg.vp, schedule)) for r in range(cfg.pp)]
+    return [sum(sizes[s] for s in rank_stages(r, cfg.pp, cfg.vp, cfg.schedule)) for r in range(cfg.pp)]
 
 
 def rank_stages(rank: int, pp: int, vp: int, schedule: str) -> list[int]:

@@ -88,9 +88,10 @@ def layout_keys(numbers_only: bool = False) -> tuple[str, ...]:
 def layout_choices(r: dict) -> list[str]:
     """A row's layout settings beyond its sizes that differ from their defaults, as the run table names them:
     ``zero-bubble``, ``split even``, ``HSDP2``, ``zero1``, ``EP-chunks 2``, ``recompute selective/2``."""
-    vp = r.get("vp") or 1
-    default_schedule = None if (r.get("pp") or 1) == 1 else "1f1b" if vp == 1 else "interleaved-1f1b"
-    out = [r["pp_schedule"]] if r.get("pp_schedule") not in (None, default_schedule) else []
+    from lpbench.config import default_schedule
+
+    default = None if (r.get("pp") or 1) == 1 else default_schedule(r.get("vp") or 1)
+    out = [r["pp_schedule"]] if r.get("pp_schedule") not in (None, default) else []
     out += [f"split {r['pp_split']}"] if r.get("pp_split") not in (None, "balanced") else []
     out += [f"HSDP{_int(r['dp_replicate'])}"] if (r.get("dp_replicate") or 1) > 1 else []
     out += [r["fsdp_shard"]] if r.get("fsdp_shard") not in (None, "zero3") else []

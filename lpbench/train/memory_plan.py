@@ -10,7 +10,7 @@ import torch
 from lpbench.config import RunConfig
 from lpbench.metrics.estimate import Estimate, estimate
 from lpbench.metrics.hardware import detect_gpu
-from lpbench.parallel.pp import default_schedule, rank_blocks, stage_fsdp_shard, stage_sizes
+from lpbench.parallel.pp import rank_blocks, stage_fsdp_shard, stage_sizes
 from lpbench.precision.recipes import get_recipe
 from lpbench.sharding import fsdp_requested
 
@@ -19,7 +19,6 @@ def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compil
     """The predicted peak of one rank of ``cfg`` on ``gpu`` (a GPU without FP4 units, or an unknown one, emulates
     NVFP4), on CUDA unless ``cuda`` is False; ``compiled`` defaults to what ``train`` does on the device."""
     peaks = detect_gpu(gpu)
-    schedule = cfg.pp_schedule or default_schedule(cfg.vp)  # a split backward's stages: zero3 as zero2
     return estimate(
         cfg.model_config(),
         get_recipe(cfg.precision),
@@ -41,7 +40,7 @@ def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compil
         nvfp4_bf16_copies=cuda and (peaks is None or peaks.fp4 is None),
         reduce_bytes=2 if cfg.grad_reduce_dtype == "bf16" else 4,
         ep=cfg.ep,
-        fsdp_shard=cfg.fsdp_shard if cfg.pp == 1 else stage_fsdp_shard(cfg.fsdp_shard, schedule),
+        fsdp_shard=cfg.fsdp_shard if cfg.pp == 1 else stage_fsdp_shard(cfg.fsdp_shard, cfg.schedule),
         fsdp_fp8_all_gather=cfg.fsdp_fp8_all_gather,
         master_weights=cfg.master_weights,
         optimizer_states=cfg.optimizer_states,
