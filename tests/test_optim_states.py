@@ -689,11 +689,44 @@ def test_offloaded_shards_train_like_one_process(master, states, blocks_of_256):
     assert all(isinstance(p, DTensor) and p.device.type == "cpu" for g in opt.param_groups for p in g["params"])
 
 
+@pytest.mark.parametrize("states", ["fp8", "8bit"])
+def test_quantized_states_of_a_dtensor_are_made_where_its_part_lies(states):
+    """Codes and scales of a DTensor parameter are DTensors over the very tensors made for them, beside its local
+    part: FSDP2's CPU offload keeps the parts of a CUDA mesh on the CPU, where ``DTensor.from_local`` would have
+    copied them to the GPU (the offloaded GPU test's failure)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lpbench.parallel.dp import one_rank_mesh
+    from lpbench.parallel.env import shutdown
+
+    made = []
+    zeros = torch.zeros
+
+    def recording_zeros(*args, **kwargs):
+        made.append(zeros(*args, **kwargs))
+        return made[-1]
+
+    try:
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(4, 1024), one_rank_mesh(torch.device("cpu")), [Shard(0)]))
+        opt = LowPrecisionAdamW([p], lr=1e-2, weight_decay=0.0, states=states)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch, "zeros", recording_zeros)
+            state = opt._init_state(p)
+    finally:
+        shutdown()
+    stored = [state[k] for k in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")]
+    with torch.no_grad():  # to_local is then the local part itself, not a view of it
+        assert len(made) == 4 and all(t.to_local() is m for t, m in zip(stored, made))
+    assert [tuple(t.shape) for t in stored] == [(4, 1024), (4, 4)] * 2
+    assert all(t.placements == p.placements for t in stored)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("master,states", [("fp32", "fp32"), ("bf16", "8bit")])
 def test_offloaded_optimizer_trains_like_the_gpu_one_in_less_gpu_memory(master, states, blocks_of_256, tmp_path):
     """FSDP2 on one rank with CPU offload: the same losses up to FSDP2's BF16 embeddings (autocast keeps them FP32)
-    and the CPU's optimizer arithmetic, less GPU memory, and an exact resume."""
+    and the CPU's optimizer arithmetic (and, with BF16 weights, the CPU generator's other stochastic-rounding
+    bits: twice the tolerance), less GPU memory, and an exact resume."""
     import lpbench.train.loop as loop
 
     cfg = blocks_of_256.with_(device="cuda", compile=False, master_weights=master, optimizer_states=states, steps=6)
@@ -706,7 +739,7 @@ def test_offloaded_optimizer_trains_like_the_gpu_one_in_less_gpu_memory(master, 
     try:
         on_gpu, offloaded = train(cfg), train(cfg.with_(offload_optimizer=True))
         a, b = [s["loss"] for s in on_gpu.steps], [s["loss"] for s in offloaded.steps]
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-2
+        assert max(abs(x - y) for x, y in zip(a, b)) < (2e-2 if master == "bf16" else 1e-2)
         assert offloaded.metrics["peak_mem_allocated_gb"] < on_gpu.metrics["peak_mem_allocated_gb"]
         saving = train(cfg.with_(offload_optimizer=True, save_every=3, save_dir=str(tmp_path)))
         resumed = train(cfg.with_(offload_optimizer=True, load=str(tmp_path / "step-3")))

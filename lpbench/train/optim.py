@@ -26,6 +26,7 @@ import warnings
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from lpbench.config import RunConfig
 from lpbench.precision import optim_states as fmt
@@ -49,13 +50,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _like(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``local`` (this rank's part) as a tensor of the same kind as ``p``: a DTensor of global ``shape`` placed
-    as ``p`` is (its sharded dimensions lead), or ``local`` itself."""
+    as ``p`` is (its sharded dimensions lead) whose local part is ``local`` itself, where it lies (FSDP2's CPU
+    offload keeps the parts of a CUDA mesh on the CPU; ``DTensor.from_local`` would copy them to the GPU, so the
+    DTensor is made as FSDP2 makes its own); or ``local`` itself."""
     if not isinstance(p, DTensor):
         return local
     stride = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         stride[i] = stride[i + 1] * shape[i + 1]
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=tuple(stride))
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return DTensor(local, DTensorSpec(p.device_mesh, p.placements, tensor_meta=meta), requires_grad=False)
 
 
 def quantizes(p: torch.Tensor, states: str) -> bool:
@@ -111,19 +115,21 @@ def fused_update(
     v: Moment,
     bits: torch.Tensor | None,
     scalars: torch.Tensor,
-    beta1: float,
     beta2: float,
     eps: float,
 ) -> tuple[torch.Tensor, Moment, Moment]:
     """:func:`adamw_update` with the step's scalars in a FP32 tensor ``scalars`` = (decay, -step_size,
-    1 / bias_correction2), for :func:`compiled_update`: one graph then serves every step. Written as eager CUDA
-    evaluates :func:`adamw_update`: a division by a scalar is a multiplication by its FP32 reciprocal, and
-    ``addcdiv`` a fused multiply-add of the value and the quotient (``addcmul`` of the value as a tensor)."""
-    decay, neg_step_size, inv_bias_correction2 = scalars.unbind()
+    1 / bias_correction2, 1 - beta1), each computed in double and then rounded, for :func:`compiled_update`: one
+    graph then serves every step. Written as eager CUDA evaluates :func:`adamw_update`: a division by a Python
+    number is a multiplication by its reciprocal (taken in double, rounded to FP32), ``addcdiv`` a fused
+    multiply-add of the value and the quotient, and ``lerp`` by a weight below 0.5 (1 - beta1) a fused
+    multiply-add of the weight and the difference; each fused multiply-add is an ``addcmul`` with a tensor
+    operand, which inductor lowers to one."""
+    decay, neg_step_size, inv_bias_correction2, weight = scalars.unbind()
     wf, g = w.float(), g.float()
     m_value, v_value = decode(*m, signed=True), decode(*v, signed=False)
     wf = wf * decay
-    m_value = m_value.lerp(g, 1 - beta1)
+    m_value = torch.addcmul(m_value, g - m_value, weight)
     v_value = (v_value * beta2).addcmul(g, g, value=1 - beta2)
     denom = (v_value.sqrt() * inv_bias_correction2) + eps
     wf = torch.addcmul(wf, neg_step_size, m_value / denom)
@@ -300,15 +306,15 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 rs = slice(lo, lo + rows)
                 piece = local[rs]
                 if size + piece.numel() > CHUNK:
-                    self._update_bucket(bucket, scalars)
+                    self._update_bucket(bucket, scalars, step)
                     bucket, size = [], 0
                 bits = fmt.random_bits(piece.shape, gen, device) if sr else None
                 bucket.append((p, rs, bits))
                 size += piece.numel()
         if bucket:
-            self._update_bucket(bucket, scalars)
+            self._update_bucket(bucket, scalars, step)
 
-    def _update_bucket(self, bucket: list, scalars: dict) -> None:
+    def _update_bucket(self, bucket: list, scalars: dict, step: float) -> None:
         """Gather the pieces ``(parameter, rows, random bits)``, update them at once, copy the results back."""
         tensors = []  # per piece: the rows of weight, gradient, moments (and their scales)
         for p, rs, _ in bucket:
@@ -328,7 +334,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         bits = _cat([b for _, _, b in bucket], pad) if bucket[0][2] is not None else None
         w, g, *moments = flat
         m, v = (tuple(moments[:2]), tuple(moments[2:])) if scaled else ((moments[0], None), (moments[1], None))
-        new = adamw_update(w, g, m, v, bits, **scalars) if not compiled else self._fused(w, g, m, v, bits, scalars)
+        new = adamw_update(w, g, m, v, bits, **scalars) if not compiled else self._fused(w, g, m, v, bits, scalars, step)
         w, (m, m_scale), (v, v_scale) = new
         dst, src = [], []
         outputs = [w, m, m_scale, v, v_scale] if scaled else [w, m, v]
@@ -340,19 +346,19 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
             src += [part.view(r.shape) for part, r in zip(parts, rows)]
         torch._foreach_copy_(dst, src)
 
-    def _fused(self, w, g, m: Moment, v: Moment, bits, scalars: dict) -> tuple[torch.Tensor, Moment, Moment]:
+    def _fused(self, w, g, m: Moment, v: Moment, bits, scalars: dict, step: float) -> tuple[torch.Tensor, Moment, Moment]:
         """:func:`compiled_update` of a bucket. The first bucket of each kind on a device is also updated eagerly
-        and the two compared bit for bit: where they differ (a torch whose inductor lowers these ops otherwise),
-        the optimizer warns and stays eager on that device, and this bucket keeps the eager result."""
+        at its first step and at its second (the first whose moments are not zero), and the two compared bit for
+        bit: where they differ (a torch whose inductor lowers these ops otherwise), the optimizer warns and stays
+        eager on that device, and this bucket keeps the eager result."""
         if m[0].dtype == torch.uint8:  # the maps, made before the compiled update reads them
             fmt.tables(True, w.device), fmt.tables(False, w.device)
-        one = torch.ones((), dtype=torch.float32)
-        values = [scalars["decay"], -scalars["step_size"], (one / scalars["bias_correction2"]).item()]
+        values = [scalars["decay"], -scalars["step_size"], 1 / scalars["bias_correction2"], 1 - scalars["beta1"]]
         tensor = torch.tensor(values, dtype=torch.float32).to(w.device, non_blocking=True)
         limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
         with torch._dynamo.config.patch(**{limit: 64}):  # a graph per kind of bucket (dtypes), at most 8
-            new = compiled_update()(w, g, m, v, bits, tensor, scalars["beta1"], scalars["beta2"], scalars["eps"])
-        kind = (w.device, w.dtype, m[0].dtype, m[1] is None, v[0].dtype, bits is None)
+            new = compiled_update()(w, g, m, v, bits, tensor, scalars["beta2"], scalars["eps"])
+        kind = (w.device, w.dtype, m[0].dtype, m[1] is None, v[0].dtype, bits is None, min(step, 2))
         if kind not in self._compiled_checked:
             self._compiled_checked.add(kind)
             eager = adamw_update(w, g, m, v, bits, **scalars)
