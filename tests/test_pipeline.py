@@ -329,14 +329,14 @@ def test_bubble_clock_counts_idle_time_between_chunks():
 def test_bubble_clock_times_the_device_without_synchronising_it():
     device = torch.device("cuda")
     torch.cuda.synchronize()
-    stage = _Stage(0.05, True)
+    stage = _Stage(0.2, True)
     clock = BusyClock([stage], device)
     clock.start(True)
     t0 = time.perf_counter()
     stage.forward_one_chunk(0)
     host = time.perf_counter() - t0
     clock.stop()
-    assert host < 0.01  # the timed call returned before its kernel ran: no synchronisation inside
+    assert host < stage.seconds / 2  # the timed call returned before its kernel ran: no synchronisation inside
     assert 0.2 < _clocked_bubble(device, 0.05, 0.05) < 0.5
 
 
