@@ -1006,10 +1006,21 @@ def run_labels(configs: list[RunConfig]) -> list[str]:
     return [", ".join([c.precision, *(f"{n.replace('_', '-')} {getattr(c, n)}" for n in varying)]) for c in configs]
 
 
+def completed(settings: dict) -> dict:
+    """``settings`` as stored by a run (``RunConfig.to_dict()``, or by an older lpbench), with what an older run
+    did where a setting added since would state it otherwise by its default: a pipeline run from before
+    ``--pp-split`` split its blocks evenly."""
+    pp = settings.get("pp")
+    if isinstance(pp, int) and pp > 1 and "pp_split" not in settings:
+        return {**settings, "pp_split": "even"}
+    return settings
+
+
 def run_key(settings: dict) -> str:
-    """The run key of a config (``RunConfig.to_dict()``, or one stored by an older lpbench): a hash of the
-    settings that are in the key (``arg(key=True)``) and differ from their defaults, so a setting added
-    later leaves every existing run's key as it was."""
+    """The run key of a config (``RunConfig.to_dict()``, or one stored by an older lpbench, :func:`completed`): a
+    hash of the settings that are in the key (``arg(key=True)``) and differ from their defaults, so a setting
+    added later leaves every existing run's key as it was."""
+    settings = completed(settings)
     kept = {}
     for f in fields(RunConfig):
         if f.name in settings and fact(f, "key") and settings[f.name] != f.default:

@@ -236,11 +236,31 @@ def test_schema_2_run_keys_are_recomputed_so_sweeps_resume_and_runs_group(tmp_pa
     assert [r["run_key"] for r in rows[:2]] == [cfg.key() for cfg in configs]
     assert rows[2]["run_key"] == old_keys[2] and len(rows) == 3  # kept, under its old key
     assert _add(store, config=configs[0].to_dict(), run_key=configs[0].key(), sweep_id="old") is None  # recorded once
-    assert store.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "3"
+    assert store.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "4"
     store.close()
     from lpbench.cli import main
 
     assert main(["report", "--results", str(tmp_path), "--format", "json"]) == 0  # the upgraded database reports
+
+
+def test_a_pipeline_run_from_before_pp_split_keeps_its_even_split(tmp_path):
+    """A pipeline run stored before --pp-split (no pp_split in its config) split its blocks evenly: once its
+    schema-3 database is opened, its key is the even split's, not today's balanced default's (so a resumed sweep
+    runs the balanced run), and its config reads as even; a run without a pipeline keeps its key."""
+    new = RunConfig(seq_len=64, pp=2, mbs=2, gbs=4)
+    old = {k: v for k, v in new.to_dict().items() if k != "pp_split"}
+    assert run_key(old) == new.with_(pp_split="even").key() != new.key()
+    plain = RunConfig(seq_len=64)
+    assert run_key({k: v for k, v in plain.to_dict().items() if k != "pp_split"}) == plain.key()
+    store = ResultsStore(tmp_path)
+    _add(store, config=old, run_key=new.key(), sweep_id="s")  # the key schema 3 gave it
+    store.conn.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
+    store.close()
+    store = ResultsStore(tmp_path, create=False)
+    assert new.key() not in store.finished_keys("s")
+    (row,) = store.runs()
+    assert row["run_key"] == new.with_(pp_split="even").key() and row["config"]["pp_split"] == "even"
+    store.close()
 
 
 def test_run_key_ignores_settings_at_their_defaults():

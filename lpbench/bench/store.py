@@ -8,9 +8,11 @@ Sweep runs carry a ``sweep_id``; ``UNIQUE(sweep_id, run_key)`` makes "record thi
 this sweep" idempotent: a second insert (a resumed sweep, or the sweep parent writing the
 row of a child that died) is skipped, never duplicated. Rows without a sweep id (plain
 ``lpbench run``) are not constrained. A database written by an older lpbench is upgraded when
-opened for writing: a version-1 table gains the sweep id, and version-2 run keys (a hash over
-every setting) are recomputed from each row's config as :func:`lpbench.config.run_key` does, so
-old runs still group with new ones and a sweep resumes across the upgrade.
+opened for writing: a version-1 table gains the sweep id, and the run keys of versions 1 to 3 (a hash
+over every setting; a pipeline run from before ``--pp-split`` keyed as the balanced split) are
+recomputed from each row's config as :func:`lpbench.config.run_key` does, so old runs still group
+with new ones, a sweep resumes across the upgrade, and an old evenly split pipeline run is not
+taken for a balanced one. Rows are read with their configs completed (:func:`lpbench.config.completed`).
 
 A finished run is never lost: a write that fails (the database locked by another process
 beyond SQLite's busy timeout, a full disk) is retried with backoff, and if it still fails the run
@@ -42,7 +44,8 @@ from lpbench.errors import UsageError
 from lpbench.models.registry import model_label
 from lpbench.parsing import parse_json
 
-SCHEMA_VERSION = 3  # 2: runs.sweep_id + UNIQUE(sweep_id, run_key); 3: run keys over non-default settings
+SCHEMA_VERSION = 4  # 2: runs.sweep_id + UNIQUE(sweep_id, run_key); 3: run keys over non-default settings;
+# 4: keys of pipeline runs from before --pp-split name their even split (config.completed)
 DB_NAME = "results.db"
 PENDING_DIR = "pending-runs"  # runs that could not be written, imported by the next writer
 BUSY_TIMEOUT_S = 30.0  # SQLite waits this long for another writer's lock ...
@@ -315,7 +318,7 @@ class ResultsStore:
             version = _schema_version(self.conn)
             if version == 1:  # written by lpbench before sweeps: add the column, keep every row
                 self.conn.execute("ALTER TABLE runs ADD COLUMN sweep_id TEXT")
-            if version in (1, 2):  # run keys hashed every setting: recompute them from each row's config
+            if version in (1, 2, 3):  # keys hashed every setting, or an old pipeline's split as balanced: recomputed
                 self._rekey()
                 self.conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
                 version = SCHEMA_VERSION
@@ -326,7 +329,7 @@ class ResultsStore:
         return version
 
     def _rekey(self) -> None:
-        """Each row's run key recomputed from its stored config (schema 2 -> 3), inside ``_set_up``'s transaction."""
+        """Each row's run key recomputed from its stored config (schema 1-3 -> 4), inside ``_set_up``'s transaction."""
         from lpbench.config import run_key
 
         self.conn.execute("DROP INDEX IF EXISTS runs_sweep_key")  # rebuilt after: keys change one row at a time
@@ -424,6 +427,8 @@ class ResultsStore:
     def runs(self, where: str = "1", params: tuple = ()) -> list[dict]:
         """The rows ``where`` selects; a row whose JSON or numbers are not what lpbench writes is skipped with
         a one-line warning (a report still shows the others)."""
+        from lpbench.config import completed
+
         rows = self.conn.execute(f"SELECT * FROM runs WHERE {where} ORDER BY id", params).fetchall()
         out = []
         for r in rows:
@@ -433,6 +438,7 @@ class ResultsStore:
                     d[key] = parse_json(d.pop(f"{key}_json"), f"its {key}_json")
                     if not isinstance(d[key], dict):
                         raise UsageError(f"its {key}_json is not an object")
+                d["config"] = completed(d["config"])
                 bad = [
                     c
                     for c in ("num_gpus", *CONFIG_COLUMNS, *METRIC_COLUMNS)
