@@ -334,7 +334,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         bits = _cat([b for _, _, b in bucket], pad) if bucket[0][2] is not None else None
         w, g, *moments = flat
         m, v = (tuple(moments[:2]), tuple(moments[2:])) if scaled else ((moments[0], None), (moments[1], None))
-        new = adamw_update(w, g, m, v, bits, **scalars) if not compiled else self._fused(w, g, m, v, bits, scalars, step)
+        new = (
+            adamw_update(w, g, m, v, bits, **scalars) if not compiled else self._fused(w, g, m, v, bits, scalars, step)
+        )
         w, (m, m_scale), (v, v_scale) = new
         dst, src = [], []
         outputs = [w, m, m_scale, v, v_scale] if scaled else [w, m, v]
@@ -346,7 +348,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
             src += [part.view(r.shape) for part, r in zip(parts, rows)]
         torch._foreach_copy_(dst, src)
 
-    def _fused(self, w, g, m: Moment, v: Moment, bits, scalars: dict, step: float) -> tuple[torch.Tensor, Moment, Moment]:
+    def _fused(
+        self, w, g, m: Moment, v: Moment, bits, scalars: dict, step: float
+    ) -> tuple[torch.Tensor, Moment, Moment]:
         """:func:`compiled_update` of a bucket. The first bucket of each kind on a device is also updated eagerly
         at its first step and at its second (the first whose moments are not zero), and the two compared bit for
         bit: where they differ (a torch whose inductor lowers these ops otherwise), the optimizer warns and stays
