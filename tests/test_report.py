@@ -517,7 +517,13 @@ def test_report_names_the_recompute_mode_and_pipeline_schedule(tmp_path, capsys)
     without it, --recompute full and none showed the same row but for RECOMPUTE_EVERY."""
     s = ResultsStore(tmp_path)
     _run(s, "bf16", 10000, group="g1", extra_config={"recompute": "full"})
-    _run(s, "bf16", 9000, group="g2", extra_config={"pp": 2, "vp": 2, "pp_schedule": "zbv", "pp_split": "balanced", "recompute": "none"})
+    _run(
+        s,
+        "bf16",
+        9000,
+        group="g2",
+        extra_config={"pp": 2, "vp": 2, "pp_schedule": "zbv", "pp_split": "balanced", "recompute": "none"},
+    )
     _run(s, "bf16", 8000, group="g3", extra_config={"recompute": "none"})
     s.close()
     assert main(["report", "--results", str(tmp_path)]) == 0
