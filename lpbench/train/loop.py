@@ -164,7 +164,7 @@ def build(cfg: RunConfig, log: Callable[[str], None]) -> Run:
         cpu_note = f" | {threads.configure()} | {gemm.describe()}"
         result.env.update(cpu_threads=torch.get_num_threads(), cpu_gemm_route=gemm.route())
 
-    gc.collect()  # an earlier run in this process (a list of precisions, a sweep's test) left no cycles behind
+    gc.collect()  # what an earlier run in this process (a list of precisions, a test) left in cycles is freed
     memory.reset_peak(device)  # the build's peak from here
     torch.manual_seed(cfg.seed)
     # on the meta device: one process materializes it block by block once converted (prepare_model), several
