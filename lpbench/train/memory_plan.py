@@ -71,6 +71,8 @@ def suggestions(cfg: RunConfig, capacity: float, gpu: str | None = None) -> list
         tries.append(("--fused-loss", dict(fused_loss=True)))
     if cfg.dp > 1 and not fsdp_requested(cfg.fsdp, cfg.cp) and cfg.workload != "lora":
         tries.append(("--fsdp", dict(fsdp=True)))
+    if fsdp_requested(cfg.fsdp, cfg.cp) and cfg.fsdp_shard != "zero3":  # e.g. a recommended row's zero1
+        tries.append(("--fsdp-shard zero3", dict(fsdp_shard="zero3")))
     if cfg.optimizer_states not in ("fp8", "8bit"):
         tries.append(("--optimizer-states 8bit", dict(optimizer_states="8bit")))
     if cfg.master_weights != "bf16" and get_recipe(cfg.precision).compute_dtype == torch.bfloat16:
