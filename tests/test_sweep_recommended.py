@@ -186,8 +186,13 @@ def test_a_data_parallel_row_runs_the_distributed_optimizer(capsys):
     (cfg,) = _configs(["--model", rec.name, "--gpu", "b200", "--num-gpus", "128", "--nproc-per-node", "128"])
     assert (rec.tp, rec.pp, rec.cp, rec.vp) == (4, 8, 2, 8) and (cfg.dp, cfg.fsdp_shard) == (2, "zero1")
     capsys.readouterr()
-    dp1 = [r for r in rc.load() if r.dp == 1 and not r.fsdp]
-    assert dp1 and all(rc.run_defaults(r)["fsdp"] is False and "fsdp_shard" not in rc.run_defaults(r) for r in dp1)
+    ddp = [r for r in rc.load() if not r.fsdp and (r.dp == 1 or r.task == "lora")]  # DP 1, and LoRA: no change
+    assert {r.task for r in ddp} == {"pretrain", "lora"} and any(r.dp > 1 for r in ddp)
+    assert all(rc.run_defaults(r)["fsdp"] is False and "fsdp_shard" not in rc.run_defaults(r) for r in ddp)
+    (cfg,) = _configs(["--model", "llama3-8b", "--workload", "lora", "--gpu", "h100", "--nproc-per-node", "8"])
+    assert (cfg.dp, cfg.fsdp, cfg.fsdp_shard) == (8, False, "zero3")
+    sft = rc.lookup("llama3-8b", "h100", 8, task="sft")
+    assert sft.dp > 1 and rc.run_defaults(sft)["fsdp_shard"] == "zero1"
     # the sweep spec takes the row the same way, and its settings too
     from lpbench.bench.sweep_spec import expand
 
@@ -207,7 +212,7 @@ def test_memory_of_a_data_parallel_row_is_the_distributed_optimizers(capsys):
         return float(out.split("predicted peak: ")[1].split(" GB")[0]), out
 
     zero1, out = peak()
-    assert "dp 8 (fsdp) x tp 2" in out and "would fit with:" in out and "--fsdp-shard zero3" in out
+    assert "dp 8 (fsdp zero1) x tp 2" in out and "would fit with:" in out and "--fsdp-shard zero3" in out
     ddp, out = peak("--no-fsdp")
     assert "dp 8 x tp 2" in out and zero1 < ddp / 1.5
     zero3, _ = peak("--fsdp-shard", "zero3")
