@@ -431,7 +431,8 @@ def cmd_slurm(args) -> int:
     return 0
 
 
-SLURM_LAYOUT = ("tp", "pp", "vp", "pp_schedule", "cp", "ep")  # written out when --gpu chose them (those RunConfig has)
+# written out when --gpu chose them (those RunConfig has)
+SLURM_LAYOUT = ("tp", "pp", "vp", "pp_schedule", "cp", "ep", "fsdp", "fsdp_shard")
 
 
 def layout_flags(args, cfg) -> list[str]:
@@ -442,11 +443,14 @@ def layout_flags(args, cfg) -> list[str]:
     if args.gpu is None:
         return []
     explicit = config_kwargs(args)
+    flag = lambda name, value: (  # noqa: E731
+        [f"--{'' if value else 'no-'}{name}"] if isinstance(value, bool) else [f"--{name}", str(value)]
+    )
     return [
         part
         for name in SLURM_LAYOUT
         if name not in explicit and getattr(cfg, name, None) is not None
-        for part in (f"--{name.replace('_', '-')}", str(getattr(cfg, name)))
+        for part in flag(name.replace("_", "-"), getattr(cfg, name))
     ]
 
 

@@ -101,8 +101,8 @@ def test_run_takes_its_defaults_from_the_recommended_config(capsys):
     # the printed layout is the one that runs (the recipe's TP 2 x DP 8, GA 4)
     assert (
         "recommended config: nemotron4-15b pretrain on 16x h100 (bf16/fp8 row, nemotron4-recipe); runs as "
-        "seq_len 4096, MBS 2, GBS 64, TP 2, DP 8, GA 4 on 16 process(es); TFLOP/s by the mha formula, as "
-        "nemotron4-recipe's table counts\n"
+        "seq_len 4096, MBS 2, GBS 64, TP 2, DP 8 (distributed optimizer: FSDP2 zero1), GA 4 on 16 process(es); "
+        "TFLOP/s by the mha formula, as nemotron4-recipe's table counts\n"
     ) in err
     assert cfg.flops_formula == "mha"  # the row's table's formula
     # explicit flags win, and the printed layout says so
@@ -123,7 +123,10 @@ def test_run_takes_its_defaults_from_the_recommended_config(capsys):
         ]
     )
     assert (cfg.seq_len, cfg.mbs, cfg.gbs, cfg.grad_accum) == (2048, 1, 64, 8)
-    assert "runs as seq_len 2048 (flag), MBS 1 (flag), GBS 64, TP 2, DP 8, GA 8 on 16" in capsys.readouterr().err
+    assert (
+        "runs as seq_len 2048 (flag), MBS 1 (flag), GBS 64, TP 2, DP 8 (distributed optimizer: FSDP2 zero1), GA 8 on 16"
+        in capsys.readouterr().err
+    )
     # fewer processes than the row's GPUs: the layout of this launch, and the row's beside it
     (cfg,) = _configs(["--model", "llama3.2-1b", "--gpu", "h100", "--num-gpus", "8"])
     assert (cfg.dp, cfg.grad_accum) == (1, 128)
@@ -164,14 +167,71 @@ def test_a_row_gives_its_whole_layout():
     assert "pp_schedule" not in rc.run_defaults(rc.lookup("llama3-8b", "h100", 8))  # VP 1: the default schedule
 
 
+def test_a_data_parallel_row_runs_the_distributed_optimizer(capsys):
+    """NeMo runs Megatron's distributed optimizer: a DP > 1 row without FSDP gets FSDP2 zero1, an FSDP row keeps
+    zero3, a DP 1 row neither; flags win."""
+    argv = ["--model", "nemotron4-15b", "--gpu", "h100", "--num-gpus", "16", "--nproc-per-node", "16"]
+    (cfg,) = _configs(argv)  # TP 2, DP 8, fsdp 0
+    assert (cfg.dp, cfg.fsdp, cfg.fsdp_shard) == (8, True, "zero1")
+    assert "TP 2, DP 8 (distributed optimizer: FSDP2 zero1), GA 4" in capsys.readouterr().err
+    (cfg,) = _configs([*argv, "--no-fsdp"])  # DDP asked for: the row's shard does not apply
+    assert (cfg.fsdp, cfg.fsdp_shard) == (False, "zero3") and "DP 8 (DDP) (flag)" in capsys.readouterr().err
+    (cfg,) = _configs([*argv, "--fsdp-shard", "zero2"])
+    assert (cfg.fsdp, cfg.fsdp_shard) == (True, "zero2") and "DP 8 (FSDP zero2) (flag)" in capsys.readouterr().err
+    (cfg,) = _configs(["--model", "llama3-70b", "--gpu", "gb200", "--num-gpus", "64", "--nproc-per-node", "64"])
+    assert (cfg.dp, cfg.fsdp, cfg.fsdp_shard) == (64, True, "zero3") and "DP 64 (FSDP), GA 2" in (
+        capsys.readouterr().err
+    )
+    rec = rc.lookup("llama3.1-405b", "b200", 128, precision="bf16")
+    (cfg,) = _configs(["--model", rec.name, "--gpu", "b200", "--num-gpus", "128", "--nproc-per-node", "128"])
+    assert (rec.tp, rec.pp, rec.cp, rec.vp) == (4, 8, 2, 8) and (cfg.dp, cfg.fsdp_shard) == (2, "zero1")
+    capsys.readouterr()
+    ddp = [r for r in rc.load() if not r.fsdp and (r.dp == 1 or r.task == "lora")]  # DP 1, and LoRA: no change
+    assert {r.task for r in ddp} == {"pretrain", "lora"} and any(r.dp > 1 for r in ddp)
+    assert all(rc.run_defaults(r)["fsdp"] is False and "fsdp_shard" not in rc.run_defaults(r) for r in ddp)
+    (cfg,) = _configs(["--model", "llama3-8b", "--workload", "lora", "--gpu", "h100", "--nproc-per-node", "8"])
+    assert (cfg.dp, cfg.fsdp, cfg.fsdp_shard) == (8, False, "zero3")
+    sft = rc.lookup("llama3-8b", "h100", 8, task="sft")
+    assert sft.dp > 1 and rc.run_defaults(sft)["fsdp_shard"] == "zero1"
+    # the sweep spec takes the row the same way, and its settings too
+    from lpbench.bench.sweep_spec import expand
+
+    run = expand({"model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "precision": "bf16"}).runs[0]
+    assert (run.config.fsdp, run.config.fsdp_shard) == (True, "zero1")
+    run = expand({"model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "precision": "bf16", "fsdp": False}).runs[0]
+    assert (run.config.fsdp, run.config.fsdp_shard) == (False, "zero3")
+
+
+def test_memory_of_a_data_parallel_row_is_the_distributed_optimizers(capsys):
+    """``lpbench memory`` of a DP > 1 row predicts the sharded master weights and states, below DDP's."""
+    argv = ["memory", "--model", "nemotron4-15b", "--gpu", "h100", "--num-gpus", "16", "--precision", "bf16"]
+
+    def peak(*more):
+        main([*argv, *more])
+        out = capsys.readouterr().out
+        return float(out.split("predicted peak: ")[1].split(" GB")[0]), out
+
+    zero1, out = peak()
+    assert "dp 8 (fsdp zero1) x tp 2" in out and "would fit with:" in out and "--fsdp-shard zero3" in out
+    ddp, out = peak("--no-fsdp")
+    assert "dp 8 x tp 2" in out and zero1 < ddp / 1.5
+    zero3, _ = peak("--fsdp-shard", "zero3")
+    assert zero3 < zero1  # zero1 keeps every block's weights gathered across the micro-batches
+
+
 def test_a_context_parallel_row_runs_its_layout(capsys):
     (cfg,) = _configs(["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "8", "--nproc-per-node", "8"])
     assert (cfg.cp, cfg.tp, cfg.dp, cfg.seq_len, cfg.grad_accum) == (2, 1, 4, 8192, 32)
-    assert "runs as seq_len 8192, MBS 1, GBS 128, TP 1, CP 2, DP 4, GA 32 on 8 process(es)" in capsys.readouterr().err
+    assert (
+        "runs as seq_len 8192, MBS 1, GBS 128, TP 1, CP 2, DP 4 (distributed optimizer: FSDP2 zero1), GA 32 on 8 "
+        "process(es)" in capsys.readouterr().err
+    )
     # on 4 GPUs: CP 2 x DP 2, the row beside it
     (cfg,) = _configs(["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "8", "--nproc-per-node", "4"])
     assert (cfg.cp, cfg.dp, cfg.grad_accum) == (2, 2, 64)
-    assert "TP 1, CP 2, DP 2, GA 64 on 4 process(es) (the row: 8 GPUs, DP 4" in capsys.readouterr().err
+    assert "TP 1, CP 2, DP 2 (distributed optimizer: FSDP2 zero1), GA 64 on 4 process(es) (the row: 8 GPUs, DP 4" in (
+        capsys.readouterr().err
+    )
 
 
 def test_num_layers_cuts_the_model_so_a_layout_fits_and_the_label_says_so(capsys):
@@ -197,8 +257,12 @@ def test_every_runnable_row_prints_the_layout_it_builds(capsys):
         ep = f", EP {cfg.ep}" if cfg.ep > 1 else ""
         used = rc.lookup(r.name, r.system, r.num_gpus, precision="bf16")  # a BF16 row where the size has one
         more = "".join(f", {k.upper()} {getattr(used, k)}" for k in ("pp", "vp", "cp") if getattr(used, k) > 1)
+        kind = {"zero1": " (distributed optimizer: FSDP2 zero1)", "zero3": " (FSDP)"}[cfg.fsdp_shard]
+        assert (cfg.fsdp, cfg.fsdp_shard) == (
+            (True, "zero3") if used.fsdp else (True, "zero1") if used.dp > 1 else (False, "zero3")
+        ), used
         assert (
-            f"TP {cfg.tp}{more}, DP {cfg.dp}{' (FSDP)' if cfg.fsdp else ''}{ep}, GA {cfg.grad_accum} on "
+            f"TP {cfg.tp}{more}, DP {cfg.dp}{kind if cfg.dp > 1 else ''}{ep}, GA {cfg.grad_accum} on "
             f"{r.num_gpus} process(es); TFLOP/s by the {cfg.flops_formula} formula"
         ) in err, (used, err)
         assert (
@@ -221,10 +285,12 @@ def test_sweep_runs_a_rows_layout():
     from lpbench.bench.sweep_spec import expand
 
     sweep = expand({"model": "llama3-8b", "gpu": "h100", "num_gpus": 8, "precision": "bf16"})
-    assert sweep.runs[0].config.cp == 2 and "TP 1, CP 2, DP 4, GA 32" in sweep.runs[0].recommended
+    assert sweep.runs[0].config.cp == 2 and "TP 1, CP 2, DP 4 (distributed optimizer: FSDP2 zero1), GA 32" in (
+        sweep.runs[0].recommended
+    )
     sweep = expand({"model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "precision": "bf16"})
     assert sweep.runs[0].recommended.endswith(
-        "runs as seq_len 4096, MBS 2, GBS 64, TP 2, DP 8, GA 4 on 16 process(es); "
+        "runs as seq_len 4096, MBS 2, GBS 64, TP 2, DP 8 (distributed optimizer: FSDP2 zero1), GA 4 on 16 process(es); "
         "TFLOP/s by the mha formula, as nemotron4-recipe's table counts"
     )
     assert sweep.runs[0].config.flops_formula == "mha"
@@ -256,8 +322,10 @@ def test_slurm_checks_the_recommended_config_against_the_jobs_world(tmp_path, ca
         )
         == 0
     )
-    assert "TP 4, DP 2, GA 64 on 8 process(es)" in capsys.readouterr().err and script.exists()
+    err = capsys.readouterr().err
+    assert "TP 4, DP 2 (distributed optimizer: FSDP2 zero1), GA 64 on 8 process(es)" in err and script.exists()
     assert "--tp 4 --pp 1" in script.read_text()  # the row's layout written out
+    assert "--fsdp --fsdp-shard zero1" in script.read_text()  # with its distributed optimizer
     script.unlink()
     assert (
         main(

@@ -7,7 +7,11 @@ cp,ep,vp,mbs,gbs`` plus ``fsdp`` and ``source`` (where the row comes from; READM
 serves (``bf16/fp8`` where the published BF16 and FP8 configs are the same), ``source`` its
 sources joined by ``+``. ``lookup`` finds the row for a model on a GPU type and count;
 ``run_defaults`` turns it into RunConfig keyword arguments: the row's whole layout (TP, PP, VP, CP,
-EP; DP follows from the launch's world size), never another layout than the one it names. On fewer
+EP; DP follows from the launch's world size), never another layout than the one it names. A row with data
+parallelism (DP > 1) and ``fsdp`` 0 runs as NeMo and Megatron-Bridge run it, with Megatron's distributed optimizer
+(FP32 main weights and optimizer states sharded over the DP ranks, gradients reduce-scattered, the parameters
+gathered once per optimizer step and kept whole in between): lpbench's equivalent is FSDP2 with ``--fsdp-shard
+zero1`` (:data:`DISTRIBUTED_OPTIMIZER`; LoRA rows keep DDP); a row with ``fsdp`` 1 runs FSDP2 zero3. On fewer
 GPUs than the row's, ``--num-layers`` may cut the model so the layout fits (the run's label then says
 ``@NL``); a layout the launch cannot hold is refused in one line.
 """
@@ -21,13 +25,16 @@ from functools import lru_cache
 from importlib import resources
 
 from lpbench.errors import UsageError
+from lpbench.sharding import fsdp_requested
 
 CSV_NAME = "recommended_model_configs.csv"
 INT_FIELDS = ("num_gpus", "seq_len", "tp", "pp", "cp", "ep", "vp", "mbs", "gbs", "fsdp")
 # Row fields that are RunConfig settings, in RunConfig's order (a sweep's settings list them so)
 RUN_FIELDS = ("tp", "ep", "pp", "vp", "cp", "fsdp", "seq_len", "mbs", "gbs")
 # What a printed layout marks when a flag set it instead of the row
-FLAG_FIELDS = ("seq_len", "mbs", "gbs", "tp", "pp", "vp", "cp", "ep", "fsdp", "flops_formula")
+FLAG_FIELDS = ("seq_len", "mbs", "gbs", "tp", "pp", "vp", "cp", "ep", "fsdp", "fsdp_shard", "flops_formula")
+# Megatron's distributed optimizer (``use_distributed_optimizer``), which NeMo's recipes run, as lpbench runs it
+DISTRIBUTED_OPTIMIZER = {"fsdp": True, "fsdp_shard": "zero1"}
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,17 @@ class Recommended:
         return max(1, self.num_gpus // (self.tp * self.pp * self.cp))
 
     @property
+    def distributed_optimizer(self) -> bool:
+        """Whether the row runs Megatron's distributed optimizer: data parallelism without FSDP, and a task that
+        trains every weight. LoRA keeps DDP: Megatron's optimizer shards only the adapters' states there and leaves
+        the frozen base whole, while zero1 would shard the base and gather it every step, for no memory saved."""
+        return not self.fsdp and self.dp > 1 and self.task != "lora"
+
+    @property
+    def fsdp_shard(self) -> str:
+        return DISTRIBUTED_OPTIMIZER["fsdp_shard"] if self.distributed_optimizer else "zero3"
+
+    @property
     def grad_accum(self) -> int:
         return max(1, self.gbs // (self.mbs * self.dp))
 
@@ -112,9 +130,11 @@ class Recommended:
         """
         world = world or self.num_gpus
         v = {k: getattr(self, k) for k in FLAG_FIELDS if k not in ("fsdp", "flops_formula")}
-        v.update(fsdp=bool(self.fsdp), flops_formula=self.formula)
+        v.update(fsdp=bool(self.fsdp) or self.distributed_optimizer, flops_formula=self.formula)
         changed = {k for k, x in ran.items() if x is not None and x != v.get(k)}
         v.update({k: ran[k] for k in changed})
+        if v["fsdp"] is False and "fsdp_shard" not in changed:  # DDP asked for: the row's shard does not apply
+            v["fsdp_shard"] = "zero3"
         dp = max(1, world // (v["tp"] * v["pp"] * v["cp"]))
         mark = lambda k: " (flag)" if k in changed else ""  # noqa: E731
         dims = lambda *ks: "".join(f", {k.upper()} {v[k]}{mark(k)}" for k in ks if v[k] > 1)  # noqa: E731
@@ -122,7 +142,7 @@ class Recommended:
         text = (
             f"{self.title()}{model}; runs as seq_len {v['seq_len']}{mark('seq_len')}, MBS {v['mbs']}{mark('mbs')}, "
             f"GBS {v['gbs']}{mark('gbs')}, TP {v['tp']}{mark('tp')}{dims('pp', 'vp', 'cp')}, "
-            f"DP {dp}{' (FSDP)' if v['fsdp'] else ''}{dims('ep')}, GA {max(1, v['gbs'] // (v['mbs'] * dp))} "
+            f"DP {dp}{data_parallel(v, dp, changed)}{dims('ep')}, GA {max(1, v['gbs'] // (v['mbs'] * dp))} "
             f"on {world} process(es)"
         )
         if world != self.num_gpus:
@@ -132,6 +152,20 @@ class Recommended:
             )
         published = SOURCES[self.sources[0]].formula and f", as {self.sources[0]}'s table counts"
         return text + f"; TFLOP/s by the {v['flops_formula']} formula{mark('flops_formula') or published or ''}"
+
+
+def data_parallel(v: dict, dp: int, changed: set) -> str:
+    """How the ``dp`` data-parallel ranks of a described layout ``v`` hold the model: DDP (said only where a flag
+    chose it), FSDP2 (also what CP runs without ``--fsdp``), or the distributed optimizer (FSDP2 zero1); "(flag)"
+    where a flag chose it."""
+    if dp == 1:
+        return ""
+    flag = " (flag)" if changed & {"fsdp", "fsdp_shard"} else ""
+    if not fsdp_requested(v["fsdp"], v["cp"]):
+        return f" (DDP){flag}" if flag else ""
+    if v["fsdp_shard"] == DISTRIBUTED_OPTIMIZER["fsdp_shard"]:
+        return f" (distributed optimizer: FSDP2 {v['fsdp_shard']}){flag}"
+    return f" (FSDP{'' if v['fsdp_shard'] == 'zero3' else ' ' + v['fsdp_shard']}){flag}"
 
 
 @lru_cache(maxsize=1)
@@ -190,13 +224,21 @@ def lookup(
     return matches[0]
 
 
-def run_defaults(rec: Recommended) -> dict:
-    """RunConfig keyword arguments from a recommended row, with the FLOP formula its table was published with;
-    with virtual stages NeMo's interleaved 1F1B schedule (``pp_schedule``)."""
+def run_defaults(rec: Recommended, given: dict | None = None) -> dict:
+    """RunConfig keyword arguments from a recommended row for the settings not in ``given`` (those a user set), with
+    the FLOP formula its table was published with; with virtual stages NeMo's interleaved 1F1B schedule
+    (``pp_schedule``); with data parallelism and no FSDP the distributed optimizer (:data:`DISTRIBUTED_OPTIMIZER`),
+    whose ``fsdp_shard`` does not apply where ``given`` turns FSDP off (DDP asked for)."""
+    given = given or {}
     out = {k: bool(rec.fsdp) if k == "fsdp" else getattr(rec, k) for k in RUN_FIELDS}  # fsdp: 0/1 -> flag
+    if rec.distributed_optimizer:
+        out.update(DISTRIBUTED_OPTIMIZER)
+        if given.get("fsdp") is False:
+            del out["fsdp_shard"]
     if rec.vp > 1:
         out["pp_schedule"] = "interleaved-1f1b"
-    return {**out, "flops_formula": rec.formula}
+    out["flops_formula"] = rec.formula
+    return {k: v for k, v in out.items() if k not in given}
 
 
 def recommended_defaults(
@@ -221,7 +263,7 @@ def recommended_defaults(
     if gpu is None:
         return {}
     rec = lookup(model, gpu, num_gpus, task=workload, precision=precision)
-    filled = {k: v for k, v in run_defaults(rec).items() if k not in explicit}
+    filled = run_defaults(rec, explicit)
     layout = {k: explicit.get(k, getattr(rec, k)) for k in ("tp", "pp", "cp")}
     ranks = layout["tp"] * layout["pp"] * layout["cp"]
     if any(k in filled for k in layout) and world % ranks:

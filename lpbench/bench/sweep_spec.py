@@ -266,9 +266,8 @@ def _make_run(settings: dict, run_fields: dict, RunConfig) -> SweepRun:
             task=settings.get("workload", "pretrain"),
         )
         ran = {k: kwargs.get(k) for k in FLAG_FIELDS}
-        for k, v in run_defaults(rec).items():
-            if k not in kwargs:
-                kwargs[k] = settings[k] = v
+        for k, v in run_defaults(rec, kwargs).items():
+            kwargs[k] = settings[k] = v
         settings.setdefault("num_gpus", rec.num_gpus)
         rec_text = rec.describe(settings["num_gpus"], kwargs.get("num_layers"), **ran)
     cfg = RunConfig(**kwargs)

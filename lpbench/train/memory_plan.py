@@ -12,7 +12,7 @@ from lpbench.metrics.estimate import Estimate, estimate
 from lpbench.metrics.hardware import detect_gpu
 from lpbench.parallel.pp import rank_blocks, stage_fsdp_shard, stage_sizes
 from lpbench.precision.recipes import get_recipe
-from lpbench.sharding import fsdp_requested
+from lpbench.sharding import fsdp_requested, uses_fsdp
 
 
 def predict(cfg: RunConfig, gpu: str | None = None, *, cuda: bool = True, compiled: bool | None = None) -> Estimate:
@@ -71,6 +71,8 @@ def suggestions(cfg: RunConfig, capacity: float, gpu: str | None = None) -> list
         tries.append(("--fused-loss", dict(fused_loss=True)))
     if cfg.dp > 1 and not fsdp_requested(cfg.fsdp, cfg.cp) and cfg.workload != "lora":
         tries.append(("--fsdp", dict(fsdp=True)))
+    if fsdp_requested(cfg.fsdp, cfg.cp) and cfg.fsdp_shard != "zero3":  # e.g. a recommended row's zero1
+        tries.append(("--fsdp-shard zero3", dict(fsdp_shard="zero3")))
     if cfg.optimizer_states not in ("fp8", "8bit"):
         tries.append(("--optimizer-states 8bit", dict(optimizer_states="8bit")))
     if cfg.master_weights != "bf16" and get_recipe(cfg.precision).compute_dtype == torch.bfloat16:
@@ -105,9 +107,11 @@ def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
     """The lines ``lpbench memory`` prints for ``cfg`` and whether it fits ``gpu`` (None: memory unknown)."""
     est = predict(cfg, gpu)
     stages = ",".join(map(str, stage_sizes(cfg, cfg.model_config()))) if cfg.pp > 1 else ""
+    shard = "" if cfg.fsdp_shard == "zero3" else f" {cfg.fsdp_shard}"
     lines = [
         f"{cfg.label} {cfg.precision} {cfg.workload} | seq {cfg.seq_len} MBS {cfg.mbs} GA {cfg.grad_accum} | "
-        f"dp {cfg.dp}{' (fsdp)' if fsdp_requested(cfg.fsdp, cfg.cp) else ''} x tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''}"
+        f"dp {cfg.dp}{f' (fsdp{shard})' if uses_fsdp(cfg.fsdp, cfg.dp, cfg.cp) else ''} x tp {cfg.tp}"
+        f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''}"
         f"{f' x pp {cfg.pp}' if cfg.pp > 1 else ''}{f' (vp {cfg.vp})' if cfg.vp > 1 else ''}"
         f"{f' (blocks {stages})' if cfg.pp > 1 else ''}"
         f"{f' x ep {cfg.ep}' if cfg.ep > 1 else ''} | "
