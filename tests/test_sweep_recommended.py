@@ -184,9 +184,9 @@ def test_a_data_parallel_row_runs_the_distributed_optimizer(capsys):
     )
     rec = rc.lookup("llama3.1-405b", "b200", 128, precision="bf16")
     (cfg,) = _configs(["--model", rec.name, "--gpu", "b200", "--num-gpus", "128", "--nproc-per-node", "128"])
-    assert (rec.tp, rec.pp, rec.cp, rec.vp) == (4, 8, 2, 8) and (cfg.dp, cfg.fsdp_shard) == (2, "zero1")
+    assert (rec.tp, rec.pp, rec.cp, rec.vp) == (4, 8, 2, 8) and (cfg.dp, cfg.fsdp_shard) == (2, "zero3")  # CP: zero3
     capsys.readouterr()
-    ddp = [r for r in rc.load() if not r.fsdp and (r.dp == 1 or r.task == "lora")]  # DP 1, and LoRA: no change
+    ddp = [r for r in rc.load() if not r.fsdp and (r.dp == 1 or r.cp > 1 or r.task == "lora")]  # DP 1, CP, LoRA
     assert {r.task for r in ddp} == {"pretrain", "lora"} and any(r.dp > 1 for r in ddp)
     assert all(rc.run_defaults(r)["fsdp"] is False and "fsdp_shard" not in rc.run_defaults(r) for r in ddp)
     (cfg,) = _configs(["--model", "llama3-8b", "--workload", "lora", "--gpu", "h100", "--nproc-per-node", "8"])
@@ -223,15 +223,13 @@ def test_a_context_parallel_row_runs_its_layout(capsys):
     (cfg,) = _configs(["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "8", "--nproc-per-node", "8"])
     assert (cfg.cp, cfg.tp, cfg.dp, cfg.seq_len, cfg.grad_accum) == (2, 1, 4, 8192, 32)
     assert (
-        "runs as seq_len 8192, MBS 1, GBS 128, TP 1, CP 2, DP 4 (distributed optimizer: FSDP2 zero1), GA 32 on 8 "
+        "runs as seq_len 8192, MBS 1, GBS 128, TP 1, CP 2, DP 4 (FSDP), GA 32 on 8 "
         "process(es)" in capsys.readouterr().err
     )
     # on 4 GPUs: CP 2 x DP 2, the row beside it
     (cfg,) = _configs(["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "8", "--nproc-per-node", "4"])
     assert (cfg.cp, cfg.dp, cfg.grad_accum) == (2, 2, 64)
-    assert "TP 1, CP 2, DP 2 (distributed optimizer: FSDP2 zero1), GA 64 on 4 process(es) (the row: 8 GPUs, DP 4" in (
-        capsys.readouterr().err
-    )
+    assert "TP 1, CP 2, DP 2 (FSDP), GA 64 on 4 process(es) (the row: 8 GPUs, DP 4" in (capsys.readouterr().err)
 
 
 def test_num_layers_cuts_the_model_so_a_layout_fits_and_the_label_says_so(capsys):
@@ -259,7 +257,7 @@ def test_every_runnable_row_prints_the_layout_it_builds(capsys):
         more = "".join(f", {k.upper()} {getattr(used, k)}" for k in ("pp", "vp", "cp") if getattr(used, k) > 1)
         kind = {"zero1": " (distributed optimizer: FSDP2 zero1)", "zero3": " (FSDP)"}[cfg.fsdp_shard]
         assert (cfg.fsdp, cfg.fsdp_shard) == (
-            (True, "zero3") if used.fsdp else (True, "zero1") if used.dp > 1 else (False, "zero3")
+            (True, "zero3") if used.fsdp else (True, "zero1") if used.dp > 1 and used.cp == 1 else (False, "zero3")
         ), used
         assert (
             f"TP {cfg.tp}{more}, DP {cfg.dp}{kind if cfg.dp > 1 else ''}{ep}, GA {cfg.grad_accum} on "
@@ -285,9 +283,7 @@ def test_sweep_runs_a_rows_layout():
     from lpbench.bench.sweep_spec import expand
 
     sweep = expand({"model": "llama3-8b", "gpu": "h100", "num_gpus": 8, "precision": "bf16"})
-    assert sweep.runs[0].config.cp == 2 and "TP 1, CP 2, DP 4 (distributed optimizer: FSDP2 zero1), GA 32" in (
-        sweep.runs[0].recommended
-    )
+    assert sweep.runs[0].config.cp == 2 and "TP 1, CP 2, DP 4 (FSDP), GA 32" in (sweep.runs[0].recommended)
     sweep = expand({"model": "nemotron4-15b", "gpu": "h100", "num_gpus": 16, "precision": "bf16"})
     assert sweep.runs[0].recommended.endswith(
         "runs as seq_len 4096, MBS 2, GBS 64, TP 2, DP 8 (distributed optimizer: FSDP2 zero1), GA 4 on 16 process(es); "

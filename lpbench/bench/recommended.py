@@ -11,7 +11,8 @@ EP; DP follows from the launch's world size), never another layout than the one 
 parallelism (DP > 1) and ``fsdp`` 0 runs as NeMo and Megatron-Bridge run it, with Megatron's distributed optimizer
 (FP32 main weights and optimizer states sharded over the DP ranks, gradients reduce-scattered, the parameters
 gathered once per optimizer step and kept whole in between): lpbench's equivalent is FSDP2 with ``--fsdp-shard
-zero1`` (:data:`DISTRIBUTED_OPTIMIZER`; LoRA rows keep DDP); a row with ``fsdp`` 1 runs FSDP2 zero3. On fewer
+zero1`` (:data:`DISTRIBUTED_OPTIMIZER`; LoRA rows keep DDP, CP rows FSDP2 zero3 over DP x CP as lpbench's CP
+runs); a row with ``fsdp`` 1 runs FSDP2 zero3. On fewer
 GPUs than the row's, ``--num-layers`` may cut the model so the layout fits (the run's label then says
 ``@NL``); a layout the launch cannot hold is refused in one line.
 """
@@ -106,10 +107,13 @@ class Recommended:
 
     @property
     def distributed_optimizer(self) -> bool:
-        """Whether the row runs Megatron's distributed optimizer: data parallelism without FSDP, and a task that
-        trains every weight. LoRA keeps DDP: Megatron's optimizer shards only the adapters' states there and leaves
-        the frozen base whole, while zero1 would shard the base and gather it every step, for no memory saved."""
-        return not self.fsdp and self.dp > 1 and self.task != "lora"
+        """Whether the row runs Megatron's distributed optimizer: data parallelism without FSDP or CP, and a task
+        that trains every weight. LoRA keeps DDP: Megatron's optimizer shards only the adapters' states there and
+        leaves the frozen base whole, while zero1 would shard the base and gather it every step, for no memory saved.
+        A CP row keeps what lpbench's CP runs, FSDP2 zero3 over DP x CP: zero1 would hold every block's BF16 weights
+        and FP32 gradients whole beside CP's activations, more than the 80 GB card of NeMo's llama3-8b H100 row
+        holds in lpbench."""
+        return not self.fsdp and self.cp == 1 and self.dp > 1 and self.task != "lora"
 
     @property
     def fsdp_shard(self) -> str:
