@@ -13,7 +13,8 @@ first Adam step).
 
 Under pipeline parallelism (PP 2 x CP 2, 4 ranks; PP 2 x CP 2 x EP 2 beside DP 2, 8 ranks) each stage splits its
 sequences over its CP pair as CP alone does, the document ids reach every stage, the load-balancing loss of each
-stage's MoE layers counts the tokens of the ``loss`` mesh: the same tolerances against one process (FP32: summation
+stage's MoE layers counts the tokens of the ``loss`` mesh, each stage's LoRA adapters are reduced over its CP pair
+and its stored base's amaxes over CP: the same tolerances against one process (FP32: summation
 order, the stages' gradient norms summed in another order; BF16: ``test_cp``'s). The zero-bubble schedules are run
 too: their separate weight pass needs each stage's blocks left unsharded after the forward, and a rank holding both
 ends of ``zbv``'s V its own copy of a tied embedding (:mod:`lpbench.parallel.pp`).
@@ -48,6 +49,7 @@ ZBV = dict(vp=2, pp_schedule="zbv")
 PP_RUNS = {  # name -> (world, settings, precisions, the reference's name)
     "pp2-cp2-sft": (4, dict(**PP, **SFT), PRECISIONS, "sft-mbs2"),
     "pp2-cp2-moe": (4, dict(**PP, **MOE), PRECISIONS, "moe-mbs2"),
+    "pp2-cp2-lora": (4, dict(**PP, **LORA), RUNS["cp2-lora"][2], "lora-mbs2"),
     "pp2-vp2-cp2-zero-bubble-sft": (4, dict(**PP, **ZB, **SFT), ["fp32"], "sft-mbs2"),
     "pp2-vp2-cp2-zbv-sft": (4, dict(**PP, **ZBV, **SFT), ["fp32"], "sft-mbs2"),
     "pp2-vp2-cp2-zbv-moe": (4, dict(**PP, **ZBV, **MOE), ["fp32"], "moe-mbs2"),
@@ -144,10 +146,11 @@ def reference():
         "moe-mbs2": {p: _trained(BASE.with_(precision=p, mbs=2, eval_batches=2, **MOE)) for p in PRECISIONS},
         "moe-gbs8": {"fp32": _trained(BASE.with_(precision="fp32", gbs=8, **MOE))},
         "lora": {p: _trained(BASE.with_(precision=p, **LORA)) for p in RUNS["cp2-lora"][2]},
+        "lora-mbs2": {p: _trained(BASE.with_(precision=p, mbs=2, eval_batches=2, **LORA)) for p in RUNS["cp2-lora"][2]},
     }
 
 
-def _assert_like_one_process(run: dict, ref: dict, precision: str) -> None:
+def _assert_like_one_process(run: dict, ref: dict, precision: str, lora: bool = False) -> None:
     assert run["status"] == "ok", run["error"]
     if precision == "fp32":  # summation order only
         assert run["loss"] == pytest.approx(ref["loss"], rel=1e-5)
@@ -157,7 +160,8 @@ def _assert_like_one_process(run: dict, ref: dict, precision: str) -> None:
             assert run["aux"] == pytest.approx(ref["aux"], rel=1e-5)
         return
     # as test_cp allows the quantized recipes (fp8-tensorwise LoRA: its first gradient norm 1.3e-3 off)
-    assert run["loss"][0] == pytest.approx(ref["loss"][0], rel=5e-4)
+    assert run["loss"][0] == pytest.approx(ref["loss"][0], rel=5e-6 if lora else 5e-4)  # LoRA: B = 0, the base's
+    # input codes those of one process when its amaxes are reduced over CP (without: 2.5e-5 to 7e-5 off)
     assert run["grad_norm"][0] == pytest.approx(ref["grad_norm"][0], rel=1e-2)
     assert run["loss"] == pytest.approx(ref["loss"], rel=5e-3)
     assert run["val_loss"] == pytest.approx(ref["val_loss"], rel=5e-3)
@@ -172,7 +176,7 @@ def test_document_masked_cp_equals_the_unsplit_model(world2):
 @pytest.mark.parametrize("name,precision", [(n, p) for n, (size, _, ps) in RUNS.items() if size == 2 for p in ps])
 def test_cp2_sft_lora_and_moe_train_like_one_process(world2, reference, name, precision):
     ref = reference[{"sft": "sft-mbs4"}.get(name[4:], name[4:])][precision]
-    _assert_like_one_process(world2[0][f"{name}-{precision}"], ref, precision)
+    _assert_like_one_process(world2[0][f"{name}-{precision}"], ref, precision, lora=name.endswith("lora"))
 
 
 @pytest.mark.parametrize("name", [n for n, (size, _, _) in RUNS.items() if size == 4])
@@ -190,12 +194,12 @@ def test_cp2_with_fsdp2_or_ep2_trains_like_one_process(world4, reference, name, 
         for p in ps
     ],
 )
-def test_pipeline_with_cp_trains_packed_sft_and_moe_like_one_process(request, reference, name, precision):
+def test_pipeline_with_cp_trains_packed_sft_lora_and_moe_like_one_process(request, reference, name, precision):
     size, _, _, ref = PP_RUNS[name]
     ranks = request.getfixturevalue(f"world{size}")
     run = ranks[0][f"{name}-{precision}"]
     assert all(r[f"{name}-{precision}"]["loss"] == run["loss"] for r in ranks)  # every stage reports the global loss
-    _assert_like_one_process(run, reference[ref][precision], precision)
+    _assert_like_one_process(run, reference[ref][precision], precision, lora=name.endswith("lora"))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
