@@ -58,6 +58,7 @@ SCENARIOS = {
     },
     4: {
         "fsdp-tp": dict(mbs=2, tp=2, fsdp=True),
+        "fsdp-tp-ga-zero1": dict(mbs=1, tp=2, fsdp=True, fsdp_shard="zero1"),  # a recommended TP row's optimizer
         "ddp-tp": dict(mbs=4, tp=2),
         "ep4-test-moe": dict(mbs=2, model="test-moe", ep=4),
         "ep2-fsdp-test-moe": dict(mbs=2, model="test-moe", ep=2, fsdp=True),

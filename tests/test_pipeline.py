@@ -80,6 +80,8 @@ SCENARIOS = {
     4: {
         "pp4-bf16": dict(pp=4, precision="bf16"),
         "pp2-dp2-fsdp-fp32": dict(pp=2, fsdp=True, precision="fp32", gbs=8),
+        # the distributed optimizer of a recommended row with PP (bench/recommended.py): FSDP2 zero1 per stage
+        "pp2-dp2-zero1-fp32": dict(pp=2, fsdp=True, fsdp_shard="zero1", precision="fp32", gbs=8),
         "pp2-tp2-fp32": dict(pp=2, tp=2, precision="fp32"),
         "pp2-ep2-moe-fp32": dict(pp=2, ep=2, precision="fp32", model="tiny-moe", gbs=8),
         # each stage splits its sequences over its CP pair (64 tokens: NVFP4's 16-token blocks in each chunk); the
