@@ -214,10 +214,20 @@ def test_the_sweep_table_fits_the_console_it_is_printed_on(tmp_path, monkeypatch
     "config,layout",
     [
         (
-            {"pp": 2, "vp": 2, "pp_schedule": "zbv", "recompute": "selective", "recompute_every": 2},
+            {
+                "pp": 2,
+                "vp": 2,
+                "pp_schedule": "zbv",
+                "pp_split": "balanced",
+                "recompute": "selective",
+                "recompute_every": 2,
+            },
             "PP2 VP2 zbv recompute selective/2",
         ),
-        ({"pp": 2, "vp": 2, "pp_schedule": "interleaved-1f1b", "recompute": "none"}, "PP2 VP2 ·"),
+        (
+            {"pp": 2, "vp": 2, "pp_schedule": "interleaved-1f1b", "pp_split": "balanced", "recompute": "none"},
+            "PP2 VP2 ·",
+        ),
         ({"pp": 2, "pp_split": "even"}, "PP2 split even"),
         ({"pp": 2, "pp_split": "balanced"}, "PP2 ·"),
         ({"cp": 2, "dp": 4, "dp_replicate": 2, "fsdp_shard": "zero1"}, "CP2 DP4 HSDP2 zero1 FSDP"),
