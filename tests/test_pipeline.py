@@ -114,7 +114,10 @@ def _train(cfg: RunConfig) -> dict:
         r = loop.train(cfg, log=lambda line: None)
     finally:
         loop.build = real
+    pipeline = box["run"].par.pipeline
     return {
+        # receive buffers that still hold memory after the run (lpbench.parallel.pp.Stage lets each go once used)
+        "held_buffers": None if pipeline is None else _held_buffers(pipeline.stages),
         "loss": [s["loss"] for s in r.steps],
         "grad_norm": [s["grad_norm"] for s in r.steps],
         "val_loss": [s.get("val_loss") for s in r.steps],
@@ -123,6 +126,11 @@ def _train(cfg: RunConfig) -> dict:
         "status": r.status,
         "error": r.error,
     }
+
+
+def _held_buffers(stages) -> int:
+    infos = [i for s in stages for d in (s.args_recv_info, s.grad_recv_info) for infos in d.values() for i in infos]
+    return sum(isinstance(getattr(i, "buffer", None), torch.Tensor) and not i.buffer.is_meta for i in infos)
 
 
 def _worker(rank: int, world: int, ckpt: str) -> dict:
@@ -219,6 +227,7 @@ def test_pipeline_trains_bit_for_bit_like_one_process(world2, reference, name):
         assert r[name]["loss"] == ref["loss"]
         assert r[name]["grad_norm"] == ref["grad_norm"]
         assert r[name]["val_loss"] == ref["val_loss"] and ref["val_loss"][-1] is not None
+        assert r[name]["held_buffers"] == 0  # each receive buffer let go once its micro-batch used it
     assert _merged(world2, name) == ref["weights"]  # every block's weights, on the stage that holds it
     if kw["precision"].startswith("nvfp4"):  # stochastic rounding drew (without keyed draws the weights differ)
         assert world2[0][name]["metrics"]["quantized_linears"] > 0
@@ -348,7 +357,7 @@ def test_pipeline_composes_with_other_layouts(world4, reference, name):
     ref = reference[_key(kw)]
     run = world4[0][name]
     assert run["status"] == "ok", run["error"]
-    assert all(r[name]["loss"] == run["loss"] for r in world4)
+    assert all(r[name]["loss"] == run["loss"] and r[name]["held_buffers"] == 0 for r in world4)
     if name == "pp4-bf16":  # the same arithmetic
         assert run["loss"] == ref["loss"] and run["grad_norm"] == ref["grad_norm"]
         assert _merged(world4, name) == ref["weights"]
