@@ -46,6 +46,11 @@ def test_parts_counted_by_hand():
     assert e.build == 4 * PARAMS + 4 * 256 and e.gb == e.total / 2**30
 
 
+def test_tensor_parallel_holds_its_share_of_the_vocabularys_logits():
+    tp2 = estimate(HAND, get_recipe("bf16"), seq_len=64, mbs=1, tp=2, compiled=False, cuda=False)
+    assert tp2.parts["logits and loss"] == 64 * 32 * 12 / 2  # the vocabulary-parallel loss: no gathered logits
+
+
 def test_tied_embeddings_end_the_backward_with_a_second_gradient_of_the_shared_weight():
     """The head's gradient of a tied weight is its .grad when the embedding's backward makes its own (dense, FP32),
     which autograd then adds in place: at the end of the backward one more vocabulary x width gradient is live."""

@@ -231,3 +231,35 @@ def test_clip_folded_into_fused_adamw_gives_the_clipped_update(max_norm):
     for a, b, c in zip(folded, clipped, unclipped):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         assert (max_norm > 1e3) == torch.equal(a, c)  # the fold changed the update exactly when clipping
+
+
+def _vocab_parallel_worker(rank: int, vocab: int) -> dict:
+    import torch.distributed as dist
+
+    from lpbench.parallel.tp import VocabParallel
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, vocab, dtype=torch.float64).float() * 4
+    labels = torch.tensor([0, vocab - 1, 5, -100, vocab // 2, 17])
+    world = dist.get_world_size()
+    part = VocabParallel(dist.group.WORLD, rank, world, vocab)
+    start, width = rank * -(-vocab // world), -(-vocab // world)
+    mine = logits[:, start : start + width].clone().requires_grad_(True)
+    losses = part.cross_entropy(mine, labels)
+    (losses * torch.arange(1.0, 7.0)).sum().backward()  # a gradient per token, as CP's sum and the mean give
+    return {"losses": losses.tolist(), "grad": mine.grad.tolist(), "gathered": part.gather(mine.detach()).tolist()}
+
+
+@pytest.mark.parametrize("vocab", [32, 33])  # 33: DTensor's chunks 17 and 16
+def test_vocabulary_parallel_cross_entropy_is_the_whole_vocabularys(tmp_path, spawn_ranks, vocab):
+    ranks = spawn_ranks(_vocab_parallel_worker, 2, tmp_path, vocab)
+    torch.manual_seed(0)
+    logits = (torch.randn(6, vocab, dtype=torch.float64).float() * 4).requires_grad_(True)
+    labels = torch.tensor([0, vocab - 1, 5, -100, vocab // 2, 17])
+    losses = torch.nn.functional.cross_entropy(logits, labels, reduction="none")  # 0 where ignored
+    (losses * torch.arange(1.0, 7.0)).sum().backward()
+    grad = torch.cat([torch.tensor(r["grad"]) for r in ranks], dim=1)
+    for r in ranks:
+        assert r["losses"] == pytest.approx(losses.tolist(), rel=1e-6, abs=1e-6) and r["losses"][3] == 0.0
+        assert torch.equal(torch.tensor(r["gathered"]), logits.detach())
+    torch.testing.assert_close(grad, logits.grad, rtol=1e-6, atol=1e-7)

@@ -305,7 +305,8 @@ def estimate(
     grads = {"accumulated gradients": accumulated} if accumulated else {}
     # the head's backward, eager: log-softmax's FP32 output, its gradient and the FP32 logits' gradient (then
     # the BF16 one, once the first two are freed); compiled (one process or DDP): the BF16 logits and their
-    # FP32 gradient; chunked (--fused-loss, only where the head is a plain local linear): :func:`chunked_loss_bytes`
+    # FP32 gradient; chunked (--fused-loss, only where the head is a plain local linear): :func:`chunked_loss_bytes`;
+    # TP: its share of the vocabulary (the vocabulary-parallel loss, parallel/tp.py) in the same three FP32 tensors
     per_logit = 6 if compiled and not fsdp and tp == 1 else 12
     if fused_loss and not fsdp and tp == 1:
         logits = chunked_loss_bytes(m, mbs * seq_len, cuda=cuda, trains_head=not lora)

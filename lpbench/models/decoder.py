@@ -191,6 +191,7 @@ class Block(nn.Module):
 
 class Decoder(nn.Module):
     context_parallel = None  # lpbench.parallel.cp.ContextParallel: the input is this rank's part of each sequence
+    vocab_parallel = None  # lpbench.parallel.tp.VocabParallel: the LM head split by vocabulary over a TP group
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -256,7 +257,15 @@ class Decoder(nn.Module):
 
     def head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Final norm and LM head: logits, or their mean cross-entropy (FP32) with ``labels``."""
-        cp = self.context_parallel
+        cp, vocab = self.context_parallel, self.vocab_parallel
+        if vocab is not None:  # TP: this rank's share of the vocabulary's logits
+            logits = self.lm_head(self.norm(h))
+            if labels is None:
+                return vocab.gather(logits)
+            losses = vocab.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            if cp is not None:
+                return losses.sum() * cp.size / cp.label_count(labels)
+            return losses.sum() / (labels != -100).sum()
         if labels is not None and cp is not None:  # this rank's sum over the whole sequences' count, x CP size
             logits = self.lm_head(self.norm(h)).flatten(0, 1).float()
             total = F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum")

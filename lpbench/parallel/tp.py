@@ -6,7 +6,10 @@ rank keeps all experts with its slice of their FFN width (stacked ``gate_up``/``
 their out features, ``down`` along its in features, as plain tensors: :class:`ExpertsTP`); the
 layer sees the whole sequence, its experts' partial outputs are all-reduced. Quantized experts get
 each weight's split as a :class:`TPShard` (:meth:`ExpertsTP.shard`) and quantize as split linears do. Vocabulary-parallel embedding and
-``lm_head`` (a tied pair stays one parameter); the logits are gathered before the loss.
+``lm_head`` (a tied pair stays one parameter); the logits stay split by vocabulary, and the cross-entropy is
+Megatron's vocabulary-parallel one (:class:`VocabParallel`: the max, the sum of exponentials and the target's logit
+all-reduced over the group), so no rank holds the whole vocabulary's logits (256 K for Nemotron-4). Ours because
+torch's ``loss_parallel`` must also wrap the backward, which the pipeline schedules run themselves.
 With sequence parallelism the residual stream between the sublayers is split along the
 sequence (norms run on ``S / tp`` tokens; all-gather in, reduce-scatter out).
 
@@ -46,6 +49,67 @@ from torch.distributed.tensor.parallel import (
 from lpbench.convert.lora import LoRAExperts
 from lpbench.errors import UsageError
 from lpbench.gemm import AllReduce, GradAllReduce
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """The LM head's split over a TP group (the decoder's ``vocab_parallel``): rank ``rank`` of ``size`` holds
+    vocabulary entries ``[rank·c, rank·c + c)``, c = ⌈vocab / size⌉ (DTensor's ``Shard`` chunks; the last may be
+    shorter)."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    vocab: int
+
+    @torch.compiler.disable  # collectives inside an autograd function: eager under --compile-scope model
+    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Each token's cross-entropy (FP32; 0 where ``labels`` is ``ignore_index``) from this rank's ``logits``
+        [N, its vocabulary entries] and the whole vocabulary's ``labels`` [N]."""
+        start = self.rank * -(-self.vocab // self.size)
+        return _VocabParallelCrossEntropy.apply(logits, labels, start, self.group, ignore_index)
+
+    @torch.compiler.disable
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's logits from every rank's split of them (no gradient: validation, generation)."""
+        width = -(-self.vocab // self.size)  # every rank's chunk padded to the first's
+        mine = torch.nn.functional.pad(logits, (0, width - logits.shape[-1])).contiguous()
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine, group=self.group)
+        return torch.cat(parts, dim=-1)[..., : self.vocab]
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of logits split by vocabulary over ``group``: log Σ exp(x − max) − (x_target − max), with the
+    max, the sum and the target's logit (held by one rank) all-reduced; backward: softmax − one-hot, local."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, start: int, group, ignore_index: int):
+        x = logits.float()
+        top = x.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        x = x - top[:, None]
+        local = labels - start
+        mine = (local >= 0) & (local < x.shape[-1])
+        index = torch.where(mine, local, 0)
+        target = torch.where(mine, x.gather(1, index[:, None]).squeeze(1), 0.0)
+        x = x.exp_()
+        total = x.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        dist.all_reduce(target, group=group)
+        valid = labels != ignore_index
+        ctx.save_for_backward(x.div_(total[:, None]), index, mine, valid)  # the softmax, in place of the exps
+        ctx.dtype = logits.dtype
+        return torch.where(valid, total.log() - target, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, mine, valid = ctx.saved_tensors  # kept intact: a split backward may run this again
+        grad = torch.where(valid, grad, 0.0)
+        out = softmax * grad[:, None]
+        rows = torch.arange(out.shape[0], device=out.device)
+        out[rows, index] -= torch.where(mine, grad, 0.0)
+        return out.to(ctx.dtype), None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -225,7 +289,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
     if first:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if last:
-        plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+        plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1))
     if sp:
         if last:
             plan["norm"] = SequenceParallel()
@@ -271,6 +335,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True)
             p.requires_grad_(False)
     if tied:
         model.lm_head.weight = model.tok_embeddings.weight
+    if last:
+        model.vocab_parallel = VocabParallel(mesh.get_group(), mesh.get_local_rank(), tp, model.cfg.vocab_size)
     for module in model.modules():  # the styles replicate buffers as DTensors: keep them plain (amax histories)
         for name, buffer in module.named_buffers(recurse=False):
             if isinstance(buffer, DTensor):
