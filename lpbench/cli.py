@@ -163,7 +163,7 @@ def configs_from_args(args, world_size: int | None = None) -> list[RunConfig]:
 
 def cmd_run(args) -> int:
     from lpbench.bench.progress import RunsProgress, next_command, step_costs
-    from lpbench.bench.runner import execute, record
+    from lpbench.bench.runner import end_if_stranded, execute, record
     from lpbench.config import run_labels
     from lpbench.bench.store import open_store
     from lpbench.report.tables import summary_rows, to_json, to_rich
@@ -200,6 +200,7 @@ def cmd_run(args) -> int:
                 store = store or open_store(args.results)
                 record(store, result, group_id=group)
                 progress.finish(i, result.status)
+            end_if_stranded(result)  # after rank 0 recorded it
     shutdown()
     if not is_main:
         return 0 if all(s == "ok" for s in statuses) else 1

@@ -4,6 +4,7 @@ Checkpoint faults are in test_checkpoint.py, store faults in test_store.py, spec
 test_sweep.py.
 """
 
+import os
 import signal
 import subprocess
 import sys
@@ -147,6 +148,28 @@ def test_a_launched_run_fails_with_lpbench_s_line_not_torchrun_s_traceback(tmp_p
     lines = [ln for ln in out.stderr.splitlines() if ln.strip() and not ln.startswith(("*****", "Setting OMP"))]
     assert out.returncode == 2 and len(lines) == 1 and "--data" in lines[0], out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "results").exists()
+
+
+def test_a_run_failing_on_one_rank_ends_the_job_instead_of_waiting_for_it(tmp_path):
+    """Rank 1 raises in its first step (the test-only fault hook) while rank 0 waits for it in DDP's gradient
+    all-reduce: the job ends, with the error, instead of hanging; rank 0's row of the failed run stays untouched."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"), str(Path(__file__).parents[1])]),
+        "LPBENCH_FAULT": "env.RANK=1:error@1",
+    }
+    argv = [*TINY, "--gbs", "4", "--nproc-per-node", "2", "--precision", "bf16,fp8-tensorwise"]
+    out = subprocess.run(
+        [sys.executable, "-m", "lpbench", "run", *argv, "--results", str(tmp_path / "results")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert "bf16 failed: RuntimeError: LPBENCH_FAULT: injected error at step 1" in text
+    assert "rank 1 failed: ending the job" in text and "run 2/2" not in text
 
 
 # ----------------------------------------------------------------------------- numeric input (flags and specs alike)

@@ -49,3 +49,17 @@ def test_steps_reach_on_step_and_the_row(monkeypatch, tmp_path):
     assert (row["run_key"], row["workload"], row["backend"], row["num_gpus"]) == (cfg.key(), "converge", "lpbench", 1)
     assert row["final_loss"] == 2.0 and row["config"]["seq_len"] == 64
     assert [s["loss"] for s in store.steps(row["id"])] == [2.5]
+
+
+def test_a_failure_reads_as_its_first_line_that_says_something_and_its_cause():
+    try:
+        try:
+            raise AssertionError("({y0: 64}, {y0: 128})\nmore")
+        except AssertionError as inner:  # as torch's pipeline stage wraps a failed backward
+            raise RuntimeError("\n        Failed to run stage backward:\n        Stage output: Tensor") from inner
+    except RuntimeError as exc:
+        assert (
+            runner.error_line(exc)
+            == "RuntimeError: Failed to run stage backward (from AssertionError: ({y0: 64}, {y0: 128}))"
+        )
+    assert runner.error_line(ValueError("")) == "ValueError"

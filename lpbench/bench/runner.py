@@ -8,9 +8,13 @@ that left no row through :func:`record` too, so a run's row is written in one pl
 
 from __future__ import annotations
 
+import os
+import sys
 import traceback
 from typing import Callable
+
 import torch
+import torch.distributed as dist
 from rich.markup import escape
 
 from lpbench.config import settings
@@ -97,12 +101,34 @@ def execute(
             result = RunResult(config=cfg, status="oom", error=loop.oom_error(cfg, exc))
             console.print(f"[red]lpbench: {escape(cfg.precision)} ran out of memory: {escape(result.error)}[/red]")
             return result
-        result = RunResult(config=cfg, status="error", error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+        result = RunResult(config=cfg, status="error", error=error_line(exc))
         if record_usage_errors:
             traceback.print_exc()
         else:
             console.print(f"[red]lpbench: {escape(cfg.precision)} failed: {escape(result.error)}[/red]")
         return result
+
+
+def error_line(exc: BaseException) -> str:
+    """``Type: message`` of ``exc`` on one line: its message's first line that is not blank, and where another
+    exception caused it (torch's pipeline stages wrap their failures), the cause's the same way."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    line = f"{type(exc).__name__}: {first}".rstrip(": ")
+    cause = exc.__cause__ or exc.__context__
+    return f"{line} (from {error_line(cause)})" if cause is not None and cause is not exc else line
+
+
+def end_if_stranded(result: RunResult) -> None:
+    """Exit (code 1) after a run of a multi-rank job failed with an exception on this rank: the other ranks may
+    wait for it in a collective it will never join (a pipeline stage's backward that fails on one rank only), and
+    torchrun stops them once one rank has exited. The job's later runs do not start."""
+    if result.status == "error" and dist.is_initialized() and dist.get_world_size() > 1:
+        console.print(
+            f"[red]lpbench: rank {dist.get_rank()} failed: ending the job (its other ranks may wait for it)[/red]"
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def record(

@@ -17,7 +17,7 @@ def install_fault(cfg) -> str | None:
     """TEST-ONLY failure injection, from ``LPBENCH_FAULT`` (never set it for real runs).
 
     ``LPBENCH_FAULT="[FIELD=VALUE[,FIELD=VALUE]:]KIND[@STEP][;...]"``: the first entry whose
-    conditions match this run's RunConfig applies. KIND at optimizer step STEP (default 1):
+    conditions match this run's RunConfig applies (``env.NAME=VALUE``: the environment's, e.g. ``env.RANK=1``). KIND at optimizer step STEP (default 1):
     ``diverge`` (the loss becomes NaN), ``error`` (an exception), ``oom`` (a CUDA
     OutOfMemoryError the loop catches), ``oom-exit`` (an OOM message, then the process exits
     without a row), ``crash`` (SIGKILL itself), ``hang`` (sleep forever). Implemented with
@@ -31,11 +31,15 @@ def install_fault(cfg) -> str | None:
         pairs = [c.split("=", 1) for c in cond.split(",") if c.strip()]
         if any(len(p) != 2 for p in pairs):
             raise RuntimeError(f"{FAULT_ENV}: bad condition in {entry!r}")
-        if all(str(getattr(cfg, k.strip(), None)) == v.strip() for k, v in pairs):
+        if all(_value(cfg, k.strip()) == v.strip() for k, v in pairs):
             kind, _, at = action.partition("@")
             hook_fault(kind.strip(), int(at or 1), cfg.grad_accum)
             return entry
     return None
+
+
+def _value(cfg, key: str) -> str:
+    return str(os.environ.get(key[4:]) if key.startswith("env.") else getattr(cfg, key, None))
 
 
 def hook_fault(kind: str, at_step: int, grad_accum: int) -> None:
