@@ -63,3 +63,10 @@ def test_a_failure_reads_as_its_first_line_that_says_something_and_its_cause():
             == "RuntimeError: Failed to run stage backward (from AssertionError: ({y0: 64}, {y0: 128}))"
         )
     assert runner.error_line(ValueError("")) == "ValueError"
+    try:
+        try:
+            raise AssertionError("shapes differ")
+        except AssertionError as inner:  # as inductor wraps its own failures
+            raise RuntimeError("AssertionError: shapes differ") from inner
+    except RuntimeError as exc:
+        assert runner.error_line(exc) == "RuntimeError: AssertionError: shapes differ"

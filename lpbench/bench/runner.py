@@ -115,7 +115,10 @@ def error_line(exc: BaseException) -> str:
     first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
     line = f"{type(exc).__name__}: {first}".rstrip(": ")
     cause = exc.__cause__ or exc.__context__
-    return f"{line} (from {error_line(cause)})" if cause is not None and cause is not exc else line
+    if cause is None or cause is exc:
+        return line
+    said = error_line(cause)
+    return line if said.partition(": ")[2] in line else f"{line} (from {said})"  # a wrapper that repeats it: once
 
 
 def end_if_stranded(result: RunResult) -> None:
