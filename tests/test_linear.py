@@ -327,6 +327,7 @@ def test_one_autograd_function_for_every_quantized_linear(monkeypatch):
         "_ReduceScatterSeq": "LoRA's row-parallel exit under sequence parallelism",
         "_CastOnce": "a weight's BF16 copy, cast once per optimizer step",
         "_SwiGLU": "the MLP activation, with its hand-written backward",
+        "_VocabParallelCrossEntropy": "tensor parallelism's loss over the LM head's vocabulary split",
     }
     root = pathlib.Path(lpbench.__file__).parent
     functions = {
