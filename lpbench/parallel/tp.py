@@ -54,26 +54,28 @@ from lpbench.gemm import AllReduce, GradAllReduce
 @dataclass(frozen=True)
 class VocabParallel:
     """The LM head's split over a TP group (the decoder's ``vocab_parallel``): rank ``rank`` of ``size`` holds
-    vocabulary entries ``[rank·c, rank·c + c)``, c = ⌈vocab / size⌉ (DTensor's ``Shard`` chunks; the last may be
-    shorter)."""
+    vocabulary entries ``[rank·width, (rank + 1)·width)`` (DTensor's ``Shard`` chunks; the last may be shorter)."""
 
     group: dist.ProcessGroup
     rank: int
     size: int
     vocab: int
 
+    @property
+    def width(self) -> int:
+        """Entries a rank holds (the last rank's may be fewer): DTensor's chunk, ⌈vocab / size⌉."""
+        return -(-self.vocab // self.size)
+
     @torch.compiler.disable  # collectives inside an autograd function: eager under --compile-scope model
     def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Each token's cross-entropy (FP32; 0 where ``labels`` is ``ignore_index``) from this rank's ``logits``
         [N, its vocabulary entries] and the whole vocabulary's ``labels`` [N]."""
-        start = self.rank * -(-self.vocab // self.size)
-        return _VocabParallelCrossEntropy.apply(logits, labels, start, self.group, ignore_index)
+        return _VocabParallelCrossEntropy.apply(logits, labels, self.rank * self.width, self.group, ignore_index)
 
     @torch.compiler.disable
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
         """The whole vocabulary's logits from every rank's split of them (no gradient: validation, generation)."""
-        width = -(-self.vocab // self.size)  # every rank's chunk padded to the first's
-        mine = torch.nn.functional.pad(logits, (0, width - logits.shape[-1])).contiguous()
+        mine = torch.nn.functional.pad(logits, (0, self.width - logits.shape[-1])).contiguous()  # as the first's
         parts = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(parts, mine, group=self.group)
         return torch.cat(parts, dim=-1)[..., : self.vocab]
