@@ -40,6 +40,7 @@ from lpbench.parallel.pp import (
     check_pipeline,
     even_sizes,
     head_units,
+    rank_loads,
     rank_stages,
     stage_blocks,
     stage_sizes,
@@ -304,6 +305,9 @@ def test_pipeline_reports_its_bubble_beside_the_theory(world2):
     assert (m["pp"], m["vp"], m["pp_schedule"]) == (2, 2, "interleaved-1f1b")
     assert m["pp_bubble_theory"] == pytest.approx(1 / (4 * 2 + 1))
     assert 0.0 <= m["pp_bubble"] < 1.0
+    by_rank = [float(b) for b in m["pp_bubble_ranks"].split(",")]
+    assert len(by_rank) == 2 and sum(by_rank) / 2 == pytest.approx(m["pp_bubble"], abs=1e-3)
+    assert m["pp_bubble_split"] >= m["pp_bubble_theory"]
 
 
 class _Stage:
@@ -412,6 +416,19 @@ def test_the_head_counts_its_flops_in_blocks():
     assert stage_sizes(cfg.with_(pp_split="even"), m) == [4] * 8
     assert stage_sizes(cfg.with_(pp_split="4,4,4,4,4,4,5,3"), m) == [4, 4, 4, 4, 4, 4, 5, 3]
     assert stage_sizes(cfg.with_(pp=2, vp=1), m) == [17, 15]
+
+
+def test_the_split_theory_counts_the_busiest_rank():
+    """Whole blocks and the head do not divide evenly: the pipeline runs at its busiest rank's pace."""
+    m, head = MODELS["llama3-8b"], head_units(MODELS["llama3-8b"], 8192)
+    cfg = RunConfig(model="llama3-8b", seq_len=8192, gbs=32, pp=4, vp=2).with_world(4)
+    loads = rank_loads(cfg, m, [4, 4, 4, 4, 4, 5, 5, 2])  # rank r holds stages r and r + 4
+    assert loads == pytest.approx([8, 9, 9, 6 + head])
+    even = 3 / (32 * 2 + 3)
+    assert bubble_theory(4, 2, 32, loads) == pytest.approx(1 - (1 - even) * (32 + head) / 4 / 9)  # 9.6 %
+    assert bubble_theory(4, 2, 32, [8.5] * 4) == pytest.approx(even)  # equal ranks: the formula itself
+    zbv = rank_loads(cfg.with_(vp=2, pp=2, pp_schedule="zbv").with_world(2), m, [9, 8, 9, 6])
+    assert zbv == pytest.approx([9 + 6 + head, 8 + 9])  # the V: rank 0 holds the first and the last stage
 
 
 @pytest.mark.parametrize(

@@ -436,9 +436,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def bubble_theory(pp: int, vp: int, micro_batches: int) -> float:
-    """The idle fraction of a (interleaved) 1F1B pipeline: (p − 1) / (m · v + p − 1)."""
-    return (pp - 1) / (micro_batches * vp + pp - 1)
+def bubble_theory(pp: int, vp: int, micro_batches: int, loads: list[float] | None = None) -> float:
+    """The idle fraction of a (interleaved) 1F1B pipeline of equal ranks: (p − 1) / (m · v + p − 1). With ``loads``
+    (each pipeline rank's work, :func:`rank_loads`) the busiest rank sets the pace and the others wait for it: the
+    mean idle fraction becomes 1 − (1 − theory) · mean / max."""
+    theory = (pp - 1) / (micro_batches * vp + pp - 1)
+    if not loads:
+        return theory
+    return 1.0 - (1.0 - theory) * (sum(loads) / len(loads)) / max(loads)
+
+
+def rank_loads(cfg: RunConfig, m: ModelConfig, sizes: list[int]) -> list[float]:
+    """Each pipeline rank's work per micro-batch in blocks, by rank: its stages' blocks (``sizes``: each stage's),
+    plus the LM head (:func:`head_units`) on the last stage's rank."""
+    owners = {s: r for r in range(cfg.pp) for s in rank_stages(r, cfg.pp, cfg.vp, cfg.schedule)}
+    loads = [0.0] * cfg.pp
+    for s, n in enumerate(sizes):
+        loads[owners[s]] += n
+    loads[owners[len(sizes) - 1]] += head_units(m, cfg.seq_len)
+    return loads
 
 
 class BusyClock:

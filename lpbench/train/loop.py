@@ -31,7 +31,7 @@ from lpbench.parallel.dp import clip_grad_norm_, grad_sync
 from lpbench.parallel.ep import expert_params, sync_expert_grads
 from lpbench.parallel.env import World, all_reduce, init_distributed
 from lpbench.parallel.plan import Parallelized, parallelize
-from lpbench.parallel.pp import bubble_theory
+from lpbench.parallel.pp import bubble_theory, rank_loads
 from lpbench import gemm
 from lpbench.precision import noise
 from lpbench.precision.delayed import is_delayed_state
@@ -504,16 +504,26 @@ def pipeline_line(run: Run) -> str:
 
 def pipeline_metrics(run: Run, log: Callable[[str], None]) -> dict:
     """The pipeline's layout and its bubble: measured on the last step (each rank's idle fraction of the schedule,
-    averaged over the ranks; :class:`lpbench.parallel.pp.BusyClock`), beside the theory (p - 1) / (m * v + p - 1)."""
+    :class:`lpbench.parallel.pp.BusyClock`: the mean over ranks, and each pipeline rank's), beside the theory
+    (p - 1) / (m * v + p - 1) of equal ranks and that of this split's ranks (:func:`bubble_theory` with
+    :func:`rank_loads`: whole blocks and the LM head rarely divide evenly, and the busiest rank sets the pace)."""
     pipe, cfg = run.par.pipeline, run.cfg
     theory = bubble_theory(cfg.pp, cfg.vp, cfg.grad_accum)
+    loads = rank_loads(cfg, cfg.model_config(), pipe.sizes)
+    split = bubble_theory(cfg.pp, cfg.vp, cfg.grad_accum, loads)
     out = {"pp": cfg.pp, "vp": cfg.vp, "pp_schedule": pipe.name, "pp_bubble_theory": theory}
-    out["pp_stage_blocks"] = ",".join(map(str, pipe.sizes))
+    out |= {"pp_bubble_split": split, "pp_stage_blocks": ",".join(map(str, pipe.sizes))}
     if pipe.bubble is not None:
-        out["pp_bubble"] = all_reduce([pipe.bubble], "sum", run.device)[0] / run.world.size
+        slots = [0.0] * cfg.pp  # each pipeline rank's bubble, averaged over the ranks of its stage
+        slots[run.par.meshes.rank("pp")] = pipe.bubble * cfg.pp / run.world.size
+        per_rank = all_reduce(slots, "sum", run.device)
+        out["pp_bubble"] = sum(per_rank) / cfg.pp
+        out["pp_bubble_ranks"] = ",".join(f"{b:.3f}" for b in per_rank)
         log(
-            f"lpbench: pipeline bubble {out['pp_bubble']:.1%} measured (last step, mean over ranks), "
-            f"{theory:.1%} in theory ((p-1)/(m*v+p-1), p {cfg.pp}, v {cfg.vp}, m {cfg.grad_accum}, {pipe.name})"
+            f"lpbench: pipeline bubble {out['pp_bubble']:.1%} measured (last step, mean over ranks; by pipeline rank "
+            f"{', '.join(f'{b:.1%}' for b in per_rank)}), {theory:.1%} in theory ((p-1)/(m*v+p-1), p {cfg.pp}, "
+            f"v {cfg.vp}, m {cfg.grad_accum}, {pipe.name}), {split:.1%} with this split's rank loads "
+            f"({', '.join(f'{x:.1f}' for x in loads)} blocks)"
         )
     return out
 
