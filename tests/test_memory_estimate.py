@@ -140,10 +140,15 @@ def test_gradient_accumulation_holds_the_earlier_micro_batches_gradients_and_the
     assert one.parts["accumulated gradients"] == 4 * PARAMS
     assert one.parts["weight cache (per optimizer step)"] == 2 * LINEARS
     assert "weight copies held for backward" not in one.parts
+    # BF16 master weights are what the linears read: nothing to cast, no cache
+    half = estimate(HAND, r, seq_len=64, mbs=1, grad_accum=2, master_weights="bf16")
+    assert "weight cache (per optimizer step)" not in half.parts and "weight copies held for backward" not in half.parts
     # the fused FP8 linears cache their codes in both layouts: 2 bytes an element, and hold no other copy
     fp8 = estimate(HAND, get_recipe("fp8-tensorwise"), seq_len=64, mbs=1, grad_accum=2)
     assert fp8.parts["weight cache (per optimizer step)"] == 2 * LINEARS
     assert "weight copies held for backward" not in fp8.parts
+    fp8_half = estimate(HAND, get_recipe("fp8-tensorwise"), seq_len=64, mbs=1, grad_accum=2, master_weights="bf16")
+    assert fp8_half.parts["weight cache (per optimizer step)"] == 2 * LINEARS  # the codes are cached still
 
 
 def test_fsdp_shard_modes_keep_their_gathered_blocks_and_fp8_all_gather_its_shard_codes():

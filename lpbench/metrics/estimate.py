@@ -247,14 +247,14 @@ def estimate(
     held[f"master weights ({master_weights})"] = on_gpu * weight * trainable / shards
     held[f"optimizer states ({optimizer_states} AdamW)"] = on_gpu * states / shards
     # the weight cache (gradient accumulation; plain, unsharded linears only): FP8 codes in both layouts of the
-    # fused tensorwise / delayed linears, a BF16 cast of the 16-bit ones; a cached linear's backward reads it
+    # fused tensorwise / delayed linears, a BF16 cast of the 16-bit ones where the weights are FP32 (BF16 master
+    # weights are read as they are); a cached linear's backward reads it
     cached = grad_accum > 1 and cuda and not fsdp and tp == 1 and not lora
     fp8_cached = recipe.scaling in (Scaling.TENSOR, Scaling.DELAYED)
     bf16_blocks = m.n_layers - quantized_blocks
-    if cached:
-        held["weight cache (per optimizer step)"] = (
-            2.0 * linear * (bf16_blocks + (quantized_blocks if fp8_cached else 0))
-        )
+    cached_blocks = (bf16_blocks if master_weights == "fp32" else 0) + (quantized_blocks if fp8_cached else 0)
+    if cached and cached_blocks:
+        held["weight cache (per optimizer step)"] = 2.0 * linear * cached_blocks
     if fsdp:  # the block in use and the prefetched next (zero3), or every block (zero2/zero1), and the root's
         gathered = m.n_layers if fsdp_shard in ("zero2", "zero1") else 2
         if lora:  # the base as stored (codes and scales, or BF16; on average a block's), the root's FP32 in BF16
