@@ -455,24 +455,35 @@ HAND4 = ModelConfig("hand4", 4, 8, 16, 2, 1, 32, head_dim=4)  # HAND with 4 bloc
     ],
 )
 def test_pipeline_rank_keeps_the_micro_batches_its_schedule_has_in_flight(vp, chunks):
+    """Rank 0 (the peak here): its chunks' activations, and each chunk's output, the FP32 hidden states it sent on
+    (4 tokens x D 8 x 4 bytes), held for its backward; one receive posted ahead per stage; no head."""
     kw = dict(seq_len=4, mbs=1, grad_accum=4, compiled=False, cuda=False)
     e = estimate(HAND4, get_recipe("bf16"), pp=2, vp=vp, **kw)
     assert e.parts["activations (none)"] == 4 * EAGER * chunks  # 4 tokens a micro-batch, per block kept
+    assert e.parts["stage outputs held for backward"] == 4 * 8 * 4 * chunks / (2 // vp)  # 1F1B: a chunk = 2 blocks
+    assert e.parts["receive buffers posted ahead"] == 4 * 8 * 4 * vp
     assert "logits and loss" not in e.parts  # the first rank, the peak here, has no head
-    half = estimate(dataclasses.replace(HAND4, n_layers=2), get_recipe("bf16"), **kw)
-    assert e.parts["master weights (fp32)"] == half.parts["master weights (fp32)"]  # its 2 blocks' weights
+    # its 2 blocks' weights and the embedding, not the LM head (the final norm, a vector, counted on every rank)
+    assert e.parts["master weights (fp32)"] == 4 * (2 * BLOCK + 256 + 8)
 
 
 def test_pipeline_ranks_count_the_blocks_of_the_split():
     """Each rank is counted with its own blocks: 3 on rank 0 (2 micro-batches in flight), or 3 on the last rank (1
     in flight, and the logits), whichever peaks."""
     kw = dict(seq_len=4, mbs=1, grad_accum=4, compiled=False, cuda=False)
-    three = estimate(dataclasses.replace(HAND4, n_layers=3), get_recipe("bf16"), **kw)
     first = estimate(HAND4, get_recipe("bf16"), pp=2, vp=1, pp_rank_blocks=[3, 1], **kw)
     assert first.parts["activations (none)"] == 4 * EAGER * 3 * 2 and "logits and loss" not in first.parts
-    assert first.parts["master weights (fp32)"] == three.parts["master weights (fp32)"]
+    assert first.parts["master weights (fp32)"] == 4 * (3 * BLOCK + 256 + 8)  # the embedding, not the head
     last = estimate(HAND4, get_recipe("bf16"), pp=2, vp=1, pp_rank_blocks=[1, 3], **kw)
     assert last.parts["activations (none)"] == 4 * EAGER * 3 and last.parts["logits and loss"] > 0
+    assert last.parts["master weights (fp32)"] == 4 * (3 * BLOCK + 8 + 256)  # the head, not the embedding
+    # a middle rank of PP 3 holds neither; tied embeddings: the first and the last rank each hold a copy
+    middle = estimate(HAND4, get_recipe("bf16"), pp_ends=(False, False), **kw)
+    assert middle.parts["master weights (fp32)"] == 4 * (4 * BLOCK + 8)
+    tied = dataclasses.replace(HAND4, tie_embeddings=True)
+    assert estimate(tied, get_recipe("bf16"), pp_ends=(False, True), **kw).parts["master weights (fp32)"] == 4 * (
+        4 * BLOCK + 8 + 256
+    )
 
 
 def test_the_predicted_peak_follows_the_runs_split():
@@ -506,4 +517,4 @@ def test_split_backward_pipeline_stages_keep_their_blocks_gathered_as_zero2():
 
     for schedule in ("zero-bubble", "zbv"):
         assert gathered(pp_schedule=schedule) == gathered(pp_schedule=schedule, fsdp_shard="zero2")
-    assert gathered(pp_schedule="zbv") == gathered(fsdp_shard="zero2") > gathered()
+    assert gathered(pp_schedule="zero-bubble") == gathered(fsdp_shard="zero2") > gathered()

@@ -192,6 +192,7 @@ def estimate(
     vp: int = 1,
     pp_schedule: str | None = None,
     pp_rank_blocks: list[int] | None = None,
+    pp_ends: tuple[bool, bool] | None = None,
 ) -> Estimate:
     """The predicted peak of one rank (module doc); ``m``'s parameters counted on a meta-device model.
 
@@ -204,7 +205,8 @@ def estimate(
     process only offloads: FSDP2 on one rank, so its gathers are counted as FSDP's). The estimate's ``parts``
     are what is live at the peak, ``when`` names that moment, ``build`` is the streamed build's peak
     (:func:`build_peak`). ``pp``, ``vp``, ``pp_schedule``, ``pp_rank_blocks`` (the blocks of each pipeline rank):
-    pipeline parallelism (:func:`pipeline_estimate`).
+    pipeline parallelism (:func:`pipeline_estimate`); ``pp_ends``: whether this pipeline rank holds the first stage
+    (the embedding) and the last (the LM head), default both.
     """
     from lpbench.models.decoder import build_model
 
@@ -212,7 +214,7 @@ def estimate(
         kw = {
             k: v
             for k, v in locals().items()
-            if k not in ("m", "recipe", "pp", "vp", "pp_schedule", "pp_rank_blocks", "build_model")
+            if k not in ("m", "recipe", "pp", "vp", "pp_schedule", "pp_rank_blocks", "pp_ends", "build_model")
         }
         return pipeline_estimate(m, recipe, pp, vp, pp_schedule, pp_rank_blocks, **kw)
 
@@ -224,6 +226,10 @@ def estimate(
     ) / m.n_layers
     rest = sum(p.numel() for p in model.parameters()) - block * m.n_layers  # embeddings, final norm, LM head
     head = m.vocab_size * m.dim  # the LM head's (or the tied embeddings') weight
+    first, last = pp_ends or (True, True)
+    # a pipeline rank holds the embedding with the first stage, the head with the last (tied: a copy on each)
+    held_matrices = (first or last) if m.tie_embeddings else first + last
+    rest -= ((1 if m.tie_embeddings else 2) - held_matrices) * head
     sharded = shards_data_parallel(fsdp, dp, cp) or offload_optimizer  # one process offloads through FSDP2
     fsdp = uses_fsdp(fsdp, dp, cp) or offload_optimizer
     shards = (dp if sharded else 1) * cp * tp  # CP ranks shard the weights too (dp_shard_cp)
@@ -346,7 +352,7 @@ def estimate(
     else:
         # tied embeddings: the embedding's backward makes a second gradient of the shared weight (dense, the master
         # dtype) while the head's is already its .grad, and autograd adds it in place: one more for that moment
-        tied = on_gpu * weight * head / shards if m.tie_embeddings and not lora else 0.0
+        tied = on_gpu * weight * head / shards if m.tie_embeddings and first and last and not lora else 0.0
         phases["the end of the backward"] = {
             **held,
             f"gradients ({master_weights})": on_gpu * weight * trainable / shards,
@@ -429,26 +435,35 @@ def pipeline_estimate(
     m: ModelConfig, recipe: Recipe, pp: int, vp: int, schedule: str | None, rank_blocks: list[int] | None = None, **kw
 ) -> Estimate:
     """The peak of the busiest pipeline rank: each counted as a model of its blocks (``rank_blocks[r]``, the
-    split's, :func:`lpbench.parallel.pp.rank_blocks`; default ``ceil(n / pp)`` on every rank; the embeddings and
-    the LM head counted on every rank, an overcount of one vocabulary-sized matrix), whose activations, and under
-    CP the K and V its blocks gathered, are those of the stage-chunks it keeps in flight (:func:`in_flight`)
-    instead of one micro-batch's; the logits only on the last stage's rank."""
+    split's, :func:`lpbench.parallel.pp.rank_blocks`; default ``ceil(n / pp)`` on every rank), with the embedding
+    on the first stage's rank and the LM head on the last's, whose activations, and under CP the K and V its blocks
+    gathered, are those of the stage-chunks it keeps in flight (:func:`in_flight`) instead of one micro-batch's;
+    each such chunk also keeps its output, the hidden states it sent on (torch's stage holds them for the chunk's
+    backward), but for the last stage's (its loss); and each of the rank's stages has a receive posted ahead of
+    its compute, whose buffer exists already (:class:`lpbench.parallel.pp.Stage`: one per stage, as counted on CPU
+    runs); the logits only on the last stage's rank."""
     from dataclasses import replace
 
     schedule = schedule or ("1f1b" if vp == 1 else "interleaved-1f1b")
     rank_blocks = rank_blocks or [-(-m.n_layers // pp)] * pp
     last = 0 if schedule == "zbv" else pp - 1  # the rank of the last stage
-    shares: dict[int, Estimate] = {}
+    residual = 2 if uses_fsdp(kw["fsdp"], kw["dp"], kw["cp"]) and kw["cuda"] else 4  # the hidden states' bytes
+    hidden = residual * m.dim * kw["mbs"] * kw["seq_len"] / (kw["tp"] * kw["cp"])
+    shares: dict[tuple, Estimate] = {}
     out = []
     for rank, blocks in enumerate(rank_blocks):
-        if blocks not in shares:
-            shares[blocks] = estimate(replace(m, n_layers=blocks), recipe, **kw)
-        share = shares[blocks]
+        ends = (rank == 0, rank == last)
+        if (blocks, ends) not in shares:
+            shares[blocks, ends] = estimate(replace(m, n_layers=blocks), recipe, pp_ends=ends, **kw)
+        share = shares[blocks, ends]
         parts = dict(share.parts)
         chunks = in_flight(pp, vp, kw["grad_accum"], schedule, rank)
         for name in parts:
             if name.startswith("activations (") or name == "gathered K/V (CP)":
                 parts[name] *= chunks / vp  # a stage-chunk: one micro-batch through a stage, 1/vp of the blocks
+        if share.when == "the loss's backward":
+            parts["stage outputs held for backward"] = hidden * chunks * ((vp - 1) / vp if rank == last else 1)
+            parts["receive buffers posted ahead"] = hidden * vp
         if rank != last:
             parts.pop("logits and loss", None)
         out.append(Estimate(parts, when=share.when, build=share.build))
