@@ -342,7 +342,10 @@ def test_tiny_moe_runs_expert_parallel_under_fsdp_from_the_command_line(tmp_path
 @pytest.mark.parametrize("precision", ["bf16", "fp8-rowwise"])
 def test_ep_chunks_are_bit_identical_on_nccl(tmp_path, dp, precision):
     """On CUDA the experts' grouped GEMMs (BF16, FP8 row-wise; their FP32 gradient buffers under accumulation)
-    run each group of experts apart, with NCCL's asynchronous all-to-alls: --ep-chunks 2 trains as 1, bit for bit."""
+    run each group of experts apart, with NCCL's asynchronous all-to-alls: --ep-chunks 2 trains as 1, bit for bit
+    in BF16; in FP8 the weight gradients added into FP32 are summed in slices aligned in the grouped buffer, which
+    a group's buffer places elsewhere (lpbench.parallel.ep's module doc): the first step's loss bit for bit (the
+    forward is), the later ones within rounding."""
     losses = {}
     for chunks in ("1", "2"):
         results = tmp_path / chunks
@@ -353,7 +356,11 @@ def test_ep_chunks_are_bit_identical_on_nccl(tmp_path, dp, precision):
         assert out.returncode == 0, out.stderr[-2000:]
         with sqlite3.connect(results / "results.db") as db:
             losses[chunks] = db.execute("SELECT step, loss, grad_norm FROM steps ORDER BY step").fetchall()
-    assert len(losses["1"]) == 4 and losses["2"] == losses["1"]
+    assert len(losses["1"]) == 4 and losses["2"][0][1] == losses["1"][0][1]  # step 1's loss
+    if precision == "bf16":
+        assert losses["2"] == losses["1"]
+    else:
+        assert [s[1:] for s in losses["2"]] == pytest.approx([s[1:] for s in losses["1"]], rel=1e-5)
 
 
 _MIXED_STEP = """

@@ -15,7 +15,9 @@ reverse). Each expert still receives all its rows in the same order, and the oth
 that call (a zero gradient, added exactly), so the result is bit-identical to C = 1 where the experts' kernel
 computes each expert apart (:data:`CHUNKABLE`: the compute-dtype grouped GEMMs, and the FP8 row-/tensor-wise
 ones, whose scales are per token, per expert row, per expert, per expert and column); the per-expert dense
-GEMMs (``Looped``: delayed scaling's histories, the block formats) run unchunked.
+GEMMs (``Looped``: delayed scaling's histories, the block formats) run unchunked. Not bit-identical, only within
+rounding: FP8 weight gradients added into FP32 buffers on Hopper (:mod:`lpbench.precision.kernels.grouped_mm`
+sums an expert's rows in slices aligned in the grouped buffer, and a group's buffer places them elsewhere).
 
 Gradients: an expert's weight gradient sums the losses of every rank of its group (their tokens
 reached it through the exchange), each loss already the mean over that rank's batch; so it is
