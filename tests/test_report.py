@@ -194,6 +194,18 @@ def test_csv_and_json_keep_one_flat_row_per_run(store, capsys, tmp_path):
     assert out[0].startswith("id,group_id,workload,model,precision") and len(out) == 3
 
 
+def test_flat_rows_carry_a_pipeline_runs_bubble(tmp_path, capsys):
+    s = ResultsStore(tmp_path)
+    bubble = dict(pp_stage_blocks="4,4,4,4,4,5,5,2", pp_bubble=0.128)
+    bubble |= dict(pp_bubble_ranks="0.186,0.091,0.071,0.163", pp_bubble_theory=0.045, pp_bubble_split=0.096)
+    _run(s, "bf16", 8975, extra_metrics=bubble, extra_config=dict(pp=4, vp=2))
+    _run(s, "bf16", 10067, group="g2")
+    assert main(["report", "--results", str(tmp_path), "--format", "json"]) == 0
+    rows = {r["group_id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert {k: rows["g1"][k] for k in bubble} == bubble and (rows["g1"]["pp"], rows["g1"]["vp"]) == (4, 2)
+    assert rows["g2"]["pp_bubble"] is None and rows["g2"]["pp"] == 1
+
+
 def test_group_filter(store):
     runs = store.runs()
     assert {r["group_id"] for r in select_runs(runs, ["g2"])} == {"g2"}

@@ -53,6 +53,14 @@ COLUMNS = [  # (key, header, format) of the flat table (lpbench run, sweep, --fo
     ("status", "status", "{}"),
 ]
 BASELINE = "bf16"
+# a pipeline run's metrics the flat rows (csv, json) carry (lpbench.train.loop: pipeline_metrics)
+PIPELINE_METRICS = (
+    "pp_stage_blocks",
+    "pp_bubble",
+    "pp_bubble_ranks",
+    "pp_bubble_theory",
+    "pp_bubble_split",
+)
 TIME_TO_TRAIN_GPUS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 TIME_TO_TRAIN_TOKENS = 1e12
 WORKLOAD_TITLES = {
@@ -308,6 +316,7 @@ def summary_rows(runs: list[dict]) -> list[dict]:
                 "steps": cfg.get("steps"),
                 "group_differs": differences_text(differs[run_group(r)]),  # from the other groups' runs
                 "flops_formula": metrics.get("flops_formula") or cfg.get("flops_formula"),
+                **{k: metrics.get(k) for k in PIPELINE_METRICS},  # PP runs: the split, the bubble and its theory
                 **{f"profile_{k}": v for k, v in (metrics.get("profile") or {}).items()},  # --profile-steps
             }
         )
