@@ -422,12 +422,12 @@ def test_the_split_theory_counts_the_busiest_rank():
     """Whole blocks and the head do not divide evenly: the pipeline runs at its busiest rank's pace."""
     m, head = MODELS["llama3-8b"], head_units(MODELS["llama3-8b"], 8192)
     cfg = RunConfig(model="llama3-8b", seq_len=8192, gbs=32, pp=4, vp=2).with_world(4)
-    loads = rank_loads(cfg, m, [4, 4, 4, 4, 4, 5, 5, 2])  # rank r holds stages r and r + 4
+    loads = rank_loads(cfg, m)  # balanced: 4,4,4,4,4,5,5,2; rank r holds stages r and r + 4
     assert loads == pytest.approx([8, 9, 9, 6 + head])
     even = 3 / (32 * 2 + 3)
     assert bubble_theory(4, 2, 32, loads) == pytest.approx(1 - (1 - even) * (32 + head) / 4 / 9)  # 9.6 %
     assert bubble_theory(4, 2, 32, [8.5] * 4) == pytest.approx(even)  # equal ranks: the formula itself
-    zbv = rank_loads(cfg.with_(vp=2, pp=2, pp_schedule="zbv").with_world(2), m, [9, 8, 9, 6])
+    zbv = rank_loads(cfg.with_(vp=2, pp=2, pp_schedule="zbv", pp_split="9,8,9,6").with_world(2), m)
     assert zbv == pytest.approx([9 + 6 + head, 8 + 9])  # the V: rank 0 holds the first and the last stage
 
 

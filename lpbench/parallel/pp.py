@@ -166,11 +166,7 @@ def stage_sizes(cfg: RunConfig, m: ModelConfig) -> list[int]:
         return even_sizes(m.n_layers, n_stages)
     if cfg.pp_split != "balanced":
         return cfg.pp_split_counts()
-    owners = [0] * n_stages
-    for r in range(cfg.pp):
-        for s in rank_stages(r, cfg.pp, cfg.vp, cfg.schedule):
-            owners[s] = r
-    return balanced_sizes(m.n_layers, owners, head_units(m, cfg.seq_len))
+    return balanced_sizes(m.n_layers, stage_owners(cfg.pp, cfg.vp, cfg.schedule), head_units(m, cfg.seq_len))
 
 
 def stage_blocks(sizes: list[int]) -> list[range]:
@@ -190,6 +186,15 @@ def rank_stages(rank: int, pp: int, vp: int, schedule: str) -> list[int]:
     if schedule == "zbv":
         return [rank, 2 * pp - 1 - rank]
     return [rank + v * pp for v in range(vp)]
+
+
+def stage_owners(pp: int, vp: int, schedule: str) -> list[int]:
+    """The pipeline rank that runs each stage, in stage order (:func:`rank_stages` inverted)."""
+    owners = [0] * (pp * vp)
+    for r in range(pp):
+        for s in rank_stages(r, pp, vp, schedule):
+            owners[s] = r
+    return owners
 
 
 class Blocks(nn.ModuleDict):
@@ -399,7 +404,7 @@ class Pipeline:
         validation micro-batches on every schedule (the zero-bubble ones included) and keeps nothing for a
         backward pass."""
         kwargs = {"labels": args[1]} | ({"doc_ids": args[2]} if len(args) > 2 else {})
-        owner = {s: r for r in range(self.pp) for s in rank_stages(r, self.pp, self.vp, self.name)}
+        owner = stage_owners(self.pp, self.vp, self.name)
         me = dist.get_rank(self.group)
         x = args[0]
         for s in range(self.n_stages):
@@ -446,14 +451,11 @@ def bubble_theory(pp: int, vp: int, micro_batches: int, loads: list[float] | Non
     return 1.0 - (1.0 - theory) * (sum(loads) / len(loads)) / max(loads)
 
 
-def rank_loads(cfg: RunConfig, m: ModelConfig, sizes: list[int]) -> list[float]:
-    """Each pipeline rank's work per micro-batch in blocks, by rank: its stages' blocks (``sizes``: each stage's),
-    plus the LM head (:func:`head_units`) on the last stage's rank."""
-    owners = {s: r for r in range(cfg.pp) for s in rank_stages(r, cfg.pp, cfg.vp, cfg.schedule)}
-    loads = [0.0] * cfg.pp
-    for s, n in enumerate(sizes):
-        loads[owners[s]] += n
-    loads[owners[len(sizes) - 1]] += head_units(m, cfg.seq_len)
+def rank_loads(cfg: RunConfig, m: ModelConfig) -> list[float]:
+    """Each pipeline rank's work per micro-batch in blocks, by rank: its stages' blocks (:func:`rank_blocks`), plus
+    the LM head (:func:`head_units`) on the last stage's rank."""
+    loads = [float(n) for n in rank_blocks(cfg, m)]
+    loads[stage_owners(cfg.pp, cfg.vp, cfg.schedule)[-1]] += head_units(m, cfg.seq_len)
     return loads
 
 

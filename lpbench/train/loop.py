@@ -509,7 +509,7 @@ def pipeline_metrics(run: Run, log: Callable[[str], None]) -> dict:
     :func:`rank_loads`: whole blocks and the LM head rarely divide evenly, and the busiest rank sets the pace)."""
     pipe, cfg = run.par.pipeline, run.cfg
     theory = bubble_theory(cfg.pp, cfg.vp, cfg.grad_accum)
-    loads = rank_loads(cfg, cfg.model_config(), pipe.sizes)
+    loads = rank_loads(cfg, cfg.model_config())
     split = bubble_theory(cfg.pp, cfg.vp, cfg.grad_accum, loads)
     out = {"pp": cfg.pp, "vp": cfg.vp, "pp_schedule": pipe.name, "pp_bubble_theory": theory}
     out |= {"pp_bubble_split": split, "pp_stage_blocks": ",".join(map(str, pipe.sizes))}
