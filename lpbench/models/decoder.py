@@ -258,18 +258,19 @@ class Decoder(nn.Module):
     def head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Final norm and LM head: logits, or their mean cross-entropy (FP32) with ``labels``."""
         cp, vocab = self.context_parallel, self.vocab_parallel
-        if vocab is not None:  # TP: this rank's share of the vocabulary's logits
-            logits = self.lm_head(self.norm(h))
+        if vocab is not None or (labels is not None and cp is not None):
+            logits = self.lm_head(self.norm(h))  # under TP this rank's share of the vocabulary's
             if labels is None:
                 return vocab.gather(logits)
-            losses = vocab.cross_entropy(logits.flatten(0, 1), labels.flatten())
-            if cp is not None:
-                return losses.sum() * cp.size / cp.label_count(labels)
-            return losses.sum() / (labels != -100).sum()
-        if labels is not None and cp is not None:  # this rank's sum over the whole sequences' count, x CP size
-            logits = self.lm_head(self.norm(h)).flatten(0, 1).float()
-            total = F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum")
-            return total * cp.size / cp.label_count(labels)
+            if vocab is not None:
+                total = vocab.cross_entropy(logits.flatten(0, 1), labels.flatten()).sum()
+            else:
+                total = F.cross_entropy(
+                    logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+                )
+            if cp is not None:  # this rank's sum over the whole sequences' count, x CP size
+                return total * cp.size / cp.label_count(labels)
+            return total / (labels != -100).sum()
         if labels is not None and self.fused_loss_scale is not None:
             return linear_cross_entropy(self.norm(h), self.lm_head.weight, labels, self.fused_loss_scale)
         logits = self.lm_head(self.norm(h))
