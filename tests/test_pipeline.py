@@ -43,6 +43,7 @@ from lpbench.parallel.pp import (
     rank_loads,
     rank_stages,
     stage_blocks,
+    stage_owners,
     stage_sizes,
 )
 
@@ -375,11 +376,9 @@ def test_stage_cut_and_placement():
     assert stage_blocks(even_sizes(10, 4)) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]  # extras first
     assert rank_stages(1, 4, 2, "interleaved-1f1b") == [1, 5]
     assert rank_stages(0, 2, 2, "zbv") == [0, 3]
+    assert stage_owners(4, 2, "interleaved-1f1b") == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert stage_owners(2, 2, "zbv") == [0, 1, 1, 0]  # the V
     assert bubble_theory(4, 5, 32) == pytest.approx(3 / (32 * 5 + 3))
-
-
-def _owners(pp: int, vp: int, schedule: str) -> list[int]:
-    return [next(r for r in range(pp) if s in rank_stages(r, pp, vp, schedule)) for s in range(pp * vp)]
 
 
 @pytest.mark.parametrize(
@@ -401,7 +400,7 @@ def _owners(pp: int, vp: int, schedule: str) -> list[int]:
     ],
 )
 def test_the_balanced_split_by_hand(n, pp, vp, schedule, head, sizes):
-    assert balanced_sizes(n, _owners(pp, vp, schedule), head) == sizes
+    assert balanced_sizes(n, stage_owners(pp, vp, schedule), head) == sizes
 
 
 def test_the_head_counts_its_flops_in_blocks():
