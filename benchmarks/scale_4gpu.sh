@@ -14,13 +14,14 @@
 #      with BF16 gradient reduction, BF16 reduction alone, zero2, NCCL on at most 8 channels (SMs).
 #
 # Run from the repository root (PART=table, moe or fsdp runs one part alone, fsdp with the 1-GPU and 4-GPU fsdp
-# rows its ratios need; PROFILE= turns the profiled step off):
+# rows its ratios need, or 2-GPU ones with GPUS=2 on a 2-GPU machine; PROFILE= turns the profiled step off):
 #
 #     PYTHONPATH=. OUT=/some/dir bash benchmarks/scale_4gpu.sh
 set -uo pipefail
 
 OUT=${OUT:-scale-out}
 BUDGET=${BUDGET:-430}
+GPUS=${GPUS:-4}  # the machine's GPUs (PART=fsdp only: the other parts need 4)
 PYTHON=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
@@ -57,11 +58,11 @@ case "${PART:-all}" in  # a part alone, for a second call: its own baselines com
     all) ARGS=("${TABLE[@]}" "${FULL[@]}" "${MOE_ROWS[@]}" "${KNOBS[@]}") ;;
     table) ARGS=("${TABLE[@]}" "${FULL[@]}") ;;
     moe) ARGS=(--gpus 4 --layouts "" "${MOE_ROWS[@]}") ;;
-    fsdp) ARGS=(--gpus 1,4 --layouts fsdp "${KNOBS[@]}") ;;
+    fsdp) ARGS=(--gpus "1,$GPUS" --layouts fsdp "${KNOBS[@]}") ;;
     *) echo "scale_4gpu.sh: PART must be all, table, moe or fsdp" >&2; exit 2 ;;
 esac
 "$PYTHON" benchmarks/scale.py \
     --model llama3-8b --num-layers 16 --seq-len 8192 --mbs 1 --gbs-per-gpu 8 --steps 5 --warmup-steps 2 \
     --precision bf16,fp8-tensorwise --profile-layouts "${PROFILE-fsdp}" "${ARGS[@]}" \
-    --gpus-available 4 --timeout 240 --budget "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/scale.log"
+    --gpus-available "$GPUS" --timeout 240 --budget "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/scale.log"
 exit "${PIPESTATUS[0]}"

@@ -176,9 +176,9 @@ def test_fused_kernel_falls_back_to_scaled_mm_for_shapes_it_does_not_take(monkey
     q = QuantizedLinear(64, 32, recipe=RECIPES["fp8-rowwise"], native=True)
     torch.manual_seed(0)
     x = torch.randn(5, 64)
-    assert q.kernel.takes(x, q.weight) and q.kernel.fallback is None
+    assert q.kernel.takes(x, q.weight.shape) and q.kernel.fallback is None
     fused = QuantizedLinear(64, 32, recipe=RECIPES["fp8-tensorwise"], native=True)
-    assert not fused.kernel.takes(x, fused.weight)  # CPU: the fused kernel takes CUDA tensors only
+    assert not fused.kernel.takes(x, fused.weight.shape)  # CPU: the fused kernel takes CUDA tensors only
     with torch.no_grad():
         fused.weight.copy_(q.weight), fused.bias.copy_(q.bias)
         y = fused(x)
@@ -269,7 +269,8 @@ def test_native_qgemm_passes_fast_accumulation(monkeypatch):
     a, b = quantize_fp8(torch.randn(32, 64), E4M3), quantize_fp8(torch.randn(48, 64), E4M3)
     fast, plain = NativeScaledMM.gemm(a, b, fast_accum=True), NativeScaledMM.gemm(a, b)
     assert calls == [True, False]
-    assert torch.allclose(fast, Emulated.gemm(a, b), rtol=1e-2, atol=1e-2) and torch.allclose(plain, fast)
+    assert fast.dtype == torch.bfloat16  # the native output, cast by mm (no FP32 round trip)
+    assert torch.allclose(fast.float(), Emulated.gemm(a, b), rtol=1e-2, atol=1e-2) and torch.allclose(plain, fast)
 
 
 @pytest.mark.parametrize(
@@ -347,3 +348,40 @@ def test_one_autograd_function_for_every_quantized_linear(monkeypatch):
     monkeypatch.setattr(capability, "fused_fp8_linear", lambda x, w: True)
     fused = QuantizedLinear.from_linear(nn.Linear(64, 32), RECIPES["fp8-tensorwise"], native=True)
     assert grad_fn(fused) == "QuantizedLinearFnBackward"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
+def test_a_frozen_base_runs_the_fused_fp8_kernel_with_the_fallbacks_numbers(monkeypatch, recipe, device):
+    """A LoRA base stored in FP8 runs the fused FP8 kernel where it takes the call (its operands from the stored
+    codes, Wᵀ's codes transposed), with the numbers of ``torch._scaled_mm`` on the stored operands (the shape
+    fallback): outputs, input gradients and delayed scaling's histories bit for bit over three steps; and, in
+    tensorwise scaling, those of the trained fused linear over the same weight. On CUDA the fused path casts with
+    its Triton kernels and transposes the codes in tiles."""
+    from lpbench.precision import capability
+    from lpbench.precision.frozen import FrozenQuantizedLinear
+    from lpbench.precision.kernels.fp8_linear import Fused
+
+    takes = {"on": True}
+    monkeypatch.setattr(capability, "fused_fp8_linear", lambda x, w: takes["on"])  # on CPU too (its _scaled_mm)
+    linear = nn.Linear(64, 48, bias=False, device=device).requires_grad_(False)
+    trained = QuantizedLinear.from_linear(linear, RECIPES[recipe], native=True)
+    fused, fallback = (FrozenQuantizedLinear.from_linear(trained) for _ in range(2))
+    assert issubclass(fused.kernel, Fused) and fused.kernel.fallback is NativeScaledMM
+
+    def step(mod, seed, fuse):
+        takes["on"] = fuse
+        x = randn(32, 64, seed=seed).to(device).requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y = mod(x)
+        y.backward(randn(*y.shape, seed=seed + 10).to(device, y.dtype))
+        return y, x.grad
+
+    for seed in range(3):
+        got, want = step(fused, seed, True), step(fallback, seed, False)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), seed
+        if recipe == "fp8-tensorwise":
+            assert all(torch.equal(a, b) for a, b in zip(got, step(trained, seed, True))), seed
+    for role in ("input", "grad") if recipe == "fp8-delayed" else ():
+        assert torch.equal(fused.amax_history(role), fallback.amax_history(role))
+        assert torch.equal(fused.scale_buffer(role), fallback.scale_buffer(role))

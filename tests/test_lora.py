@@ -261,7 +261,7 @@ def test_adapters_merged_into_a_stored_quantized_base_export_to_hf_and_back(tmp_
     base = model.layers[0].attn.qkv.base
     assert isinstance(base, FrozenQuantizedLinear)
     train_steps(model, steps=1)
-    expected = base.weight_operand("fprop").dequantize() + model.layers[0].attn.qkv.delta_weight()
+    expected = base.dequantized() + model.layers[0].attn.qkv.delta_weight()
     merge_lora(model)
     export_hf_checkpoint(model, tmp_path / "hf", dtype=torch.float32)
     back = load_hf_checkpoint(tmp_path / "hf")

@@ -17,6 +17,7 @@ import torch
 
 from lpbench.config import RunConfig
 from lpbench.models.registry import MODELS, ModelConfig
+from lpbench.precision.linear import Emulated
 from lpbench.precision.recipes import RECIPES
 
 # heads of 32 and an FFN of 256: every rank's part of every split is whole MX (32) and NVFP4 (16) blocks
@@ -188,10 +189,10 @@ def test_a_stored_base_split_keeps_the_whole_weights_operands(precision, dim):
         part = FrozenQuantizedLinear(weight, None, recipe)
         part.tp_local(dim, shard.index(weight.device))
         index = shard.index(weight.device)
-        w = whole.weight_operand("fprop").dequantize().index_select(dim, index)
-        wt = whole.weight_operand("dgrad").dequantize().index_select(1 - dim, index)
-        assert torch.equal(part.weight_operand("fprop").dequantize(), w)
-        assert torch.equal(part.weight_operand("dgrad").dequantize(), wt)
+        w = whole.weight_operand("fprop", Emulated).dequantize().index_select(dim, index)
+        wt = whole.weight_operand("dgrad", Emulated).dequantize().index_select(1 - dim, index)
+        assert torch.equal(part.weight_operand("fprop", Emulated).dequantize(), w)
+        assert torch.equal(part.weight_operand("dgrad", Emulated).dequantize(), wt)
         assert (part.out_features, part.in_features) == tuple(w.shape)
 
 

@@ -285,4 +285,6 @@ def test_frozen_nvfp4_weight_of_odd_width():
     frozen = FrozenQuantizedLinear.from_linear(quantized)
     x = torch.randn(5, 33)
     assert torch.equal(frozen(x), quantized(x))
-    assert torch.equal(frozen.weight_operand("fprop").codes, quantize_nvfp4(quantized.weight, block=(16, 16)).codes)
+    assert torch.equal(
+        frozen.weight_operand("fprop", frozen.kernel).codes, quantize_nvfp4(quantized.weight, block=(16, 16)).codes
+    )

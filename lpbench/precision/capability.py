@@ -109,11 +109,11 @@ def blockwise_shape(a: QTensor, b: QTensor) -> bool:
     return ok and (b.block[0] == 1 or (k // 128) % 4 == 0)
 
 
-def fused_fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the fused FP8 tensorwise/delayed linear takes the call: CUDA, every GEMM dim a multiple of 16
-    (what ``torch._scaled_mm`` takes)."""
+def fused_fp8_linear(x: torch.Tensor, weight_shape: tuple[int, int]) -> bool:
+    """Whether the fused FP8 tensorwise/delayed linear takes the call of input ``x`` and a weight of
+    ``weight_shape`` [out, in]: CUDA, every GEMM dim a multiple of 16 (what ``torch._scaled_mm`` takes)."""
     tokens = x.numel() // x.shape[-1]
-    return x.is_cuda and tokens % 16 == 0 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+    return x.is_cuda and tokens % 16 == 0 and weight_shape[0] % 16 == 0 and weight_shape[1] % 16 == 0
 
 
 def fp8_cast_kernel(t: torch.Tensor) -> bool:

@@ -15,7 +15,9 @@ Inputs and output gradients are quantized per step exactly as in ``QuantizedLine
 scaling keeps input and grad amax histories and scales; the weight is cast once with the scale
 Transformer Engine's rule gives after recording its amax, FP8_MAX / amax / 2**margin: a frozen
 weight's history never holds another amax); there is no weight-gradient GEMM. So outputs and input gradients equal
-those of a ``QuantizedLinear`` over the same frozen weight.
+those of a ``QuantizedLinear`` over the same frozen weight. The module runs its recipe's kernel, the fused FP8 one
+included (``kernels/fp8_linear.py``): the kernel reads the stored codes as its operands (``stored_operand``) and
+transposes the shared copy's codes for dgrad (``stored_t``: in tiles on CUDA).
 
 Codes and scales are frozen uint8 parameters holding raw bytes (E2M1 codes packed two per byte),
 flat, their dtypes and shapes kept aside: ``Module.to(dtype)`` cannot cast them, DDP broadcasts them
@@ -164,20 +166,21 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         else:
             self.in_features = len(index)
 
-    def weight_operand(self, gemm: str) -> QTensor:
-        """The stored weight operand of ``gemm``: W for "fprop", Wᵀ for "dgrad" (quantized along the last dim)."""
+    def weight_operand(self, gemm: str, kernel):
+        """The stored weight operand of ``gemm`` as ``kernel`` reads it: W for "fprop", Wᵀ for "dgrad" (quantized
+        along the last dim; the shared copy's codes transposed by the kernel)."""
         q = self._stored("w" if gemm == "fprop" or self.shared else "wt")
-        if gemm == "fprop" or not self.shared:
-            return q
-        codes = self.kernel.stored_t(q.codes)
-        return QTensor(codes, q.scale.t(), (q.block[1], q.block[0]), q.fmt, q.global_scale)
+        if gemm == "dgrad" and self.shared:
+            q = QTensor(kernel.stored_t(q.codes), q.scale.t(), (q.block[1], q.block[0]), q.fmt, q.global_scale)
+        return kernel.stored_operand(q)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(compute_dtype(x))
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
             y = x.new_zeros(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)
-        return QuantizedLinearFn.apply(x, None, self.bias, self, self.kernel)
+        kernel = self.kernel if self.kernel.takes(x, (self.out_features, self.in_features)) else self.kernel.fallback
+        return QuantizedLinearFn.apply(x, None, self.bias, self, kernel)
 
     @torch.no_grad()
     def merge_lora_delta(self, delta: torch.Tensor) -> QuantizedLinear:

@@ -137,8 +137,13 @@ class Emulated:
         return codes.t()
 
     @staticmethod
-    def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    def takes(x: torch.Tensor, weight_shape: tuple[int, int]) -> bool:
         return True
+
+    @staticmethod
+    def stored_operand(q: QTensor):
+        """A stored weight's QTensor (a frozen base's, ``precision/frozen.py``) as this kernel's operand."""
+        return q
 
     @staticmethod
     def operands(mod, t, role, gemm, row, col):
@@ -147,12 +152,13 @@ class Emulated:
     @classmethod
     def mm(cls, mod, a, b, out_dtype, bias=None, fast_accum=False):
         y = cls.gemm(a, b, fast_accum)
-        return (y if bias is None else y + bias.float()).to(out_dtype)
+        return (y if bias is None else y.float() + bias.float()).to(out_dtype)
 
     @staticmethod
     def gemm(a, b, fast_accum: bool = False) -> torch.Tensor:
-        """FP32 a · bᵀ of two operands quantized along their last (reduction) dim (the emulation accumulates in
-        FP32 whatever ``fast_accum`` says)."""
+        """a · bᵀ of two operands quantized along their last (reduction) dim: FP32 here (the emulation accumulates
+        in FP32 whatever ``fast_accum`` says), the BF16 output of the native kernels below (cast to ``out_dtype``
+        by :meth:`mm`, no FP32 round trip: a BF16 value is exact in either)."""
         (va, sa), (vb, sb) = _operand(a), _operand(b)
         return mm_fp32(va, vb) * sa * (sb.t() if sb.dim() else sb)
 
@@ -178,7 +184,7 @@ class NativeScaledMM(Native):
 
     @staticmethod
     def gemm(a, b, fast_accum: bool = False) -> torch.Tensor:
-        return _scaled_mm(a, b, fast_accum).float()
+        return _scaled_mm(a, b, fast_accum)
 
 
 class NativeBlockwise(Native):
@@ -191,7 +197,7 @@ class NativeBlockwise(Native):
     def gemm(a, b, fast_accum: bool = False) -> torch.Tensor:
         if not capability.blockwise_shape(a, b):
             return Emulated.gemm(a, b)
-        return _blockwise_mm_op(a.codes, a.scale.float().contiguous(), b.codes, b.scale.float().contiguous()).float()
+        return _blockwise_mm_op(a.codes, a.scale.float().contiguous(), b.codes, b.scale.float().contiguous())
 
 
 class NativeBlockScaled(Native):
@@ -202,7 +208,7 @@ class NativeBlockScaled(Native):
 
     @staticmethod
     def gemm(a, b, fast_accum: bool = False) -> torch.Tensor:
-        return block_scaled.mm(a, b).float() if block_scaled.takes(a, b) else Emulated.gemm(a, b)
+        return block_scaled.mm(a, b) if block_scaled.takes(a, b) else Emulated.gemm(a, b)
 
 
 class FusedFp8(Fused, Native):
@@ -212,8 +218,8 @@ class FusedFp8(Fused, Native):
     name, native, fallback = "FusedFp8", True, NativeScaledMM
 
     @staticmethod
-    def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return capability.fused_fp8_linear(x, weight)
+    def takes(x: torch.Tensor, weight_shape: tuple[int, int]) -> bool:
+        return capability.fused_fp8_linear(x, weight_shape)
 
 
 def _with_subclasses(kernel) -> list:
@@ -223,12 +229,10 @@ def _with_subclasses(kernel) -> list:
 KERNELS = {k.name: k for k in _with_subclasses(Emulated)}  # every kernel class above, by name
 
 
-def kernel_for(recipe: Recipe, native: bool, stored_weight: bool = False):
+def kernel_for(recipe: Recipe, native: bool):
     """The kernel of a quantized linear of ``recipe``: the scaling's native kernel (``capability.NATIVE``) if
-    ``native``, else :class:`Emulated`. A linear that stores its weight's operands (``stored_weight``: a frozen
-    base) takes the fused kernel's fallback, which reads operands, not a weight."""
-    kernel = KERNELS[capability.NATIVE[recipe.scaling]] if native else Emulated
-    return kernel.fallback if stored_weight and kernel.fallback is not None else kernel
+    ``native``, else :class:`Emulated`."""
+    return KERNELS[capability.NATIVE[recipe.scaling]] if native else Emulated
 
 
 def _split(operand) -> tuple[list, callable]:
@@ -261,7 +265,7 @@ class QuantizedLinearFn(torch.autograd.Function):
             ctx.quantized_wgrad = need_dw and mod.recipe.operand("input", "wgrad") is not None
             xq, ctx.x_wgrad = kernel.operands(mod, x2, "input", "fprop", True, ctx.quantized_wgrad)
             if weight is None:
-                wq, ctx.w_dgrad = mod.weight_operand("fprop"), None
+                wq, ctx.w_dgrad = mod.weight_operand("fprop", kernel), None
             else:
                 wq, ctx.w_dgrad = kernel.operands(mod, weight, "weight", "fprop", True, need_dx)
             y = kernel.mm(mod, xq, wq, x.dtype, bias, mod.recipe.fast_accum_fprop)
@@ -291,7 +295,7 @@ class QuantizedLinearFn(torch.autograd.Function):
                 else:  # dy2 is the gradient of the epilogue's output
                     gq, gq_wgrad = kernel.epilogue_operands(mod, ctx.epilogue, y, dy2, need_dx, ctx.quantized_wgrad)
             if need_dx:
-                wt = mod.weight_operand("dgrad") if ctx.w_dgrad is None else ctx.w_dgrad
+                wt = mod.weight_operand("dgrad", kernel) if ctx.w_dgrad is None else ctx.w_dgrad
                 dx = kernel.mm(mod, gq, wt, ctx.x_dtype, None, mod.recipe.fast_accum_grads).reshape(ctx.x_shape)
             if ctx.quantized_wgrad:
                 dw = kernel.mm(mod, gq_wgrad, ctx.x_wgrad, ctx.w_dtype, None, mod.recipe.fast_accum_grads)
@@ -315,7 +319,7 @@ class QuantizedGemms(DelayedScaling):
     def _init_gemms(self, recipe: Recipe, native: bool, device, roles=("input", "weight", "grad")) -> None:
         if not recipe.quantized:
             raise ValueError(f"recipe {recipe.name} has no quantized GEMMs")
-        self.recipe, self.kernel = recipe, kernel_for(recipe, native, stored_weight="weight" not in roles)
+        self.recipe, self.kernel = recipe, kernel_for(recipe, native)
         self._init_histories(device, roles)
 
     @property
@@ -447,7 +451,7 @@ class QuantizedGemms(DelayedScaling):
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
             y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))  # no FLOPs
             return y if epilogue is None else epilogue.apply(y)
-        kernel = self.kernel if self.kernel.takes(x, weight) else self.kernel.fallback
+        kernel = self.kernel if self.kernel.takes(x, weight.shape) else self.kernel.fallback
         if epilogue is None or (
             hasattr(kernel, "epilogue_operands") and bias is None and self.recipe.operand("input", "wgrad") is not None
         ):

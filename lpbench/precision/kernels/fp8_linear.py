@@ -139,6 +139,16 @@ class Fused:
         return (q, dec), ((qt, dec) if col else None)
 
     @staticmethod
+    def stored_operand(q):
+        """A frozen base's stored QTensor (one scale for the tensor) as an operand: (codes, decode scale)."""
+        return q.codes, q.scale.float().reshape(())
+
+    @staticmethod
+    def stored_t(codes: torch.Tensor) -> torch.Tensor:
+        """A frozen base's codes transposed for dgrad: in tiles on CUDA (a strided copy of bytes is slow)."""
+        return fp8_cast.transpose_codes(codes) if codes.is_cuda else codes.t().contiguous()
+
+    @staticmethod
     def epilogue_operands(mod, epilogue, y, grad, row, col):
         """:meth:`operands` of the gradient of ``y`` (``role`` "grad") from ``grad``, the gradient of
         ``epilogue.forward(y)``: its codes (delayed) or amax (tensorwise) come out of the epilogue's backward
