@@ -5,7 +5,7 @@
 # each layout as its own `lpbench run` under coreutils timeout (1- and 2-GPU runs one per precision, side by
 # side on free GPUs), logs and results under $OUT.
 #
-#   1. weak scaling, llama3-8b@16L, seq 8192, GBS 8 a GPU: 1 GPU, DDP and FSDP2 on 2 and 4 GPUs, BF16 and
+#   1. weak scaling, llama3-8b@16L, seq 8192, GBS 8 a GPU: 1 GPU, DDP, FSDP2 and FSDP2 zero1 on 2 and 4 GPUs, BF16 and
 #      fp8-tensorwise; the 4-GPU FSDP2 rows profile one more step: NCCL ms and exposed NCCL ms per step;
 #   2. full llama3-8b FSDP2 on 4 GPUs, GBS 32; MoE under EP 4 + FSDP2: mixtral-8x7b@6L and qwen3-30b-a3b at 6 and
 #      12 blocks (seq 4096, GBS 16), BF16 and fp8-rowwise, qwen3 extrapolated linearly to 48 blocks; mixtral's
@@ -30,7 +30,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 git rev-parse --short HEAD > "$OUT/tree.txt" 2>/dev/null || true
 
 MOE="--seq-len 4096 --mbs 1 --gbs 16 --ep 4 --fsdp --steps 6 --warmup-steps 3 --precision bf16,fp8-rowwise"
-TABLE=(--gpus 1,2,4 --layouts ddp,fsdp)
+TABLE=(--gpus 1,2,4 --layouts "ddp,fsdp,fsdp-zero1=--fsdp --fsdp-shard zero1")
 # full llama3-8b at GBS 32 holds ~105 GB a GPU (FSDP2 accumulates whole FP32 gradients): on cards below 100 GB it
 # runs with the chunked loss, BF16 gradient reduction and selective recomputation, and its row name says so
 FULL_NAME=llama3-8b FULL_FLAGS="--model llama3-8b --seq-len 8192 --mbs 1 --gbs 32 --fsdp --steps 4 --warmup-steps 2"

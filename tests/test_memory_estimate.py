@@ -444,6 +444,24 @@ def test_memory_suggests_the_optimizer_settings_for_one_gpu(capsys):
     assert "fits h100" in capsys.readouterr().out
 
 
+def test_the_header_hints_zero1_where_its_prediction_fits_the_gpu():
+    """FSDP2 accumulating under zero3: the hint names zero1 where its prediction fits 90 % of the GPU (llama3-8b@16L
+    at seq 8192 on 2 ranks: about 81 GB, so an H200 and not an H100), never without accumulation, with
+    zero1 asked for already, under a pipeline or where the GPU's memory is unknown."""
+    from lpbench.train.memory_plan import fsdp_shard_hint, predict
+
+    cfg = RunConfig(model="llama3-8b", num_layers=16, seq_len=8192, mbs=1, gbs=16, fsdp=True).with_world(2)
+    zero1 = predict(cfg.with_(fsdp_shard="zero1"), "h200").gb
+    assert 0.9 * 79.2 < zero1 < 0.9 * 139.8  # the two cards' memory in GB (metrics/hardware.py)
+    hint = fsdp_shard_hint(cfg, "h200")
+    assert "--fsdp-shard zero1" in hint and f"{zero1:.1f} of 139.8 GB" in hint
+    assert fsdp_shard_hint(cfg, "h100") is None
+    assert fsdp_shard_hint(cfg, None) is None
+    assert fsdp_shard_hint(cfg.with_(gbs=2), "h200") is None  # GA 1: nothing gathered twice
+    assert fsdp_shard_hint(cfg.with_(fsdp_shard="zero1"), "h200") is None
+    assert fsdp_shard_hint(cfg.with_(fsdp=False), "h200") is None  # DDP
+
+
 HAND4 = ModelConfig("hand4", 4, 8, 16, 2, 1, 32, head_dim=4)  # HAND with 4 blocks
 
 

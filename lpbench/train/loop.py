@@ -286,6 +286,8 @@ def log_header(run: Run) -> tuple[float, float]:
             f"{f' | experts over ep {cfg.ep} ranks' if cfg.ep > 1 else ''}"
             f"{pipeline_line(run) if par.pipeline is not None else ''}"
         )
+        if run.device.type == "cuda" and (hint := memory_plan.fsdp_shard_hint(cfg, run.result.env.get("gpu"))):
+            log(hint)
     return plan.step_gb, plan.build_gb
 
 

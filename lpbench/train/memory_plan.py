@@ -140,6 +140,24 @@ def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
     return lines, fits
 
 
+def fsdp_shard_hint(cfg: RunConfig, gpu: str | None, *, headroom: float = 0.9) -> str | None:
+    """The header's hint for an FSDP2 run that accumulates gradients under ``--fsdp-shard zero3`` on one pipeline
+    stage: ``zero1`` where its predicted peak fits ``headroom`` of ``gpu``'s memory (it all-gathers the parameters
+    once per optimizer step instead of twice per micro-batch); None otherwise or where the GPU's memory is unknown."""
+    cap = capacity_gb(gpu)
+    if cap is None or cfg.pp > 1 or cfg.grad_accum == 1 or cfg.fsdp_shard != "zero3":
+        return None
+    if not uses_fsdp(cfg.fsdp, cfg.dp, cfg.cp):
+        return None
+    gb = predict(cfg.with_(fsdp_shard="zero1"), gpu).gb
+    if gb > headroom * cap:
+        return None
+    return (
+        f"lpbench: hint: --fsdp-shard zero1 would all-gather the parameters once per optimizer step instead of twice "
+        f"per micro-batch, and is predicted to fit ({gb:.1f} of {cap:.1f} GB)"
+    )
+
+
 def oom_hint(cfg: RunConfig, gpu: str | None) -> str:
     """What an out-of-memory result adds to its error: the prediction and, where known, what would fit."""
     est = predict(cfg, gpu)
