@@ -140,6 +140,25 @@ def test_one_document_equals_plain_causal_and_backends_agree(monkeypatch):
     torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
 
 
+def test_a_compiled_block_traces_flex_attention_into_its_one_graph():
+    """A block compiled as ``train`` compiles it, fed a flex document mask, is one graph: flex attention is traced
+    in it, not called through a warnings filter Dynamo cannot trace (which broke SFT and LoRA blocks into seven)."""
+    import torch._dynamo
+
+    model = build_model(TINY, device="cpu", seed=0)
+    runs, _ = decoder_mod.document_runs(torch.tensor([[0] * 24 + [1] * 40]))
+    mask = decoder_mod.document_mask(runs, backend="flex")
+    rope = decoder_mod.rope_tables(TINY, 64, torch.device("cpu"))
+    x = torch.randn(1, 64, TINY.dim)
+
+    def block(x):
+        with torch.no_grad():  # flex attention has no CPU backward
+            return model.layers[0](x, rope, mask)
+
+    explained = torch._dynamo.explain(block)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 def test_document_runs_and_gradients_stay_inside_samples():
     runs, pos = decoder_mod.document_runs(torch.tensor([[3, 3, 3, 1, 1, 3, -1, -1]]))
     assert runs.tolist() == [[1, 1, 1, 2, 2, 3, 4, 4]]  # a repeated id later is a new document

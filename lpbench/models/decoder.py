@@ -328,12 +328,15 @@ def document_mask(runs: torch.Tensor, backend: str | None = None, query: torch.T
 
 
 def _flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
-    """flex_attention on [B, H, S, D]: compiled once on CUDA (fused kernel), traced by an outer
-    torch.compile, eager elsewhere (an unfused reference that materialises the scores)."""
+    """flex_attention on [B, H, S, D]: traced by an outer torch.compile (the compiled block's own graph: no
+    warnings filter, which Dynamo cannot trace, so none breaks the graph), compiled once on CUDA (fused kernel),
+    eager elsewhere (an unfused reference that materialises the scores)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    if q.is_cuda and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    if q.is_cuda:
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
