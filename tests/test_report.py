@@ -14,7 +14,14 @@ from lpbench.cli import main
 from lpbench.report import plots
 from lpbench.report.build import report_markdown, select_runs
 from lpbench.report.html import render_page
-from lpbench.report.tables import NOT_GPU_SPEED, summary_rows, time_to_train_tables, to_markdown
+from lpbench.report.tables import (
+    NOT_GPU_SPEED,
+    summary_rows,
+    time_to_train_tables,
+    to_markdown,
+    to_rich,
+    workload_tables,
+)
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -204,6 +211,11 @@ def test_flat_rows_carry_a_pipeline_runs_bubble(tmp_path, capsys):
     rows = {r["group_id"]: r for r in json.loads(capsys.readouterr().out)}
     assert {k: rows["g1"][k] for k in bubble} == bubble and (rows["g1"]["pp"], rows["g1"]["vp"]) == (4, 2)
     assert rows["g2"]["pp_bubble"] is None and rows["g2"]["pp"] == 1
+    table = to_rich(summary_rows(s.runs()), width=400)
+    column = [c for c in table.columns if str(c.header).startswith("PP bubble")]
+    assert len(column) == 1 and sorted(str(c) for c in column[0]._cells) == ["12.8% (9.6%)", "n/a"]
+    markdown = "".join(t.to_markdown() for t in workload_tables(summary_rows(s.runs())))
+    assert "PP bubble (split's theory)" in markdown and "| 12.8% (9.6%) |" in markdown
 
 
 def test_group_filter(store):

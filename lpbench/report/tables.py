@@ -423,6 +423,15 @@ _SHARED_LABEL = {  # a setting every row of the run table shares, as the title s
 _SETTING_COLUMNS = tuple(_SHARED_LABEL)
 
 
+def bubble_text(r: dict) -> str:
+    """A pipeline run's measured bubble (mean over its ranks) and, in brackets, the theory for its split; n/a
+    without a pipeline or where the bubble was not measured."""
+    if r.get("pp_bubble") is None:
+        return "n/a"
+    split = r.get("pp_bubble_split")
+    return f"{r['pp_bubble']:.1%}" + ("" if split is None else f" ({split:.1%})")
+
+
 def to_rich(rows: list[dict], title: str | None = None, width: int | None = None, wide: bool = False) -> Table:
     """The flat table for the console, fitted to ``width`` columns (default: the console's).
 
@@ -475,6 +484,7 @@ def to_rich(rows: list[dict], title: str | None = None, width: int | None = None
             lambda r: _cell(r, "tflops_per_gpu", "{:.3g}", rows),
         ),
         ("mfu_bf16", "MFU", 3, lambda r: _cell(r, "mfu_bf16", "{:.1%}")),
+        ("pp_bubble", "PP bubble\n(split's\ntheory)", 2, bubble_text),
     ]
     loss_cols = [
         ("loss_delta", "Δ loss\nvs BF16", 9, _delta_text),
@@ -711,7 +721,9 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
         config_cols = ["Model", "System", "#-GPUs", "GBS", "MBS", "Seq Length", *[k.upper() for k in layout], *fsdp_col]
         config_cols += ["GA", "Steps", "Group (when, UTC): what differs"]
         tflops = tflops_header(mine, "Model TFLOP / sec / GPU")
+        show_bubble = any(r.get("pp_bubble") is not None for r in mine)
         metric_cols = ["Precision", "Backend", "Path", "Step ms (IQR)", "Tokens / sec / GPU", tflops, "MFU"]
+        metric_cols += ["PP bubble (split's theory)"] if show_bubble else []
         metric_cols += ["Speedup over BF16", "Peak mem (GB)", "Loss (last-steps mean)", "Δ loss vs BF16"]
         columns = config_cols + metric_cols
         text = {"Model", "System", "Layout", "Group (when, UTC): what differs", "Precision", "Backend", "Path"}
@@ -749,6 +761,7 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                         _num(r.get("tokens_per_sec_per_gpu")),
                         tflops_cell(mine, r, _num(r.get("tflops_per_gpu"))),
                         _num(r.get("mfu_bf16"), "pct"),
+                        *([bubble_text(r)] if show_bubble else []),
                         speed,
                         _num(r.get("peak_mem_gb"), "gb"),
                         _num(r.get("tail_loss")) if not _finite(r.get("tail_loss")) else f"{r['tail_loss']:.4f}",
@@ -766,6 +779,7 @@ def workload_tables(rows: list[dict]) -> list[TextTable]:
                         f"{_status_cell(r)} [{note}]",
                         "–",
                         "–",
+                        *(["–"] if show_bubble else []),
                         "–",
                         _num(r.get("peak_mem_gb"), "gb"),
                         "–",
