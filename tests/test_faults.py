@@ -166,10 +166,35 @@ def test_a_run_failing_on_one_rank_ends_the_job_instead_of_waiting_for_it(tmp_pa
         timeout=240,
         env=env,
     )
-    text = out.stdout + out.stderr
+    text = " ".join((out.stdout + out.stderr).split())  # rich wraps long lines
     assert out.returncode != 0, text
     assert "bf16 failed: RuntimeError: LPBENCH_FAULT: injected error at step 1" in text
-    assert "rank 1 failed: ending the job" in text and "run 2/2" not in text
+    assert "rank 1 failed (RuntimeError: LPBENCH_FAULT: injected error at step 1): ending the job" in text
+    assert "run 2/2" not in text
+
+
+def test_an_out_of_memory_on_one_rank_ends_the_job_with_its_cause(tmp_path):
+    """Rank 1 runs out of memory in its first step while rank 0 waits for it in DDP's all-reduce: rank 1 makes no
+    further collective (one would meet rank 0's all-reduce: a mismatch that broke the job with a reset connection,
+    or under NCCL a hang), says why and ends the job; the later run does not start."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"), str(Path(__file__).parents[1])]),
+        "LPBENCH_FAULT": "env.RANK=1:oom@1",
+    }
+    argv = [*TINY, "--gbs", "4", "--nproc-per-node", "2", "--precision", "bf16,fp8-tensorwise"]
+    out = subprocess.run(
+        [sys.executable, "-m", "lpbench", "run", *argv, "--results", str(tmp_path / "results")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    text = " ".join((out.stdout + out.stderr).split())  # rich wraps long lines
+    assert out.returncode == 1, text
+    assert "rank 1 ran out of memory (CUDA out of memory. Tried to allocate 1.00 GiB" in text
+    assert "ending the job" in text and "run 2/2" not in text
+    assert "mismatch" not in text and "Connection reset" not in text
 
 
 # ----------------------------------------------------------------------------- numeric input (flags and specs alike)

@@ -122,12 +122,16 @@ def error_line(exc: BaseException) -> str:
 
 
 def end_if_stranded(result: RunResult) -> None:
-    """Exit (code 1) after a run of a multi-rank job failed with an exception on this rank: the other ranks may
-    wait for it in a collective it will never join (a pipeline stage's backward that fails on one rank only), and
-    torchrun stops them once one rank has exited. The job's later runs do not start."""
-    if result.status == "error" and dist.is_initialized() and dist.get_world_size() > 1:
+    """Exit (code 1) after a run of a multi-rank job failed with an exception or ran out of memory on this rank: the
+    other ranks may wait for it in a collective it will never join (a pipeline stage's backward that fails on one
+    rank only; an allocation that fails on one rank), or have stopped at another collective than this rank, so no
+    later collective of the job could be trusted; torchrun stops them once one rank has exited. The job's later
+    runs do not start."""
+    if result.status in ("error", "oom") and dist.is_initialized() and dist.get_world_size() > 1:
+        what = "ran out of memory" if result.status == "oom" else "failed"
         console.print(
-            f"[red]lpbench: rank {dist.get_rank()} failed: ending the job (its other ranks may wait for it)[/red]"
+            f"[red]lpbench: rank {dist.get_rank()} {what} ({escape(str(result.error))}): ending the job (its other "
+            "ranks may wait for it; the job's later runs do not start)[/red]"
         )
         sys.stdout.flush()
         sys.stderr.flush()

@@ -460,11 +460,18 @@ def train(
             result.metrics["ep_imbalance_max"] = max(s["ep_imbalance"] for s in result.steps)
     if profile:
         result.metrics["profile"] = profile
-    result.metrics.update(_max_over_ranks(memory.summary(device), device))
+    # an out-of-memory rank stopped inside a step the others may finish: its collectives are no longer in step with
+    # theirs, so it makes none from here (its own peaks) and its job ends once the result is recorded
+    # (bench/runner.py: end_if_stranded)
+    collective = not (result.status == "oom" and world.size > 1)
+    peaks = memory.summary(device)
+    result.metrics.update(_max_over_ranks(peaks, device) if collective else peaks)
     result.metrics["predicted_peak_gb"] = predicted
     result.metrics["predicted_build_peak_gb"] = predicted_build
     if run.build_peak is not None:
-        result.metrics["build_peak_gb"] = all_reduce([run.build_peak], "max", device)[0]
+        result.metrics["build_peak_gb"] = (
+            all_reduce([run.build_peak], "max", device)[0] if collective else run.build_peak
+        )
     measured = result.metrics.get("peak_mem_allocated_gb")
     if measured is not None and device.type == "cuda":
         log(
@@ -489,7 +496,7 @@ def train(
         sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel,
         **run.workload_metrics,
     )
-    if par.pipeline is not None:
+    if par.pipeline is not None and collective:
         result.metrics.update(pipeline_metrics(run, log))
     return result
 
