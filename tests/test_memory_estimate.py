@@ -454,12 +454,21 @@ def test_the_header_hints_zero1_where_its_prediction_fits_the_gpu():
     zero1 = predict(cfg.with_(fsdp_shard="zero1"), "h200").gb
     assert 0.9 * 79.2 < zero1 < 0.9 * 139.8  # the two cards' memory in GB (metrics/hardware.py)
     hint = fsdp_shard_hint(cfg, "h200")
-    assert "--fsdp-shard zero1" in hint and f"{zero1:.1f} of 139.8 GB" in hint
+    assert hint.startswith("hint: --fsdp-shard zero1") and f"{zero1:.1f} of 139.8 GB" in hint
     assert fsdp_shard_hint(cfg, "h100") is None
     assert fsdp_shard_hint(cfg, None) is None
     assert fsdp_shard_hint(cfg.with_(gbs=2), "h200") is None  # GA 1: nothing gathered twice
     assert fsdp_shard_hint(cfg.with_(fsdp_shard="zero1"), "h200") is None
     assert fsdp_shard_hint(cfg.with_(fsdp=False), "h200") is None  # DDP
+
+
+def test_memory_names_zero1_where_it_fits(capsys):
+    argv = ["memory", "--model", "llama3-8b", "--num-layers", "16", "--seq-len", "8192", "--mbs", "1", "--gbs", "16"]
+    argv += ["--fsdp", "--num-gpus", "2"]
+    assert main([*argv, "--gpu", "h200"]) == 0
+    assert "fits h200" in (out := capsys.readouterr().out) and "hint: --fsdp-shard zero1" in out
+    assert main([*argv, "--gpu", "h200", "--fsdp-shard", "zero1"]) == 0
+    assert "hint" not in capsys.readouterr().out
 
 
 HAND4 = ModelConfig("hand4", 4, 8, 16, 2, 1, 32, head_dim=4)  # HAND with 4 blocks

@@ -287,7 +287,7 @@ def log_header(run: Run) -> tuple[float, float]:
             f"{pipeline_line(run) if par.pipeline is not None else ''}"
         )
         if run.device.type == "cuda" and (hint := memory_plan.fsdp_shard_hint(cfg, run.result.env.get("gpu"))):
-            log(hint)
+            log(f"lpbench: {hint}")
     return plan.step_gb, plan.build_gb
 
 

@@ -134,6 +134,8 @@ def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
         return lines, None
     fits = est.gb <= cap
     lines.append(f"{'fits' if fits else 'does not fit'} {gpu}'s {cap:.1f} GB")
+    if fits and (hint := fsdp_shard_hint(cfg, gpu)):
+        lines.append(hint)
     if not fits:
         found = suggestions(cfg, cap, gpu)
         lines.append("would fit with: " + ("; ".join(found) if found else "none of lpbench's memory flags alone"))
@@ -141,7 +143,7 @@ def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
 
 
 def fsdp_shard_hint(cfg: RunConfig, gpu: str | None, *, headroom: float = 0.9) -> str | None:
-    """The header's hint for an FSDP2 run that accumulates gradients under ``--fsdp-shard zero3`` on one pipeline
+    """The hint (``lpbench memory``, a CUDA run's header) for an FSDP2 run that accumulates gradients under ``--fsdp-shard zero3`` on one pipeline
     stage: ``zero1`` where its predicted peak fits ``headroom`` of ``gpu``'s memory (it all-gathers the parameters
     once per optimizer step instead of twice per micro-batch); None otherwise or where the GPU's memory is unknown."""
     cap = capacity_gb(gpu)
@@ -153,7 +155,7 @@ def fsdp_shard_hint(cfg: RunConfig, gpu: str | None, *, headroom: float = 0.9) -
     if gb > headroom * cap:
         return None
     return (
-        f"lpbench: hint: --fsdp-shard zero1 would all-gather the parameters once per optimizer step instead of twice "
+        f"hint: --fsdp-shard zero1 would all-gather the parameters once per optimizer step instead of twice "
         f"per micro-batch, and is predicted to fit ({gb:.1f} of {cap:.1f} GB)"
     )
 
