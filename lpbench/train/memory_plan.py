@@ -143,9 +143,10 @@ def report(cfg: RunConfig, gpu: str | None) -> tuple[list[str], bool | None]:
 
 
 def fsdp_shard_hint(cfg: RunConfig, gpu: str | None, *, headroom: float = 0.9) -> str | None:
-    """The hint (``lpbench memory``, a CUDA run's header) for an FSDP2 run that accumulates gradients under ``--fsdp-shard zero3`` on one pipeline
-    stage: ``zero1`` where its predicted peak fits ``headroom`` of ``gpu``'s memory (it all-gathers the parameters
-    once per optimizer step instead of twice per micro-batch); None otherwise or where the GPU's memory is unknown."""
+    """The hint (``lpbench memory``, a CUDA run's header) for an FSDP2 run that accumulates gradients under
+    ``--fsdp-shard zero3`` without a pipeline: ``zero1`` where its predicted peak fits ``headroom`` of ``gpu``'s
+    memory (it all-gathers the parameters once per optimizer step instead of twice per micro-batch); None
+    otherwise or where the GPU's memory is unknown."""
     cap = capacity_gb(gpu)
     if cap is None or cfg.pp > 1 or cfg.grad_accum == 1 or cfg.fsdp_shard != "zero3":
         return None
