@@ -150,13 +150,13 @@ def test_a_launched_run_fails_with_lpbench_s_line_not_torchrun_s_traceback(tmp_p
     assert "Traceback" not in out.stderr and not (tmp_path / "results").exists()
 
 
-def test_a_run_failing_on_one_rank_ends_the_job_instead_of_waiting_for_it(tmp_path):
-    """Rank 1 raises in its first step (the test-only fault hook) while rank 0 waits for it in DDP's gradient
-    all-reduce: the job ends, with the error, instead of hanging; rank 0's row of the failed run stays untouched."""
+def _two_ranks_with_a_fault_on_rank_1(tmp_path, fault: str) -> tuple[int, str]:
+    """(exit code, output with its whitespace runs made single spaces: rich wraps long lines) of a 2-process
+    ``lpbench run`` of bf16 then fp8-tensorwise, rank 1 given the test-only ``fault`` (``LPBENCH_FAULT``)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"), str(Path(__file__).parents[1])]),
-        "LPBENCH_FAULT": "env.RANK=1:error@1",
+        "LPBENCH_FAULT": f"env.RANK=1:{fault}",
     }
     argv = [*TINY, "--gbs", "4", "--nproc-per-node", "2", "--precision", "bf16,fp8-tensorwise"]
     out = subprocess.run(
@@ -166,8 +166,14 @@ def test_a_run_failing_on_one_rank_ends_the_job_instead_of_waiting_for_it(tmp_pa
         timeout=240,
         env=env,
     )
-    text = " ".join((out.stdout + out.stderr).split())  # rich wraps long lines
-    assert out.returncode != 0, text
+    return out.returncode, " ".join((out.stdout + out.stderr).split())
+
+
+def test_a_run_failing_on_one_rank_ends_the_job_instead_of_waiting_for_it(tmp_path):
+    """Rank 1 raises in its first step (the test-only fault hook) while rank 0 waits for it in DDP's gradient
+    all-reduce: the job ends, with the error, instead of hanging; rank 0's row of the failed run stays untouched."""
+    code, text = _two_ranks_with_a_fault_on_rank_1(tmp_path, "error@1")
+    assert code != 0, text
     assert "bf16 failed: RuntimeError: LPBENCH_FAULT: injected error at step 1" in text
     assert "rank 1 failed (RuntimeError: LPBENCH_FAULT: injected error at step 1): ending the job" in text
     assert "run 2/2" not in text
@@ -177,21 +183,8 @@ def test_an_out_of_memory_on_one_rank_ends_the_job_with_its_cause(tmp_path):
     """Rank 1 runs out of memory in its first step while rank 0 waits for it in DDP's all-reduce: rank 1 makes no
     further collective (one would meet rank 0's all-reduce: a mismatch that broke the job with a reset connection,
     or under NCCL a hang), says why and ends the job; the later run does not start."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"), str(Path(__file__).parents[1])]),
-        "LPBENCH_FAULT": "env.RANK=1:oom@1",
-    }
-    argv = [*TINY, "--gbs", "4", "--nproc-per-node", "2", "--precision", "bf16,fp8-tensorwise"]
-    out = subprocess.run(
-        [sys.executable, "-m", "lpbench", "run", *argv, "--results", str(tmp_path / "results")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    text = " ".join((out.stdout + out.stderr).split())  # rich wraps long lines
-    assert out.returncode == 1, text
+    code, text = _two_ranks_with_a_fault_on_rank_1(tmp_path, "oom@1")
+    assert code == 1, text
     assert "rank 1 ran out of memory (CUDA out of memory. Tried to allocate 1.00 GiB" in text
     assert "ending the job" in text and "run 2/2" not in text
     assert "mismatch" not in text and "Connection reset" not in text
