@@ -107,6 +107,34 @@ def test_recomputation_trains_bit_for_bit_like_none(precision, mode):
     assert_same(train(mode, precision, model_cfg=model_cfg), train("none", precision, model_cfg=model_cfg))
 
 
+@pytest.mark.parametrize("workload", ["pretrain", "lora"])
+@pytest.mark.parametrize(
+    "precision", ["bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "mxfp8", "nvfp4"]
+)
+def test_a_compiled_recomputed_block_is_one_graph(precision, workload):
+    """A graph break inside a checkpointed block makes torch.compile run the whole checkpoint eagerly (its
+    elementwise work as separate kernels, its casts unfused): every recipe's block, with LoRA over a base stored
+    quantized too, traces to one graph under full recomputation, as ``train`` compiles it."""
+    import torch._dynamo
+
+    from lpbench.models.decoder import rope_tables
+
+    model = build_model(DENSE, device=CPU, seed=0)
+    storage = "quantized" if workload == "lora" and precision != "bf16" else "bf16"
+    cfg = RunConfig(model="tiny", precision=precision, workload=workload, lora_base_storage=storage, device="cpu")
+    prepare_model(model, cfg, get_recipe(precision), device=CPU, emulate=True, use_compile=True)
+    apply_recompute(model, "full")
+    rope = rope_tables(DENSE, 32, CPU)
+    torch._dynamo.reset()
+
+    def block(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model.layers[0](x, rope)
+
+    explained = torch._dynamo.explain(block)(torch.randn(2, 32, DENSE.dim, requires_grad=True))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 def test_delayed_histories_advance_once_per_step():
     """The state check of the test above can fail: a history written twice per step differs from once."""
     _, _, state = train("full", "fp8-delayed", steps=2)
