@@ -53,6 +53,39 @@ def test_block_compiled_loss_and_gradients_equal_eager():
     assert ((grad_c - grad_e).norm() / grad_e.norm()) < 1e-4
 
 
+@pytest.mark.skipif(
+    not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler"
+)
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_compiled_run_says_when_its_graphs_break(monkeypatch, broken):
+    """A compiled run logs the first step's graph breaks, with the commonest reason, and stores their count (a break
+    runs the code between the graphs eagerly: a recomputed block's whole forward); a run without any says nothing.
+    The break here: a warnings filter in the attention, which Dynamo cannot trace."""
+    import warnings
+
+    from lpbench.models import decoder
+    from lpbench.train.loop import train
+
+    if broken:
+        attention = decoder.Attention.forward
+
+        def filtered(self, *args, **kwargs):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="never raised")
+                return attention(self, *args, **kwargs)
+
+        monkeypatch.setattr(decoder.Attention, "forward", filtered)
+    torch._dynamo.reset()
+    lines = []
+    cfg = RunConfig(model="tiny", steps=2, warmup_steps=1, seq_len=32, mbs=2, gbs=2, compile=True, eval_every=0)
+    result = train(cfg.with_(device="cpu"), log=lines.append)
+    said = [line for line in lines if "torch.compile broke its graphs" in line]
+    if broken:
+        assert len(said) == 1 and "(most often: " in said[0] and result.metrics["compile_graph_breaks"] >= 2
+    else:
+        assert not said and "compile_graph_breaks" not in result.metrics
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

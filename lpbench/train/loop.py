@@ -8,6 +8,7 @@ import math
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -369,6 +370,7 @@ def train(
         config=cfg.to_dict(),
     )
     par.module.train()
+    breaks, new_breaks = graph_breaks() if run.use_compile else None, Counter()
     try:
         expert_tokens = None  # per MoE layer, summed over the steps
         for step in range(start + 1, cfg.steps + 1):
@@ -404,6 +406,8 @@ def train(
                     else [[a + b for a, b in zip(old, new)] for old, new in zip(expert_tokens, moe["tokens"])]
                 )
             result.steps.append(rec)
+            if breaks is not None and step == start + 1 and (new_breaks := graph_breaks() - breaks):
+                log(graph_break_line(new_breaks))
             if step % cfg.log_interval == 0 or step == cfg.steps:
                 for line in format_log_lines(rec, cfg.steps, cfg.gbs, short=short_lines):
                     log(line)
@@ -460,6 +464,8 @@ def train(
             result.metrics["ep_imbalance_max"] = max(s["ep_imbalance"] for s in result.steps)
     if profile:
         result.metrics["profile"] = profile
+    if new_breaks:
+        result.metrics["compile_graph_breaks"] = sum(new_breaks.values())
     # an out-of-memory rank stopped inside a step the others may finish: its collectives are no longer in step with
     # theirs, so it makes none from here (its own peaks) and its job ends once the result is recorded
     # (bench/runner.py: end_if_stranded)
@@ -658,6 +664,23 @@ def evaluate(
     module.train()
     total, count = all_reduce([total, count], "sum", device)
     return total / count
+
+
+def graph_breaks() -> Counter:
+    """torch.compile's graph breaks so far in this process, by reason (Dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    return Counter(counters["graph_break"])
+
+
+def graph_break_line(breaks: Counter) -> str:
+    """The log line of the first step's graph breaks: between the compiled graphs the code runs eagerly (a break
+    inside a recomputed block: the whole block; MoE routing breaks its block by design)."""
+    reason = next(iter(breaks.most_common(1)))[0].strip().splitlines()[0][:160]
+    return (
+        f"lpbench: torch.compile broke its graphs {sum(breaks.values())} times in the first step, the code between "
+        f"them running eagerly (most often: {reason})"
+    )
 
 
 def _max_over_ranks(values: dict, device: torch.device) -> dict:
