@@ -179,7 +179,7 @@ class FrozenQuantizedLinear(QuantizedGemms, nn.Module):
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
             y = x.new_zeros(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)
-        kernel = self.kernel if self.kernel.takes(x, (self.out_features, self.in_features)) else self.kernel.fallback
+        kernel = self._kernel_for(x, (self.out_features, self.in_features))
         return QuantizedLinearFn.apply(x, None, self.bias, self, kernel)
 
     @torch.no_grad()

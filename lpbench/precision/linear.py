@@ -445,13 +445,18 @@ class QuantizedGemms(DelayedScaling):
         t = F.pad(t, (0, 0, 0, -t.shape[0] % multiple)).t()
         return apply_rht(t, self.recipe.rht_signs) if self.recipe.rht_wgrad else t
 
+    def _kernel_for(self, x: torch.Tensor, weight_shape: tuple[int, int]):
+        """The kernel of this call: the module's where it takes ``x`` and a weight of ``weight_shape``, else its
+        fallback."""
+        return self.kernel if self.kernel.takes(x, weight_shape) else self.kernel.fallback
+
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue=None) -> torch.Tensor:
         """The GEMMs on plain tensors (under TP, this rank's shards), then ``epilogue`` (see :class:`QuantizedLinearFn`;
         inside its Function where the kernel takes it, else applied to the output with autograd)."""
         if x.numel() == 0:  # e.g. an MoE expert that got no tokens
             y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))  # no FLOPs
             return y if epilogue is None else epilogue.apply(y)
-        kernel = self.kernel if self.kernel.takes(x, weight.shape) else self.kernel.fallback
+        kernel = self._kernel_for(x, weight.shape)
         if epilogue is None or (
             hasattr(kernel, "epilogue_operands") and bias is None and self.recipe.operand("input", "wgrad") is not None
         ):

@@ -287,7 +287,8 @@ def log_header(run: Run) -> tuple[float, float]:
             f"{f' | experts over ep {cfg.ep} ranks' if cfg.ep > 1 else ''}"
             f"{pipeline_line(run) if par.pipeline is not None else ''}"
         )
-        if run.device.type == "cuda" and (hint := memory_plan.fsdp_shard_hint(cfg, run.result.env.get("gpu"))):
+        cuda_main = run.device.type == "cuda" and run.world.is_main  # the rank that logs it
+        if cuda_main and (hint := memory_plan.fsdp_shard_hint(cfg, run.result.env.get("gpu"))):
             log(f"lpbench: {hint}")
     return plan.step_gb, plan.build_gb
 
@@ -676,7 +677,7 @@ def graph_breaks() -> Counter:
 def graph_break_line(breaks: Counter) -> str:
     """The log line of the first step's graph breaks: between the compiled graphs the code runs eagerly (a break
     inside a recomputed block: the whole block; MoE routing breaks its block by design)."""
-    reason = next(iter(breaks.most_common(1)))[0].strip().splitlines()[0][:160]
+    reason = breaks.most_common(1)[0][0].strip().splitlines()[0][:160]
     return (
         f"lpbench: torch.compile broke its graphs {sum(breaks.values())} times in the first step, the code between "
         f"them running eagerly (most often: {reason})"
