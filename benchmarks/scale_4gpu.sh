@@ -7,11 +7,12 @@
 #
 #   1. weak scaling, llama3-8b@16L, seq 8192, GBS 8 a GPU: 1 GPU, DDP, FSDP2 and FSDP2 zero1 on 2 and 4 GPUs, BF16 and
 #      fp8-tensorwise; the 4-GPU FSDP2 rows profile one more step: NCCL ms and exposed NCCL ms per step;
-#   2. full llama3-8b FSDP2 on 4 GPUs, GBS 32; MoE under EP 4 + FSDP2: mixtral-8x7b@6L and qwen3-30b-a3b at 6 and
-#      12 blocks (seq 4096, GBS 16), BF16 and fp8-rowwise, qwen3 extrapolated linearly to 48 blocks; mixtral's
+#   2. full llama3-8b FSDP2 on 4 GPUs, GBS 32 (zero3, and zero1 with BF16 gradient reduction); MoE under EP 4 +
+#      FSDP2: mixtral-8x7b@6L and qwen3-30b-a3b at 6 and 12 blocks (seq 4096, GBS 16), BF16 and fp8-rowwise, qwen3 extrapolated linearly to 48 blocks; mixtral's
 #      with --ep-chunks 2 (A/B against mixtral@6L; cuts that `lpbench memory` fits in 80 GB);
-#   3. FSDP2 knobs on 4 GPUs (A/B against the 4-GPU fsdp rows of the same call): zero1, FP8 all-gather, the two
-#      with BF16 gradient reduction, BF16 reduction alone, zero2, NCCL on at most 8 channels (SMs).
+#   3. FSDP2 knobs on 4 GPUs (A/B against the 4-GPU fsdp rows of the same call): zero1, FP8 all-gather, zero1 with
+#      BF16 gradient reduction, with and without FP8 all-gather, BF16 reduction alone, zero2, NCCL on at most 8
+#      channels (SMs).
 #
 # Run from the repository root (PART=table, moe or fsdp runs one part alone, fsdp with the 1-GPU and 4-GPU fsdp
 # rows its ratios need, or 2-GPU ones with GPUS=2 on a 2-GPU machine; PROFILE= turns the profiled step off):
@@ -39,6 +40,9 @@ if [ -n "$MIB" ] && [ "$MIB" -lt 100000 ]; then
     FULL_NAME=llama3-8b-fit80 FULL_FLAGS="$FULL_FLAGS --fused-loss --grad-reduce-dtype bf16 --recompute selective"
 fi
 FULL=(--row "$FULL_NAME:4:$FULL_FLAGS")
+if [ "$FULL_NAME" = llama3-8b ]; then  # zero1 + BF16 reduction: the fastest FSDP2 mode where it fits (~101-103 GB)
+    FULL+=(--row "llama3-8b-zero1-bf16red:4:$FULL_FLAGS --fsdp-shard zero1 --grad-reduce-dtype bf16")
+fi
 MOE_ROWS=(
     --row "mixtral@6L:4:--model mixtral-8x7b --num-layers 6 $MOE"
     --row "qwen3@6L:4:--model qwen3-30b-a3b --num-layers 6 $MOE"
@@ -49,6 +53,7 @@ MOE_ROWS=(
 KNOBS=(
     --knob "fsdp-zero1=--fsdp --fsdp-shard zero1"
     --knob "fsdp-fp8ag=--fsdp --fsdp-fp8-all-gather --precision fp8-tensorwise"
+    --knob "fsdp-zero1-bf16red=--fsdp --fsdp-shard zero1 --grad-reduce-dtype bf16"
     --knob "fsdp-zero1-fp8ag-bf16red=--fsdp --fsdp-shard zero1 --fsdp-fp8-all-gather --grad-reduce-dtype bf16 --precision fp8-tensorwise"
     --knob "fsdp-bf16red=--fsdp --grad-reduce-dtype bf16 --precision bf16"
     --knob "fsdp-zero2=--fsdp --fsdp-shard zero2 --precision bf16"
