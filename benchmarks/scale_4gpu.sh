@@ -9,7 +9,8 @@
 #      fp8-tensorwise; the 4-GPU FSDP2 rows profile one more step: NCCL ms and exposed NCCL ms per step;
 #   2. full llama3-8b FSDP2 on 4 GPUs, GBS 32 (zero3, and zero1 with BF16 gradient reduction); MoE under EP 4 +
 #      FSDP2: mixtral-8x7b@6L and qwen3-30b-a3b at 6 and 12 blocks (seq 4096, GBS 16), BF16 and fp8-rowwise, qwen3
-#      extrapolated linearly to 48 blocks; mixtral's with --ep-chunks 2 (A/B against mixtral@6L; cuts that `lpbench memory` fits in 80 GB);
+#      extrapolated linearly to 48 blocks; mixtral's with --ep-chunks 2 (A/B against mixtral@6L; cuts that
+#      `lpbench memory` fits in 80 GB);
 #   3. FSDP2 knobs on 4 GPUs (A/B against the 4-GPU fsdp rows of the same call): zero1, FP8 all-gather, zero1 with
 #      BF16 gradient reduction, with and without FP8 all-gather, BF16 reduction alone, zero2, NCCL on at most 8
 #      channels (SMs).
