@@ -460,6 +460,24 @@ def test_the_header_hints_zero1_where_its_prediction_fits_the_gpu():
     assert fsdp_shard_hint(cfg.with_(gbs=2), "h200") is None  # GA 1: nothing gathered twice
     assert fsdp_shard_hint(cfg.with_(fsdp_shard="zero1"), "h200") is None
     assert fsdp_shard_hint(cfg.with_(fsdp=False), "h200") is None  # DDP
+    assert hint.endswith("(add --grad-reduce-dtype bf16 to halve its gradient reduce-scatter)")
+    assert "grad-reduce-dtype" not in fsdp_shard_hint(cfg.with_(grad_reduce_dtype="bf16"), "h200")
+
+
+def test_the_hint_names_bf16_reduction_where_zero1_fits_only_with_it():
+    """The full llama3-8b on 2 ranks: zero1 with FP32 gradient reduction is predicted above 90 % of an H200, with
+    BF16 reduction below it, so the hint names the two flags together; with BF16 reduction asked for already,
+    zero1 is named alone."""
+    from lpbench.train.memory_plan import fsdp_shard_hint, predict
+
+    cfg = RunConfig(model="llama3-8b", seq_len=8192, mbs=1, gbs=16, fsdp=True).with_world(2)
+    fp32 = predict(cfg.with_(fsdp_shard="zero1"), "h200").gb
+    bf16 = predict(cfg.with_(fsdp_shard="zero1", grad_reduce_dtype="bf16"), "h200").gb
+    assert bf16 <= 0.9 * 139.8 < fp32
+    hint = fsdp_shard_hint(cfg, "h200")
+    assert hint.startswith("hint: --fsdp-shard zero1 --grad-reduce-dtype bf16 ") and f"({bf16:.1f} of 139.8 GB)" in hint
+    assert fsdp_shard_hint(cfg.with_(grad_reduce_dtype="bf16"), "h200").startswith("hint: --fsdp-shard zero1 would")
+    assert fsdp_shard_hint(cfg, "h100") is None
 
 
 def test_memory_names_zero1_where_it_fits(capsys):
