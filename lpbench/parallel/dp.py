@@ -14,9 +14,11 @@ the peak of memory, the start of the backward, anyway).
 
 LoRA: frozen parameters share a block's unit with its trained adapters (FSDP2 all-gathers every parameter
 of a unit and reduce-scatters only those that require a gradient; their original dtypes may differ, the
-trained ones' may not). A base stored quantized (``precision/frozen.py``: uint8 codes and scales) gets a
-unit of its own per block with no parameter dtype, so its shards are all-gathered as the bytes they are,
-never cast to the compute dtype; the block prefetches it with its own.
+trained ones' may not). A base stored quantized (``precision/frozen.py``: uint8 codes and scales) is in its
+block's unit too, kept out of the unit's parameter dtype (:func:`_gather_integers_as_stored`): FSDP2 gathers a
+unit of mixed dtypes as bytes, so the codes travel as the bytes they are, never cast to the compute dtype. One
+unit per block keeps FSDP2's hooks at the block's edges, outside its compiled (and recomputed) graph: a unit
+nested inside a block would run its hooks in the middle of it and break that graph.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lpbench.parallel.ep import expert_params
-from lpbench.precision.frozen import FrozenQuantizedLinear
 
 
 def reduce_dtype(name: str) -> torch.dtype:
@@ -65,22 +66,41 @@ def apply_fsdp(
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     ignored = set(expert_params(model)[0]) or None  # expert parallel: each rank's own experts
     blocks = list(model.layers)
-    units = []  # per block: the modules FSDP all-gathers for it (the block, its stored codes)
     for i, block in enumerate(blocks):
         reshard = shard == "zero3" and i < len(blocks) - 1  # the last block's backward follows its forward
-        codes = [m for m in block.modules() if isinstance(m, FrozenQuantizedLinear)]
-        if codes:  # as bytes: no parameter dtype (see the module doc)
-            with _integer_parameters_without_grad():
-                fully_shard(codes, mesh=mesh, mp_policy=MixedPrecisionPolicy(), reshard_after_forward=reshard)
-        fully_shard(
-            block, mesh=mesh, mp_policy=mp, offload_policy=policy, ignored_params=ignored, reshard_after_forward=reshard
-        )
-        units.append([block, *codes[:1]])
+        with _integer_parameters_without_grad():
+            fully_shard(
+                block,
+                mesh=mesh,
+                mp_policy=mp,
+                offload_policy=policy,
+                ignored_params=ignored,
+                reshard_after_forward=reshard,
+            )
+        _gather_integers_as_stored(block)
     root = fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy, ignored_params=ignored)
-    for before, after in zip(units, units[1:]):
-        before[0].set_modules_to_forward_prefetch(after)
-        after[0].set_modules_to_backward_prefetch(before)
+    for before, after in zip(blocks, blocks[1:]):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
     return root
+
+
+def _gather_integers_as_stored(unit: FSDPModule) -> None:
+    """``unit``'s integer parameters (a stored base's bytes) all-gathered in their own dtype, whatever its
+    ``MixedPrecisionPolicy.param_dtype``. torch 2.13 leaves non-floating parameters out of the parameter dtype
+    itself; 2.10-2.12 cast them to it (a uint8 code gathered as a BF16 number). FSDP2 sets its parameters' dtypes
+    lazily, at the first forward, so each integer parameter's setter is wrapped here."""
+    group = unit._get_fsdp_state()._fsdp_param_group
+    for param in group.fsdp_params if group is not None else []:
+        if param.sharded_param.dtype.is_floating_point:
+            continue
+        init = param.init_dtype_attrs
+
+        def own_dtype(mp_policy, _init=init, _param=param):
+            _init(mp_policy)
+            _param.param_dtype = None
+
+        param.init_dtype_attrs = own_dtype
 
 
 @contextmanager

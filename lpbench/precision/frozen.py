@@ -22,7 +22,7 @@ transposes the shared copy's codes for dgrad (``stored_t``: in tiles on CUDA).
 Codes and scales are frozen uint8 parameters holding raw bytes (E2M1 codes packed two per byte),
 flat, their dtypes and shapes kept aside: ``Module.to(dtype)`` cannot cast them, DDP broadcasts them
 whatever NCCL supports, and FSDP2 shards them like any parameter and all-gathers them as the bytes
-they are (``parallel/dp.py`` gives them a unit without a parameter dtype), so a sharded base is
+they are (``parallel/dp.py`` keeps them out of the parameter dtype), so a sharded base is
 gathered as its codes and scales, never in BF16. FSDP2's all-gather extension
 (``fsdp_pre_all_gather``, as ``fp8_allgather.py`` uses for trained weights) is not needed here: a
 frozen weight's codes never change, so the shard itself is what is sent.
