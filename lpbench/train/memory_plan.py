@@ -146,7 +146,7 @@ def fsdp_shard_hint(cfg: RunConfig, gpu: str | None, *, headroom: float = 0.9) -
     """The hint (``lpbench memory``, a CUDA run's header) for an FSDP2 run that accumulates gradients under
     ``--fsdp-shard zero3`` without a pipeline: ``zero1`` (it all-gathers the parameters once per optimizer step
     instead of twice per micro-batch) where its predicted peak fits ``headroom`` of ``gpu``'s memory, with
-    ``--grad-reduce-dtype bf16`` (half the reduce-scatter's bytes; Megatron's default) named beside it where the
+    ``--grad-reduce-dtype bf16`` (half the reduce-scatter's bytes) named beside it where the
     gradients are reduced in FP32, and required where zero1 fits only with it; None otherwise or where the
     GPU's memory is unknown."""
     cap = capacity_gb(gpu)
