@@ -146,9 +146,8 @@ def fsdp_shard_hint(cfg: RunConfig, gpu: str | None, *, headroom: float = 0.9) -
     """The hint (``lpbench memory``, a CUDA run's header) for an FSDP2 run that accumulates gradients under
     ``--fsdp-shard zero3`` without a pipeline: ``zero1`` (it all-gathers the parameters once per optimizer step
     instead of twice per micro-batch) where its predicted peak fits ``headroom`` of ``gpu``'s memory, with
-    ``--grad-reduce-dtype bf16`` (half the reduce-scatter's bytes) named beside it where the
-    gradients are reduced in FP32, and required where zero1 fits only with it; None otherwise or where the
-    GPU's memory is unknown."""
+    ``--grad-reduce-dtype bf16`` (half the reduce-scatter's bytes) named beside it where the gradients are reduced
+    in FP32, and required where zero1 fits only with it; None otherwise or where the GPU's memory is unknown."""
     cap = capacity_gb(gpu)
     if cap is None or cfg.pp > 1 or cfg.grad_accum == 1 or cfg.fsdp_shard != "zero3":
         return None
@@ -157,8 +156,8 @@ def fsdp_shard_hint(cfg: RunConfig, gpu: str | None, *, headroom: float = 0.9) -
     why = "would all-gather the parameters once per optimizer step instead of twice per micro-batch"
     gb = predict(cfg.with_(fsdp_shard="zero1"), gpu).gb
     if gb <= headroom * cap:
-        also = " (add --grad-reduce-dtype bf16 to halve its gradient reduce-scatter)"
-        also = also if cfg.grad_reduce_dtype == "fp32" else ""
+        fp32 = cfg.grad_reduce_dtype == "fp32"
+        also = " (add --grad-reduce-dtype bf16 to halve its gradient reduce-scatter)" if fp32 else ""
         return f"hint: --fsdp-shard zero1 {why}, and is predicted to fit ({gb:.1f} of {cap:.1f} GB){also}"
     if cfg.grad_reduce_dtype != "fp32":
         return None
