@@ -159,6 +159,38 @@ def test_a_compiled_block_traces_flex_attention_into_its_one_graph():
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
+@pytest.mark.parametrize(
+    "seq,batch,cp",
+    [(64, 1, False), (300, 2, False), (1000, 1, False), (1024, 3, True)],
+    ids=["one-block", "ragged", "ragged-long", "cp-places"],
+)
+def test_the_document_block_mask_is_create_block_masks(seq, batch, cp):
+    """The block mask built a few block rows at a time has torch's blocks, full and partial, for both passes,
+    in torch's order: the whole sequence's queries and a CP rank's two chunks (rank 0 of 2), lengths that are
+    and are not whole blocks, chunks of one block row."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    g = torch.Generator().manual_seed(seq)
+    starts = seq // 2 + torch.randint(-seq // 4, seq // 2, (batch, 3), generator=g)  # a long first run, then any
+    ids = (torch.arange(seq) >= starts[..., None]).sum(1)
+    runs, _ = decoder_mod.document_runs(ids)
+    keys = torch.arange(seq)
+    quarter = seq // 4
+    query = torch.cat([keys[:quarter], keys[3 * quarter :]]) if cp else keys
+
+    def visible(b, h, q_idx, kv_idx):
+        return (runs[b, query[q_idx]] == runs[b, kv_idx]) & (query[q_idx] >= kv_idx)
+
+    ref = create_block_mask(visible, batch, None, len(query), seq, device="cpu")
+    ours = decoder_mod._block_mask(runs, query, keys, visible, chunk_elements=1)
+    assert (ours.seq_lengths, ours.BLOCK_SIZE) == (ref.seq_lengths, ref.BLOCK_SIZE)
+    for part in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        for side in (part, part.replace("kv", "q")):
+            assert torch.equal(getattr(ours, side), getattr(ref, side)), side
+    assert ref.full_kv_num_blocks.sum() > 0 or seq < 1000  # full blocks where the first run spans several
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+
+
 def test_document_runs_and_gradients_stay_inside_samples():
     runs, pos = decoder_mod.document_runs(torch.tensor([[3, 3, 3, 1, 1, 3, -1, -1]]))
     assert runs.tolist() == [[1, 1, 1, 2, 2, 3, 4, 4]]  # a repeated id later is a new document

@@ -280,7 +280,7 @@ class Decoder(nn.Module):
 
 
 DOC_MASK_BACKEND = "auto"  # "auto" (flex on CUDA, else sdpa) | "flex" | "sdpa"
-_compiled_flex = _compiled_block_mask = None
+_compiled_flex = None
 
 
 def document_runs(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,28 +303,63 @@ def document_mask(runs: torch.Tensor, backend: str | None = None, query: torch.T
     ``query``: the places in the sequence of the queries (context parallelism: this rank's tokens, attending to
     the whole sequence's keys); None: every place, Q = S. A query at place p sees the keys at places <= p of
     its own run."""
-    global _compiled_block_mask
     backend = backend or DOC_MASK_BACKEND
     if backend == "auto":
         backend = "flex" if runs.is_cuda else "sdpa"
-    B, S = runs.shape
-    keys = torch.arange(S, device=runs.device)
+    keys = torch.arange(runs.shape[1], device=runs.device)
     query = keys if query is None else query
     if backend == "sdpa":
-        return ((runs[:, query, None] == runs[:, None, :]) & (query[:, None] >= keys))[:, None]
+        return _visible(runs, query, keys)[:, None]
     if backend != "flex":
         raise ValueError(f"unknown document-mask backend {backend!r}; valid: auto, flex, sdpa")
-    from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(b, h, q_idx, kv_idx):
         place = query[q_idx]
         return (runs[b, place] == runs[b, kv_idx]) & (place >= kv_idx)
 
-    if runs.is_cuda and not torch.compiler.is_compiling():  # fused: no [B, Q, S] mask in memory
-        if _compiled_block_mask is None:
-            _compiled_block_mask = torch.compile(create_block_mask)
-        return _compiled_block_mask(same_document_causal, B, None, len(query), S, device=runs.device)
-    return create_block_mask(same_document_causal, B, None, len(query), S, device=runs.device)
+    return _block_mask(runs, query, keys, same_document_causal)
+
+
+def _visible(runs: torch.Tensor, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[B, Q, S] bool: the query at place ``query[i]`` sees key j (same run, j <= its place)."""
+    return (runs[:, query, None] == runs[:, None, :]) & (query[:, None] >= keys)
+
+
+def _block_mask(runs, query, keys, mask_mod, block: int = 128, chunk_elements: int = 1 << 26):
+    """flex's ``BlockMask`` of the document mask: the blocks ``create_block_mask`` makes (a ``block``-square tile
+    is full where every pair sees, partial where some do, in the same order), counted a few block rows at a time
+    so no [B, Q, S] mask is held (``chunk_elements`` bools at most).
+
+    Ours rather than ``create_block_mask`` because that one materialises the whole mask eagerly (gigabytes at
+    16 K) and, compiled, spends minutes compiling its kernel at seq 16,384 (benchmarks/RESULTS.md)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, S, Q = runs.shape[0], runs.shape[1], len(query)
+    n_q, n_k = -(-Q // block), -(-S // block)
+    rows = max(1, chunk_elements // (B * block * n_k * block))  # block rows a chunk
+    count = torch.empty(B, 1, n_q, n_k, dtype=torch.int64, device=runs.device)
+    for first in range(0, n_q, rows):
+        places = query[first * block : (first + rows) * block]
+        seen = _visible(runs, places, keys)
+        n = -(-len(places) // block)
+        pad = (0, n_k * block - S, 0, n * block - len(places))
+        if any(pad):  # padding sees nothing
+            seen = F.pad(seen, pad)
+        count[:, 0, first : first + n] = seen.view(B, n, block, n_k, block).sum((2, 4))
+
+    def ordered(blocks):  # (blocks a row, their column indices first in ascending order): torch's layout
+        blocks = blocks.to(torch.int32)
+        columns = torch.argsort(blocks, dim=-1, descending=True, stable=True).to(torch.int32)
+        return blocks.sum(-1, dtype=torch.int32), columns
+
+    whole = block * block
+    return BlockMask.from_kv_blocks(
+        *ordered((count > 0) & (count < whole)),
+        *ordered(count == whole),
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod,
+        seq_lengths=(Q, S),
+    )
 
 
 def _flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
