@@ -325,10 +325,10 @@ def _visible(runs: torch.Tensor, query: torch.Tensor, keys: torch.Tensor) -> tor
     return (runs[:, query, None] == runs[:, None, :]) & (query[:, None] >= keys)
 
 
-def _block_mask(runs, query, keys, mask_mod, block: int = 128, chunk_elements: int = 1 << 26):
+def _block_mask(runs, query, keys, mask_mod, block: int = 128, chunk_elements: int = 1 << 24):
     """flex's ``BlockMask`` of the document mask: the blocks ``create_block_mask`` makes (a ``block``-square tile
-    is full where every pair sees, partial where some do, in the same order), counted a few block rows at a time
-    so no [B, Q, S] mask is held (``chunk_elements`` bools at most).
+    is full where every pair sees, partial where some do, in the same order), found a few block rows at a time
+    so no [B, Q, S] mask is held (``chunk_elements`` bools at most, reduced as bools).
 
     Ours rather than ``create_block_mask`` because that one materialises the whole mask eagerly (gigabytes at
     16 K) and, compiled, spends minutes compiling its kernel at seq 16,384 (benchmarks/RESULTS.md)."""
@@ -337,7 +337,8 @@ def _block_mask(runs, query, keys, mask_mod, block: int = 128, chunk_elements: i
     B, S, Q = runs.shape[0], runs.shape[1], len(query)
     n_q, n_k = -(-Q // block), -(-S // block)
     rows = max(1, chunk_elements // (B * block * n_k * block))  # block rows a chunk
-    count = torch.empty(B, 1, n_q, n_k, dtype=torch.int64, device=runs.device)
+    some = torch.empty(B, 1, n_q, n_k, dtype=torch.bool, device=runs.device)
+    every = torch.empty_like(some)
     for first in range(0, n_q, rows):
         places = query[first * block : (first + rows) * block]
         seen = _visible(runs, places, keys)
@@ -345,17 +346,18 @@ def _block_mask(runs, query, keys, mask_mod, block: int = 128, chunk_elements: i
         pad = (0, n_k * block - S, 0, n * block - len(places))
         if any(pad):  # padding sees nothing
             seen = F.pad(seen, pad)
-        count[:, 0, first : first + n] = seen.view(B, n, block, n_k, block).sum((2, 4))
+        tiles = seen.view(B, n, block, n_k, block)
+        some[:, 0, first : first + n] = tiles.any(4).any(2)
+        every[:, 0, first : first + n] = tiles.all(4).all(2)
 
     def ordered(blocks):  # (blocks a row, their column indices first in ascending order): torch's layout
         blocks = blocks.to(torch.int32)
         columns = torch.argsort(blocks, dim=-1, descending=True, stable=True).to(torch.int32)
         return blocks.sum(-1, dtype=torch.int32), columns
 
-    whole = block * block
     return BlockMask.from_kv_blocks(
-        *ordered((count > 0) & (count < whole)),
-        *ordered(count == whole),
+        *ordered(some & ~every),
+        *ordered(every),
         BLOCK_SIZE=block,
         mask_mod=mask_mod,
         seq_lengths=(Q, S),
