@@ -33,13 +33,15 @@ RULES = (  # (category, pattern) in order; the first match wins
     (
         "gemm",
         r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|_grouped_mm|_scaled_grouped_mm)$"
-        r"|gemm|cutlass|nvjet|xmma|wgmma|cublas|s16816",
+        r"|gemm|cutlass|nvjet|xmma|wgmma|cublas|s16816"
+        r"|^_grouped_kernel$",  # kernels/grouped_mm.py
     ),
     ("other", r"softmax|cross_entropy"),  # their fused kernels name amax, which is not quantization here
     (
         "quantize",
         r"quantiz|absmax|amax|float8|fp8|fp4|mxfp|hadamard"
-        r"|^_(cast|amax_scale|record|transpose)_kernel$"  # kernels/fp8_cast.py
+        r"|^_(group_)?(cast|amax_scale|record|transpose)_kernel$"  # kernels/fp8_cast.py, fp8_group.py
+        r"|^_uniform_kernel$"  # kernels/nvfp4.py: stochastic rounding's draws
         r"|^triton_\w*fused\w*_to_copy\w*clamp",
     ),  # torch.compile's saturating casts (FP8 codes)
 )
