@@ -6,8 +6,9 @@ backward on its part of one batch; the single-process run on the whole batch is 
 process. The loss and every adapter gradient (gathered whole) must agree. Recipes run with FP32
 compute and every block quantized, and the ranks with ATen's scalar kernels (``_spawn_with_scalar_kernels``), so
 the only differences are the order of TP's partial sums (and of the gradients' reduction). Those last-bit
-differences can flip a few codes of every quantized format (FP8's E4M3 and MXFP8's, NVFP4's E2M1; whether they do
-depends on the CPU's GEMM kernels), so quantized TP layouts agree to 1 %; the stored shards themselves are exact (``test_a_stored_base_split_keeps_the_whole_weights_operands``).
+differences can flip a few codes of every quantized format (whether they do depends on the CPU's GEMM kernels), so
+quantized TP layouts agree to 1 %; the stored shards themselves are exact
+(``test_a_stored_base_split_keeps_the_whole_weights_operands``).
 """
 
 import dataclasses
