@@ -182,7 +182,8 @@ def test_a_run_failing_on_one_rank_ends_the_job_instead_of_waiting_for_it(tmp_pa
 def test_an_out_of_memory_on_one_rank_ends_the_job_with_its_cause(tmp_path):
     """Rank 1 runs out of memory in its first step while rank 0 waits for it in DDP's all-reduce: rank 1 makes no
     further collective (one would meet rank 0's all-reduce: a mismatch that broke the job with a reset connection,
-    or under NCCL a hang), says why and ends the job; the later run does not start."""
+    or under NCCL a hang), says why and ends the job; the later run does not start. Rank 0, if it reports before
+    the launcher stops it, says another rank ended the job, not gloo's reset connection."""
     code, text = _two_ranks_with_a_fault_on_rank_1(tmp_path, "oom@1")
     assert code == 1, text
     assert "rank 1 ran out of memory (CUDA out of memory. Tried to allocate 1.00 GiB" in text

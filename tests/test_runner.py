@@ -51,6 +51,18 @@ def test_steps_reach_on_step_and_the_row(monkeypatch, tmp_path):
     assert [s["loss"] for s in store.steps(row["id"])] == [2.5]
 
 
+def test_a_peer_rank_gone_reads_as_that_not_as_gloos_message(monkeypatch, tmp_path):
+    """A rank whose collective failed because another rank ended the job says so, not gloo's socket error (which
+    named neither rank nor cause, and raced the other rank's own line into the job's output)."""
+
+    def train(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4507: Connection reset by peer.")
+
+    monkeypatch.setattr(loop, "train", train)
+    result = runner.execute(RunConfig().with_world(1), results_dir=str(tmp_path))
+    assert (result.status, result.error) == ("error", "another rank ended the job (its line says why)")
+
+
 def test_a_failure_reads_as_its_first_line_that_says_something_and_its_cause():
     try:
         try:

@@ -9,6 +9,7 @@ that left no row through :func:`record` too, so a run's row is written in one pl
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
 from typing import Callable
@@ -102,11 +103,16 @@ def execute(
             console.print(f"[red]lpbench: {escape(cfg.precision)} ran out of memory: {escape(result.error)}[/red]")
             return result
         result = RunResult(config=cfg, status="error", error=error_line(exc))
+        if PEER_GONE.search(result.error):  # gloo's read from a rank that ended the job: that rank says why
+            result = RunResult(config=cfg, status="error", error="another rank ended the job (its line says why)")
         if record_usage_errors:
             traceback.print_exc()
         else:
             console.print(f"[red]lpbench: {escape(cfg.precision)} failed: {escape(result.error)}[/red]")
         return result
+
+
+PEER_GONE = re.compile(r"Connection (reset|closed) by peer")
 
 
 def error_line(exc: BaseException) -> str:
