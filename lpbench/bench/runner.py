@@ -102,9 +102,10 @@ def execute(
             result = RunResult(config=cfg, status="oom", error=loop.oom_error(cfg, exc))
             console.print(f"[red]lpbench: {escape(cfg.precision)} ran out of memory: {escape(result.error)}[/red]")
             return result
-        result = RunResult(config=cfg, status="error", error=error_line(exc))
-        if PEER_GONE.search(result.error):  # gloo's read from a rank that ended the job: that rank says why
-            result = RunResult(config=cfg, status="error", error="another rank ended the job (its line says why)")
+        error = error_line(exc)
+        if PEER_GONE.search(error):  # gloo's read from a rank that ended the job: that rank says why
+            error = "another rank ended the job (its line says why)"
+        result = RunResult(config=cfg, status="error", error=error)
         if record_usage_errors:
             traceback.print_exc()
         else:
