@@ -12,7 +12,6 @@ quantized TP layouts agree to 1 %; the stored shards themselves are exact
 """
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -145,15 +144,9 @@ def _spawn_with_scalar_kernels(spawn_ranks, nprocs: int, out, layouts: dict) -> 
     """The ranks run ATen's scalar CPU kernels. SiLU's vectorized kernel rounds some elements differently from its
     scalar loop, which one process and a TP rank's shard can reach for the same element, and FP8's rounding turns
     that last bit into a code step (2 % of a tensorwise adapter gradient on an AVX-512 CPU)."""
-    old = os.environ.get("ATEN_CPU_CAPABILITY")
-    os.environ["ATEN_CPU_CAPABILITY"] = "default"  # read by each spawned rank's torch at import
-    try:
+    with pytest.MonkeyPatch.context() as mpatch:
+        mpatch.setenv("ATEN_CPU_CAPABILITY", "default")  # read by each spawned rank's torch at import
         return spawn_ranks(_worker, nprocs, out, layouts)
-    finally:
-        if old is None:
-            del os.environ["ATEN_CPU_CAPABILITY"]
-        else:
-            os.environ["ATEN_CPU_CAPABILITY"] = old
 
 
 @pytest.fixture(scope="module")
