@@ -179,17 +179,18 @@ def test_grouped_fp8_asks_for_the_recipes_accumulation_mode(monkeypatch, name, g
     assert all((a - b).norm() / b.norm() < 1e-2 for a, b in zip(native, emulated))
 
 
-def test_native_grouped_fp8_compiles_without_graph_breaks(monkeypatch):
-    """Routing, the FP8 casts and the grouped GEMMs of a native MoE layer are one graph: a break inside the autograd
-    Function (once a cached_property's lock on Python 3.11) would run its casts eagerly, op by op."""
+def _traceable_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum=False):
+    """``torch._scaled_grouped_mm``'s shapes, for tracing on a CPU (which has no grouped FP8 GEMM)."""
+    if b.dim() == 3:
+        return (a.float() @ b[0].float() * scale_a[:, None]).to(out_dtype)
+    return (a.float() @ b.float()).expand(offs.shape[0], -1, -1).to(out_dtype)
 
-    def traceable(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum=False):  # shapes only
-        if b.dim() == 3:
-            return (a.float() @ b[0].float() * scale_a[:, None]).to(out_dtype)
-        return (a.float() @ b.float()).expand(offs.shape[0], -1, -1).to(out_dtype)
 
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", traceable, raising=False)
-    moe, x = _case_moe("random", get_recipe("fp8-rowwise"))
+def _explain_native_fp8_layer(monkeypatch, moe: MoE | None = None):
+    """torch._dynamo.explain of a native fp8-rowwise MoE layer's forward (``moe``: the layer, else a tiny one)."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _traceable_scaled_grouped_mm, raising=False)
+    case, x = _case_moe("random", get_recipe("fp8-rowwise"))
+    moe = moe or case
     quantize_experts(moe.experts, get_recipe("fp8-rowwise"), native=True)
 
     def step(x):
@@ -197,8 +198,43 @@ def test_native_grouped_fp8_compiles_without_graph_breaks(monkeypatch):
             return moe(x)
 
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(step)(x.requires_grad_())
+    return torch._dynamo.explain(step)(x.requires_grad_())
+
+
+def test_native_grouped_fp8_compiles_without_graph_breaks(monkeypatch):
+    """Routing, the FP8 casts and the grouped GEMMs of a native MoE layer are one graph: a break inside the autograd
+    Function (once a cached_property's lock on Python 3.11) would run its casts eagerly, op by op."""
+    explained = _explain_native_fp8_layer(monkeypatch)
     assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
+
+
+def test_expert_parallel_breaks_the_graph_only_at_its_two_exchanges(monkeypatch):
+    """Under expert parallelism the layer's graph breaks at the dispatch and the combine (their split sizes are host
+    values) and nowhere else: the load-balancing count's all-reduce and the experts between the exchanges (the
+    buffer, the FP8 casts, the grouped GEMMs) stay compiled instead of running eagerly, op by op. One rank's group:
+    the exchanges are the identity."""
+    import torch.distributed as dist
+    from torch.distributed import HashStore
+
+    from lpbench.parallel.ep import ExpertParallel
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        moe = _case_moe("random", get_recipe("fp8-rowwise"))[0]
+        moe.ep = ExpertParallel(dist.group.WORLD, 1, 0, moe.n_experts, experts=moe.experts)
+        moe.count_group = dist.group.WORLD
+        explained = _explain_native_fp8_layer(monkeypatch, moe)
+    finally:
+        dist.destroy_process_group()
+    # a break inside a nested call is reported once per frame it breaks: the exchanges' names, nothing else
+    at = {
+        name
+        for b in explained.break_reasons
+        for name in ("dispatch", "combine")
+        if f"ExpertParallel.{name}" in b.reason
+    }
+    assert at == {"dispatch", "combine"} and explained.graph_break_count >= 2
+    assert all("ExpertParallel." in b.reason for b in explained.break_reasons), explained.break_reasons
 
 
 def _stacked_weights(shape, seed=0):

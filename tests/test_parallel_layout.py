@@ -40,6 +40,7 @@ SCENARIOS = {
             for dp in ("fsdp", "ddp")
         },
         "ep2-fsdp-ga-fp32": dict(model=MOE.name, ep=2, mbs=2, fsdp=True),
+        "ep2-fsdp-compiled-fp32": dict(model=MOE.name, ep=2, mbs=4, fsdp=True, compile=True),
         # --ep-chunks: the all-to-all of each expert group beside the others' GEMMs (unchunked twin: same name less -chunks)
         "ep2-fsdp-chunks-fp32": dict(model=MOE.name, ep=2, mbs=4, fsdp=True, ep_chunks=2),
         "ep2-ddp-chunks-bf16": dict(model=MOE.name, ep=2, mbs=4, precision="bf16", ep_chunks=2),
@@ -190,6 +191,11 @@ def test_ep_chunks_are_bit_identical_to_one_exchange(world2, reference, name):
     # 2 steps x micro-batches x 2 MoE layers x (2 groups dispatched + 2 combined) x (forward, backward)
     assert run["collectives"]["a2a_async"] == 2 * micro * 2 * 4 * 2
     assert twin["collectives"]["a2a_async"] == 0
+
+
+def test_compiled_expert_parallel_trains_like_one_process(world2, reference):
+    """The blocks compiled around the exchanges (the experts between them in a graph of dynamic size)."""
+    _same_training(world2[0]["ep2-fsdp-compiled-fp32"], reference["moe-fp32"])
 
 
 def test_expert_parallel_logs_tokens_per_rank_and_their_imbalance(world2):

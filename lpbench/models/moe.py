@@ -170,14 +170,12 @@ def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tens
     return probs.shape[1] * (counts / counts.sum() * probs.mean(0)).sum()
 
 
-@torch.compiler.disable
 def _summed(counts: torch.Tensor, group) -> torch.Tensor:
-    """``counts`` summed over the ranks of ``group`` (token counts: no gradient)."""
-    import torch.distributed as dist
+    """``counts`` summed over the ranks of ``group`` (token counts: no gradient); a functional collective, which
+    torch.compile keeps in the block's graph."""
+    from torch.distributed import _functional_collectives as funcol
 
-    counts = counts.clone()
-    dist.all_reduce(counts, group=group)
-    return counts
+    return funcol.all_reduce(counts, "sum", group)
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -267,8 +265,11 @@ class MoE(nn.Module):
                 self.loss_sums.add_(torch.stack([aux.detach(), zl.detach(), torch.ones_like(zl)]))
         if self.ep is None:
             ys = self._experts(x[token], expert, self.n_experts)
-        else:
-            ys = self.ep.exchange(x[token], expert, counts, self._experts)
+        elif self.ep.chunked():  # the experts run between their groups' exchanges, eagerly
+            ys = self.ep.exchange_chunked(x[token], expert, counts, self._experts)
+        else:  # the experts between the two exchanges, in the calling code: compiled with the block
+            rows, local, back = self.ep.dispatch(x[token], expert, counts)
+            ys = self.ep.combine(self._experts(rows, local, self.ep.n_local), back)
         out = torch.zeros_like(x).index_add_(0, token, ys * weights.flatten()[order, None].to(x.dtype))
         if self.training and (self.aux_coeff or self.z_coeff):
             out = _AttachLoss.apply(out, self.aux_coeff * aux + self.z_coeff * zl, self.grad_scale)

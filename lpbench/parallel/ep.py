@@ -6,12 +6,14 @@ Ranks ``[g·ep, (g+1)·ep)`` of the data-parallel ranks form expert-parallel gro
 FSDP2, which leave the experts alone). A layer sorts its (token, expert) pairs by expert, sends each
 rank the rows of its experts (``all_to_all_single``: counts, then rows), runs its local experts on
 what it received (sorted by local expert, :mod:`lpbench.precision.grouped`) and sends the results
-back the same way before the combine.
+back the same way before the combine. The two exchanges (:meth:`ExpertParallel.dispatch`, ``combine``) run
+outside torch.compile, as their split sizes are host values (one host synchronisation a layer); the experts
+between them run in the caller's code, compiled with the block (the received rows' count a dynamic size).
 
 Overlap (``--ep-chunks C``): a rank's experts are split into C contiguous groups; every group's rows are sent
 at once, asynchronously, and each group's experts run as soon as its rows arrived, while the later groups' rows
 and the earlier groups' results are still in flight (in backward the same, the engine running the nodes in
-reverse). Each expert still receives all its rows in the same order, and the other groups' experts get none in
+reverse); the experts then run between the exchanges, eagerly. Each expert still receives all its rows in the same order, and the other groups' experts get none in
 that call (a zero gradient, added exactly), so the result is bit-identical to C = 1 where the experts' kernel
 computes each expert apart (:data:`CHUNKABLE`: the compute-dtype grouped GEMMs, and the FP8 row-/tensor-wise
 ones, whose scales are per token, per expert row, per expert, per expert and column); the per-expert dense
@@ -29,6 +31,8 @@ alike: the TP group holds the parts, the data-parallel ranks the replicas. Built
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -105,6 +109,16 @@ def _exchange_async(x: torch.Tensor, send: list[int], recv: list[int], group):
     return lambda: _Wait.apply(out, send, recv, group, pending)
 
 
+@dataclass
+class _Route:
+    """What :meth:`ExpertParallel.combine` needs of its dispatch: rows sent to and received from each rank, and the
+    order :meth:`ExpertParallel.dispatch` sorted the received rows in."""
+
+    send: list[int]
+    recv: list[int]
+    order: torch.Tensor
+
+
 class ExpertParallel:
     """One MoE layer's place in its expert-parallel group (see the module doc)."""
 
@@ -118,26 +132,41 @@ class ExpertParallel:
         e = self.experts
         return e is not None and e.gemm.tp is None and type(e.gemm) in CHUNKABLE  # LoRA's kernel is not
 
-    @torch.compiler.disable  # split sizes are host values: never specialised and recompiled on them
-    def exchange(self, xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, run) -> torch.Tensor:
-        """``run(rows, local expert ids, n_local)`` on the rows this rank's experts own, for ``xs`` [P, D]
-        sorted by global ``expert`` (``counts`` per expert); the results in ``xs``'s order."""
+    def chunked(self) -> bool:
+        """Whether the layer exchanges its experts' rows in groups (``--ep-chunks``, a kernel that allows it)."""
+        return self.chunks > 1 and self.chunkable()
+
+    def _counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows this rank sends to each (rank, local expert) of the group, and those it receives: [size, n_local]."""
         send_counts = counts.view(self.size, self.n_local)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
-        if self.chunks > 1 and self.chunkable():
-            return self._chunked(xs, send_counts, recv_counts, run)
-        send = send_counts.sum(1).tolist()
-        recv = recv_counts.sum(1).tolist()
-        xr = _AllToAll.apply(xs, send, recv, self.group)
-        local = torch.arange(self.n_local, device=xs.device).repeat(self.size).repeat_interleave(recv_counts.flatten())
-        order = local.argsort(stable=True)
-        yr = run(xr[order], local[order], self.n_local)[order.argsort()]
-        return _AllToAll.apply(yr, recv, send, self.group)
+        return send_counts, recv_counts
 
-    def _chunked(self, xs, send_counts, recv_counts, run) -> torch.Tensor:
-        """:meth:`exchange` with the local experts in ``self.chunks`` groups, each group's exchange overlapping
-        the others' experts (module doc)."""
+    @torch.compiler.disable  # split sizes are host values: never specialised and recompiled on them
+    def dispatch(self, xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor):
+        """Send the rows ``xs`` [P, D], sorted by global ``expert`` (``counts`` per expert), to the ranks owning their
+        experts; returns the rows this rank received sorted by local expert, their local expert ids, and the
+        route for :meth:`combine`. One host synchronisation: the split sizes."""
+        send_counts, recv_counts = self._counts(counts)
+        sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        send, recv = sizes[: self.size], sizes[self.size :]
+        rows = _AllToAll.apply(xs, send, recv, self.group)
+        ids = torch.arange(self.n_local, device=xs.device).repeat(self.size)
+        local = ids.repeat_interleave(recv_counts.flatten(), output_size=sum(recv))  # sizes known: no host sync
+        order = local.argsort(stable=True)
+        return rows[order], local[order], _Route(send, recv, order)
+
+    @torch.compiler.disable
+    def combine(self, ys: torch.Tensor, route: _Route) -> torch.Tensor:
+        """The experts' results ``ys`` (in :meth:`dispatch`'s order) sent back: the rows of its ``xs``, in its order."""
+        return _AllToAll.apply(ys[route.order.argsort()], route.recv, route.send, self.group)
+
+    @torch.compiler.disable
+    def exchange_chunked(self, xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, run) -> torch.Tensor:
+        """:meth:`dispatch`, ``run(rows, local expert ids, n_local)`` and :meth:`combine` with the local experts in
+        ``self.chunks`` groups, each group's exchange overlapping the others' experts (module doc)."""
+        send_counts, recv_counts = self._counts(counts)
         sends, recvs = send_counts.tolist(), recv_counts.tolist()  # [rank][local expert]
         bounds = [self.n_local * c // self.chunks for c in range(self.chunks + 1)]
         spans = list(zip(bounds, bounds[1:]))
@@ -153,7 +182,7 @@ class ExpertParallel:
         for (a, b), finish, s, r in zip(spans, arrive, send, recv):
             xr = finish()
             ids = torch.arange(a, b, device=xs.device).repeat(self.size)
-            local = ids.repeat_interleave(recv_counts[:, a:b].flatten())
+            local = ids.repeat_interleave(recv_counts[:, a:b].flatten(), output_size=sum(r))
             order = local.argsort(stable=True)
             yr = run(xr[order], local[order], self.n_local)[order.argsort()]
             back.append(_exchange_async(yr, r, s, self.group))
