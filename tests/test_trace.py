@@ -73,3 +73,20 @@ def test_exposed_comm_is_nccl_time_no_compute_kernel_overlapped():
 def test_comm_fully_under_compute_is_not_exposed():
     events = [_x("kernel", "gemm", 0, 500), _x("kernel", "ncclDevKernel_AllGather", 100, 200)]
     assert trace.exposed_comm(events) == (pytest.approx(0.2), 0.0)
+
+
+def test_host_sync_time_and_eager_backward_nodes_read_the_host_side():
+    events = [
+        _x("cuda_runtime", "cudaStreamSynchronize", 0, 1500),
+        _x("cuda_runtime", "cudaDeviceSynchronize", 2000, 500),
+        _x("cuda_runtime", "cudaLaunchKernel", 3000, 900),  # a launch is not a wait
+        _x("cpu_op", "cudaStreamSynchronize", 4000, 700),  # only the runtime's own event counts
+        _x("cpu_op", "_Fp8GroupedFnBackward", 0, 10),
+        _x("cpu_op", "_Fp8GroupedFnBackward", 20, 10),
+        _x("cpu_op", "MmBackward0", 40, 10),
+        _x("cpu_op", "CompiledFunctionBackward", 60, 10),  # a compiled region's backward
+        _x("cpu_op", "autograd::engine::evaluate_function: MmBackward0", 40, 12),  # the engine's wrapper
+        _x("kernel", "SomethingBackward", 0, 5),  # a device event
+    ]
+    assert trace.host_sync_ms(events) == pytest.approx(2.0)
+    assert trace.eager_backward_nodes(events) == {"_Fp8GroupedFnBackward": 2, "MmBackward0": 1}

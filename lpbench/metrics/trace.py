@@ -95,3 +95,20 @@ def exposed_comm(events: list[dict]) -> tuple[float, float]:
     comm, compute = _union(comm), _union(compute)
     busy = sum(b - a for a, b in comm)
     return busy / 1e3, (busy - _overlap(comm, compute)) / 1e3
+
+
+SYNC = re.compile(r"^cuda(Stream|Device|Event)Synchronize$")  # the runtime calls in which the host waits for the GPU
+EAGER_NODE = re.compile(r"^(?!CompiledFunction)\w*Backward\d*$")  # an autograd node outside a compiled region's own
+
+
+def host_sync_ms(events: list[dict]) -> float:
+    """Time (ms) the host spent blocked in CUDA synchronisations. Small while the GPU idles much of the step: the
+    host, not the GPU, sets the pace (it launches too slowly, or a synchronisation keeps it from running ahead)."""
+    return sum(e["dur"] for e in events if e.get("cat") == "cuda_runtime" and SYNC.match(e["name"])) / 1e3
+
+
+def eager_backward_nodes(events: list[dict]) -> Counter:
+    """Calls of each autograd node that ran outside a compiled graph (``MmBackward0``, a custom Function's
+    ``<Name>Backward``; a compiled region's backward is one ``CompiledFunctionBackward``). In a compiled model, a
+    Function named here ran eagerly, op by op."""
+    return Counter(e["name"] for e in events if e.get("cat") == "cpu_op" and EAGER_NODE.match(e["name"]))
