@@ -13,13 +13,14 @@ between them run in the caller's code, compiled with the block (the received row
 Overlap (``--ep-chunks C``): a rank's experts are split into C contiguous groups; every group's rows are sent
 at once, asynchronously, and each group's experts run as soon as its rows arrived, while the later groups' rows
 and the earlier groups' results are still in flight (in backward the same, the engine running the nodes in
-reverse); the experts then run between the exchanges, eagerly. Each expert still receives all its rows in the same order, and the other groups' experts get none in
-that call (a zero gradient, added exactly), so the result is bit-identical to C = 1 where the experts' kernel
-computes each expert apart (:data:`CHUNKABLE`: the compute-dtype grouped GEMMs, and the FP8 row-/tensor-wise
-ones, whose scales are per token, per expert row, per expert, per expert and column); the per-expert dense
-GEMMs (``Looped``: delayed scaling's histories, the block formats) run unchunked. Not bit-identical, only within
-rounding: FP8 weight gradients added into FP32 buffers on Hopper (:mod:`lpbench.precision.kernels.grouped_mm`
-sums an expert's rows in slices aligned in the grouped buffer, and a group's buffer places them elsewhere).
+reverse); these experts run inside the exchange, eagerly. Each expert still receives all its rows in the same
+order, and the other groups' experts get none in that call (a zero gradient, added exactly), so the result is
+bit-identical to C = 1 where the experts' kernel computes each expert apart (:data:`CHUNKABLE`: the
+compute-dtype grouped GEMMs, and the FP8 row-/tensor-wise ones, whose scales are per token, per expert row, per
+expert, per expert and column); the per-expert dense GEMMs (``Looped``: delayed scaling's histories, the block
+formats) run unchunked. Not bit-identical, only within rounding: FP8 weight gradients added into FP32 buffers on
+Hopper (:mod:`lpbench.precision.kernels.grouped_mm` sums an expert's rows in slices aligned in the grouped
+buffer, and a group's buffer places them elsewhere).
 
 Gradients: an expert's weight gradient sums the losses of every rank of its group (their tokens
 reached it through the exchange), each loss already the mean over that rank's batch; so it is
