@@ -8,7 +8,8 @@
 #   1. weak scaling, llama3-8b@16L, seq 8192, GBS 8 a GPU: 1 GPU, DDP, FSDP2 and FSDP2 zero1 on 2 and 4 GPUs, BF16 and
 #      fp8-tensorwise; the 4-GPU FSDP2 rows profile one more step: NCCL ms and exposed NCCL ms per step;
 #   2. full llama3-8b FSDP2 on 4 GPUs, GBS 32 (zero3, and zero1 with BF16 gradient reduction); MoE under EP 4 +
-#      FSDP2: mixtral-8x7b@6L and qwen3-30b-a3b at 6 and 12 blocks (seq 4096, GBS 16), BF16 and fp8-rowwise, qwen3
+#      FSDP2 zero1 with BF16 reduction (on EP 2 as fast as DDP, zero3 slower: RESULTS 2026-11-28 12:19):
+#      mixtral-8x7b@6L and qwen3-30b-a3b at 6 and 12 blocks (seq 4096, GBS 16), BF16 and fp8-rowwise, qwen3
 #      extrapolated linearly to 48 blocks; mixtral's with --ep-chunks 2 (A/B against mixtral@6L; cuts that
 #      `lpbench memory` fits in 80 GB);
 #   3. FSDP2 knobs on 4 GPUs (A/B against the 4-GPU fsdp rows of the same call): zero1, FP8 all-gather, zero1 with
@@ -31,7 +32,8 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/device.txt" || true
 git rev-parse --short HEAD > "$OUT/tree.txt" 2>/dev/null || true
 
-MOE="--seq-len 4096 --mbs 1 --gbs 16 --ep 4 --fsdp --steps 6 --warmup-steps 3 --precision bf16,fp8-rowwise"
+MOE="--seq-len 4096 --mbs 1 --gbs 16 --ep 4 --fsdp --fsdp-shard zero1 --grad-reduce-dtype bf16"
+MOE+=" --steps 6 --warmup-steps 3 --precision bf16,fp8-rowwise"
 TABLE=(--gpus 1,2,4 --layouts "ddp,fsdp,fsdp-zero1=--fsdp --fsdp-shard zero1")
 # full llama3-8b at GBS 32 holds ~105 GB a GPU (FSDP2 accumulates whole FP32 gradients): on cards below 100 GB it
 # runs with the chunked loss, BF16 gradient reduction and selective recomputation, and its row name says so
