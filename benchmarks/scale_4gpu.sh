@@ -8,7 +8,7 @@
 #   1. weak scaling, llama3-8b@16L, seq 8192, GBS 8 a GPU: 1 GPU, DDP, FSDP2 and FSDP2 zero1 on 2 and 4 GPUs, BF16 and
 #      fp8-tensorwise; the 4-GPU FSDP2 rows profile one more step: NCCL ms and exposed NCCL ms per step;
 #   2. full llama3-8b FSDP2 on 4 GPUs, GBS 32 (zero3, and zero1 with BF16 gradient reduction); MoE under EP 4 +
-#      FSDP2 zero1 with BF16 reduction (on EP 2 as fast as DDP, zero3 slower: RESULTS 2026-11-28 12:19):
+#      FSDP2 zero1 with BF16 reduction (on EP 2 as fast as DDP, zero3 slower: RESULTS 2026-11-28 11:56–12:29):
 #      mixtral-8x7b@6L and qwen3-30b-a3b at 6 and 12 blocks (seq 4096, GBS 16), BF16 and fp8-rowwise, qwen3
 #      extrapolated linearly to 48 blocks; mixtral's with --ep-chunks 2 (A/B against mixtral@6L; cuts that
 #      `lpbench memory` fits in 80 GB);
