@@ -144,6 +144,14 @@ class ExpertParallel:
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
         return send_counts, recv_counts
 
+    def _by_local_expert(self, rows: torch.Tensor, recv_counts: torch.Tensor, first: int = 0):
+        """``rows`` as received (each rank's, by local expert), sorted by local expert (stable); their local expert
+        ids, and the order taken. ``recv_counts`` [size, k]: each rank's rows for local experts ``first`` on."""
+        ids = torch.arange(first, first + recv_counts.shape[1], device=rows.device).repeat(self.size)
+        local = ids.repeat_interleave(recv_counts.flatten(), output_size=rows.shape[0])  # size known: no host sync
+        order = local.argsort(stable=True)
+        return rows[order], local[order], order
+
     @torch.compiler.disable  # split sizes are host values: never specialised and recompiled on them
     def dispatch(self, xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor):
         """Send the rows ``xs`` [P, D], sorted by global ``expert`` (``counts`` per expert), to the ranks owning their
@@ -152,11 +160,8 @@ class ExpertParallel:
         send_counts, recv_counts = self._counts(counts)
         sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()
         send, recv = sizes[: self.size], sizes[self.size :]
-        rows = _AllToAll.apply(xs, send, recv, self.group)
-        ids = torch.arange(self.n_local, device=xs.device).repeat(self.size)
-        local = ids.repeat_interleave(recv_counts.flatten(), output_size=sum(recv))  # sizes known: no host sync
-        order = local.argsort(stable=True)
-        return rows[order], local[order], _Route(send, recv, order)
+        rows, local, order = self._by_local_expert(_AllToAll.apply(xs, send, recv, self.group), recv_counts)
+        return rows, local, _Route(send, recv, order)
 
     @torch.compiler.disable
     def combine(self, ys: torch.Tensor, route: _Route) -> torch.Tensor:
@@ -181,11 +186,8 @@ class ExpertParallel:
         arrive = [_exchange_async(torch.cat(p), s, r, self.group) for p, s, r in zip(pieces, send, recv)]
         back = []
         for (a, b), finish, s, r in zip(spans, arrive, send, recv):
-            xr = finish()
-            ids = torch.arange(a, b, device=xs.device).repeat(self.size)
-            local = ids.repeat_interleave(recv_counts[:, a:b].flatten(), output_size=sum(r))
-            order = local.argsort(stable=True)
-            yr = run(xr[order], local[order], self.n_local)[order.argsort()]
+            rows, local, order = self._by_local_expert(finish(), recv_counts[:, a:b], first=a)
+            yr = run(rows, local, self.n_local)[order.argsort()]
             back.append(_exchange_async(yr, r, s, self.group))
         ys = [finish().split(s) for finish, s in zip(back, send)]  # [chunk][rank]
         return torch.cat([ys[c][r] for r in range(self.size) for c in range(self.chunks)])
