@@ -259,7 +259,8 @@ class RunConfig:
         metadata=arg(
             "with --ep: split each rank's experts into this many groups whose all-to-all runs asynchronously "
             "beside the other groups' expert GEMMs (grouped BF16/FP32 and FP8 row-/tensor-wise experts; "
-            "bit-identical to 1, no overlap); these experts run eagerly, not compiled with the block",
+            "bit-identical to 1, no overlap); each group's experts compile as a graph of their own; slower than "
+            "1 on NVLink GPUs so far (docs/layout.md)",
             section="parallel",
             layout=True,
         ),

@@ -94,6 +94,21 @@ def test_groups_layout(counts):
     assert groups.row_group.tolist() == [min(sum(r >= e for e in ends), len(counts) - 1) for r in range(groups.rows)]
 
 
+@pytest.mark.parametrize("blocks", [[[3, 0, 5], [2, 7, 0]], [[0, 0], [0, 4]], [[40, 1, 0, 17]]])
+def test_groups_of_blocks_places_items_as_a_stable_sort_would(blocks):
+    """Items arriving in blocks (block (s, g): ``blocks[s][g]`` items of group g, row-major, as an all-to-all delivers
+    each rank's rows sorted by group) get the layout and rows that stably sorting them by group gives."""
+    b = torch.tensor(blocks)
+    group = torch.repeat_interleave(torch.arange(b.shape[1]).repeat(b.shape[0]), b.flatten())
+    order = group.argsort(stable=True)
+    want, want_dest = grouped.Groups.of(group[order], b.shape[1])
+    got, dest = grouped.Groups.of_blocks(b, group.numel())
+    for field in ("counts", "starts", "offs", "row_group"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert got.rows == want.rows
+    assert torch.equal(dest[order], want_dest)  # item order[i] lands where the sort put it
+
+
 QUANTIZED = [n for n, r in RECIPES.items() if r.quantized]
 CASES = ("random", "idle-experts", "one-expert")
 
@@ -208,11 +223,9 @@ def test_native_grouped_fp8_compiles_without_graph_breaks(monkeypatch):
     assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
 
 
-def test_expert_parallel_breaks_the_graph_only_at_its_two_exchanges(monkeypatch):
-    """Under expert parallelism the layer's graph breaks at the dispatch and the combine (their split sizes are host
-    values) and nowhere else: the load-balancing count's all-reduce and the experts between the exchanges (the
-    buffer, the FP8 casts, the grouped GEMMs) stay compiled instead of running eagerly, op by op. One rank's group:
-    the exchanges are the identity."""
+def _explain_expert_parallel_layer(monkeypatch, chunks: int):
+    """:func:`_explain_native_fp8_layer` of a layer under expert parallelism over one rank's gloo group (the
+    exchanges are the identity), its local experts exchanged in ``chunks`` groups."""
     import torch.distributed as dist
     from torch.distributed import HashStore
 
@@ -221,11 +234,30 @@ def test_expert_parallel_breaks_the_graph_only_at_its_two_exchanges(monkeypatch)
     dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
     try:
         moe = _case_moe("random", get_recipe("fp8-rowwise"))[0]
-        moe.ep = ExpertParallel(dist.group.WORLD, 1, 0, moe.n_experts, experts=moe.experts)
+        moe.ep = ExpertParallel(dist.group.WORLD, 1, 0, moe.n_experts, chunks=chunks, experts=moe.experts)
         moe.count_group = dist.group.WORLD
         explained = _explain_native_fp8_layer(monkeypatch, moe)
+        assert moe.ep.chunked() == (chunks > 1)
     finally:
         dist.destroy_process_group()
+    assert all("ExpertParallel." in b.reason or "disable()" in b.reason for b in explained.break_reasons), [
+        b.reason.splitlines()[0] for b in explained.break_reasons
+    ]
+    return explained
+
+
+def _expert_graphs(explained) -> int:
+    """How many of the explained graphs run the experts' grouped FP8 GEMMs (their autograd Function)."""
+    return sum(
+        any(n.target is torch.ops.higher_order.autograd_function_apply for n in g.graph.nodes) for g in explained.graphs
+    )
+
+
+def test_expert_parallel_breaks_the_graph_only_at_its_two_exchanges(monkeypatch):
+    """Under expert parallelism the layer's graph breaks at the dispatch and the combine (their split sizes are host
+    values) and nowhere else: the load-balancing count's all-reduce and the experts between the exchanges (the
+    buffer, the FP8 casts, the grouped GEMMs) stay compiled instead of running eagerly, op by op."""
+    explained = _explain_expert_parallel_layer(monkeypatch, chunks=1)
     # a break inside a nested call is reported once per frame it breaks: the exchanges' names, nothing else
     at = {
         name
@@ -234,7 +266,16 @@ def test_expert_parallel_breaks_the_graph_only_at_its_two_exchanges(monkeypatch)
         if f"ExpertParallel.{name}" in b.reason
     }
     assert at == {"dispatch", "combine"} and explained.graph_break_count >= 2
-    assert all("ExpertParallel." in b.reason for b in explained.break_reasons), explained.break_reasons
+    assert all("ExpertParallel." in b.reason for b in explained.break_reasons)
+    assert _expert_graphs(explained) == 1
+
+
+def test_chunked_exchange_compiles_each_groups_experts(monkeypatch):
+    """``--ep-chunks 2``: torch.compile skips the chunked exchange's loop but not the experts it calls, so each
+    group's buffer, FP8 casts and grouped GEMMs run as a compiled graph (a recursively skipped exchange ran them
+    eagerly, op by op)."""
+    explained = _explain_expert_parallel_layer(monkeypatch, chunks=2)
+    assert _expert_graphs(explained) >= 1
 
 
 def _stacked_weights(shape, seed=0):

@@ -50,6 +50,7 @@ SCENARIOS = {
             model=MOE.name, ep=2, mbs=4, precision="fp8-tensorwise", fsdp=True, ep_chunks=2
         ),
         "ep2-ddp-chunks-fp8-delayed": dict(model=MOE.name, ep=2, mbs=4, precision="fp8-delayed", ep_chunks=2),
+        "ep2-fsdp-compiled-chunks-fp32": dict(model=MOE.name, ep=2, mbs=4, fsdp=True, compile=True, ep_chunks=2),
         **{f"fsdp-ga-{s}": dict(mbs=1, fsdp=True, fsdp_shard=s) for s in ("zero3", "zero2", "zero1")},
         "fsdp-bf16-reduce": dict(mbs=4, fsdp=True, grad_reduce_dtype="bf16"),
         "ddp-bf16-reduce": dict(mbs=4, grad_reduce_dtype="bf16"),

@@ -25,7 +25,8 @@ token counts and loss values in ``stats`` for the log.
 Dispatch: every (token, expert) pair sorted by expert (stable, so tokens keep their order) into
 the padded buffer of :class:`Groups`; no token is dropped. Expert
 parallelism (``ep``, :mod:`lpbench.parallel.ep`) exchanges the sorted pairs all-to-all between the
-sort and the GEMMs, and back before the combine. Tensor parallelism (:func:`lpbench.parallel.tp.apply_tp`)
+sort and the GEMMs, and back before the combine; the received rows, each rank's sorted by expert, are placed in the
+buffer by expert (:meth:`Groups.of_blocks`) without a second sort. Tensor parallelism (:func:`lpbench.parallel.tp.apply_tp`)
 gives every rank all experts' slices of the FFN width and tells the experts' kernel (``GroupedMM.tp``):
 the same tokens in, partial outputs summed over the group.
 """
@@ -81,15 +82,35 @@ class Groups:
         counts = torch.zeros(n_groups, dtype=torch.long, device=group.device).scatter_add_(
             0, group, torch.ones_like(group)
         )
+        before = torch.arange(group.numel(), device=group.device) - (counts.cumsum(0) - counts)[group]
+        return cls._placing(counts, group, before)
+
+    @classmethod
+    def of_blocks(cls, blocks: torch.Tensor, n_items: int) -> tuple["Groups", torch.Tensor]:
+        """The layout of ``n_items`` items that arrive in blocks, as an all-to-all delivers them: ``blocks`` [S, G]
+        counts, block (s, g) holding ``blocks[s, g]`` items of group g, the blocks in row-major order; and each
+        item's row, the groups' items kept in arrival order (as a stable sort by group would)."""
+        S, G = blocks.shape
+        flat = blocks.flatten()
+        block = torch.arange(S * G, device=blocks.device).repeat_interleave(flat, output_size=n_items)
+        earlier = (blocks.cumsum(0) - blocks).flatten()  # items of the block's group in the blocks of earlier s
+        before = earlier[block] + torch.arange(n_items, device=blocks.device) - (flat.cumsum(0) - flat)[block]
+        return cls._placing(blocks.sum(0), block % G, before)
+
+    @classmethod
+    def _placing(cls, counts: torch.Tensor, group: torch.Tensor, before: torch.Tensor) -> tuple["Groups", torch.Tensor]:
+        """The layout of groups of ``counts`` items, and the row of each item of group ``group`` with ``before``
+        items of its group ahead of it."""
+        n_groups = counts.numel()
         padded = (counts + ALIGN - 1) // ALIGN * ALIGN
         ends = padded.cumsum(0)
         starts = ends - padded
-        first = counts.cumsum(0) - counts
-        dest = starts[group] + torch.arange(group.numel(), device=group.device) - first[group]
         rows = (group.numel() + n_groups * ALIGN + ROWS_ALIGN - 1) // ROWS_ALIGN * ROWS_ALIGN
         # a plain field, not a cached_property: that takes a lock on Python 3.11, where Dynamo breaks the graph at it
         row_group = torch.searchsorted(ends, torch.arange(rows, device=group.device), right=True)
-        return cls(counts, starts, ends.to(torch.int32), rows, row_group.clamp(max=n_groups - 1)), dest
+        return cls(counts, starts, ends.to(torch.int32), rows, row_group.clamp(max=n_groups - 1)), starts[
+            group
+        ] + before
 
     @cached_property
     def host(self) -> list[tuple[int, int]]:
@@ -264,22 +285,26 @@ class MoE(nn.Module):
                 self.tokens_per_expert.add_(counts.float())
                 self.loss_sums.add_(torch.stack([aux.detach(), zl.detach(), torch.ones_like(zl)]))
         if self.ep is None:
-            ys = self._experts(x[token], expert, self.n_experts)
-        elif self.ep.chunked():  # the experts run between their groups' exchanges, eagerly
-            ys = self.ep.exchange_chunked(x[token], expert, counts, self._experts)
+            ys = self._experts(x[token], *Groups.of(expert, self.n_experts))
+        elif self.ep.chunked():  # the experts run between their groups' exchanges, each group's compiled apart
+            ys = self.ep.exchange_chunked(x[token], counts, self._experts_received)
         else:  # the experts between the two exchanges, in the calling code: compiled with the block
-            rows, local, back = self.ep.dispatch(x[token], expert, counts)
-            ys = self.ep.combine(self._experts(rows, local, self.ep.n_local), back)
+            rows, blocks, back = self.ep.dispatch(x[token], counts)
+            ys = self.ep.combine(self._experts_received(rows, blocks), back)
         out = torch.zeros_like(x).index_add_(0, token, ys * weights.flatten()[order, None].to(x.dtype))
         if self.training and (self.aux_coeff or self.z_coeff):
             out = _AttachLoss.apply(out, self.aux_coeff * aux + self.z_coeff * zl, self.grad_scale)
         return out.reshape(shape)
 
-    def _experts(self, xs: torch.Tensor, expert: torch.Tensor, n_experts: int) -> torch.Tensor:
-        """Rows ``xs`` (sorted by ``expert``) through their experts, in the same order."""
-        groups, dest = Groups.of(expert, n_experts)
+    def _experts(self, xs: torch.Tensor, groups: Groups, dest: torch.Tensor) -> torch.Tensor:
+        """Rows ``xs`` through their experts (row i at ``dest[i]`` of the buffer ``groups`` lays out), in their order."""
         buf = xs.new_zeros(groups.rows, xs.shape[1]).index_put((dest,), xs)
         return self.experts(buf, groups)[dest]
+
+    def _experts_received(self, rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Rows as the expert-parallel exchange delivered them (``blocks`` [ranks, local experts]: each rank's rows
+        for each local expert, in that order) through their experts, in the same order."""
+        return self._experts(rows, *Groups.of_blocks(blocks, rows.shape[0]))
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

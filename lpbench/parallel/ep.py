@@ -4,16 +4,18 @@ Ranks ``[g·ep, (g+1)·ep)`` of the data-parallel ranks form expert-parallel gro
 ``ep_replicate`` meshes of :class:`lpbench.parallel.dims.ParallelDims`); rank r of a group holds experts
 ``[r·E/ep, (r+1)·E/ep)`` of every MoE layer as plain tensors (the other weights stay with DDP or
 FSDP2, which leave the experts alone). A layer sorts its (token, expert) pairs by expert, sends each
-rank the rows of its experts (``all_to_all_single``: counts, then rows), runs its local experts on
-what it received (sorted by local expert, :mod:`lpbench.precision.grouped`) and sends the results
-back the same way before the combine. The two exchanges (:meth:`ExpertParallel.dispatch`, ``combine``) run
+rank the rows of its experts (``all_to_all_single``: counts, then rows), places what it received in its experts'
+buffer by local expert (each rank's rows arrive sorted by local expert: :meth:`lpbench.models.moe.Groups.of_blocks`,
+no second sort), runs its local experts (:mod:`lpbench.precision.grouped`) and sends the results back in the order
+the rows came, before the combine. The two exchanges (:meth:`ExpertParallel.dispatch`, ``combine``) run
 outside torch.compile, as their split sizes are host values (one host synchronisation a layer); the experts
 between them run in the caller's code, compiled with the block (the received rows' count a dynamic size).
 
 Overlap (``--ep-chunks C``): a rank's experts are split into C contiguous groups; every group's rows are sent
 at once, asynchronously, and each group's experts run as soon as its rows arrived, while the later groups' rows
 and the earlier groups' results are still in flight (in backward the same, the engine running the nodes in
-reverse); these experts run inside the exchange, eagerly. Each expert still receives all its rows in the same
+reverse). torch.compile skips the loop over the groups but compiles the experts it calls, each group's as a
+graph of its own. Each expert still receives all its rows in the same
 order, and the other groups' experts get none in that call (a zero gradient, added exactly), so the result is
 bit-identical to C = 1 where the experts' kernel computes each expert apart (:data:`CHUNKABLE`: the
 compute-dtype grouped GEMMs, and the FP8 row-/tensor-wise ones, whose scales are per token, per expert row, per
@@ -112,12 +114,23 @@ def _exchange_async(x: torch.Tensor, send: list[int], recv: list[int], group):
 
 @dataclass
 class _Route:
-    """What :meth:`ExpertParallel.combine` needs of its dispatch: rows sent to and received from each rank, and the
-    order :meth:`ExpertParallel.dispatch` sorted the received rows in."""
+    """What :meth:`ExpertParallel.combine` needs of its dispatch: the rows sent to and received from each rank."""
 
     send: list[int]
     recv: list[int]
-    order: torch.Tensor
+
+
+@dataclass
+class _Chunks:
+    """:meth:`ExpertParallel.exchange_chunked`'s plan: each group's local experts ``[a, b)`` (``spans``), where
+    rank r's rows for local expert e start in the sent rows (``starts[r][e]``), each group's rows sent to and
+    received from each rank, and the received counts [size, n_local]."""
+
+    spans: list[tuple[int, int]]
+    starts: list[list[int]]
+    send: list[list[int]]
+    recv: list[list[int]]
+    recv_counts: torch.Tensor
 
 
 class ExpertParallel:
@@ -144,34 +157,39 @@ class ExpertParallel:
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
         return send_counts, recv_counts
 
-    def _by_local_expert(self, rows: torch.Tensor, recv_counts: torch.Tensor, first: int = 0):
-        """``rows`` as received (each rank's, by local expert), sorted by local expert (stable); their local expert
-        ids, and the order taken. ``recv_counts`` [size, k]: each rank's rows for local experts ``first`` on."""
-        ids = torch.arange(first, first + recv_counts.shape[1], device=rows.device).repeat(self.size)
-        local = ids.repeat_interleave(recv_counts.flatten(), output_size=rows.shape[0])  # size known: no host sync
-        order = local.argsort(stable=True)
-        return rows[order], local[order], order
-
     @torch.compiler.disable  # split sizes are host values: never specialised and recompiled on them
-    def dispatch(self, xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor):
-        """Send the rows ``xs`` [P, D], sorted by global ``expert`` (``counts`` per expert), to the ranks owning their
-        experts; returns the rows this rank received sorted by local expert, their local expert ids, and the
-        route for :meth:`combine`. One host synchronisation: the split sizes."""
+    def dispatch(self, xs: torch.Tensor, counts: torch.Tensor):
+        """Send the rows ``xs`` [P, D], sorted by global expert (``counts`` per expert), to the ranks owning their
+        experts; returns the rows this rank received (each rank's in turn, sorted by local expert), their counts
+        [size, n_local] (for :meth:`lpbench.models.moe.Groups.of_blocks`), and the route for :meth:`combine`.
+        One host synchronisation: the split sizes."""
         send_counts, recv_counts = self._counts(counts)
         sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()
-        send, recv = sizes[: self.size], sizes[self.size :]
-        rows, local, order = self._by_local_expert(_AllToAll.apply(xs, send, recv, self.group), recv_counts)
-        return rows, local, _Route(send, recv, order)
+        route = _Route(sizes[: self.size], sizes[self.size :])
+        return _AllToAll.apply(xs, route.send, route.recv, self.group), recv_counts, route
 
     @torch.compiler.disable
     def combine(self, ys: torch.Tensor, route: _Route) -> torch.Tensor:
-        """The experts' results ``ys`` (in :meth:`dispatch`'s order) sent back: the rows of its ``xs``, in its order."""
-        return _AllToAll.apply(ys[route.order.argsort()], route.recv, route.send, self.group)
+        """The experts' results ``ys`` (in the order :meth:`dispatch` received the rows) sent back: the rows of its
+        ``xs``, in its order."""
+        return _AllToAll.apply(ys, route.recv, route.send, self.group)
+
+    @torch.compiler.disable(recursive=False)  # this frame skipped; the experts it calls compile as the caller's code
+    def exchange_chunked(self, xs: torch.Tensor, counts: torch.Tensor, run) -> torch.Tensor:
+        """:meth:`dispatch`, ``run(rows, their counts [size, n_local])`` and :meth:`combine` with the local experts in
+        ``self.chunks`` groups, each group's exchange overlapping the others' experts (module doc). Only this loop
+        is skipped by torch.compile: every exchange below is a skipped call, and ``run`` compiles as its own graph."""
+        plan = self._plan(counts)
+        arrivals = self._send(xs, plan)
+        returns = []
+        for c in range(self.chunks):
+            rows, blocks = self._arrived(arrivals[c], plan, c)
+            returns.append(self._send_back(run(rows, blocks), plan, c))
+        return self._returned(returns, plan)
 
     @torch.compiler.disable
-    def exchange_chunked(self, xs: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, run) -> torch.Tensor:
-        """:meth:`dispatch`, ``run(rows, local expert ids, n_local)`` and :meth:`combine` with the local experts in
-        ``self.chunks`` groups, each group's exchange overlapping the others' experts (module doc)."""
+    def _plan(self, counts: torch.Tensor) -> _Chunks:
+        """The groups' spans and split sizes (one host synchronisation: the counts exchanged)."""
         send_counts, recv_counts = self._counts(counts)
         sends, recvs = send_counts.tolist(), recv_counts.tolist()  # [rank][local expert]
         bounds = [self.n_local * c // self.chunks for c in range(self.chunks + 1)]
@@ -180,16 +198,39 @@ class ExpertParallel:
         for row in sends:
             starts.append([at + sum(row[:e]) for e in range(self.n_local + 1)])
             at += sum(row)
-        pieces = [[xs[starts[r][a] : starts[r][b]] for r in range(self.size)] for a, b in spans]
-        send = [[starts[r][b] - starts[r][a] for r in range(self.size)] for a, b in spans]
-        recv = [[sum(recvs[r][a:b]) for r in range(self.size)] for a, b in spans]
-        arrive = [_exchange_async(torch.cat(p), s, r, self.group) for p, s, r in zip(pieces, send, recv)]
-        back = []
-        for (a, b), finish, s, r in zip(spans, arrive, send, recv):
-            rows, local, order = self._by_local_expert(finish(), recv_counts[:, a:b], first=a)
-            yr = run(rows, local, self.n_local)[order.argsort()]
-            back.append(_exchange_async(yr, r, s, self.group))
-        ys = [finish().split(s) for finish, s in zip(back, send)]  # [chunk][rank]
+        return _Chunks(
+            spans,
+            starts,
+            send=[[starts[r][b] - starts[r][a] for r in range(self.size)] for a, b in spans],
+            recv=[[sum(recvs[r][a:b]) for r in range(self.size)] for a, b in spans],
+            recv_counts=recv_counts,
+        )
+
+    @torch.compiler.disable
+    def _send(self, xs: torch.Tensor, plan: _Chunks) -> list:
+        """Every group's rows sent at once, asynchronously: one ``finish()`` a group."""
+        pieces = [
+            torch.cat([xs[plan.starts[r][a] : plan.starts[r][b]] for r in range(self.size)]) for a, b in plan.spans
+        ]
+        return [_exchange_async(p, s, r, self.group) for p, s, r in zip(pieces, plan.send, plan.recv)]
+
+    @torch.compiler.disable
+    def _arrived(self, finish, plan: _Chunks, c: int):
+        """Group ``c``'s rows, once arrived, and their counts [size, n_local] (the other groups' experts none)."""
+        a, b = plan.spans[c]
+        mine = torch.zeros_like(plan.recv_counts)
+        mine[:, a:b] = plan.recv_counts[:, a:b]
+        return finish(), mine
+
+    @torch.compiler.disable
+    def _send_back(self, ys: torch.Tensor, plan: _Chunks, c: int):
+        """Group ``c``'s results sent back, asynchronously (in the order its rows arrived)."""
+        return _exchange_async(ys, plan.recv[c], plan.send[c], self.group)
+
+    @torch.compiler.disable
+    def _returned(self, returns: list, plan: _Chunks) -> torch.Tensor:
+        """Every group's results, once back, as the rows of ``xs`` in its order (by rank, then local expert)."""
+        ys = [finish().split(s) for finish, s in zip(returns, plan.send)]  # [chunk][rank]
         return torch.cat([ys[c][r] for r in range(self.size) for c in range(self.chunks)])
 
 
