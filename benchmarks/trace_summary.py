@@ -7,7 +7,8 @@ the time some device event ran (busy) and none did (idle), NCCL kernel time and 
 overlapped (``lpbench.metrics.trace.exposed_comm``: waiting for another rank counts), the host's time blocked in
 CUDA synchronisations, and the autograd nodes that ran outside a compiled graph. Much idle time with little host
 waiting means a host-bound step: the host launched too slowly, or synchronised where it could have run ahead.
-Profiling itself slows the host, so read shares and node names here, and take step times from unprofiled runs.
+Profiling itself slows the host (less with `--no-profile-stacks`), so read shares and node names here, and take step
+times from unprofiled runs.
 """
 
 from __future__ import annotations

@@ -615,6 +615,16 @@ class RunConfig:
             key=False,
         ),
     )
+    profile_stacks: bool = field(
+        default=True,
+        metadata=arg(
+            "record Python frames in --profile-steps (the table's quantize share reads them); off, the profiler "
+            "adds little host time, so a host-bound step (idle GPU, e.g. expert parallel) keeps its shape; read "
+            "such traces with benchmarks/trace_summary.py",
+            section="observe",
+            key=False,
+        ),
+    )
     tensorboard: str | None = field(
         default=None,
         metadata=arg(

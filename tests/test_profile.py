@@ -335,3 +335,17 @@ def test_a_run_that_fails_inside_the_profiled_steps_still_writes_its_trace(tmp_p
     result = loop.train(cfg, log=lambda line: None, results_dir=str(tmp_path))
     assert result.status == "oom" and result.metrics["profile"]["steps"] == "2:2"
     assert json.loads((tmp_path / "profiles" / cfg.key() / "trace.json").read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize("stacks", [True, False])
+def test_profile_stacks_choose_whether_the_trace_holds_python_frames(tmp_path, stacks):
+    """``--no-profile-stacks`` leaves Python frames out of the trace (less host overhead in the profiled step); the
+    operators stay."""
+    from lpbench.config import RunConfig
+    from lpbench.train.loop import train
+
+    cfg = RunConfig(model="tiny", device="cpu", seq_len=32, mbs=2, gbs=2, steps=2, warmup_steps=1)
+    r = train(cfg.with_(profile_steps="2:2", profile_stacks=stacks), log=lambda line: None, results_dir=str(tmp_path))
+    events = json.loads((tmp_path / "profiles" / cfg.key() / "trace.json").read_text())["traceEvents"]
+    assert r.status == "ok" and any(e.get("name") == "aten::mm" for e in events)
+    assert any(e.get("cat") == "python_function" for e in events) == stacks

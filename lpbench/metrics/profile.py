@@ -117,12 +117,18 @@ def format_table(parts: dict[str, dict[str, float]], unit: str = "ms") -> list[s
 
 
 class StepProfiler:
-    """Profiles steps ``first..last`` of the loop (``begin``/``end`` around each step, ``close`` after)."""
+    """Profiles steps ``first..last`` of the loop (``begin``/``end`` around each step, ``close`` after); ``stacks``:
+    record Python frames (``--no-profile-stacks`` leaves them out, and with them the frames' classification)."""
 
     def __init__(
-        self, steps: tuple[int, int] | None, out_dir: str | Path, device: torch.device, log: Callable[[str], None]
+        self,
+        steps: tuple[int, int] | None,
+        out_dir: str | Path,
+        device: torch.device,
+        log: Callable[[str], None],
+        stacks: bool = True,
     ):
-        self.steps, self.out_dir, self.device, self.log = steps, Path(out_dir), device, log
+        self.steps, self.out_dir, self.device, self.log, self.stacks = steps, Path(out_dir), device, log, stacks
         self.prof, self.first, self.last, self.metrics = None, None, None, {}
 
     def begin(self, step: int) -> None:
@@ -132,7 +138,7 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities, with_stack=True)
+            self.prof = torch.profiler.profile(activities=activities, with_stack=self.stacks)
             self.prof.start()
 
     def end(self, step: int, record: dict) -> None:

@@ -360,7 +360,7 @@ def train(
     tokens_per_step = cfg.gbs * cfg.seq_len
     checkpointer = Checkpointer(cfg, par.module, run.optimizer, run.scheduler, run.data, device, log)
     start, result.history = checkpointer.resume()  # 0, [] without --load
-    profiler = StepProfiler(cfg.profile_range, f"{results_dir}/profiles/{cfg.key()}", device, log)
+    profiler = StepProfiler(cfg.profile_range, f"{results_dir}/profiles/{cfg.key()}", device, log, cfg.profile_stacks)
     short_lines = sys.stdout.isatty()  # a terminal: one short line a step; a log file: the parsers' formats
     scalars = StepWriter(
         cfg.tensorboard if world.is_main else None,
