@@ -25,10 +25,10 @@ token counts and loss values in ``stats`` for the log.
 Dispatch: every (token, expert) pair sorted by expert (stable, so tokens keep their order) into
 the padded buffer of :class:`Groups`; no token is dropped. Expert
 parallelism (``ep``, :mod:`lpbench.parallel.ep`) exchanges the sorted pairs all-to-all between the
-sort and the GEMMs, and back before the combine; the received rows, each rank's sorted by expert, are placed in the
-buffer by expert (:meth:`Groups.of_blocks`) without a second sort. Tensor parallelism (:func:`lpbench.parallel.tp.apply_tp`)
-gives every rank all experts' slices of the FFN width and tells the experts' kernel (``GroupedMM.tp``):
-the same tokens in, partial outputs summed over the group.
+sort and the GEMMs, and back before the combine; the received rows, each rank's sorted by expert, are
+placed in the buffer by expert (:meth:`Groups.of_blocks`) without a second sort. Tensor parallelism
+(:func:`lpbench.parallel.tp.apply_tp`) gives every rank all experts' slices of the FFN width and tells the
+experts' kernel (``GroupedMM.tp``): the same tokens in, partial outputs summed over the group.
 """
 
 from __future__ import annotations
@@ -108,9 +108,8 @@ class Groups:
         rows = (group.numel() + n_groups * ALIGN + ROWS_ALIGN - 1) // ROWS_ALIGN * ROWS_ALIGN
         # a plain field, not a cached_property: that takes a lock on Python 3.11, where Dynamo breaks the graph at it
         row_group = torch.searchsorted(ends, torch.arange(rows, device=group.device), right=True)
-        return cls(counts, starts, ends.to(torch.int32), rows, row_group.clamp(max=n_groups - 1)), starts[
-            group
-        ] + before
+        dest = starts[group] + before
+        return cls(counts, starts, ends.to(torch.int32), rows, row_group.clamp(max=n_groups - 1)), dest
 
     @cached_property
     def host(self) -> list[tuple[int, int]]:
