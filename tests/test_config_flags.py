@@ -140,6 +140,7 @@ def test_the_facts_lists_come_from_the_declaration():
         "load",
         "export_hf",
         "profile_steps",
+        "profile_stacks",
         "tensorboard",
         "wandb",
         "flops_formula",
