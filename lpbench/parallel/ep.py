@@ -191,7 +191,7 @@ class ExpertParallel:
     def _plan(self, counts: torch.Tensor) -> _Chunks:
         """The groups' spans and split sizes (one host synchronisation: the counts exchanged)."""
         send_counts, recv_counts = self._counts(counts)
-        sends, recvs = send_counts.tolist(), recv_counts.tolist()  # [rank][local expert]
+        sends, recvs = torch.stack([send_counts, recv_counts]).tolist()  # [rank][local expert], one host copy
         bounds = [self.n_local * c // self.chunks for c in range(self.chunks + 1)]
         spans = list(zip(bounds, bounds[1:]))
         starts, at = [], 0  # starts[r][e]: first row of (rank r, local expert e) in xs
